@@ -1,0 +1,1 @@
+"""Decode worker: owns a KV block pool, receives KV, decodes with continuous batching."""

@@ -1,0 +1,1 @@
+"""Torch runtime shared by the workers: Llama-family model, paged KV cache, prefix caching, scheduler."""

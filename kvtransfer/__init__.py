@@ -1,0 +1,1 @@
+"""KV transfer: ships a request's paged KV blocks from a prefill worker into a decode worker's blocks."""

@@ -1,0 +1,1 @@
+"""pd-router command line and generated gRPC contracts (``pdrouter.v1``)."""

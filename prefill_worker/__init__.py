@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts through the engine and pushes KV to decode workers."""
