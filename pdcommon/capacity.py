@@ -99,7 +99,8 @@ def check_utilization_against_quota(utilization: float, quota_bytes: int, physic
     if utilization * physical_bytes > quota_bytes * (1 + 1e-9):
         raise ConfigError(
             f"utilization {utilization:.2f} × {physical_bytes / GiB:.0f} GiB = "
-            f"{utilization * physical_bytes / GiB:.1f} GiB exceeds the {quota_bytes / GiB:.1f} GiB memory quota: "
+            f"{utilization * physical_bytes / GiB:.1f} GiB exceeds the {quota_bytes / GiB:.1f} GiB "
+            f"memory quota: "
             f"the engine would size its KV pool past the quota and be OOM-killed at start; "
             f"use utilization <= {allowed:.2f} (quota ÷ physical memory)")
 

@@ -70,13 +70,13 @@ class BlockHasher:
             return []
         data = _token_bytes(tokens[: n_blocks * self.block_size])
         step = self.block_size * 4
-        prev = self._root if parent is None else parent
-        out: list[BlockHash] = []
+        prev: bytes = self._root if parent is None else parent
+        out: list[bytes] = []
         append, h = out.append, _hash128
         for off in range(0, n_blocks * step, step):
             prev = h(prev + data[off : off + step])
-            append(prev)  # type: ignore[arg-type]
-        return out
+            append(prev)
+        return out  # type: ignore[return-value]  # bytes are BlockHash values; no per-item wrap
 
     def hash_block(self, parent: BlockHash | None, block_tokens: Sequence[int]) -> BlockHash:
         """The hash of one full block given its parent's hash."""

@@ -1,0 +1,5 @@
+import sys
+
+from pdrouter.cli import main
+
+sys.exit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install pd-router with its dev extra into ./.venv (created if missing), then lint, type-check and
+# run the whole test suite. Extra arguments go to pytest (e.g. `bash scripts/test.sh -k capacity`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install --quiet --upgrade pip
+python -m pip install --quiet torch==2.13.0
+python -m pip install --quiet -e '.[dev]'
+
+echo "== ruff"
+ruff check .
+echo "== mypy"
+mypy pdcommon pdrouter engine kvtransfer router prefill_worker decode_worker
+echo "== pytest"
+python -m pytest -q -p no:cacheprovider "$@"
