@@ -1,0 +1,31 @@
+"""The Redis key layout, in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """Keys of one pool (one model); all carry the same hash tag."""
+
+    namespace: str
+    pool: str
+
+    @property
+    def tag(self) -> str:
+        return f"{self.namespace}:{{{self.pool}}}"
+
+    @property
+    def workers(self) -> str:
+        """Hash worker_id → WorkerRecord JSON."""
+        return f"{self.tag}:workers"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """String with a TTL: ``<epoch> <load JSON>``; absent = the worker is not live."""
+        return f"{self.tag}:hb:{worker_id}"
+
+    @property
+    def epoch_counter(self) -> str:
+        """INCR counter handing out strictly increasing worker epochs."""
+        return f"{self.tag}:epoch"
