@@ -29,3 +29,11 @@ class PoolKeys:
     def epoch_counter(self) -> str:
         """INCR counter handing out strictly increasing worker epochs."""
         return f"{self.tag}:epoch"
+
+    def prefix_set(self, worker_id: str, epoch: int) -> str:
+        """Set of the chained block hashes one worker incarnation holds (expires unless refreshed)."""
+        return f"{self.tag}:px:{worker_id}:{epoch}"
+
+    @property
+    def prefix_set_pattern(self) -> str:
+        return f"{self.tag}:px:*"

@@ -17,6 +17,6 @@ python -m pip install --quiet -e '.[dev]'
 echo "== ruff"
 ruff check .
 echo "== mypy"
-mypy pdcommon pdstate pdrouter engine kvtransfer router prefill_worker decode_worker
+mypy pdcommon pdstate worker_common pdrouter engine kvtransfer router prefill_worker decode_worker
 echo "== pytest"
 python -m pytest -q -p no:cacheprovider "$@"

@@ -1,0 +1,275 @@
+"""PD orchestration: one request's path through the worker pools.
+
+Disaggregated::
+
+    Allocate(decode) ──▶ Prefill(prefill, target = the decode blocks) ──▶ first token to the client
+                     └─▶ Generate(decode, first token) ──▶ the rest of the stream
+
+* Conditional disaggregation: when the prompt's part not already cached on the decode worker is
+  at most ``local_prefill_tokens``, the decode worker computes it itself (no KV transfer).
+* A prefill that fails before the first token (worker gone, transfer broken) is retried on another
+  prefill worker with a fresh allocation, up to ``max_prefill_attempts`` in all.
+* Whatever ends the request (finish, error, client gone, deadline) releases the decode allocation;
+  cancelling the in-flight call makes the prefill worker drop its share.
+
+Colocated: the request goes to one colocated worker, which streams every token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+
+from pdcommon.errors import DeadlineExceededError, PdRouterError, UnavailableError
+from pdcommon.workers import WorkerRole
+from pdrouter.convert import sampling_to_pb
+from pdrouter.grpc_util import from_rpc_error
+from pdrouter.v1 import common_pb2, worker_pb2
+from router.policy import LeastLoaded, PlacementPolicy
+from router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
+from router.worker_pool import WorkerHandle, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+           common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    local_prefill_tokens: int = 32
+    """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
+    max_prefill_attempts: int = 3
+    lease_ms: int = 30_000
+    kv_backend: str = ""
+    """KV transport to ask decode workers for ("" = each worker's default)."""
+    rpc_timeout_s: float = 600.0
+    """Per-call limit when the request has no deadline of its own."""
+
+
+class TransferStats:
+    """Counters the orchestrator keeps about KV hand-offs (exported as metrics by the server)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.transfers = 0
+        self.local_prefills = 0
+        self.prefill_retries = 0
+
+
+class PdOrchestrator:
+    """Implements ``router.request.Orchestrator`` over a ``WorkerPool``."""
+
+    def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
+                 policy: PlacementPolicy | None = None) -> None:
+        self.pool = pool
+        self.model = model
+        self.config = config or OrchestratorConfig()
+        self.policy = policy or LeastLoaded()
+        self.stats = TransferStats()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def models(self) -> list[ModelInfo]:
+        return [self.model]
+
+    def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        if self.config.mode == "colocated":
+            return self._colocated(request)
+        return self._disaggregated(request)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _timeout(self, request: RouterRequest) -> float:
+        if request.deadline is None:
+            return self.config.rpc_timeout_s
+        left = request.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"request {request.request_id} passed its deadline")
+        return left
+
+    def _blocks_needed(self, request: RouterRequest) -> int:
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return -(-total // self.model.block_size)
+
+    def _release_later(self, handle: WorkerHandle, request_id: str, reason: str) -> None:
+        """Release a decode allocation in a task of its own: it survives the caller's cancellation."""
+        async def release() -> None:
+            try:
+                await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason=reason),
+                                            timeout=5.0)
+            except grpc.RpcError as exc:
+                # The worker's lease expiry frees the blocks if it cannot be told now.
+                log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc.code())
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self) -> None:
+        """Wait for outstanding releases (shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def _relay(self, call: Any, request: RouterRequest, usage_base: Usage,
+                     already: int) -> AsyncIterator[TokenDelta]:
+        """Turn a worker's TokenChunk stream into TokenDeltas; the last one carries usage."""
+        produced = already
+        try:
+            async for chunk in call:
+                produced += len(chunk.token_ids)
+                reason = _FINISH.get(chunk.finish_reason)
+                if reason is None:
+                    if chunk.token_ids:
+                        yield TokenDelta(tuple(chunk.token_ids))
+                    continue
+                cached = max(usage_base.cached_tokens, chunk.usage.cached_tokens)
+                yield TokenDelta(tuple(chunk.token_ids), reason,
+                                 Usage(len(request.prompt_token_ids), produced, cached))
+                return
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        raise UnavailableError(f"request {request.request_id}: the worker ended the stream without finishing")
+
+    # -- colocated ----------------------------------------------------------------------------
+    async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        handle = self.policy.pick_decode(request, self.pool.available(WorkerRole.COLOCATED),
+                                         self._blocks_needed(request))
+        msg = worker_pb2.WorkerGenerateRequest(request_id=request.request_id,
+                                               prompt_token_ids=request.prompt_token_ids,
+                                               sampling=sampling_to_pb(request.sampling))
+        handle.inflight += 1
+        handle.breaker.on_attempt()
+        call = handle.colocated.Generate(msg, timeout=self._timeout(request))
+        try:
+            async for delta in self._relay(call, request, Usage(len(request.prompt_token_ids), 0), 0):
+                yield delta
+            handle.breaker.on_success()
+        except UnavailableError:
+            handle.breaker.on_failure()
+            raise
+        finally:
+            handle.inflight -= 1
+            call.cancel()
+
+    # -- disaggregated ------------------------------------------------------------------------
+    async def _allocate(self, request: RouterRequest,
+                        exclude: Sequence[str] = ()) -> tuple[WorkerHandle, worker_pb2.AllocateResponse]:
+        candidates = [h for h in self.pool.available(WorkerRole.DECODE) if h.worker_id not in exclude]
+        handle = self.policy.pick_decode(request, candidates, self._blocks_needed(request))
+        msg = worker_pb2.AllocateRequest(request_id=request.request_id,
+                                         prompt_token_ids=request.prompt_token_ids,
+                                         max_tokens=request.sampling.max_tokens,
+                                         model_compat_hash=self.pool.model_compat_hash,
+                                         lease_ms=self.config.lease_ms, backend=self.config.kv_backend)
+        handle.breaker.on_attempt()
+        try:
+            resp = await handle.decode.Allocate(msg, timeout=min(self._timeout(request), 30.0))
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            if isinstance(err, UnavailableError):
+                handle.breaker.on_failure()
+            raise err from None
+        handle.breaker.on_success()
+        return handle, resp
+
+    async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget,
+                       exclude: set[str]) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
+        candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
+        handle = self.policy.pick_prefill(request, candidates)
+        msg = worker_pb2.PrefillRequest(request_id=request.request_id,
+                                        prompt_token_ids=request.prompt_token_ids,
+                                        sampling=sampling_to_pb(request.sampling), target=target,
+                                        model_compat_hash=self.pool.model_compat_hash)
+        tokens = len(request.prompt_token_ids)
+        handle.inflight += 1
+        handle.inflight_prefill_tokens += tokens
+        handle.breaker.on_attempt()
+        call = handle.prefill.Prefill(msg, timeout=self._timeout(request))
+        try:
+            resp = await call
+        except grpc.RpcError as exc:
+            err = from_rpc_error(exc)
+            if isinstance(err, UnavailableError):
+                handle.breaker.on_failure()
+            raise _PrefillFailed(handle, err) from None
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        finally:
+            handle.inflight -= 1
+            handle.inflight_prefill_tokens -= tokens
+        handle.breaker.on_success()
+        return handle, resp
+
+    async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        tried: set[str] = set()
+        attempt = 0
+        while True:
+            attempt += 1
+            decode, alloc = await self._allocate(request)
+            decode.inflight += 1
+            done = False
+            try:
+                uncached = len(request.prompt_token_ids) - alloc.cached_blocks * self.model.block_size
+                if uncached <= self.config.local_prefill_tokens:
+                    self.stats.local_prefills += 1
+                    call = decode.decode.Generate(
+                        worker_pb2.DecodeRequest(request_id=request.request_id,
+                                                 sampling=sampling_to_pb(request.sampling),
+                                                 local_prefill=True,
+                                                 prompt_token_ids=request.prompt_token_ids),
+                        timeout=self._timeout(request))
+                    try:
+                        async for delta in self._relay(call, request, Usage(len(request.prompt_token_ids), 0),
+                                                       0):
+                            yield delta
+                        done = True
+                    finally:
+                        call.cancel()
+                    return
+                try:
+                    _, resp = await self._prefill(request, alloc.target, tried)
+                except _PrefillFailed as failed:
+                    tried.add(failed.handle.worker_id)
+                    if not failed.error.retryable or attempt >= self.config.max_prefill_attempts:
+                        raise failed.error from None
+                    self.stats.prefill_retries += 1
+                    log.warning("prefill of %s on %s failed (%s); retrying elsewhere", request.request_id,
+                                failed.handle.worker_id, failed.error.message)
+                    continue  # the finally below releases this allocation; the next loop allocates anew
+                self.stats.transfers += 1
+                self.stats.bytes += resp.stats.bytes_sent
+                self.stats.seconds += resp.stats.transfer_ms / 1e3
+                yield TokenDelta((resp.first_token_id,))
+                call = decode.decode.Generate(
+                    worker_pb2.DecodeRequest(request_id=request.request_id,
+                                             sampling=sampling_to_pb(request.sampling),
+                                             first_token_id=resp.first_token_id),
+                    timeout=self._timeout(request))
+                try:
+                    base = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens)
+                    async for delta in self._relay(call, request, base, 1):
+                        yield delta
+                    done = True
+                finally:
+                    call.cancel()
+                return
+            finally:
+                decode.inflight -= 1
+                if not done:
+                    self._release_later(decode, request.request_id, "router: request ended early")
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, handle: WorkerHandle, error: PdRouterError) -> None:
+        super().__init__(error.message)
+        self.handle = handle
+        self.error = error

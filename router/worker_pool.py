@@ -1,0 +1,161 @@
+"""The workers one router knows: discovered from the Redis registry and/or a static address list.
+
+Each ``WorkerHandle`` holds the gRPC channel and stubs to one worker, its last reported load,
+the requests this router has in flight on it, and its circuit breaker. ``refresh`` re-reads the
+registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
+info; a worker that disappears from both is dropped and its channel closed. With Redis down, the
+last known set is kept and ``registry_ok`` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from redis.exceptions import RedisError
+
+from pdcommon.ids import WorkerId
+from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.convert import load_from_pb, record_from_pb
+from pdrouter.grpc_util import CHANNEL_OPTIONS
+from pdrouter.v1 import worker_pb2, worker_pb2_grpc
+from pdstate.registry import WorkerRegistry
+from router.circuit_breaker import CircuitBreaker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    """A connection to one worker incarnation and this router's view of it."""
+
+    record: WorkerRecord
+    load: WorkerLoad
+    channel: grpc.aio.Channel
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
+        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+        self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+        self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+
+    @property
+    def worker_id(self) -> WorkerId:
+        return self.record.worker_id
+
+    @property
+    def role(self) -> WorkerRole:
+        return self.record.role
+
+
+class WorkerPool:
+    """The set of workers serving one model."""
+
+    def __init__(self, model: str, registry: WorkerRegistry | None = None,
+                 static_addresses: Sequence[str] = (), refresh_interval_s: float = 1.0,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0) -> None:
+        self.model = model
+        self.registry = registry
+        self.static_addresses = list(static_addresses)
+        self.refresh_interval_s = refresh_interval_s
+        self._breaker_args = (breaker_threshold, breaker_cooldown_s)
+        self._handles: dict[WorkerId, WorkerHandle] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.registry_ok = registry is not None
+        self.model_compat_hash = ""
+
+    def workers(self, role: WorkerRole | None = None) -> list[WorkerHandle]:
+        return [h for h in self._handles.values() if role is None or h.role is role]
+
+    def available(self, role: WorkerRole) -> list[WorkerHandle]:
+        """Workers of ``role`` whose circuit breaker lets a request through now."""
+        return [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name=f"worker-pool-{self.model}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for handle in self._handles.values():
+            await handle.channel.close()
+        self._handles.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever one round hit
+                log.exception("worker pool refresh failed")
+
+    async def refresh(self) -> None:
+        seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]] = {}
+        if self.registry is not None:
+            try:
+                for live in await self.registry.live_workers():
+                    seen[live.record.worker_id] = (live.record, live.load)
+                if not self.registry_ok:
+                    log.info("worker registry reachable again")
+                self.registry_ok = True
+            except (RedisError, OSError) as exc:
+                if self.registry_ok:
+                    log.warning("worker registry unreachable (%s); keeping the last known workers", exc)
+                self.registry_ok = False
+                seen.update({h.worker_id: (h.record, h.load) for h in self._handles.values()
+                             if h.record.address not in self.static_addresses})
+        for address in self.static_addresses:
+            found = await self._probe_static(address)
+            if found is not None:
+                seen[found[0].worker_id] = found
+        self._apply(seen)
+
+    async def _probe_static(self, address: str) -> tuple[WorkerRecord, WorkerLoad] | None:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+            try:
+                info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=2.0)
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+            except grpc.RpcError as exc:
+                log.warning("static worker %s unreachable: %s", address, exc.code())
+                return None
+        return record_from_pb(info), load_from_pb(load)
+
+    def _apply(self, seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]]) -> None:
+        for worker_id in list(self._handles):
+            handle = self._handles[worker_id]
+            found = seen.get(worker_id)
+            if found is None or (found[0].epoch, found[0].address) != (handle.record.epoch,
+                                                                       handle.record.address):
+                log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
+                del self._handles[worker_id]
+                task = asyncio.ensure_future(handle.channel.close(grace=30.0))
+                task.add_done_callback(lambda _t: None)
+        for worker_id, (record, load) in seen.items():
+            if record.model != self.model:
+                continue
+            if self.model_compat_hash and record.model_compat_hash != self.model_compat_hash:
+                log.warning("worker %s serves %s with compat hash %s, not %s: ignored", worker_id,
+                            record.model, record.model_compat_hash, self.model_compat_hash)
+                continue
+            existing = self._handles.get(worker_id)
+            if existing is not None:
+                existing.load = load
+                continue
+            channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+            breaker = CircuitBreaker(*self._breaker_args)
+            self._handles[worker_id] = WorkerHandle(record, load, channel, breaker)
+            self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
+            log.info("worker %s (%s, epoch %s) joined at %s", worker_id, record.role.value,
+                     record.epoch, record.address)
