@@ -33,13 +33,14 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdrouter import capacity_cmd
+    from pdrouter import capacity_cmd, worker_cmd
 
     parser = argparse.ArgumentParser(
         prog="pdrouter", description="Prefill/decode-disaggregated LLM serving router and workers.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     capacity_cmd.add_parser(sub)
     _add_make_model(sub)
+    worker_cmd.add_parsers(sub)
     return parser
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 
 from engine.engine import Engine
 from engine.outputs import KvReservation, PrefillResult, RequestOutput
@@ -85,7 +85,7 @@ class EngineDriver:
         return item
 
     async def _stream(self, request_id: RequestId,
-                      queue: asyncio.Queue[RequestOutput | object]) -> AsyncIterator[RequestOutput]:
+                      queue: asyncio.Queue[RequestOutput | object]) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -98,7 +98,7 @@ class EngineDriver:
                 self.engine.abort(request_id)
 
     def generate(self, request_id: RequestId, prompt: Sequence[int],
-                 sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode here; outputs until the finished one. Validation errors raise now."""
         queue = self._open(request_id)
         try:
@@ -132,7 +132,7 @@ class EngineDriver:
         self._check()
         return self.engine.reserve_remote(request_id, prompt, sampling)
 
-    def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncIterator[RequestOutput]:
+    def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncGenerator[RequestOutput, None]:
         """After the KV landed: decode from ``first_token``; yields outputs from the second token on.
 
         When ``first_token`` alone finishes the request, the stream yields one finished output
@@ -165,7 +165,7 @@ class EngineDriver:
                           allocated_blocks=s.num_blocks - s.num_free_blocks)
 
 
-async def _finished_now(request_id: RequestId, reason: object) -> AsyncIterator[RequestOutput]:
+async def _finished_now(request_id: RequestId, reason: object) -> AsyncGenerator[RequestOutput, None]:
     from engine.outputs import FinishReason
 
     assert isinstance(reason, FinishReason)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,13 +25,16 @@ class Presence:
     """Keeps one worker record live in Redis while the worker runs."""
 
     def __init__(self, registry: WorkerRegistry, record: WorkerRecord, load: Callable[[], WorkerLoad],
-                 interval_s: float = 1.0) -> None:
+                 interval_s: float = 1.0,
+                 on_beat: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """``on_beat(reregistered)`` runs after each successful heartbeat (e.g. refresh index TTLs)."""
         if interval_s * 1000 >= registry.heartbeat_ttl_ms:
             raise ValueError("heartbeat interval must be shorter than the heartbeat TTL")
         self.registry = registry
         self.record = record
         self._load = load
         self.interval_s = interval_s
+        self._on_beat = on_beat
         self._task: asyncio.Task[None] | None = None
         self.superseded = False
         self.redis_ok = False
@@ -43,6 +46,7 @@ class Presence:
 
     async def beat(self) -> None:
         """One heartbeat now (re-registering after a Redis restart)."""
+        reregistered = False
         try:
             await self.registry.heartbeat(self.record.worker_id, self.record.epoch, self._load())
         except StaleEpochError as exc:
@@ -51,6 +55,9 @@ class Presence:
             log.warning("worker %s: registration lost (Redis restarted?); registering again",
                         self.record.worker_id)
             await self.registry.register(self.record)
+            reregistered = True
+        if self._on_beat is not None:
+            await self._on_beat(reregistered or not self.redis_ok)
 
     async def _run(self) -> None:
         while True:

@@ -1,0 +1,101 @@
+"""``pdrouter worker | prefill | decode``: run one worker process until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from pdcommon.errors import ConfigError
+from pdcommon.gpu import GiB
+from pdcommon.workers import WorkerRole
+
+KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
+DEV_KV_TOKEN = "pdrouter-dev-token"
+
+_HELP = {
+    "worker": "run a colocated worker (prefill and decode in one engine, chunked prefill)",
+    "prefill": "run a prefill worker (computes prompts, pushes KV to decode workers)",
+    "decode": "run a decode worker (owns a KV pool, receives KV, decodes with continuous batching)",
+}
+_ROLE = {"worker": WorkerRole.COLOCATED, "prefill": WorkerRole.PREFILL, "decode": WorkerRole.DECODE}
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    for name in ("worker", "prefill", "decode"):
+        p = sub.add_parser(name, help=_HELP[name], description=_HELP[name] + ".")
+        p.add_argument("--model", type=Path, required=True, help="HF-format model folder (pdrouter make-model)")
+        p.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
+        p.add_argument("--worker-id", default=None, help=f"registry id (default: {name}-<port>)")
+        p.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
+        p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+        p.add_argument("--advertise-host", default=None, help="host others dial (default: the bind host)")
+        p.add_argument("--redis", default=os.environ.get("PDROUTER_REDIS_URL"),
+                       help="Redis URL for registry and prefix index (env PDROUTER_REDIS_URL)")
+        p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+        p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the model's)")
+        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (overrides the memory math)")
+        p.add_argument("--kv-memory-gb", type=float, default=None,
+                       help="memory budget in GiB the pool is sized from (default on CPU: 1 GiB)")
+        p.add_argument("--utilization", type=float, default=0.9)
+        p.add_argument("--max-num-seqs", type=int, default=64)
+        p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (chunk size)")
+        if name != "worker":
+            p.add_argument("--kv-backend", default="tcp", choices=["tcp", "gloo", "nccl"])
+            p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (decode; 0: any free)")
+            p.add_argument("--lease-ms", type=int, default=30_000, help="allocation lease (decode)")
+        p.add_argument("--log-level", default="INFO")
+        p.set_defaults(func=run, role_name=name)
+
+
+def build_config(args: argparse.Namespace) -> object:
+    from engine.config import EngineConfig
+    from worker_common.config import WorkerConfig
+
+    if args.port and not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
+    if not args.model.is_dir():
+        raise ConfigError(f"--model {args.model} is not a folder (create one with `pdrouter make-model`)")
+    budget = None if args.num_blocks else int((args.kv_memory_gb or (1.0 if args.device == "cpu" else 0)) * GiB)
+    engine = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                          block_size=args.block_size, num_blocks=args.num_blocks,
+                          memory_budget_bytes=budget or None, memory_utilization=args.utilization,
+                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
+    token = os.environ.get(KV_TOKEN_ENV, "")
+    if not token and args.role_name != "worker":
+        logging.getLogger(__name__).warning("%s is not set: using the development KV token; set it to a "
+                                            "shared secret in any real deployment", KV_TOKEN_ENV)
+        token = DEV_KV_TOKEN
+    return WorkerConfig(
+        role=_ROLE[args.role_name], worker_id=args.worker_id or f"{args.role_name}-{os.getpid()}",
+        engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
+        redis_url=args.redis, model_name=args.served_model_name,
+        kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
+        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000))
+
+
+async def _serve(config: object) -> None:
+    from worker_common.config import WorkerConfig
+    from worker_common.process import WorkerProcess
+
+    assert isinstance(config, WorkerConfig)
+    process = WorkerProcess(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await process.start()
+    print(f"{config.role.value} worker {config.worker_id} ready at {process.address}", flush=True)
+    await stop.wait()
+    await process.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = build_config(args)
+    asyncio.run(_serve(config))
+    return 0

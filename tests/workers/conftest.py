@@ -1,0 +1,38 @@
+"""Worker test fixtures: a tiny model folder, worker processes, gRPC stubs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.model_io import make_model
+from pdrouter.local_cluster import ManagedProcess, worker_args
+
+SpawnWorker = Callable[..., ManagedProcess]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset, seed 0, in a folder named ``tiny`` (so the served model name is ``tiny``)."""
+    return make_model("tiny", 0, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def spawn_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
+    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end."""
+    procs: list[ManagedProcess] = []
+
+    def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256, kv_backend: str | None = None,
+              extra: tuple[str, ...] = (), model: Path | None = None) -> ManagedProcess:
+        args = worker_args(role, model or tiny_model, redis_url=redis_url, num_blocks=num_blocks,
+                           kv_backend=kv_backend, extra=extra)
+        proc = ManagedProcess(f"{role}-{len(procs)}", args)
+        procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    yield spawn
+    for proc in procs:
+        proc.stop()
