@@ -37,3 +37,15 @@ class PoolKeys:
     @property
     def prefix_set_pattern(self) -> str:
         return f"{self.tag}:px:*"
+
+    def kv_bookings(self, worker_id: str, epoch: int) -> str:
+        """Hash request_id → booked blocks on one decode worker incarnation."""
+        return f"{self.tag}:kv:book:{worker_id}:{epoch}"
+
+    def kv_leases(self, worker_id: str, epoch: int) -> str:
+        """Sorted set request_id → lease expiry (ms, Redis clock) for the same bookings."""
+        return f"{self.tag}:kv:lease:{worker_id}:{epoch}"
+
+    def kv_used(self, worker_id: str, epoch: int) -> str:
+        """Integer: blocks booked on one decode worker incarnation (sum of the bookings hash)."""
+        return f"{self.tag}:kv:used:{worker_id}:{epoch}"
