@@ -6,11 +6,7 @@
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import Report, base_parser
 

@@ -25,13 +25,17 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import grpc
+from redis.exceptions import RedisError
 
 from pdcommon.errors import DeadlineExceededError, PdRouterError, UnavailableError
+from pdcommon.hashing import BlockHasher
+from pdcommon.ids import WorkerId
 from pdcommon.workers import WorkerRole
 from pdrouter.convert import sampling_to_pb
 from pdrouter.grpc_util import from_rpc_error
 from pdrouter.v1 import common_pb2, worker_pb2
-from router.policy import LeastLoaded, PlacementPolicy
+from pdstate.prefix_index import PrefixIndex
+from router.policy import CacheAware, LeastLoaded, PlacementPolicy
 from router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
 from router.worker_pool import WorkerHandle, WorkerPool
 
@@ -64,17 +68,26 @@ class TransferStats:
         self.transfers = 0
         self.local_prefills = 0
         self.prefill_retries = 0
+        self.lookups = 0
+        self.lookup_seconds = 0.0
+        self.index_errors = 0
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
 
 
 class PdOrchestrator:
     """Implements ``router.request.Orchestrator`` over a ``WorkerPool``."""
 
     def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
-                 policy: PlacementPolicy | None = None) -> None:
+                 policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
+                 hash_seed: int | str | bytes = 0) -> None:
         self.pool = pool
         self.model = model
         self.config = config or OrchestratorConfig()
-        self.policy = policy or LeastLoaded()
+        self.prefix_index = prefix_index
+        self.policy = policy or (CacheAware() if prefix_index is not None else LeastLoaded())
+        self.hasher = BlockHasher(model.block_size, hash_seed)
+        self.index_ok = prefix_index is not None
         self.stats = TransferStats()
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -138,6 +151,28 @@ class PdOrchestrator:
             raise from_rpc_error(exc) from None
         raise UnavailableError(f"request {request.request_id}: the worker ended the stream without finishing")
 
+    async def _cached_tokens(self, request: RouterRequest,
+                             candidates: Sequence[WorkerHandle]) -> dict[WorkerId, int]:
+        """Per candidate, the prompt tokens its prefix cache holds (empty without an index)."""
+        if self.prefix_index is None or not candidates:
+            return {}
+        start = time.perf_counter()
+        hashes = self.hasher.hash_blocks(request.prompt_token_ids)
+        try:
+            matches = await self.prefix_index.lookup(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
+        except (RedisError, OSError) as exc:
+            if self.index_ok:
+                log.warning("prefix index unreachable (%s): placing by load alone", exc)
+            self.index_ok = False
+            self.stats.index_errors += 1
+            return {}
+        if not self.index_ok:
+            log.info("prefix index reachable again")
+        self.index_ok = True
+        self.stats.lookup_seconds += time.perf_counter() - start
+        self.stats.lookups += 1
+        return {m.worker_id: m.blocks * self.model.block_size for m in matches}
+
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         handle = self.policy.pick_decode(request, self.pool.available(WorkerRole.COLOCATED),
@@ -183,7 +218,8 @@ class PdOrchestrator:
     async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget,
                        exclude: set[str]) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
         candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
-        handle = self.policy.pick_prefill(request, candidates)
+        cached_tokens = await self._cached_tokens(request, candidates)
+        handle = self.policy.pick_prefill(request, candidates, cached_tokens)
         msg = worker_pb2.PrefillRequest(request_id=request.request_id,
                                         prompt_token_ids=request.prompt_token_ids,
                                         sampling=sampling_to_pb(request.sampling), target=target,
@@ -245,6 +281,8 @@ class PdOrchestrator:
                     log.warning("prefill of %s on %s failed (%s); retrying elsewhere", request.request_id,
                                 failed.handle.worker_id, failed.error.message)
                     continue  # the finally below releases this allocation; the next loop allocates anew
+                self.stats.prompt_tokens += resp.stats.prompt_tokens
+                self.stats.cached_prompt_tokens += resp.stats.cached_tokens
                 self.stats.transfers += 1
                 self.stats.bytes += resp.stats.bytes_sent
                 self.stats.seconds += resp.stats.transfer_ms / 1e3
