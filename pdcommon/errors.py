@@ -67,6 +67,11 @@ class CapacityError(PdRouterError):
     openai_type = "rate_limit_error"
     retryable = True
 
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """Seconds after which a retry may succeed (HTTP ``Retry-After``); None: unknown."""
+
 
 class RequestTooLargeError(CapacityError):
     """The request needs more KV than any worker's whole pool: it will never fit."""

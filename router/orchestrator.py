@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,6 +35,8 @@ from pdrouter.convert import sampling_to_pb
 from pdrouter.grpc_util import from_rpc_error
 from pdrouter.v1 import common_pb2, worker_pb2
 from pdstate.prefix_index import PrefixIndex
+from pdstate.reservations import DecodeCapacity, Reservation
+from router.admission import Admission
 from router.policy import CacheAware, LeastLoaded, PlacementPolicy
 from router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
 from router.worker_pool import WorkerHandle, WorkerPool
@@ -80,11 +82,12 @@ class PdOrchestrator:
 
     def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
                  policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
-                 hash_seed: int | str | bytes = 0) -> None:
+                 admission: Admission | None = None, hash_seed: int | str | bytes = 0) -> None:
         self.pool = pool
         self.model = model
         self.config = config or OrchestratorConfig()
         self.prefix_index = prefix_index
+        self.admission = admission
         self.policy = policy or (CacheAware() if prefix_index is not None else LeastLoaded())
         self.hasher = BlockHasher(model.block_size, hash_seed)
         self.index_ok = prefix_index is not None
@@ -122,7 +125,11 @@ class PdOrchestrator:
                 # The worker's lease expiry frees the blocks if it cannot be told now.
                 log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc.code())
 
-        task = asyncio.ensure_future(release())
+        self._background_task(release())
+
+    def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` to completion even if the request's own task is cancelled."""
+        task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -175,8 +182,7 @@ class PdOrchestrator:
 
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
-        handle = self.policy.pick_decode(request, self.pool.available(WorkerRole.COLOCATED),
-                                         self._blocks_needed(request))
+        handle, reservation = await self._admit(request, WorkerRole.COLOCATED)
         msg = worker_pb2.WorkerGenerateRequest(request_id=request.request_id,
                                                prompt_token_ids=request.prompt_token_ids,
                                                sampling=sampling_to_pb(request.sampling))
@@ -193,12 +199,24 @@ class PdOrchestrator:
         finally:
             handle.inflight -= 1
             call.cancel()
+            if reservation is not None and self.admission is not None:
+                self._background_task(self.admission.release(reservation))
 
     # -- disaggregated ------------------------------------------------------------------------
-    async def _allocate(self, request: RouterRequest,
-                        exclude: Sequence[str] = ()) -> tuple[WorkerHandle, worker_pb2.AllocateResponse]:
-        candidates = [h for h in self.pool.available(WorkerRole.DECODE) if h.worker_id not in exclude]
-        handle = self.policy.pick_decode(request, candidates, self._blocks_needed(request))
+    async def _admit(self, request: RouterRequest, role: WorkerRole) -> tuple[WorkerHandle, Reservation | None]:
+        """Pick the decode (or colocated) worker; with admission, book its KV first."""
+        candidates = self.pool.available(role)
+        blocks = self._blocks_needed(request)
+        if self.admission is None:
+            return self.policy.pick_decode(request, candidates, blocks), None
+        if not candidates:
+            raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
+        by_id = {h.worker_id: h for h in candidates}
+        caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
+        reservation = await self.admission.admit(request.request_id, blocks, caps, deadline=request.deadline)
+        return by_id[reservation.worker_id], reservation
+
+    async def _allocate(self, request: RouterRequest, handle: WorkerHandle) -> worker_pb2.AllocateResponse:
         msg = worker_pb2.AllocateRequest(request_id=request.request_id,
                                          prompt_token_ids=request.prompt_token_ids,
                                          max_tokens=request.sampling.max_tokens,
@@ -213,10 +231,17 @@ class PdOrchestrator:
                 handle.breaker.on_failure()
             raise err from None
         handle.breaker.on_success()
-        return handle, resp
+        return resp
+
+    async def _release_now(self, handle: WorkerHandle, request_id: str) -> None:
+        try:
+            await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason="prefill retry"),
+                                        timeout=5.0)
+        except grpc.RpcError as exc:
+            log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc.code())
 
     async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget,
-                       exclude: set[str]) -> tuple[WorkerHandle, worker_pb2.PrefillResponse]:
+                       exclude: set[str]) -> worker_pb2.PrefillResponse:
         candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
         cached_tokens = await self._cached_tokens(request, candidates)
         handle = self.policy.pick_prefill(request, candidates, cached_tokens)
@@ -243,68 +268,62 @@ class PdOrchestrator:
             handle.inflight -= 1
             handle.inflight_prefill_tokens -= tokens
         handle.breaker.on_success()
-        return handle, resp
+        self.stats.prompt_tokens += resp.stats.prompt_tokens
+        self.stats.cached_prompt_tokens += resp.stats.cached_tokens
+        self.stats.transfers += 1
+        self.stats.bytes += resp.stats.bytes_sent
+        self.stats.seconds += resp.stats.transfer_ms / 1e3
+        return resp
 
     async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
-        tried: set[str] = set()
-        attempt = 0
-        while True:
-            attempt += 1
-            decode, alloc = await self._allocate(request)
-            decode.inflight += 1
-            done = False
-            try:
+        decode, reservation = await self._admit(request, WorkerRole.DECODE)
+        decode.inflight += 1
+        allocated = done = False
+        try:
+            tried: set[str] = set()
+            for attempt in range(1, self.config.max_prefill_attempts + 1):
+                alloc = await self._allocate(request, decode)
+                allocated = True
                 uncached = len(request.prompt_token_ids) - alloc.cached_blocks * self.model.block_size
                 if uncached <= self.config.local_prefill_tokens:
                     self.stats.local_prefills += 1
-                    call = decode.decode.Generate(
-                        worker_pb2.DecodeRequest(request_id=request.request_id,
-                                                 sampling=sampling_to_pb(request.sampling),
-                                                 local_prefill=True,
-                                                 prompt_token_ids=request.prompt_token_ids),
-                        timeout=self._timeout(request))
-                    try:
-                        async for delta in self._relay(call, request, Usage(len(request.prompt_token_ids), 0),
-                                                       0):
-                            yield delta
-                        done = True
-                    finally:
-                        call.cancel()
-                    return
+                    msg = worker_pb2.DecodeRequest(request_id=request.request_id,
+                                                   sampling=sampling_to_pb(request.sampling), local_prefill=True,
+                                                   prompt_token_ids=request.prompt_token_ids)
+                    base, produced = Usage(len(request.prompt_token_ids), 0), 0
+                    break
                 try:
-                    _, resp = await self._prefill(request, alloc.target, tried)
+                    resp = await self._prefill(request, alloc.target, tried)
                 except _PrefillFailed as failed:
                     tried.add(failed.handle.worker_id)
-                    if not failed.error.retryable or attempt >= self.config.max_prefill_attempts:
+                    if not failed.error.retryable or attempt == self.config.max_prefill_attempts:
                         raise failed.error from None
                     self.stats.prefill_retries += 1
                     log.warning("prefill of %s on %s failed (%s); retrying elsewhere", request.request_id,
                                 failed.handle.worker_id, failed.error.message)
-                    continue  # the finally below releases this allocation; the next loop allocates anew
-                self.stats.prompt_tokens += resp.stats.prompt_tokens
-                self.stats.cached_prompt_tokens += resp.stats.cached_tokens
-                self.stats.transfers += 1
-                self.stats.bytes += resp.stats.bytes_sent
-                self.stats.seconds += resp.stats.transfer_ms / 1e3
+                    # The decode side may hold half-written blocks: free them before allocating again.
+                    await self._release_now(decode, request.request_id)
+                    allocated = False
+                    continue
                 yield TokenDelta((resp.first_token_id,))
-                call = decode.decode.Generate(
-                    worker_pb2.DecodeRequest(request_id=request.request_id,
-                                             sampling=sampling_to_pb(request.sampling),
-                                             first_token_id=resp.first_token_id),
-                    timeout=self._timeout(request))
-                try:
-                    base = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens)
-                    async for delta in self._relay(call, request, base, 1):
-                        yield delta
-                    done = True
-                finally:
-                    call.cancel()
-                return
+                msg = worker_pb2.DecodeRequest(request_id=request.request_id,
+                                               sampling=sampling_to_pb(request.sampling),
+                                               first_token_id=resp.first_token_id)
+                base, produced = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens), 1
+                break
+            call = decode.decode.Generate(msg, timeout=self._timeout(request))
+            try:
+                async for delta in self._relay(call, request, base, produced):
+                    yield delta
+                done = True
             finally:
-                decode.inflight -= 1
-                if not done:
-                    self._release_later(decode, request.request_id, "router: request ended early")
-
+                call.cancel()
+        finally:
+            decode.inflight -= 1
+            if allocated and not done:
+                self._release_later(decode, request.request_id, "router: request ended early")
+            if reservation is not None and self.admission is not None:
+                self._background_task(self.admission.release(reservation))
 
 class _PrefillFailed(Exception):
     def __init__(self, handle: WorkerHandle, error: PdRouterError) -> None:
