@@ -1,0 +1,60 @@
+"""Engine fixtures: small random model folders (built once per session) and leak-checked engines."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.model_io import make_model, write_random_model
+from pdcommon.model_spec import get_model_preset
+
+from .engine_testing import EngineFactory, assert_no_leak
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread: the tiny models gain nothing from more, and on a busy 2-core machine
+    OpenMP barriers get very slow. Restored after each module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``tiny`` preset (GQA 4/2 heads, tied embeddings), seed 0."""
+    return make_model("tiny", 0, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="session")
+def mha_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A second shape: multi-head (no GQA), q/k/v/o biases, untied head, 3 layers, head_dim 8."""
+    spec = dataclasses.replace(get_model_preset("tiny"), name="mha-bias", num_layers=3, hidden_size=48,
+                               num_heads=6, num_kv_heads=6, head_dim=8, intermediate_size=96,
+                               tie_word_embeddings=False, attention_bias=True, rope_theta=500000.0,
+                               rms_norm_eps=1e-6)
+    return write_random_model(spec, 7, tmp_path_factory.mktemp("mha-bias"))
+
+
+@pytest.fixture
+def make_engine(tiny_dir: Path) -> Iterator[EngineFactory]:
+    """Build engines (default: the tiny model, 64 blocks); each must end the test with no leak."""
+    engines: list[Engine] = []
+
+    def factory(model_dir: Path | None = None, *, event_sink: Any = None, **overrides: Any) -> Engine:
+        overrides.setdefault("num_blocks", 64)
+        engine = Engine(EngineConfig(model_dir or tiny_dir, **overrides), event_sink=event_sink)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        assert_no_leak(engine)

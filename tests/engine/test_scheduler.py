@@ -1,0 +1,116 @@
+"""Scheduler decisions without a model: chunk sizes, decode priority, admission, preemption order."""
+
+from __future__ import annotations
+
+from engine.block_manager import BlockManager
+from engine.outputs import FinishReason
+from engine.request import Request, RequestKind, RequestState
+from engine.scheduler import ScheduledWork, Scheduler
+from pdcommon.hashing import BlockHasher
+from pdcommon.ids import RequestId
+from pdcommon.sampling import SamplingParams
+
+BS = 4
+
+
+def make(num_blocks: int = 16, budget: int = 8, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, BS), BlockHasher(BS), max_seqs, budget)
+
+
+def request(name: str, prompt_len: int, max_tokens: int = 4, base: int = 0) -> Request:
+    return Request(RequestId(name), tuple(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   RequestKind.GENERATE, frozenset(), max_context=1024)
+
+
+def finish_step(s: Scheduler, work: list[ScheduledWork], token: int = 7) -> None:
+    """What the engine does after the model ran: count tokens, append a sampled token, retire."""
+    for w in work:
+        s.advance(w)
+        if w.samples and w.request.append_token(token) is FinishReason.LENGTH:
+            s.remove(w.request)
+            s.release_blocks(w.request)
+            w.request.transition(RequestState.FINISHED)
+
+
+def plan(work: list[ScheduledWork]) -> list[tuple[str, int, int, bool]]:
+    return [(w.request.request_id, w.start, w.num_tokens, w.samples) for w in work]
+
+
+def test_long_prompt_is_chunked_under_the_budget() -> None:
+    s = make(budget=8)
+    s.add_waiting(request("a", 19))
+    chunks = []
+    for _ in range(3):
+        work = s.schedule()
+        chunks += plan(work)
+        finish_step(s, work)
+    assert chunks == [("a", 0, 8, False), ("a", 8, 8, False), ("a", 16, 3, True)]
+    assert s.running[0].num_computed_tokens == 19 and len(s.running[0].block_ids) == 5
+
+
+def test_decodes_go_first_and_prefills_take_the_rest() -> None:
+    s = make(budget=8)
+    s.add_waiting(request("a", 3))
+    finish_step(s, s.schedule())
+    s.add_waiting(request("b", 20, base=100))
+    s.add_waiting(request("c", 5, base=200))
+    work = s.schedule()
+    assert plan(work) == [("a", 3, 1, True), ("b", 0, 7, False)]
+    finish_step(s, work)
+    assert plan(s.schedule()) == [("a", 4, 1, True), ("b", 7, 7, False)]
+
+
+def test_admission_reuses_the_cache_but_recomputes_the_last_token() -> None:
+    s = make(budget=64)
+    s.add_waiting(request("a", 8))
+    finish_step(s, s.schedule())  # both blocks of "a" are now cached
+    s.add_waiting(request("b", 8))
+    s.add_waiting(request("c", 9))
+    work = s.schedule()
+    # "b" equals "a": only its first block can be a hit, its last block is computed again;
+    # "c" extends "a": both blocks hit, one token left.
+    assert plan(work)[1:] == [("b", 4, 4, True), ("c", 8, 1, True)]
+    b, c = work[1].request, work[2].request
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (4, 8)
+    assert b.block_ids[0] == c.block_ids[0] == s.running[0].block_ids[0]
+    assert s.blocks.ref_count(b.block_ids[0]) == 3
+
+
+def test_max_num_seqs_limits_admission() -> None:
+    s = make(budget=64, max_seqs=2)
+    for name in "abc":
+        s.add_waiting(request(name, 2, base=ord(name) * 10))
+    assert [w.request.request_id for w in s.schedule()] == ["a", "b"]
+    assert [r.request_id for r in s.waiting] == ["c"]
+
+
+def test_the_latest_admitted_request_is_preempted_and_requeued_first() -> None:
+    s = make(num_blocks=4, budget=64)
+    a, b = request("a", 8, max_tokens=2), request("b", 8, max_tokens=10, base=50)
+    s.add_waiting(a)
+    s.add_waiting(b)
+    finish_step(s, s.schedule())  # a and b: 8 prompt tokens (2 blocks each) + 1 sampled: pool full
+    assert s.blocks.num_free_blocks == 0
+    work = s.schedule()  # a needs a third block for its 9th token: b, admitted last, must go
+    assert plan(work) == [("a", 8, 1, True)]
+    assert (b.state, b.block_ids, b.num_computed_tokens, b.num_preemptions) == (RequestState.WAITING, [], 0, 1)
+    assert list(s.waiting) == [b] and s.running == [a] and s.num_preemptions == 1
+    finish_step(s, work)  # a finishes
+    # b is readmitted and recomputes its prompt and the token it had generated. Its blocks were
+    # released tail first, so a's growth evicted b's second block; its first block is still a hit.
+    assert a.state is RequestState.FINISHED
+    assert plan(s.schedule()) == [("b", 4, 5, True)]
+    assert b.num_cached_tokens == 0  # reported from the first admission
+
+
+def test_a_request_that_cannot_grow_preempts_itself() -> None:
+    s = make(num_blocks=2, budget=64)
+    held = s.blocks.allocate([], 4)  # someone else (a held prefill) owns a block
+    assert held is not None
+    a = request("a", 4, max_tokens=10)
+    s.add_waiting(a)
+    finish_step(s, s.schedule())
+    assert s.schedule() == []  # a needs a second block: it preempts itself
+    assert a.state is RequestState.WAITING and s.blocks.num_free_blocks == 1
+    s.blocks.free(held.block_ids)
+    assert plan(s.schedule()) == [("a", 4, 1, True)]  # its own full block survived as a cache hit
