@@ -33,7 +33,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdrouter import capacity_cmd, worker_cmd
+    from pdrouter import capacity_cmd, router_cmd, up_cmd, worker_cmd
 
     parser = argparse.ArgumentParser(
         prog="pdrouter", description="Prefill/decode-disaggregated LLM serving router and workers.")
@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     capacity_cmd.add_parser(sub)
     _add_make_model(sub)
     worker_cmd.add_parsers(sub)
+    router_cmd.add_parser(sub)
+    up_cmd.add_parser(sub)
     return parser
 
 

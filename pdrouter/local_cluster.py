@@ -20,7 +20,7 @@ from types import TracebackType
 
 from pdcommon.errors import UnavailableError
 
-_READY = re.compile(r"ready at (\S+)")
+_READY = re.compile(r"ready at (\S+)(?: grpc (\S+))?")
 
 
 class ManagedProcess:
@@ -35,6 +35,7 @@ class ManagedProcess:
                                      text=True, bufsize=1, start_new_session=True)
         self.tail: deque[str] = deque(maxlen=200)
         self.address: str | None = None
+        self.grpc_address: str | None = None
         self._ready = threading.Event()
         self._log = log_file.open("a") if log_file else None
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
@@ -51,6 +52,7 @@ class ManagedProcess:
                 m = _READY.search(line)
                 if m:
                     self.address = m.group(1)
+                    self.grpc_address = m.group(2)
                     self._ready.set()
         self._ready.set()
 

@@ -37,6 +37,7 @@ from pdrouter.v1 import common_pb2, worker_pb2
 from pdstate.prefix_index import PrefixIndex
 from pdstate.reservations import DecodeCapacity, Reservation
 from router.admission import Admission
+from router.metrics import RouterMetrics
 from router.policy import CacheAware, LeastLoaded, PlacementPolicy
 from router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
 from router.worker_pool import WorkerHandle, WorkerPool
@@ -82,12 +83,14 @@ class PdOrchestrator:
 
     def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
                  policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
-                 admission: Admission | None = None, hash_seed: int | str | bytes = 0) -> None:
+                 admission: Admission | None = None, hash_seed: int | str | bytes = 0,
+                 metrics: RouterMetrics | None = None) -> None:
         self.pool = pool
         self.model = model
         self.config = config or OrchestratorConfig()
         self.prefix_index = prefix_index
         self.admission = admission
+        self.metrics = metrics
         self.policy = policy or (CacheAware() if prefix_index is not None else LeastLoaded())
         self.hasher = BlockHasher(model.block_size, hash_seed)
         self.index_ok = prefix_index is not None
@@ -213,7 +216,10 @@ class PdOrchestrator:
             raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
         by_id = {h.worker_id: h for h in candidates}
         caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
+        start = time.perf_counter()
         reservation = await self.admission.admit(request.request_id, blocks, caps, deadline=request.deadline)
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
 
     async def _allocate(self, request: RouterRequest, handle: WorkerHandle) -> worker_pb2.AllocateResponse:
@@ -273,6 +279,10 @@ class PdOrchestrator:
         self.stats.transfers += 1
         self.stats.bytes += resp.stats.bytes_sent
         self.stats.seconds += resp.stats.transfer_ms / 1e3
+        if self.metrics is not None:
+            self.metrics.observe_prefix_match(resp.stats.prompt_tokens, resp.stats.cached_tokens)
+            self.metrics.observe_kv_transfer(resp.stats.bytes_sent, resp.stats.transfer_ms / 1e3,
+                                             target.backend or "tcp")
         return resp
 
     async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:

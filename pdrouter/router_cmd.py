@@ -1,0 +1,79 @@
+"""``pdrouter router``: run the front-door router until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from pdcommon.errors import ConfigError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the router (OpenAI HTTP + gRPC front doors, PD orchestration)",
+                       description="Run the front-door router for one model.")
+    p.add_argument("--model", type=Path, required=True,
+                   help="model folder with config.json and the tokenizer (weights are not read)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
+    p.add_argument("--redis", default=os.environ.get("PDROUTER_REDIS_URL"),
+                   help="Redis URL: worker registry, prefix index, KV admission (env PDROUTER_REDIS_URL)")
+    p.add_argument("--workers", default="", help="comma-separated static worker gRPC addresses (host:port)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--host", default="127.0.0.1", help="bind host of both front doors")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front door port (0: any free port)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
+    p.add_argument("--local-prefill-tokens", type=int, default=32,
+                   help="uncached prompt tokens at or below which the decode worker prefills itself")
+    p.add_argument("--no-cache-aware", action="store_true", help="place prefill by load alone")
+    p.add_argument("--no-admission", action="store_true", help="do not book KV in Redis before routing")
+    p.add_argument("--queue-timeout-s", type=float, default=10.0, help="longest wait for KV room before 429")
+    p.add_argument("--queue-limit", type=int, default=1024, help="requests that may wait for KV room")
+    p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> object:
+    from router.admission import AdmissionConfig
+    from router.config import RouterConfig
+    from router.orchestrator import OrchestratorConfig
+    from router.served_models import FrontdoorConfig
+
+    if not (args.model / "config.json").is_file():
+        raise ConfigError(f"--model {args.model} has no config.json (create a model with `pdrouter make-model`)")
+    if args.local_prefill_tokens < 0:
+        raise ConfigError("--local-prefill-tokens must be >= 0")
+    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    return RouterConfig(
+        model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
+        mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        block_size=args.block_size, cache_aware=not args.no_cache_aware, admission=not args.no_admission,
+        orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
+        admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s),
+        frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
+
+
+async def _serve(config: object) -> None:
+    from router.config import RouterConfig
+    from router.server import RouterProcess
+
+    assert isinstance(config, RouterConfig)
+    process = RouterProcess(config)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await process.start()
+    print(f"router ready at {config.host}:{process.http_port} grpc {process.grpc_address}", flush=True)
+    await stop.wait()
+    await process.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(build_config(args)))
+    return 0

@@ -1,0 +1,147 @@
+"""One router process: worker pool, orchestrator, HTTP and gRPC front doors, metrics.
+
+Start-up: Redis (registry, prefix index, reservations) → worker pool (first refresh) → front
+doors. Without Redis the router runs on its static worker list, placing by load alone and without
+shared admission. Shutdown: stop accepting, drain in-flight requests, release every reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from engine.tokenizer import load_tokenizer
+from pdcommon.model_spec import ModelSpec
+from pdrouter.grpc_util import GrpcServer
+from pdrouter.v1 import router_pb2_grpc
+from pdstate.prefix_index import PrefixIndex
+from pdstate.registry import WorkerRegistry
+from pdstate.reservations import KvReservations
+from router.admission import Admission
+from router.config import RouterConfig
+from router.frontdoor_grpc import RouterServicer
+from router.frontdoor_http import create_app, make_server
+from router.metrics import RouterMetrics
+from router.orchestrator import PdOrchestrator
+from router.policy import CacheAware, LeastLoaded, PlacementPolicy
+from router.request import ModelInfo
+from router.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+class RouterProcess:
+    """Owns every part of one router; ``start`` then ``stop``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        spec = ModelSpec.from_pretrained_dir(config.model_dir)
+        self.model_name = config.model_name or spec.name
+        self.model = ModelInfo(name=self.model_name, max_context=spec.max_context, vocab_size=spec.vocab_size,
+                               block_size=config.block_size)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.metrics = RouterMetrics()
+        self.redis: aioredis.Redis | None = None
+        self.pool: WorkerPool | None = None
+        self.admission: Admission | None = None
+        self.orchestrator: PdOrchestrator | None = None
+        self.grpc: GrpcServer | None = None
+        self._http_server: object | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
+        self.http_port = 0
+
+    async def start(self) -> None:
+        cfg = self.config
+        registry = index = None
+        if cfg.redis_url:
+            self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+            try:
+                await self.redis.ping()
+            except (RedisError, OSError) as exc:
+                if not cfg.static_workers:
+                    raise
+                log.warning("Redis at %s unreachable (%s): serving the static workers by load alone",
+                            cfg.redis_url, exc)
+            registry = WorkerRegistry(self.redis, self.model_name)
+            if cfg.cache_aware:
+                index = PrefixIndex(self.redis, self.model_name)
+            if cfg.admission:
+                self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
+                self.admission.start()
+        self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s)
+        await self.pool.start()
+        policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
+        self.orchestrator = PdOrchestrator(self.pool, self.model, cfg.orchestrator, policy, index,
+                                           self.admission, cfg.hash_seed, metrics=self.metrics)
+        tokenizers = {self.model_name: self.tokenizer}
+        self.grpc = GrpcServer(cfg.host, cfg.grpc_port)
+        self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
+                      RouterServicer(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor),
+                      "pdrouter.v1.Router")
+        await self.grpc.start()
+        app = create_app(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((cfg.host, cfg.http_port))
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        server = make_server(app, cfg.host, self.http_port)
+        self._http_server = server
+        self._http_task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
+        while not server.started:
+            if self._http_task.done():
+                await self._http_task
+            await asyncio.sleep(0.01)
+        self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
+        log.info("router for %s (%s) on http://%s:%d and grpc %s", self.model_name, cfg.mode, cfg.host,
+                 self.http_port, self.grpc.address)
+
+    @property
+    def grpc_address(self) -> str:
+        assert self.grpc is not None
+        return self.grpc.address
+
+    async def _publish_metrics(self) -> None:
+        known: set[tuple[str, str]] = set()
+        while True:
+            await asyncio.sleep(1.0)
+            assert self.pool is not None
+            seen: set[tuple[str, str]] = set()
+            for h in self.pool.workers():
+                key = (h.worker_id, h.role.value)
+                seen.add(key)
+                self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
+                                             queued_prefill_tokens=h.load.queued_prefill_tokens,
+                                             free_blocks=h.load.free_blocks)
+            for worker, role in known - seen:
+                self.metrics.remove_worker(worker, role)
+            known = seen
+
+    async def stop(self, grace: float = 10.0) -> None:
+        if self._http_server is not None:
+            self._http_server.should_exit = True  # type: ignore[attr-defined]
+        if self.grpc is not None:
+            await self.grpc.stop(grace)
+        if self._http_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._http_task, grace)
+        if self._metrics_task is not None:
+            self._metrics_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._metrics_task
+        if self.orchestrator is not None:
+            await self.orchestrator.drain()
+        if self.admission is not None:
+            await self.admission.stop()
+        if self.pool is not None:
+            await self.pool.stop()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
