@@ -227,7 +227,8 @@ class PdOrchestrator:
                                          prompt_token_ids=request.prompt_token_ids,
                                          max_tokens=request.sampling.max_tokens,
                                          model_compat_hash=self.pool.model_compat_hash,
-                                         lease_ms=self.config.lease_ms, backend=self.config.kv_backend)
+                                         lease_ms=self.config.lease_ms, backend=self.config.kv_backend,
+                                         sampling=sampling_to_pb(request.sampling))
         handle.breaker.on_attempt()
         try:
             resp = await handle.decode.Allocate(msg, timeout=min(self._timeout(request), 30.0))

@@ -14,7 +14,7 @@ from collections.abc import AsyncGenerator, Sequence
 
 from engine.engine import Engine
 from engine.outputs import KvReservation, PrefillResult, RequestOutput
-from pdcommon.errors import PdRouterError, UnavailableError
+from pdcommon.errors import CancelledError, PdRouterError, UnavailableError
 from pdcommon.ids import RequestId
 from pdcommon.sampling import SamplingParams
 from pdcommon.workers import WorkerLoad
@@ -22,6 +22,7 @@ from pdcommon.workers import WorkerLoad
 log = logging.getLogger(__name__)
 
 _ENGINE_FAILED = object()
+_ABORTED = object()
 
 
 class EngineDriver:
@@ -81,6 +82,8 @@ class EngineDriver:
         if item is _ENGINE_FAILED:
             self._check()
             raise UnavailableError("the engine failed")
+        if item is _ABORTED:
+            raise CancelledError("the request was released")
         assert isinstance(item, RequestOutput)
         return item
 
@@ -154,13 +157,16 @@ class EngineDriver:
         self.engine.release(request_id)
 
     def abort(self, request_id: RequestId) -> bool:
+        """Abort in the engine (freeing its blocks) and end the request's stream, if one is open."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
         return self.engine.abort(request_id)
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
         return WorkerLoad(running=s.num_running + s.num_held + s.num_awaiting_kv, waiting=s.num_waiting,
-                          queued_prefill_tokens=self.engine.queued_prefill_tokens()
-                          if hasattr(self.engine, "queued_prefill_tokens") else 0,
+                          queued_prefill_tokens=self.engine.queued_prefill_tokens(),
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
                           allocated_blocks=s.num_blocks - s.num_free_blocks)
 

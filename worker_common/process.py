@@ -52,6 +52,7 @@ class WorkerProcess:
         self.server: GrpcServer | None = None
         self.role_parts: Any = None
         self.epoch = Epoch(0)
+        self.model_compat_hash = ""
         self.record: WorkerRecord | None = None
         self._stopped = asyncio.Event()
 
@@ -79,10 +80,10 @@ class WorkerProcess:
         self.engine = await asyncio.to_thread(Engine, cfg.engine, event_sink=self.publisher)
         self.driver = EngineDriver(self.engine)
         self.server = GrpcServer(cfg.host, cfg.port)
-        self.role_parts = await self._add_role_services()
         spec = self.engine.spec
         layout = self.engine.kv_layout
-        compat = model_compat_hash(spec, layout.block_size, layout.dtype)
+        compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
+        self.role_parts = await self._add_role_services()
         self.record = WorkerRecord(
             worker_id=WorkerId(cfg.worker_id), role=cfg.role, address="", epoch=self.epoch,
             model=spec_name, model_compat_hash=compat, kv_compat_hash=layout.compat_hash(),

@@ -90,7 +90,7 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., dtype: _Optional[str] = ..., compat_hash: _Optional[str] = ...) -> None: ...
 
 class TransferTarget(_message.Message):
-    __slots__ = ("transfer_id", "worker_id", "address", "epoch", "dst_block_ids", "skip_blocks", "compat_hash", "backend")
+    __slots__ = ("transfer_id", "worker_id", "address", "epoch", "dst_block_ids", "skip_blocks", "compat_hash", "backend", "layer_start", "layer_end", "sender_epoch", "deadline_unix_ms")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -99,6 +99,10 @@ class TransferTarget(_message.Message):
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SENDER_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     worker_id: str
     address: str
@@ -107,7 +111,11 @@ class TransferTarget(_message.Message):
     skip_blocks: int
     compat_hash: str
     backend: str
-    def __init__(self, transfer_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+    layer_start: int
+    layer_end: int
+    sender_epoch: int
+    deadline_unix_ms: int
+    def __init__(self, transfer_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sender_epoch: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends")

@@ -1,0 +1,200 @@
+"""``DecodeWorker``: reserve blocks for a request, receive its KV, decode it in the continuous batch.
+
+Per request: ``Allocate`` reserves the prompt's blocks in the engine (reusing this worker's own
+prefix cache) and invites the KV into them (``KvReceiver.expect``); the reply's target goes to a
+prefill worker. The allocation is a lease: if no ``Generate`` follows within ``lease_ms`` it is
+freed. ``Generate`` waits for the KV to land, then decodes from the prefill worker's first token.
+``Release``, a cancelled call, a failed transfer or an expired lease free everything: the
+expectation is aborted first (so nothing writes into the blocks any more), then the blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from engine.outputs import KvReservation
+from kvtransfer.config import Backend, TransferConfig
+from kvtransfer.incoming import IncomingTransfer
+from kvtransfer.receiver import KvReceiver
+from pdcommon.errors import IncompatibleError, InvalidRequestError, NotFoundError
+from pdcommon.ids import RequestId
+from pdcommon.sampling import SamplingParams
+from pdrouter.convert import sampling_from_pb
+from pdrouter.grpc_util import grpc_errors
+from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from worker_common.driver import EngineDriver
+from worker_common.kv_convert import target_to_pb
+from worker_common.streaming import token_chunks
+
+if TYPE_CHECKING:
+    from worker_common.process import WorkerProcess
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Allocation:
+    reservation: KvReservation
+    incoming: IncomingTransfer
+    response: worker_pb2.AllocateResponse
+    lease: asyncio.TimerHandle | None = None
+    decoding: bool = field(default=False)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
+                 backend: str, lease_ms: int, kv_wait_s: float) -> None:
+        self.driver = driver
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.model_compat_hash = model_compat_hash
+        self.backend = backend
+        self.lease_ms = lease_ms
+        self.kv_wait_s = kv_wait_s
+        self._allocs: dict[str, _Allocation] = {}
+
+    @property
+    def allocations(self) -> int:
+        return len(self._allocs)
+
+    # -- lifecycle helpers ------------------------------------------------------------------
+    def _drop(self, request_id: str, reason: str) -> tuple[bool, int]:
+        """Abort the expectation, then free the blocks; (anything held?, blocks of the allocation)."""
+        alloc = self._allocs.pop(request_id, None)
+        if alloc is None:
+            return self.driver.abort(RequestId(request_id)), 0
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        alloc.incoming.abort(reason)
+        self.driver.abort(RequestId(request_id))
+        return True, len(alloc.reservation.block_ids)
+
+    def _expire(self, request_id: str) -> None:
+        alloc = self._allocs.get(request_id)
+        if alloc is not None and not alloc.decoding:
+            log.warning("allocation %s: lease expired with no Generate; freeing its blocks", request_id)
+            self._drop(request_id, "the allocation's lease expired")
+
+    def _arm_lease(self, request_id: str, alloc: _Allocation, lease_ms: int) -> None:
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        alloc.lease = asyncio.get_running_loop().call_later(lease_ms / 1000, self._expire, request_id)
+
+    # -- RPCs -------------------------------------------------------------------------------
+    @grpc_errors
+    async def Allocate(self, request: worker_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
+        rid = request.request_id
+        if not rid:
+            raise InvalidRequestError("request_id is required")
+        if request.model_compat_hash != self.model_compat_hash:
+            raise IncompatibleError(f"model_compat_hash {request.model_compat_hash!r} does not match this "
+                                    f"worker's {self.model_compat_hash!r} (different model, dtype or block size)")
+        if request.backend and request.backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
+                                    f"not {request.backend!r}")
+        lease_ms = request.lease_ms or self.lease_ms
+        existing = self._allocs.get(rid)
+        if existing is not None:
+            self._arm_lease(rid, existing, lease_ms)
+            return existing.response
+        if request.HasField("sampling"):
+            sampling = sampling_from_pb(request.sampling)
+            if request.max_tokens and request.max_tokens != sampling.max_tokens:
+                raise InvalidRequestError("max_tokens and sampling.max_tokens disagree")
+        else:
+            sampling = SamplingParams(max_tokens=int(request.max_tokens))
+        reservation = self.driver.reserve_remote(RequestId(rid), list(request.prompt_token_ids), sampling)
+        try:
+            incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
+                                            timeout_s=self.kv_wait_s + lease_ms / 1000)
+        except BaseException:
+            self.driver.abort(RequestId(rid))
+            raise
+        response = worker_pb2.AllocateResponse(target=target_to_pb(incoming.target, self.worker_id),
+                                               cached_blocks=reservation.num_cached_blocks,
+                                               num_blocks=len(reservation.block_ids))
+        alloc = _Allocation(reservation, incoming, response)
+        self._allocs[rid] = alloc
+        self._arm_lease(rid, alloc, lease_ms)
+        return response
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        if not rid:
+            raise InvalidRequestError("request_id is required")
+        if request.local_prefill:
+            # Conditional disaggregation: compute the prompt here; an allocation, if any, is dropped
+            # (its cached prefix blocks stay in this worker's prefix cache and are reused at once).
+            if rid in self._allocs:
+                self._drop(rid, "prefilled locally instead")
+            sampling = sampling_from_pb(request.sampling)
+            async with aclosing(self.driver.generate(RequestId(rid), list(request.prompt_token_ids),
+                                                     sampling)) as outputs:
+                async for chunk in token_chunks(rid, outputs):
+                    yield chunk
+            return
+        alloc = self._allocs.get(rid)
+        if alloc is None:
+            raise NotFoundError(f"no allocation for request {rid!r} (Allocate first; it may have expired)")
+        if alloc.decoding:
+            raise InvalidRequestError(f"request {rid!r} is already decoding")
+        if not request.HasField("first_token_id"):
+            raise InvalidRequestError("first_token_id is required unless local_prefill is set")
+        alloc.decoding = True
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        finished = False
+        try:
+            await alloc.incoming.wait_all_async(timeout=self.kv_wait_s)
+            async with aclosing(self.driver.decode_remote(RequestId(rid), request.first_token_id)) as outputs:
+                async for chunk in token_chunks(rid, outputs, cached_tokens=alloc.reservation.num_cached_tokens):
+                    yield chunk
+            finished = True
+        finally:
+            if self._allocs.get(rid) is alloc:
+                del self._allocs[rid]
+                if not finished:
+                    alloc.incoming.abort("decode ended early")
+                    self.driver.abort(RequestId(rid))
+
+    @grpc_errors
+    async def Release(self, request: worker_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
+        if not request.request_id:
+            raise InvalidRequestError("request_id is required")
+        released, freed = self._drop(request.request_id, request.reason or "released")
+        return worker_pb2.ReleaseResponse(released=released, freed_blocks=freed)
+
+
+class DecodeParts:
+    """What a decode worker adds to the common worker process."""
+
+    def __init__(self, receiver: KvReceiver, servicer: DecodeServicer) -> None:
+        self.receiver = receiver
+        self.servicer = servicer
+        self.kv_address = receiver.address
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.receiver.close)
+
+
+async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
+    cfg = proc.config
+    assert proc.engine is not None and proc.driver is not None and proc.server is not None
+    transfer = TransferConfig(auth_token=cfg.kv_auth_token, epoch=proc.epoch, backend=Backend(cfg.kv_backend))
+    receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
+                                       host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
+    servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
+                              cfg.lease_ms, cfg.kv_wait_s)
+    proc.server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
+    return DecodeParts(receiver, servicer)
