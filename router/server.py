@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -25,7 +24,7 @@ from pdstate.reservations import KvReservations
 from router.admission import Admission
 from router.config import RouterConfig
 from router.frontdoor_grpc import RouterServicer
-from router.frontdoor_http import create_app, make_server
+from router.frontdoor_http import bind_socket, create_app, make_server
 from router.metrics import RouterMetrics
 from router.orchestrator import PdOrchestrator
 from router.policy import CacheAware, LeastLoaded, PlacementPolicy
@@ -86,9 +85,7 @@ class RouterProcess:
                       "pdrouter.v1.Router")
         await self.grpc.start()
         app = create_app(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((cfg.host, cfg.http_port))
+        sock = bind_socket(cfg.host, cfg.http_port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
         sock.listen(1024)
         sock.setblocking(False)
         self.http_port = sock.getsockname()[1]

@@ -1,0 +1,297 @@
+"""The OpenAI-compatible HTTP front door: a Starlette app served by uvicorn (h11).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404.
+
+A generation request is validated and tokenized in the endpoint; the response object then drives
+the orchestrator's stream itself, so that:
+
+* the status line waits for the first token: an error raised before it (capacity, unknown
+  model, unavailable…) is an ordinary HTTP error reply; one raised after it is an SSE event
+  ``data: {"error": {...}}`` that ends the stream;
+* a client disconnect (seen by a small task reading the ASGI ``receive`` channel) cancels the
+  request's task, which closes the orchestrator's iterator and so cancels the request on the
+  workers, whether it is queued, prefilling or streaming, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine.tokenizer import Tokenizer
+from pdcommon.errors import CancelledError, InvalidRequestError, PdRouterError
+from router.detokenize import TextStream
+from router.generation import Piece, stream_pieces
+from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
+from router.openai_responses import SseWriter, completion_body, error_reply, response_id
+from router.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
+from router.request import Orchestrator, RouterRequest, Usage
+from router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+def _json_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+
+
+def _json_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, headers=headers, media_type=_JSON)
+
+
+class HttpFrontdoor:
+    """The OpenAI HTTP API over an orchestrator; :attr:`app` is the ASGI application to serve.
+
+    ``tokenizers`` maps each served model name to its tokenizer; models the orchestrator lists
+    without a tokenizer are not served. Each front door owns its state: no module globals.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.models = ModelRegistry(orchestrator, tokenizers)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.config = config if config is not None else FrontdoorConfig()
+        self.door_metrics = self.metrics.frontdoor("http")
+        self.app = Starlette(
+            routes=[
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/v1/models", self._list_models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/healthz", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._no_route, 405: self._no_route},
+        )
+
+    async def _completions(self, request: Request) -> Any:
+        return await self._generation(request, chat=False)
+
+    async def _chat_completions(self, request: Request) -> Any:
+        return await self._generation(request, chat=True)
+
+    async def _generation(self, request: Request, chat: bool) -> Any:
+        arrival = time.perf_counter()
+        self.door_metrics.in_flight.inc()
+        try:
+            body = await self._read_body(request)
+            parsed = parse_openai_request(body, chat, self.config)
+            served = self.models.get(parsed.model)
+            timeout = self.config.request_timeout_s
+            deadline = None if timeout is None else time.monotonic() + timeout
+            router_request = to_router_request(parsed, served, self.config, deadline)
+        except Exception as exc:
+            self.finish(exc, arrival)
+            reply = error_reply(exc, self.config.retry_after_s)
+            return _json_response(reply.status, reply.body(), reply.headers)
+        return _Generation(self, parsed, served, router_request, arrival)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise InvalidRequestError(f"request body is larger than {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise CancelledError("the client disconnected while sending the request") from None
+        return b"".join(chunks)
+
+    def finish(self, error: BaseException | None, arrival: float) -> None:
+        """Account one finished generation request (outcome, latency, in-flight gauge)."""
+        self.door_metrics.in_flight.dec()
+        self.door_metrics.finished(error, time.perf_counter() - arrival)
+        if isinstance(error, PdRouterError):
+            if error.http_status >= 500:
+                log.warning("request failed: %s: %s", type(error).__name__, error.message)
+        elif error is not None and not isinstance(error, asyncio.CancelledError):
+            log.error("request failed", exc_info=error)
+
+    async def _list_models(self, request: Request) -> Response:
+        data = [{"id": m.name, "object": "model", "created": m.info.created, "owned_by": "pd-router",
+                 "max_model_len": m.info.max_context} for m in self.models.refresh()]
+        return _json_response(200, json.dumps({"object": "list", "data": data}).encode())
+
+    async def _health(self, request: Request) -> Response:
+        return _json_response(200, b'{"status":"ok"}')
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+    async def _no_route(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        headers = exc.headers if isinstance(exc, HTTPException) else None  # "Allow" with a 405
+        what = "no such route" if status == 404 else "method not allowed"
+        error = {"message": f"{what}: {request.method} {request.url.path}", "type": "invalid_request_error",
+                 "param": None, "code": "not_found" if status == 404 else "method_not_allowed"}
+        return _json_response(status, json.dumps({"error": error}, separators=(",", ":")).encode(), headers)
+
+
+class _Generation:
+    """The ASGI response of one completion: runs the stream, answers, watches for disconnect."""
+
+    __slots__ = ("_arrival", "_client_gone", "_complete", "_door", "_parsed", "_request", "_served")
+
+    def __init__(self, door: HttpFrontdoor, parsed: OpenAIRequest, served: ServedModel,
+                 request: RouterRequest, arrival: float) -> None:
+        self._door = door
+        self._parsed = parsed
+        self._served = served
+        self._request = request
+        self._arrival = arrival
+        self._complete = False      # the last byte of the response is (being) sent
+        self._client_gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
+        error: BaseException | None = None
+        try:
+            error = await (self._stream(send) if self._parsed.stream else self._unary(send))
+        except asyncio.CancelledError as exc:
+            error = exc
+            if not self._client_gone:
+                raise
+            task.uncancel()
+        finally:
+            watcher.cancel()
+            self._door.finish(error, self._arrival)
+
+    async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if not self._complete:
+            self._client_gone = True
+            task.cancel()
+
+    def _pieces(self) -> aclosing[AsyncGenerator[Piece, None]]:
+        text = TextStream(self._served.tokenizer.stream_decoder(), self._parsed.stop)
+        door = self._door
+        return aclosing(stream_pieces(door.orchestrator, self._request, text, door.door_metrics,
+                                      self._arrival))
+
+    def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [*base, (b"x-request-id", self._request.request_id.encode())]
+
+    async def _unary(self, send: Send) -> BaseException | None:
+        texts: list[str] = []
+        try:
+            async with self._pieces() as pieces:
+                async for piece in pieces:
+                    texts.append(piece.text)
+                    if piece.finish_reason is not None:
+                        body = completion_body(self._parsed.chat, response_id(self._request, self._parsed.chat),
+                                               int(time.time()), self._served.name, "".join(texts),
+                                               piece.finish_reason, _usage(piece))
+                        self._complete = True
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": self._headers(_json_headers(body))})
+                        await send({"type": "http.response.body", "body": body, "more_body": False})
+        except Exception as exc:
+            return await self._fail(send, exc, started=False)
+        return None
+
+    async def _stream(self, send: Send) -> BaseException | None:
+        parsed = self._parsed
+        writer = SseWriter(parsed.chat, response_id(self._request, parsed.chat), int(time.time()),
+                           self._served.name, parsed.include_usage)
+        started = False
+        try:
+            async with self._pieces() as pieces:
+                async for piece in pieces:
+                    if not started:
+                        started = True
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": self._headers(_SSE_HEADERS)})
+                    if piece.finish_reason is not None:
+                        self._complete = True
+                        await send({"type": "http.response.body", "more_body": False,
+                                    "body": writer.final(piece.text, piece.finish_reason, _usage(piece))})
+                    elif piece.text:
+                        await send({"type": "http.response.body", "body": writer.text(piece.text),
+                                    "more_body": True})
+        except Exception as exc:
+            return await self._fail(send, exc, started)
+        return None
+
+    async def _fail(self, send: Send, exc: Exception, started: bool) -> BaseException | None:
+        if self._complete:  # the client has its answer; only the stream's tail failed
+            log.warning("request %s: error after the response was sent: %s", self._request.request_id, exc)
+            return None
+        self._complete = True
+        reply = error_reply(exc, self._door.config.retry_after_s)
+        if started:
+            await send({"type": "http.response.body", "body": reply.sse_event(), "more_body": False})
+        else:
+            body = reply.body()
+            headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
+            await send({"type": "http.response.start", "status": reply.status,
+                        "headers": self._headers([*_json_headers(body), *headers])})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        return exc
+
+
+def _usage(piece: Piece) -> Usage:
+    assert piece.usage is not None  # stream_pieces puts usage on every finished piece
+    return piece.usage
+
+
+def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> Starlette:
+    """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
+    door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config)
+    door.app.state.frontdoor = door
+    return door.app
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound TCP socket for ``server.serve(sockets=[sock])`` (port 0: any free port).
+
+    Created with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on connections of such
+    sockets, and without it a response written in two parts waits ~40 ms for a delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for ``app`` tuned for the router: h11, no lifespan, no access log.
+
+    uvicorn leaves the process's logging configuration alone (``log_config=None``); the CLI
+    configures logging once for every component.
+
+    Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
+    to serve on a free port; stop it with ``server.should_exit = True``.
+    """
+    config = uvicorn.Config(app, host=host, port=port, http="h11", ws="none", lifespan="off",
+                            access_log=False, log_config=None, log_level=log_level,
+                            server_header=False)
+    return uvicorn.Server(config)

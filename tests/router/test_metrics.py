@@ -1,0 +1,97 @@
+"""The router's Prometheus metrics: names, per-router registries, the orchestrator's API."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdcommon.errors import (
+    CancelledError,
+    CapacityError,
+    DeadlineExceededError,
+    IncompatibleError,
+    NotFoundError,
+    PromptTooLongError,
+    RequestTooLargeError,
+    TransferError,
+)
+from router.metrics import RouterMetrics, outcome_of
+
+
+def test_two_routers_in_one_process_have_separate_registries() -> None:
+    first, second = RouterMetrics(), RouterMetrics()
+    first.frontdoor("http").finished(None, 0.5)
+    assert first.registry.get_sample_value(
+        "pdrouter_requests_total", {"frontdoor": "http", "outcome": "ok"}) == 1
+    assert second.registry.get_sample_value(
+        "pdrouter_requests_total", {"frontdoor": "http", "outcome": "ok"}) is None
+
+
+def test_metric_names_carry_prefix_and_unit() -> None:
+    metrics = RouterMetrics()
+    names = {m.name for m in metrics.registry.collect()}
+    assert names == {
+        "pdrouter_time_to_first_token_seconds", "pdrouter_inter_token_latency_seconds",
+        "pdrouter_request_duration_seconds", "pdrouter_requests", "pdrouter_requests_in_flight",
+        "pdrouter_prompt_tokens", "pdrouter_generation_tokens", "pdrouter_queue_time_seconds",
+        "pdrouter_worker_running_requests", "pdrouter_worker_queued_prefill_tokens",
+        "pdrouter_worker_free_kv_blocks", "pdrouter_kv_transfer_bytes",
+        "pdrouter_kv_transfer_duration_seconds", "pdrouter_prefix_cache_query_tokens",
+        "pdrouter_prefix_cache_hit_tokens",
+    }  # counters are collected without their "_total" suffix
+    exposition = metrics.exposition().decode()
+    assert "# TYPE pdrouter_kv_transfer_bytes_total counter" in exposition
+    assert "# TYPE pdrouter_requests_total counter" in exposition
+
+
+def test_failed_requests_are_counted_but_not_timed() -> None:
+    metrics = RouterMetrics()
+    door = metrics.frontdoor("grpc")
+    assert metrics.frontdoor("grpc") is door
+    door.finished(CapacityError("full"), 2.0)
+    door.finished(None, 0.25)
+    r = metrics.registry
+    assert r.get_sample_value("pdrouter_requests_total", {"frontdoor": "grpc", "outcome": "capacity"}) == 1
+    assert r.get_sample_value("pdrouter_request_duration_seconds_count", {"frontdoor": "grpc"}) == 1
+    assert r.get_sample_value("pdrouter_request_duration_seconds_sum", {"frontdoor": "grpc"}) == 0.25
+
+
+def test_orchestrator_side_api() -> None:
+    metrics = RouterMetrics()
+    r = metrics.registry
+    metrics.set_worker_load("decode-0", "decode", running=3, queued_prefill_tokens=0, free_blocks=120)
+    metrics.set_worker_load("prefill-0", "prefill", running=1, queued_prefill_tokens=512, free_blocks=7)
+    labels = {"worker": "decode-0", "role": "decode"}
+    assert r.get_sample_value("pdrouter_worker_running_requests", labels) == 3
+    assert r.get_sample_value("pdrouter_worker_free_kv_blocks", labels) == 120
+    assert r.get_sample_value("pdrouter_worker_queued_prefill_tokens",
+                              {"worker": "prefill-0", "role": "prefill"}) == 512
+    metrics.remove_worker("decode-0", "decode")
+    metrics.remove_worker("decode-0", "decode")  # twice is harmless
+    assert r.get_sample_value("pdrouter_worker_running_requests", labels) is None
+    metrics.observe_kv_transfer(4096, 0.002, backend="tcp")
+    metrics.observe_kv_transfer(1024, 0.001, backend="tcp")
+    assert r.get_sample_value("pdrouter_kv_transfer_bytes_total", {"backend": "tcp"}) == 5120
+    assert r.get_sample_value("pdrouter_kv_transfer_duration_seconds_count", {"backend": "tcp"}) == 2
+    metrics.observe_prefix_match(prompt_tokens=100, hit_tokens=64)
+    assert r.get_sample_value("pdrouter_prefix_cache_query_tokens_total") == 100
+    assert r.get_sample_value("pdrouter_prefix_cache_hit_tokens_total") == 64
+    metrics.observe_queue_time(0.03)
+    assert r.get_sample_value("pdrouter_queue_time_seconds_count") == 1
+
+
+@pytest.mark.parametrize(("exc", "outcome"), [
+    (None, "ok"),
+    (PromptTooLongError("long"), "invalid"),
+    (IncompatibleError("layout"), "invalid"),
+    (NotFoundError("model"), "not_found"),
+    (RequestTooLargeError("huge"), "capacity"),
+    (TransferError("lost"), "unavailable"),
+    (DeadlineExceededError("late"), "deadline"),
+    (CancelledError("gone"), "cancelled"),
+    (asyncio.CancelledError(), "cancelled"),
+    (RuntimeError("bug"), "error"),
+])
+def test_outcome_labels(exc: BaseException | None, outcome: str) -> None:
+    assert outcome_of(exc) == outcome
