@@ -1,0 +1,80 @@
+"""End-to-end fixtures: worker processes, Redis, and a router running in the test's event loop."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.model_io import make_model
+from pdrouter.local_cluster import ManagedProcess, worker_args
+from router.admission import AdmissionConfig
+from router.config import RouterConfig
+from router.orchestrator import OrchestratorConfig
+from router.server import RouterProcess
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("tiny", 0, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@dataclass
+class Cluster:
+    model: Path
+    redis_url: str
+    procs: list[ManagedProcess] = field(default_factory=list)
+    routers: list[RouterProcess] = field(default_factory=list)
+
+    def spawn(self, role: str, *, num_blocks: int = 256, worker_id: str | None = None,
+              extra: tuple[str, ...] = ()) -> ManagedProcess:
+        ident = worker_id or f"{role}-{len(self.procs)}"
+        proc = ManagedProcess(ident, worker_args(role, self.model, redis_url=self.redis_url, num_blocks=num_blocks,
+                                                 extra=("--worker-id", ident, *extra)))
+        self.procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    async def router(self, mode: str = "disaggregated", **kw: Any) -> RouterProcess:
+        orch = kw.pop("orchestrator", OrchestratorConfig(mode=mode))  # type: ignore[arg-type]
+        adm = kw.pop("admission_config", AdmissionConfig(queue_timeout_s=2.0))
+        config = RouterConfig(model_dir=self.model, redis_url=self.redis_url, mode=mode,  # type: ignore[arg-type]
+                              http_port=0, grpc_port=0, refresh_interval_s=0.2, orchestrator=orch,
+                              admission_config=adm, **kw)
+        router = RouterProcess(config)
+        await router.start()
+        self.routers.append(router)
+        return router
+
+
+@pytest.fixture
+async def cluster(tiny_model: Path, redis_url: str) -> AsyncIterator[Cluster]:
+    c = Cluster(tiny_model, redis_url)
+    yield c
+    for r in c.routers:
+        await r.stop(grace=1.0)
+    for p in c.procs:
+        p.stop()
+
+
+@pytest.fixture
+def wait_for() -> Iterator[Callable[..., Any]]:
+    import asyncio
+
+    async def wait(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> Any:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while True:
+            value = predicate()
+            if asyncio.iscoroutine(value):
+                value = await value
+            if value:
+                return value
+            if loop.time() > end:
+                raise AssertionError("condition not met in time")
+            await asyncio.sleep(interval)
+
+    yield wait

@@ -1,0 +1,169 @@
+"""The router end to end: real worker processes, real Redis, both front doors, both modes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.tokenizer import load_tokenizer
+from pdcommon.sampling import SamplingParams
+from pdcommon.workers import WorkerRole
+from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.orchestrator import OrchestratorConfig
+from router.server import RouterProcess
+
+from .conftest import Cluster
+
+PROMPT = "The quick brown fox"
+
+
+def expected_text(model: Path, prompt: str, max_tokens: int) -> tuple[list[int], str]:
+    tok = load_tokenizer(model)
+    ids = tok.encode(prompt)
+    out = Engine(EngineConfig(model_dir=model, num_blocks=128)).generate(
+        [ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
+    return out, tok.decode(out)
+
+
+async def wait_workers(router: RouterProcess, roles: dict[WorkerRole, int]) -> None:
+    assert router.pool is not None
+    for _ in range(200):
+        if all(len(router.pool.workers(role)) >= n for role, n in roles.items()):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"workers never registered: {roles}")
+
+
+async def check_front_doors(router: RouterProcess, model: Path) -> None:
+    tokens, text = expected_text(model, PROMPT, 12)
+    base = f"http://127.0.0.1:{router.http_port}"
+    client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    # Unary completion.
+    done = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert done.choices[0].text == text
+    assert done.usage is not None and done.usage.completion_tokens == len(tokens)
+    # Streaming completion: the concatenated chunks are the same text.
+    stream = await client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
+                                             stream=True)
+    parts = [chunk.choices[0].text async for chunk in stream if chunk.choices]
+    assert "".join(parts) == text
+    # Chat, unary and streaming.
+    chat = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=5, temperature=0)
+    assert chat.choices[0].finish_reason == "length"
+    chunks = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=5, temperature=0, stream=True)
+    assert "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices]) == \
+        chat.choices[0].message.content
+    models = await client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    await client.close()
+    # gRPC front door: the same tokens.
+    async with grpc.aio.insecure_channel(router.grpc_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        got: list[int] = []
+        last = None
+        async for msg in stub.Generate(router_pb2.GenerateRequest(
+                model="tiny", text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=12, temperature=0))):
+            got.extend(msg.token_ids)
+            last = msg
+        assert got == tokens
+        assert last is not None and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert last.usage.completion_tokens == 12
+
+
+async def test_disaggregated_mode_both_front_doors(cluster: Cluster) -> None:
+    cluster.spawn("prefill")
+    cluster.spawn("decode")
+    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    await wait_workers(router, {WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
+    await check_front_doors(router, cluster.model)
+    assert router.orchestrator is not None
+    assert router.orchestrator.stats.transfers > 0  # long prompts went through the prefill pool
+
+
+async def test_colocated_mode_both_front_doors(cluster: Cluster) -> None:
+    cluster.spawn("worker")
+    router = await cluster.router("colocated")
+    await wait_workers(router, {WorkerRole.COLOCATED: 1})
+    await check_front_doors(router, cluster.model)
+
+
+async def test_bad_input_gets_400_and_the_router_keeps_serving(cluster: Cluster) -> None:
+    cluster.spawn("worker")
+    router = await cluster.router("colocated")
+    await wait_workers(router, {WorkerRole.COLOCATED: 1})
+    url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+    cases: list[tuple[bytes, int]] = [
+        (b"{not json", 400),
+        (json.dumps({"model": "nope", "prompt": "x", "max_tokens": 3}).encode(), 404),
+        (json.dumps({"prompt": "x", "max_tokens": 3}).encode(), 400),
+        (json.dumps({"model": "tiny", "max_tokens": 3}).encode(), 400),
+        (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -1}).encode(), 400),
+        (json.dumps({"model": "tiny", "prompt": "x" * 2000, "max_tokens": 3}).encode(), 400),
+        (b'{"model": "tiny", "prompt": "\xff\xfe", "max_tokens": 3}', 400),
+    ]
+    async with httpx.AsyncClient() as http:
+        for body, status in cases:
+            resp = await http.post(url, content=body, headers={"content-type": "application/json"})
+            assert resp.status_code == status, (body, resp.text)
+            err = resp.json()["error"]
+            assert err["message"] and err["type"]
+        ok = await http.post(url, json={"model": "tiny", "prompt": "x", "max_tokens": 3})
+        assert ok.status_code == 200
+    async with grpc.aio.insecure_channel(router.grpc_address) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(router_pb2.GenerateRequest(
+                    model="tiny", text="x", sampling=common_pb2.SamplingParams(max_tokens=5000))):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_killed_prefill_worker_is_retried_elsewhere(cluster: Cluster, wait_for: object) -> None:
+    doomed = cluster.spawn("prefill", worker_id="prefill-a")
+    cluster.spawn("prefill", worker_id="prefill-b")
+    decode = cluster.spawn("decode")
+    router = await cluster.router()
+    await wait_workers(router, {WorkerRole.PREFILL: 2, WorkerRole.DECODE: 1})
+    _, text = expected_text(cluster.model, PROMPT * 20, 8)
+    doomed.kill()  # the router still lists it until its heartbeat lapses
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{router.http_port}/v1", api_key="x", max_retries=0)
+    results = await asyncio.gather(*(client.completions.create(model="tiny", prompt=PROMPT * 20, max_tokens=8,
+                                                               temperature=0) for _ in range(4)))
+    assert all(r.choices[0].text == text for r in results)
+    await client.close()
+    assert decode.alive
+
+
+async def test_killed_decode_worker_gives_a_clean_error(cluster: Cluster) -> None:
+    cluster.spawn("prefill")
+    decode = cluster.spawn("decode")
+    router = await cluster.router()
+    await wait_workers(router, {WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
+    url = f"http://127.0.0.1:{router.http_port}/v1/completions"
+    body = {"model": "tiny", "prompt": PROMPT * 10, "max_tokens": 700, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    events: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as http, http.stream("POST", url, json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 3:
+                    decode.kill()
+    assert any('"error"' in e for e in events[3:]), events[-3:]
+    assert router.admission is not None
+    for _ in range(100):
+        if router.admission.active == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert router.admission.active == 0
