@@ -49,6 +49,7 @@ class SimWorker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    assigned_tokens: int = 0
     backlog: float = 0.0
     computed: int = 0
     published: int = 0
@@ -64,6 +65,7 @@ class SimWorker:
         self.blocks.commit(alloc.block_ids, hashes, alloc.num_cached_blocks)  # type: ignore[arg-type]
         self.blocks.free(alloc.block_ids)
         self.computed += len(prompt) - cached
+        self.assigned_tokens = self.computed
         self.backlog += len(prompt) - cached
         return cached
 

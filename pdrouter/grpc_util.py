@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdcommon.errors import PdRouterError, error_from_grpc_code
+from pdcommon.errors import PdRouterError, UnavailableError, error_from_grpc_code
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Low-latency defaults: gRPC sets TCP_NODELAY itself; keepalive finds dead peers within seconds.
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -33,7 +33,8 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
@@ -43,8 +44,10 @@ def status_code(exc: PdRouterError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.grpc_code]
 
 
-def from_rpc_error(err: grpc.RpcError) -> PdRouterError:
+def from_rpc_error(err: grpc.RpcError | grpc.aio.UsageError) -> PdRouterError:
     """The ``PdRouterError`` matching a failed call's status (UNAVAILABLE for transport errors)."""
+    if isinstance(err, grpc.aio.UsageError):  # the channel was closed under the call
+        return UnavailableError(f"worker connection closed: {err}")
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
     name = code.name if code is not None else "UNKNOWN"

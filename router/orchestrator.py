@@ -44,6 +44,8 @@ from router.worker_pool import WorkerHandle, WorkerPool
 
 log = logging.getLogger(__name__)
 
+_GRPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)  # UsageError: the channel closed under us
+
 _FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
            common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
@@ -74,6 +76,11 @@ class TransferStats:
         self.lookups = 0
         self.lookup_seconds = 0.0
         self.index_errors = 0
+        self.admission_errors = 0
+        self.match_tokens: dict[str, int] = {}
+        """Per prefill worker: prompt tokens its cache held when it was chosen (index view)."""
+        self.placed_tokens: dict[str, int] = {}
+        """Per prefill worker: prompt tokens placed on it."""
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
 
@@ -94,6 +101,7 @@ class PdOrchestrator:
         self.policy = policy or (CacheAware() if prefix_index is not None else LeastLoaded())
         self.hasher = BlockHasher(model.block_size, hash_seed)
         self.index_ok = prefix_index is not None
+        self.admission_ok = admission is not None
         self.stats = TransferStats()
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -124,9 +132,9 @@ class PdOrchestrator:
             try:
                 await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason=reason),
                                             timeout=5.0)
-            except grpc.RpcError as exc:
+            except _GRPC_ERRORS as exc:
                 # The worker's lease expiry frees the blocks if it cannot be told now.
-                log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc.code())
+                log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
 
         self._background_task(release())
 
@@ -157,7 +165,7 @@ class PdOrchestrator:
                 yield TokenDelta(tuple(chunk.token_ids), reason,
                                  Usage(len(request.prompt_token_ids), produced, cached))
                 return
-        except grpc.RpcError as exc:
+        except _GRPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         raise UnavailableError(f"request {request.request_id}: the worker ended the stream without finishing")
 
@@ -191,8 +199,12 @@ class PdOrchestrator:
                                                sampling=sampling_to_pb(request.sampling))
         handle.inflight += 1
         handle.breaker.on_attempt()
-        call = handle.colocated.Generate(msg, timeout=self._timeout(request))
+        call = None
         try:
+            try:
+                call = handle.colocated.Generate(msg, timeout=self._timeout(request))
+            except _GRPC_ERRORS as exc:
+                raise from_rpc_error(exc) from None
             async for delta in self._relay(call, request, Usage(len(request.prompt_token_ids), 0), 0):
                 yield delta
             handle.breaker.on_success()
@@ -201,7 +213,8 @@ class PdOrchestrator:
             raise
         finally:
             handle.inflight -= 1
-            call.cancel()
+            if call is not None:
+                call.cancel()
             if reservation is not None and self.admission is not None:
                 self._background_task(self.admission.release(reservation))
 
@@ -217,7 +230,19 @@ class PdOrchestrator:
         by_id = {h.worker_id: h for h in candidates}
         caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
         start = time.perf_counter()
-        reservation = await self.admission.admit(request.request_id, blocks, caps, deadline=request.deadline)
+        try:
+            reservation = await self.admission.admit(request.request_id, blocks, caps, deadline=request.deadline)
+        except (RedisError, OSError) as exc:
+            # Redis is the only shared state: without it keep serving, each decode worker still
+            # guards its own pool (Allocate answers RESOURCE_EXHAUSTED when it is full).
+            if self.admission_ok:
+                log.warning("KV admission unavailable (%s): placing decode by load alone", exc)
+            self.admission_ok = False
+            self.stats.admission_errors += 1
+            return self.policy.pick_decode(request, candidates, blocks), None
+        if not self.admission_ok:
+            log.info("KV admission available again")
+        self.admission_ok = True
         if self.metrics is not None:
             self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
@@ -232,7 +257,7 @@ class PdOrchestrator:
         handle.breaker.on_attempt()
         try:
             resp = await handle.decode.Allocate(msg, timeout=min(self._timeout(request), 30.0))
-        except grpc.RpcError as exc:
+        except _GRPC_ERRORS as exc:
             err = from_rpc_error(exc)
             if isinstance(err, UnavailableError):
                 handle.breaker.on_failure()
@@ -244,14 +269,17 @@ class PdOrchestrator:
         try:
             await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason="prefill retry"),
                                         timeout=5.0)
-        except grpc.RpcError as exc:
-            log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc.code())
+        except _GRPC_ERRORS as exc:
+            log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
 
     async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget,
                        exclude: set[str]) -> worker_pb2.PrefillResponse:
         candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
         cached_tokens = await self._cached_tokens(request, candidates)
         handle = self.policy.pick_prefill(request, candidates, cached_tokens)
+        wid = handle.worker_id
+        self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached_tokens.get(wid, 0)
+        self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + len(request.prompt_token_ids)
         msg = worker_pb2.PrefillRequest(request_id=request.request_id,
                                         prompt_token_ids=request.prompt_token_ids,
                                         sampling=sampling_to_pb(request.sampling), target=target,
@@ -259,11 +287,12 @@ class PdOrchestrator:
         tokens = len(request.prompt_token_ids)
         handle.inflight += 1
         handle.inflight_prefill_tokens += tokens
+        handle.assigned_tokens += tokens - cached_tokens.get(wid, 0)
         handle.breaker.on_attempt()
         call = handle.prefill.Prefill(msg, timeout=self._timeout(request))
         try:
             resp = await call
-        except grpc.RpcError as exc:
+        except _GRPC_ERRORS as exc:
             err = from_rpc_error(exc)
             if isinstance(err, UnavailableError):
                 handle.breaker.on_failure()
@@ -322,7 +351,10 @@ class PdOrchestrator:
                                                first_token_id=resp.first_token_id)
                 base, produced = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens), 1
                 break
-            call = decode.decode.Generate(msg, timeout=self._timeout(request))
+            try:
+                call = decode.decode.Generate(msg, timeout=self._timeout(request))
+            except _GRPC_ERRORS as exc:
+                raise from_rpc_error(exc) from None
             try:
                 async for delta in self._relay(call, request, base, produced):
                     yield delta

@@ -3,7 +3,8 @@
 * ``LeastLoaded`` — load alone: the work a worker reported in its heartbeat plus what this router
   has sent it since.
 * ``CacheAware`` — prefill placement by estimated cost: the prompt tokens a worker would still
-  have to compute (its cached prefix is free) plus the prefill backlog already queued on it. A
+  have to compute (its cached prefix is free, once it reaches ``min_hit_tokens``) plus the prefill
+  backlog already queued on it; ties go to the worker this router has given the least work. A
   balance guard keeps a hot prefix from piling onto one worker: a worker whose backlog exceeds
   ``balance_factor`` × the pool's mean backlog + ``balance_slack_tokens`` is passed over while
   another is within bounds.
@@ -30,6 +31,8 @@ class Candidate(Protocol):
     load: WorkerLoad
     inflight: int
     inflight_prefill_tokens: int
+    assigned_tokens: int
+    """Prompt tokens this router has placed on the worker so far (spreads ties)."""
 
 
 C = TypeVar("C", bound=Candidate)
@@ -59,7 +62,8 @@ class LeastLoaded:
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
                      cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
         _require(candidates, "prefill")
-        return min(candidates, key=lambda h: (backlog_tokens(h), h.load.running + h.inflight, h.worker_id))
+        return min(candidates, key=lambda h: (backlog_tokens(h), h.load.running + h.inflight, h.assigned_tokens,
+                                              h.worker_id))
 
     def pick_decode(self, request: RouterRequest, candidates: Sequence[C],
                     blocks_needed: int) -> C:
@@ -78,12 +82,15 @@ class CacheAwareConfig:
     """Cost of each running request on the worker, in tokens (decode contention; 0 ignores it)."""
     balance_factor: float = 1.25
     balance_slack_tokens: int = 4096
+    min_hit_tokens: int = 64
+    """Cached prefixes shorter than this earn no credit: a block or two of common preamble (a BOS and
+    a few words) is no reason to pile requests onto one worker; placement then balances instead."""
 
     def __post_init__(self) -> None:
         if self.backlog_weight < 0 or self.running_weight_tokens < 0:
             raise ConfigError("cache-aware weights must be >= 0")
-        if self.balance_factor < 1.0 or self.balance_slack_tokens < 0:
-            raise ConfigError("balance_factor must be >= 1 and balance_slack_tokens >= 0")
+        if self.balance_factor < 1.0 or self.balance_slack_tokens < 0 or self.min_hit_tokens < 0:
+            raise ConfigError("balance_factor must be >= 1; balance_slack_tokens and min_hit_tokens >= 0")
 
 
 class CacheAware(LeastLoaded):
@@ -94,7 +101,8 @@ class CacheAware(LeastLoaded):
 
     def score(self, prompt_tokens: int, cached: int, backlog: int, running: int) -> float:
         c = self.config
-        return (prompt_tokens - cached) + c.backlog_weight * backlog + c.running_weight_tokens * running
+        credit = cached if cached >= c.min_hit_tokens else 0
+        return (prompt_tokens - credit) + c.backlog_weight * backlog + c.running_weight_tokens * running
 
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
                      cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
@@ -106,4 +114,4 @@ class CacheAware(LeastLoaded):
         eligible = [h for h in candidates if backlogs[h.worker_id] <= bound] or list(candidates)
         n = len(request.prompt_token_ids)
         return min(eligible, key=lambda h: (self.score(n, cached_tokens.get(h.worker_id, 0), backlogs[h.worker_id],
-                                                       h.load.running + h.inflight), h.worker_id))
+                                                       h.load.running + h.inflight), h.assigned_tokens, h.worker_id))

@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.orchestrator import PdOrchestrator
 from router.policy import CacheAware, LeastLoaded, PlacementPolicy
 from router.request import ModelInfo
+from router.state_metrics import StateMetrics
 from router.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class RouterProcess:
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
         self.orchestrator = PdOrchestrator(self.pool, self.model, cfg.orchestrator, policy, index,
                                            self.admission, cfg.hash_seed, metrics=self.metrics)
+        self.state_metrics = StateMetrics(self.orchestrator)
+        self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
         self.grpc = GrpcServer(cfg.host, cfg.grpc_port)
         self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
@@ -120,6 +123,7 @@ class RouterProcess:
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen
+            await self.state_metrics.refresh()
 
     async def stop(self, grace: float = 10.0) -> None:
         if self._http_server is not None:

@@ -3,7 +3,8 @@
 Each ``WorkerHandle`` holds the gRPC channel and stubs to one worker, its last reported load,
 the requests this router has in flight on it, and its circuit breaker. ``refresh`` re-reads the
 registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
-info; a worker that disappears from both is dropped and its channel closed. With Redis down, the
+info; a worker that disappears from both is dropped after ``missing_grace_s`` (long enough for every
+worker to re-register after a Redis restart) and its channel closed once no request uses it. With Redis down, the
 last known set is kept and ``registry_ok`` turns false.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -39,6 +41,7 @@ class WorkerHandle:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    assigned_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
@@ -60,13 +63,17 @@ class WorkerPool:
 
     def __init__(self, model: str, registry: WorkerRegistry | None = None,
                  static_addresses: Sequence[str] = (), refresh_interval_s: float = 1.0,
-                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0) -> None:
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
+                 missing_grace_s: float = 2.0) -> None:
         self.model = model
         self.registry = registry
         self.static_addresses = list(static_addresses)
         self.refresh_interval_s = refresh_interval_s
         self._breaker_args = (breaker_threshold, breaker_cooldown_s)
         self._handles: dict[WorkerId, WorkerHandle] = {}
+        self._missing: dict[WorkerId, float] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self.missing_grace_s = missing_grace_s
         self._task: asyncio.Task[None] | None = None
         self.registry_ok = registry is not None
         self.model_compat_hash = ""
@@ -133,15 +140,26 @@ class WorkerPool:
         return record_from_pb(info), load_from_pb(load)
 
     def _apply(self, seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]]) -> None:
+        now = time.monotonic()
         for worker_id in list(self._handles):
             handle = self._handles[worker_id]
             found = seen.get(worker_id)
-            if found is None or (found[0].epoch, found[0].address) != (handle.record.epoch,
-                                                                       handle.record.address):
-                log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
-                del self._handles[worker_id]
-                task = asyncio.ensure_future(handle.channel.close(grace=30.0))
-                task.add_done_callback(lambda _t: None)
+            if found is not None and (found[0].epoch, found[0].address) == (handle.record.epoch,
+                                                                             handle.record.address):
+                self._missing.pop(worker_id, None)
+                continue
+            if found is None:
+                # Missing from the registry: gone, or Redis restarted and it has not re-registered
+                # yet. Keep it a moment; a dead one fails fast and its breaker opens meanwhile.
+                first = self._missing.setdefault(worker_id, now)
+                if now - first < self.missing_grace_s:
+                    continue
+            self._missing.pop(worker_id, None)
+            log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
+            del self._handles[worker_id]
+            task = asyncio.ensure_future(self._close_when_idle(handle))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         for worker_id, (record, load) in seen.items():
             if record.model != self.model:
                 continue
@@ -159,3 +177,11 @@ class WorkerPool:
             self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
             log.info("worker %s (%s, epoch %s) joined at %s", worker_id, record.role.value,
                      record.epoch, record.address)
+
+    @staticmethod
+    async def _close_when_idle(handle: WorkerHandle, limit_s: float = 60.0) -> None:
+        """Close a departed worker's channel once no request of this router uses it any more."""
+        deadline = time.monotonic() + limit_s
+        while handle.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        await handle.channel.close()

@@ -17,6 +17,7 @@ class Cand:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    assigned_tokens: int = 0
 
 
 def make_request(tokens: int = 1000) -> RouterRequest:
@@ -52,6 +53,13 @@ def test_backlog_beats_a_small_hit() -> None:
     assert policy.pick_prefill(make_request(1000), c, {WorkerId("w0"): 100}).worker_id == "w1"
 
 
+def test_a_tiny_common_preamble_earns_no_credit() -> None:
+    c = cands(0, 0)
+    c[0].assigned_tokens = 5000  # w0 already got plenty
+    assert CacheAware().pick_prefill(make_request(1000), c, {WorkerId("w0"): 32}).worker_id == "w1"
+    assert CacheAware().pick_prefill(make_request(1000), c, {WorkerId("w0"): 64}).worker_id == "w0"
+
+
 def test_balance_guard_stops_a_hot_prefix_from_collapsing_onto_one_worker() -> None:
     policy = CacheAware(CacheAwareConfig(backlog_weight=0.0, balance_factor=1.25, balance_slack_tokens=0))
     c = cands(10_000, 1_000, 1_000, 1_000)  # mean 3250, bound 4062: w0 is out
@@ -60,5 +68,10 @@ def test_balance_guard_stops_a_hot_prefix_from_collapsing_onto_one_worker() -> N
     assert policy.pick_prefill(make_request(1000), cands(0), {}).worker_id == "w0"
 
 
-def test_ties_are_deterministic() -> None:
-    assert CacheAware().pick_prefill(make_request(), cands(0, 0, 0)).worker_id == "w0"
+def test_ties_are_deterministic_and_spread() -> None:
+    c = cands(0, 0, 0)
+    assert CacheAware().pick_prefill(make_request(), c).worker_id == "w0"
+    c[0].assigned_tokens = 500
+    c[1].assigned_tokens = 200
+    assert CacheAware().pick_prefill(make_request(), c).worker_id == "w2"
+    assert LeastLoaded().pick_prefill(make_request(), c).worker_id == "w2"

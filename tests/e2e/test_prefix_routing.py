@@ -1,0 +1,129 @@
+"""Cache-aware routing with real workers, a real Redis prefix index, and Redis failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import redis.asyncio as aioredis
+
+from engine.tokenizer import load_tokenizer
+from pdcommon.hashing import hash_blocks
+from pdcommon.workers import WorkerRole
+from pdrouter.embedded_redis import EmbeddedRedis
+from pdstate.prefix_index import PrefixIndex
+from router.orchestrator import OrchestratorConfig
+from router.server import RouterProcess
+
+from .conftest import Cluster
+
+SYSTEMS = [f"System prompt number {i}: you are a helpful assistant who answers briefly. " * 4 for i in range(4)]
+
+
+async def complete(router: RouterProcess, prompt: str, max_tokens: int = 2) -> dict[str, object]:
+    async with httpx.AsyncClient(timeout=30) as http:
+        resp = await http.post(f"http://127.0.0.1:{router.http_port}/v1/completions",
+                               json={"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+        assert resp.status_code == 200, resp.text
+        return dict(resp.json())
+
+
+def cached(answer: dict[str, object]) -> int:
+    return int(answer["usage"]["prompt_tokens_details"]["cached_tokens"])  # type: ignore[index]
+
+
+async def ready(router: RouterProcess, prefill: int, decode: int) -> None:
+    assert router.pool is not None
+    for _ in range(200):
+        if len(router.pool.workers(WorkerRole.PREFILL)) == prefill and \
+                len(router.pool.workers(WorkerRole.DECODE)) == decode:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("workers did not register")
+
+
+async def test_repeated_system_prompts_land_where_they_are_cached(cluster: Cluster) -> None:
+    for i in range(3):
+        cluster.spawn("prefill", worker_id=f"prefill-{i}")
+    cluster.spawn("decode")
+    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    await ready(router, 3, 1)
+    system_blocks = [len(load_tokenizer(cluster.model).encode(s)) // 16 for s in SYSTEMS]
+    for rnd in range(3):
+        for i, system in enumerate(SYSTEMS):
+            answer = await complete(router, f"{system}Question {rnd}?")
+            if rnd > 0:
+                assert cached(answer) >= system_blocks[i] * 16, (rnd, i, answer["usage"])
+            await asyncio.sleep(0.05)  # block events reach the index
+    assert router.orchestrator is not None
+    stats = router.orchestrator.stats
+    assert sum(stats.match_tokens.values()) > 0
+    # The load spread over more than one worker: no collapse onto a single one.
+    assert len([w for w, n in stats.placed_tokens.items() if n > 0]) >= 2
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(f"http://127.0.0.1:{router.http_port}/metrics")).text
+    assert "pdrouter_prefix_match_tokens_total" in text and "pdrouter_redis_up 1.0" in text
+
+
+async def test_eviction_and_a_killed_worker_remove_entries(cluster: Cluster, redis_url: str) -> None:
+    small = cluster.spawn("prefill", worker_id="prefill-small", num_blocks=40)  # 640 tokens of KV
+    cluster.spawn("decode")
+    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    await ready(router, 1, 1)
+    tok = load_tokenizer(cluster.model)
+    prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 18 for i in range(3)]
+    client = aioredis.Redis.from_url(redis_url)
+    index = PrefixIndex(client, "tiny")
+    handle = router.pool.workers(WorkerRole.PREFILL)[0]  # type: ignore[union-attr]
+    workers = [(handle.worker_id, handle.record.epoch)]
+    first = hash_blocks(tok.encode(prompts[0]), 16)
+    await complete(router, prompts[0])
+    for _ in range(100):
+        if (await index.lookup(first, workers))[0].blocks == len(first):
+            break
+        await asyncio.sleep(0.05)
+    assert (await index.lookup(first, workers))[0].blocks == len(first)
+    for p in prompts[1:]:
+        await complete(router, p)
+    for _ in range(100):  # prompt 0's blocks were evicted for the others: its entries go too
+        if (await index.lookup(first, workers))[0].blocks == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert (await index.lookup(first, workers))[0].blocks == 0
+    # A killed worker stops counting: it leaves the pool once its heartbeat lapses.
+    survivor = cluster.spawn("prefill", worker_id="prefill-2")
+    await ready(router, 2, 1)
+    small.kill()
+    await ready(router, 1, 1)
+    assert [h.worker_id for h in router.pool.workers(WorkerRole.PREFILL)] == ["prefill-2"]  # type: ignore[union-attr]
+    assert survivor.alive
+    assert (await complete(router, prompts[2]))["choices"]
+    await client.aclose()
+
+
+async def test_redis_restart_and_outage(cluster: Cluster, redis_server: EmbeddedRedis) -> None:
+    cluster.spawn("prefill", worker_id="prefill-a")
+    cluster.spawn("prefill", worker_id="prefill-b")
+    cluster.spawn("decode")
+    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    await ready(router, 2, 1)
+    prompt = SYSTEMS[0] + "What now?"
+    await complete(router, prompt)
+    await asyncio.sleep(0.2)
+    assert cached(await complete(router, prompt)) > 0
+    # Redis goes away: requests are still served, on load alone, and the metrics say so.
+    redis_server.stop()
+    for i in range(3):
+        assert (await complete(router, f"{SYSTEMS[1]} outage {i}"))["choices"]
+    orch = router.orchestrator
+    assert orch is not None and not orch.index_ok and not orch.admission_ok
+    async with httpx.AsyncClient() as http:
+        assert "pdrouter_redis_up 0.0" in (await http.get(f"http://127.0.0.1:{router.http_port}/metrics")).text
+    # Redis comes back empty: workers re-register and republish, and hits return.
+    redis_server.start()
+    for _ in range(200):
+        answer = await complete(router, prompt)
+        if cached(answer) > 0 and orch.index_ok:
+            break
+        await asyncio.sleep(0.1)
+    assert cached(answer) > 0 and orch.index_ok and orch.admission_ok
