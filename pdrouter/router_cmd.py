@@ -32,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-admission", action="store_true", help="do not book KV in Redis before routing")
     p.add_argument("--queue-timeout-s", type=float, default=10.0, help="longest wait for KV room before 429")
     p.add_argument("--queue-limit", type=int, default=1024, help="requests that may wait for KV room")
+    p.add_argument("--lease-ms", type=int, default=30_000,
+                   help="KV bookings expire this long after the last renewal (a crashed router's come back)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -53,7 +55,8 @@ def build_config(args: argparse.Namespace) -> object:
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         block_size=args.block_size, cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
-        admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s),
+        admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
+                                          lease_ms=args.lease_ms),
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
 
 
@@ -75,5 +78,11 @@ async def _serve(config: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import os as _os
+    if _os.environ.get("RO_UVLOOP"):
+        import uvloop
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_serve(build_config(args)))
+        return 0
     asyncio.run(_serve(build_config(args)))
     return 0

@@ -9,8 +9,9 @@ import os
 import signal
 from pathlib import Path
 
+from pdcommon.capacity import DEFAULT_OVERHEAD_BYTES, check_utilization_against_quota, utilization_from_quota
 from pdcommon.errors import ConfigError
-from pdcommon.gpu import GiB
+from pdcommon.gpu import GiB, get_gpu_preset
 from pdcommon.workers import WorkerRole
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
@@ -41,7 +42,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (overrides the memory math)")
         p.add_argument("--kv-memory-gb", type=float, default=None,
                        help="memory budget in GiB the pool is sized from (default on CPU: 1 GiB)")
-        p.add_argument("--utilization", type=float, default=0.9)
+        p.add_argument("--utilization", type=float, default=None,
+                       help="fraction of --gpu/--kv-memory-gb memory the engine may use (default 0.9, or "
+                            "quota ÷ physical with --quota-gb)")
+        p.add_argument("--gpu", default=None,
+                       help="GPU preset whose memory sizes the pool (e.g. h100); see `pdrouter capacity --list`")
+        p.add_argument("--quota-gb", type=float, default=None,
+                       help="memory quota in GiB (HAMi nvidia.com/gpumem); refuses a utilization above it")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (chunk size)")
         if name != "worker":
@@ -60,10 +67,27 @@ def build_config(args: argparse.Namespace) -> object:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if not args.model.is_dir():
         raise ConfigError(f"--model {args.model} is not a folder (create one with `pdrouter make-model`)")
-    budget = None if args.num_blocks else int((args.kv_memory_gb or (1.0 if args.device == "cpu" else 0)) * GiB)
+    physical = None
+    if args.gpu:
+        physical = get_gpu_preset(args.gpu).memory_bytes
+    elif args.kv_memory_gb:
+        physical = int(args.kv_memory_gb * GiB)
+    utilization = args.utilization
+    if args.quota_gb is not None:
+        if physical is None:
+            raise ConfigError("--quota-gb needs --gpu (or --kv-memory-gb) for the card's physical memory")
+        quota = int(args.quota_gb * GiB)
+        if utilization is None:
+            utilization = utilization_from_quota(quota, physical)
+        check_utilization_against_quota(utilization, quota, physical)
+    utilization = 0.9 if utilization is None else utilization
+    budget = None
+    if not args.num_blocks:
+        budget = physical or (int(1.0 * GiB) if args.device == "cpu" else None)
     engine = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
                           block_size=args.block_size, num_blocks=args.num_blocks,
-                          memory_budget_bytes=budget or None, memory_utilization=args.utilization,
+                          memory_budget_bytes=budget, memory_utilization=utilization,
+                          overhead_bytes=DEFAULT_OVERHEAD_BYTES if args.gpu else None,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
     token = os.environ.get(KV_TOKEN_ENV, "")
     if not token and args.role_name != "worker":

@@ -1,0 +1,105 @@
+"""KV admission against a real Redis: reserve+release round trip and reservations per second.
+
+One "router" is one process with its own Redis connection pool running 16 concurrent
+reserve → release loops over 4 decode workers; the two-router case runs two such processes on
+the same Redis at once (their bookings contend on the same keys, as replicas' do).
+
+    python benchmarks/admission_bench.py [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import statistics
+import time
+
+import redis.asyncio as aioredis
+from _report import Report, base_parser
+
+from pdcommon.errors import CapacityError
+from pdcommon.ids import Epoch, RequestId, WorkerId
+from pdrouter.embedded_redis import EmbeddedRedis
+from pdstate.reservations import DecodeCapacity, KvReservations
+
+WORKERS = [DecodeCapacity(WorkerId(f"decode-{i}"), Epoch(1), 100_000) for i in range(4)]
+
+
+async def _router(url: str, name: str, seconds: float, concurrency: int) -> tuple[int, list[float]]:
+    client = aioredis.Redis.from_url(url, max_connections=concurrency + 4)
+    res = KvReservations(client, "bench")
+    count = 0
+    latencies: list[float] = []
+    end = time.perf_counter() + seconds
+
+    async def loop(i: int) -> None:
+        nonlocal count
+        n = 0
+        while time.perf_counter() < end:
+            start = time.perf_counter()
+            try:
+                r = await res.reserve(RequestId(f"{name}-{i}-{n}"), 32, WORKERS, lease_ms=30_000)
+            except CapacityError:
+                continue
+            await res.release(r)
+            latencies.append(time.perf_counter() - start)
+            n += 1
+            count += 1
+
+    await asyncio.gather(*(loop(i) for i in range(concurrency)))
+    await client.aclose()
+    return count, latencies
+
+
+def _run(url: str, name: str, seconds: float, concurrency: int, out: mp.Queue) -> None:  # type: ignore[type-arg]
+    out.put(asyncio.run(_router(url, name, seconds, concurrency)))
+
+
+def measure(url: str, routers: int, seconds: float, concurrency: int) -> tuple[float, list[float]]:
+    ctx = mp.get_context("spawn")
+    queue: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    procs = [ctx.Process(target=_run, args=(url, f"r{i}", seconds, concurrency, queue)) for i in range(routers)]
+    for p in procs:
+        p.start()
+    results = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    total = sum(c for c, _ in results)
+    return total / seconds, [x for _, lat in results for x in lat]
+
+
+async def serial_round_trip(url: str, n: int) -> tuple[float, float]:
+    client = aioredis.Redis.from_url(url)
+    res = KvReservations(client, "bench")
+    times, pings = [], []
+    for i in range(n):
+        start = time.perf_counter()
+        r = await res.reserve(RequestId(f"serial-{i}"), 32, WORKERS, lease_ms=30_000)
+        await res.release(r)
+        times.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        await client.ping()
+        pings.append(time.perf_counter() - start)
+    await client.aclose()
+    return statistics.median(times), statistics.median(pings)
+
+
+def main() -> None:
+    args = base_parser(__doc__ or "").parse_args()
+    seconds = 3.0 if args.quick else 10.0
+    report = Report()
+    with EmbeddedRedis() as server:
+        rt, ping = asyncio.run(serial_round_trip(server.url, 300 if args.quick else 2000))
+        report.add("ping_p50", ping * 1e6, "us")
+        report.add("reserve_release_p50_c1", rt * 1e6, "us")
+        for routers in (1, 2):
+            rate, lat = measure(server.url, routers, seconds, 16)
+            lat.sort()
+            report.add(f"reservations_per_s_{routers}_router{'s' if routers > 1 else ''}", rate, "1/s")
+            report.add(f"reserve_release_p50_{routers}r_c16", statistics.median(lat) * 1e6, "us")
+            report.add(f"reserve_release_p99_{routers}r_c16", lat[int(0.99 * len(lat))] * 1e6, "us")
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
