@@ -1,0 +1,164 @@
+"""Run a compose file's services as local processes, with the very commands the containers run.
+
+Only what cannot be the same on one host changes: service hostnames and bind-all addresses
+become 127.0.0.1, every port a service listens on becomes a free local port (references to it
+from other services follow), named volumes become folders, and the ``redis`` service is an
+embedded ``redis-server``. Services start in ``depends_on`` order; a service others wait on as
+``service_healthy`` must pass its own compose health check first, and a one-shot service must
+exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pdrouter.embedded_redis import EmbeddedRedis, free_port
+from pdrouter.local_cluster import ManagedProcess
+
+from .deploy_files import (
+    HEALTHCHECK_COMMAND,
+    HEALTHCHECK_SCRIPT,
+    PORT_FLAGS,
+    compose_argv,
+    compose_env,
+    compose_healthcheck,
+    compose_mounts,
+    shell_script,
+    start_order,
+)
+
+LOOPBACK = "127.0.0.1"
+_BIND_ALL = ("0.0.0.0", "::")
+_HOST_FLAGS = ("--host", "--advertise-host")
+
+
+class LocalCompose:
+    """The services of one compose file on this host; ``up`` starts them, ``down`` stops them."""
+
+    def __init__(self, compose: dict[str, Any], workdir: Path, redis: EmbeddedRedis,
+                 redis_service: str = "redis", redis_port: int = 6379) -> None:
+        self.services: dict[str, Any] = compose["services"]
+        self.workdir = workdir
+        self.redis_service = redis_service
+        self.ports: dict[tuple[str, int], int] = {(redis_service, redis_port): redis.port}
+        self.volumes: dict[str, Path] = {}
+        for name in compose.get("volumes") or {}:
+            self.volumes[name] = workdir / "volumes" / name
+            self.volumes[name].mkdir(parents=True)
+        self.procs: dict[str, ManagedProcess] = {}
+        names = sorted([*self.services, LOOPBACK, "localhost", *_BIND_ALL], key=len, reverse=True)
+        self._host_port = re.compile(r"(?<![\w.-])(" + "|".join(map(re.escape, names)) + r"):(\d+)\b")
+
+    # -- localization ---------------------------------------------------------------------------
+
+    def port(self, service: str, container_port: int) -> int:
+        """The local port standing in for ``service``'s ``container_port``."""
+        key = (service, container_port)
+        if key not in self.ports:
+            self.ports[key] = free_port()
+        return self.ports[key]
+
+    def localize_text(self, service: str, text: str) -> str:
+        """``text`` with ``host:port`` and volume paths moved to this host."""
+        def host_port(m: re.Match[str]) -> str:
+            host = m.group(1)
+            owner = host if host in self.services else service
+            return f"{LOOPBACK}:{self.port(owner, int(m.group(2)))}"
+
+        text = self._host_port.sub(host_port, text)
+        for mount in compose_mounts(self.services[service]):
+            if mount.source in self.volumes:
+                pattern = r"(?<![\w./-])" + re.escape(mount.target) + r"(?![\w.-])"
+                text = re.sub(pattern, str(self.volumes[mount.source]).replace("\\", r"\\"), text)
+        return text
+
+    def localize_argv(self, service: str, argv: Sequence[str]) -> list[str]:
+        out: list[str] = []
+        for i, token in enumerate(argv):
+            flag = argv[i - 1] if i else ""
+            if flag in PORT_FLAGS and token.isdigit() and int(token) != 0:
+                out.append(str(self.port(service, int(token))))
+            elif flag in _HOST_FLAGS and (token in self.services or token in _BIND_ALL):
+                out.append(LOOPBACK)
+            else:
+                out.append(self.localize_text(service, token))
+        return out
+
+    def env(self, service: str) -> dict[str, str]:
+        return {k: self.localize_text(service, v) for k, v in compose_env(self.services[service]).items()}
+
+    # -- running --------------------------------------------------------------------------------
+
+    def up(self, selected: Sequence[str], timeout: float = 120.0) -> None:
+        """Start ``selected`` (and nothing else) wave by wave, as ``docker compose up --wait`` would."""
+        for wave in start_order(self.services, selected):
+            started = [name for name in wave if self._start(name, timeout)]
+            for name in started:
+                self.procs[name].wait_ready(timeout)
+            for name in wave:
+                if self.services[name].get("healthcheck") and name != self.redis_service:
+                    self.wait_healthy(name, timeout)
+
+    def _start(self, name: str, timeout: float) -> bool:
+        """Run a one-shot service to completion (False) or start a long-running one (True)."""
+        if name == self.redis_service:
+            return False
+        argv = compose_argv(self.services[name])
+        if shell_script(argv) is not None:
+            self.run_once(name, timeout)
+            return False
+        assert argv[0] == "pdrouter", f"{name}: runs {argv[0]!r}, not pdrouter"
+        self.procs[name] = ManagedProcess(name, self.localize_argv(name, argv[1:]), env=self.env(name))
+        return True
+
+    def run_once(self, name: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+        """Run a ``sh -c`` service (the model step); AssertionError unless it exits 0."""
+        argv = compose_argv(self.services[name])
+        script = shell_script(argv)
+        assert script is not None, f"{name} is not a shell one-shot"
+        env = {**os.environ, **self.env(name), "PATH": f"{self._pdrouter_shim()}{os.pathsep}{os.environ['PATH']}"}
+        done = subprocess.run([*argv[:2], self.localize_text(name, script)], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+        assert done.returncode == 0, f"{name} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        return done
+
+    def _pdrouter_shim(self) -> Path:
+        """A folder whose ``pdrouter`` runs this interpreter's pdrouter, for shell scripts."""
+        folder = self.workdir / "bin"
+        shim = folder / "pdrouter"
+        if not shim.exists():
+            folder.mkdir(exist_ok=True)
+            shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pdrouter "$@"\n')
+            shim.chmod(0o755)
+        return folder
+
+    def healthcheck(self, name: str, argv: Sequence[str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run the service's compose health check (or ``pdrouter-healthcheck ARGV``) against it, here."""
+        argv = list(argv) if argv is not None else compose_healthcheck(self.services[name])
+        assert argv is not None and argv[0] == HEALTHCHECK_COMMAND, f"{name}: health check {argv!r}"
+        local = [sys.executable, str(HEALTHCHECK_SCRIPT), *self.localize_argv(name, argv[1:])]
+        return subprocess.run(local, capture_output=True, text=True, timeout=30)
+
+    def wait_healthy(self, name: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = self.healthcheck(name)
+            if done.returncode == 0:
+                return
+            proc = self.procs.get(name)
+            if (proc is not None and not proc.alive) or time.monotonic() > deadline:
+                tail = "\n".join(proc.tail) if proc is not None else ""
+                raise AssertionError(f"{name} never became healthy: {done.stderr.strip()}\n{tail}")
+            time.sleep(0.2)
+
+    def down(self) -> None:
+        for proc in reversed(list(self.procs.values())):
+            proc.stop()
+        self.procs.clear()

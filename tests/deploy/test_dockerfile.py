@@ -1,0 +1,179 @@
+"""deploy/Dockerfile{,.cuda} and /.dockerignore, read without Docker; the build context builds a wheel."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from .deploy_files import (
+    DOCKERFILES,
+    HEALTHCHECK_COMMAND,
+    HEALTHCHECK_SCRIPT,
+    PORT_FLAGS,
+    REPO,
+    Instruction,
+    compose_argv,
+    dockerfile_instructions,
+    dockerignore_patterns,
+    dockerignored,
+    expand_args,
+    load_compose,
+    parse_pdrouter,
+    pdrouter_commands,
+    stage_args,
+)
+
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+DOCKERIGNORE = REPO / ".dockerignore"
+IDS = [p.name for p in DOCKERFILES]
+
+
+def final_stage(instructions: list[Instruction]) -> list[Instruction]:
+    last = max(i.stage for i in instructions)
+    return [i for i in instructions if i.stage == last]
+
+
+def base_images(path: Path) -> list[str]:
+    instructions = dockerfile_instructions(path)
+    args = stage_args(instructions)
+    return [expand_args(i.value.split()[0], -1, args) for i in instructions if i.keyword == "FROM"]
+
+
+def package_dirs() -> list[str]:
+    """Top-level package folders pyproject.toml installs (its ``packages.find.include`` patterns)."""
+    includes = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    return sorted({pattern.rstrip("*").rstrip(".") for pattern in includes})
+
+
+def torch_pin() -> str:
+    (pin,) = [d for d in PYPROJECT["project"]["dependencies"] if re.match(r"torch\b", d)]
+    return pin.split("==")[1]
+
+
+def test_cpu_image_is_python_311_slim() -> None:
+    assert set(base_images(DOCKERFILES[0])) == {"python:3.11-slim"}
+
+
+def test_cuda_image_is_built_on_a_cuda_base() -> None:
+    assert all(image.startswith("nvidia/cuda:") for image in base_images(DOCKERFILES[1]))
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_torch_is_installed_first_from_the_pytorch_index_at_the_project_pin(path: Path) -> None:
+    instructions = dockerfile_instructions(path)
+    args = stage_args(instructions)
+    runs = [(n, shlex.split(expand_args(i.value, i.stage, args))) for n, i in enumerate(instructions)
+            if i.keyword == "RUN"]
+    (torch_run,) = [(n, words) for n, words in runs if any(w.startswith("torch==") for w in words)]
+    n, words = torch_run
+    assert f"torch=={torch_pin()}" in words
+    index = words[words.index("--index-url") + 1]
+    kind = "cpu" if path.name == "Dockerfile" else "cu"
+    assert index.startswith(f"https://download.pytorch.org/whl/{kind}"), index
+    (copy_src,) = [k for k, i in enumerate(instructions) if i.keyword == "COPY" and i.value.startswith(". ")]
+    assert n < copy_src, "torch goes in its own layer, before the source that changes often"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_final_stage_runs_pdrouter_as_a_non_root_user(path: Path) -> None:
+    stage = final_stage(dockerfile_instructions(path))
+    (user,) = [i.value for i in stage if i.keyword == "USER"]
+    uid = user.split(":")[0]
+    assert uid not in ("root", "0")
+    assert any(f"--uid {uid}" in i.value for i in stage if i.keyword == "RUN"), "the user is created"
+    keywords = [i.keyword for i in stage]
+    assert keywords.index("USER") < keywords.index("ENTRYPOINT")
+    (entrypoint,) = [i for i in stage if i.keyword == "ENTRYPOINT"]
+    assert entrypoint.exec_form() == ["pdrouter"]
+    (cmd,) = [i for i in stage if i.keyword == "CMD"]
+    assert cmd.exec_form() == ["--help"]
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_health_check_script_is_installed_on_the_path(path: Path) -> None:
+    stage = final_stage(dockerfile_instructions(path))
+    copies = [i.value.split() for i in stage if i.keyword == "COPY" and not i.value.startswith("--")]
+    target = f"/usr/local/bin/{HEALTHCHECK_COMMAND}"
+    assert [str(HEALTHCHECK_SCRIPT.relative_to(REPO)), target] in copies
+    assert any(f"chmod 0755 {target}" in i.value for i in stage if i.keyword == "RUN")
+    assert HEALTHCHECK_SCRIPT.read_text().startswith("#!/usr/bin/env python3\n")
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_copy_sources_are_in_the_build_context(path: Path) -> None:
+    patterns = dockerignore_patterns(DOCKERIGNORE)
+    for ins in dockerfile_instructions(path):
+        if ins.keyword != "COPY" or ins.value.startswith("--from"):
+            continue
+        *sources, _ = ins.value.split()
+        for source in sources:
+            assert (REPO / source).exists(), f"{path.name}: COPY {source}: no such file"
+            if source != ".":
+                assert not dockerignored(source, patterns), f"{path.name}: COPY {source} is excluded by .dockerignore"
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_image_exposes_the_ports_the_services_listen_on(path: Path) -> None:
+    (expose,) = [i for i in final_stage(dockerfile_instructions(path)) if i.keyword == "EXPOSE"]
+    exposed = {int(p) for p in expose.value.split()}
+    listened: set[int] = set()
+    for service in load_compose()["services"].values():
+        if "build" in service:
+            for argv in pdrouter_commands(compose_argv(service)):
+                args = parse_pdrouter(argv)
+                listened |= {getattr(args, f[2:].replace("-", "_"), 0) for f in PORT_FLAGS} - {0, None}
+    assert listened and listened <= exposed, f"listened {sorted(listened)}, exposed {sorted(exposed)}"
+
+
+def test_dockerignore_keeps_the_installable_project_and_nothing_else() -> None:
+    patterns = dockerignore_patterns(DOCKERIGNORE)
+    kept = ["pyproject.toml", PYPROJECT["project"]["readme"], str(HEALTHCHECK_SCRIPT.relative_to(REPO))]
+    for package in package_dirs():
+        files = [p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")]
+        assert files, f"no package folder {package}"
+        kept += files
+    assert [f for f in kept if dockerignored(f, patterns)] == []
+    dropped = [".venv/bin/python", ".git/HEAD", "tests/conftest.py", "models/tiny/config.json",
+               "pd_router.egg-info/PKG-INFO", "router/__pycache__/server.cpython-311.pyc", "deploy/Dockerfile",
+               "benchmarks/hash_bench.py", ".pdrouter/models/tiny/config.json"]
+    assert [f for f in dropped if not dockerignored(f, patterns)] == []
+
+
+def build_context(dest: Path) -> Path:
+    """Copy what .dockerignore lets into the build context, as Docker would send it."""
+    patterns = dockerignore_patterns(DOCKERIGNORE)
+    tops = {p.lstrip("!").split("/")[0] for p in patterns if p.startswith("!")}
+    for top in sorted(tops):
+        src = REPO / top
+        for path in [src] if src.is_file() else sorted(src.rglob("*")):
+            rel = path.relative_to(REPO).as_posix()
+            if path.is_file() and not dockerignored(rel, patterns):
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dest / rel)
+    return dest
+
+
+@pytest.mark.slow
+def test_build_context_builds_a_wheel_with_every_package(tmp_path: Path) -> None:
+    context = build_context(tmp_path / "context")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "--no-index", "-q", "-w", str(tmp_path / "dist"), str(context)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = (tmp_path / "dist").glob("pd_router-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package in package_dirs():
+        expected = {p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")
+                    if "__pycache__" not in p.parts}
+        assert expected <= names, f"{package}: {sorted(expected - names)[:5]} missing from the wheel"
+    assert "pdrouter/v1/router_pb2_grpc.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "pdrouter = pdrouter.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

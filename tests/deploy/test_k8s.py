@@ -1,0 +1,366 @@
+"""deploy/k8s: manifests that parse, run real pdrouter command lines, and reference what exists.
+
+Both kustomizations are checked: ``deploy/k8s`` (CPU) and ``deploy/k8s/gpu`` (its patches applied
+by ``build_kustomization``; ``kubectl kustomize``, when installed, must agree).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from .deploy_files import (
+    DEPLOY,
+    K8S,
+    all_containers,
+    build_kustomization,
+    compose_argv,
+    container_argv,
+    dockerfile_instructions,
+    env_var_value,
+    find_object,
+    is_project_image,
+    k8s_env_refs,
+    kustomization,
+    load_compose,
+    load_yaml_docs,
+    parse_pdrouter,
+    pdrouter_commands,
+    pod_templates,
+)
+
+OVERLAYS = {"cpu": K8S, "gpu": K8S / "gpu"}
+SERVERS = ("prefill", "decode", "worker", "router")
+
+
+@dataclass(frozen=True)
+class Server:
+    """A long-running pdrouter container and the pod it runs in."""
+
+    workload: dict[str, Any]
+    pod: dict[str, Any]
+    container: dict[str, Any]
+    argv: list[str]
+    args: argparse.Namespace
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload['metadata']['name']}/{self.container['name']}"
+
+    @property
+    def listen_ports(self) -> set[int]:
+        names = ("port", "kv_port") if self.args.command != "router" else ("http_port", "grpc_port")
+        return {getattr(self.args, n) for n in names if getattr(self.args, n, 0)}
+
+    @property
+    def grpc_port(self) -> int:
+        return int(self.args.grpc_port if self.args.command == "router" else self.args.port)
+
+    def container_port(self, port: int | str) -> int:
+        """A probe's or Service's port (number or name) as a number; AssertionError if undeclared."""
+        declared = {p.get("name"): p["containerPort"] for p in self.container.get("ports", [])}
+        if isinstance(port, str):
+            assert port in declared, f"{self.name}: no container port named {port!r}"
+            return int(declared[port])
+        assert port in declared.values(), f"{self.name}: port {port} is not a declared container port"
+        return port
+
+
+@pytest.fixture(scope="module", params=sorted(OVERLAYS))
+def objects(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
+    return build_kustomization(OVERLAYS[request.param])
+
+
+@pytest.fixture(scope="module")
+def servers(objects: list[dict[str, Any]]) -> list[Server]:
+    out = []
+    for workload, template in pod_templates(objects):
+        pod = template["spec"]
+        for container in pod["containers"]:
+            if not is_project_image(container["image"]):
+                continue
+            (argv,) = pdrouter_commands(container_argv(container))
+            out.append(Server(workload, pod, container, argv, parse_pdrouter(argv)))
+    return out
+
+
+def servers_of(servers: list[Server], *commands: str) -> list[Server]:
+    return [s for s in servers if s.args.command in commands]
+
+
+def test_manifests_parse_and_name_no_namespace() -> None:
+    files = sorted(K8S.rglob("*.yaml"))
+    assert files
+    for path in files:
+        docs = load_yaml_docs(path)
+        assert docs, f"{path} is empty"
+        for doc in docs:
+            assert doc.get("apiVersion") and doc.get("kind"), f"{path}: {doc!r:.80}"
+            if doc["kind"] == "Kustomization":
+                assert "namespace" not in doc, f"{path} pins a namespace"
+                continue
+            assert doc["metadata"].get("name"), path
+            assert "namespace" not in doc["metadata"], f"{path}: {doc['kind']} pins a namespace"
+
+
+def test_every_manifest_file_belongs_to_its_kustomization() -> None:
+    for folder in {p.parent for p in K8S.rglob("kustomization.yaml")}:
+        spec = kustomization(folder)
+        listed = {*spec.get("resources", []), *(p["path"] for p in spec.get("patches", []))}
+        local = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
+        assert local <= listed, f"{folder}: {sorted(local - listed)} are not in kustomization.yaml"
+        for entry in listed:
+            assert (folder / entry).exists(), f"{folder}: {entry} does not exist"
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@pytest.mark.parametrize("overlay", sorted(OVERLAYS))
+def test_kubectl_kustomize_renders_what_the_checks_read(overlay: str) -> None:
+    rendered = subprocess.run(["kubectl", "kustomize", str(OVERLAYS[overlay])], capture_output=True, text=True,
+                              timeout=60)
+    assert rendered.returncode == 0, rendered.stderr
+    real = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    ours = build_kustomization(OVERLAYS[overlay])
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in real) == sorted(
+        (o["kind"], o["metadata"]["name"]) for o in ours)
+    for workload, template in pod_templates(ours):
+        name = workload["metadata"]["name"]
+        real_template = find_object(real, workload["kind"], name)["spec"]["template"]
+        for ours_c, real_c in zip(all_containers(template["spec"]), all_containers(real_template["spec"]),
+                                  strict=True):
+            assert container_argv(ours_c) == container_argv(real_c), name
+            assert ours_c["resources"] == real_c["resources"], name
+            assert real_c["image"].split(":")[0] == ours_c["image"].split(":")[0], "kustomize sets only image tags"
+
+
+def test_every_pdrouter_command_is_a_real_command(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    started: set[str] = set()
+    for _, template in pod_templates(objects):
+        for container in all_containers(template["spec"]):
+            if is_project_image(container["image"]):
+                commands = pdrouter_commands(container_argv(container))
+                assert commands, f"{container['name']} runs no pdrouter command"
+                started.update(parse_pdrouter(argv).command for argv in commands)
+    assert started == {"make-model", "prefill", "decode", "router"}
+    assert sorted(s.args.command for s in servers) == ["decode", "prefill", "router"]
+
+
+def test_argument_references_name_defined_env_vars(objects: list[dict[str, Any]]) -> None:
+    for _, template in pod_templates(objects):
+        for container in all_containers(template["spec"]):
+            defined = {var["name"] for var in container.get("env", [])}
+            refs = k8s_env_refs(" ".join(container_argv(container)))
+            assert set(refs) <= defined, f"{container['name']}: $({sorted(set(refs) - defined)}) undefined"
+
+
+def field_ref(container: dict[str, Any], name: str) -> str | None:
+    for var in container.get("env", []):
+        if var["name"] == name:
+            return var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    return None
+
+
+def test_workers_advertise_their_pod_ip_under_their_pod_name(servers: list[Server]) -> None:
+    workers = servers_of(servers, "prefill", "decode", "worker")
+    assert workers
+    for w in workers:
+        assert w.args.host == "0.0.0.0", w.name
+        (ip_var,) = k8s_env_refs(w.args.advertise_host)
+        assert field_ref(w.container, ip_var) == "status.podIP", w.name
+        (id_var,) = k8s_env_refs(w.args.worker_id)
+        assert field_ref(w.container, id_var) == "metadata.name", f"{w.name}: worker ids must differ per pod"
+
+
+def test_decode_kv_port_is_fixed_and_declared(servers: list[Server]) -> None:
+    (decode,) = servers_of(servers, "decode")
+    assert decode.args.kv_port
+    decode.container_port(decode.args.kv_port)
+    assert {s.args.kv_backend for s in servers_of(servers, "prefill", "decode")} == {decode.args.kv_backend}
+
+
+def redis_url(server: Server, objects: list[dict[str, Any]]) -> str | None:
+    if "--redis" in server.argv:
+        return server.argv[server.argv.index("--redis") + 1]
+    return env_var_value(server.container, "PDROUTER_REDIS_URL", objects)
+
+
+def service_backends(service: dict[str, Any], objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The containers of the pods a Service selects."""
+    selector = service["spec"]["selector"]
+    return [c for _, template in pod_templates(objects)
+            if selector.items() <= template["metadata"]["labels"].items() for c in template["spec"]["containers"]]
+
+
+def target_container_port(port: dict[str, Any], container: dict[str, Any]) -> int | None:
+    target = port.get("targetPort", port["port"])
+    for declared in container.get("ports", []):
+        if target in (declared.get("name"), declared["containerPort"]):
+            return int(declared["containerPort"])
+    return None
+
+
+def test_redis_url_reaches_the_redis_container(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    for server in servers:
+        url = redis_url(server, objects)
+        assert url, f"{server.name} has no Redis URL"
+        parts = urlsplit(url)
+        service = find_object(objects, "Service", str(parts.hostname))
+        (port,) = [p for p in service["spec"]["ports"] if p["port"] == parts.port]
+        backends = service_backends(service, objects)
+        assert backends, f"Service {parts.hostname} selects no pods"
+        for container in backends:
+            assert container["image"].split(":")[0] == "redis"
+            assert target_container_port(port, container) == 6379
+
+
+def test_probes_hit_the_ports_the_process_listens_on(servers: list[Server]) -> None:
+    for s in servers:
+        declared = {p["containerPort"] for p in s.container.get("ports", [])}
+        assert declared == s.listen_ports, f"{s.name}: declares {declared}, listens on {s.listen_ports}"
+        assert "readinessProbe" in s.container and "livenessProbe" in s.container, s.name
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = s.container.get(kind)
+            if probe is None:
+                continue
+            if "grpc" in probe:
+                port = probe["grpc"]["port"]
+                assert isinstance(port, int), f"{s.name} {kind}: gRPC probes take a port number"
+                assert port == s.grpc_port, f"{s.name} {kind}: gRPC probe on {port}, gRPC serves {s.grpc_port}"
+            elif "httpGet" in probe:
+                assert s.args.command == "router", f"{s.name}: only the router serves HTTP"
+                assert probe["httpGet"]["path"] == "/health"
+                assert s.container_port(probe["httpGet"]["port"]) == s.args.http_port
+            else:
+                raise AssertionError(f"{s.name} {kind}: use a gRPC or HTTP probe, got {probe}")
+
+
+def test_router_probes_cover_both_front_doors(servers: list[Server]) -> None:
+    (router,) = servers_of(servers, "router")
+    kinds = {next(iter(k for k in ("grpc", "httpGet") if k in router.container[p]))
+             for p in ("readinessProbe", "livenessProbe")}
+    assert kinds == {"grpc", "httpGet"}
+
+
+def test_every_reference_exists(objects: list[dict[str, Any]]) -> None:
+    for workload, template in pod_templates(objects):
+        pod = template["spec"]
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        for volume in volumes.values():
+            if "configMap" in volume:
+                find_object(objects, "ConfigMap", volume["configMap"]["name"])
+            if "secret" in volume:
+                find_object(objects, "Secret", volume["secret"]["secretName"])
+            if "persistentVolumeClaim" in volume:
+                find_object(objects, "PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+        for container in all_containers(pod):
+            for mount in container.get("volumeMounts", []):
+                assert mount["name"] in volumes, f"{workload['metadata']['name']}: no volume {mount['name']}"
+            for var in container.get("env", []):
+                if "valueFrom" in var and "fieldRef" not in var["valueFrom"]:
+                    assert env_var_value(container, var["name"], objects), f"{var['name']} resolves to nothing"
+            for source in container.get("envFrom", []):
+                for key, kind in (("configMapRef", "ConfigMap"), ("secretRef", "Secret")):
+                    if key in source:
+                        find_object(objects, kind, source[key]["name"])
+
+
+def test_every_container_requests_resources_and_has_a_memory_limit(objects: list[dict[str, Any]]) -> None:
+    for workload, template in pod_templates(objects):
+        for container in all_containers(template["spec"]):
+            resources = container.get("resources", {})
+            where = f"{workload['metadata']['name']}/{container['name']}"
+            assert {"cpu", "memory"} <= set(resources.get("requests", {})), where
+            assert "memory" in resources.get("limits", {}), where
+
+
+def test_selectors_match_their_pods(objects: list[dict[str, Any]]) -> None:
+    for workload, template in pod_templates(objects):
+        selector = workload["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= template["metadata"]["labels"].items(), workload["metadata"]["name"]
+    for service in (o for o in objects if o["kind"] == "Service"):
+        backends = service_backends(service, objects)
+        assert backends, f"Service {service['metadata']['name']} selects no pods"
+        for port in service["spec"]["ports"]:
+            assert any(target_container_port(port, c) for c in backends), (service["metadata"]["name"], port)
+
+
+def test_router_service_exposes_both_front_doors(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    (router,) = servers_of(servers, "router")
+    service = find_object(objects, "Service", "pd-router")
+    ports = {target_container_port(p, router.container) for p in service["spec"]["ports"]}
+    assert ports == {router.args.http_port, router.args.grpc_port}
+
+
+def test_decode_has_a_disruption_budget(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    (decode,) = servers_of(servers, "decode")
+    budgets = [o for o in objects if o["kind"] == "PodDisruptionBudget"]
+    labels = decode.workload["spec"]["template"]["metadata"]["labels"]
+    assert any(b["spec"]["selector"]["matchLabels"].items() <= labels.items() for b in budgets)
+
+
+def test_prefill_and_decode_read_one_kv_token_secret(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    refs = set()
+    for s in servers_of(servers, "prefill", "decode"):
+        (var,) = [v for v in s.container["env"] if v["name"] == "PDROUTER_KV_TOKEN"]
+        ref = var["valueFrom"]["secretKeyRef"]
+        refs.add((ref["name"], ref["key"]))
+    assert len(refs) == 1, refs
+    (router,) = servers_of(servers, "router")
+    assert "PDROUTER_KV_TOKEN" not in {v["name"] for v in router.container.get("env", [])}
+
+
+def image_uid() -> int:
+    (user,) = [i for i in dockerfile_instructions(DEPLOY / "Dockerfile") if i.keyword == "USER"]
+    return int(user.value.split(":")[0])
+
+
+def test_project_pods_run_as_the_image_user(objects: list[dict[str, Any]]) -> None:
+    for workload, template in pod_templates(objects):
+        pod = template["spec"]
+        if not any(is_project_image(c["image"]) for c in all_containers(pod)):
+            continue
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True
+        assert context["runAsUser"] == context["fsGroup"] == image_uid(), workload["metadata"]["name"]
+
+
+def make_model_args(argv: list[str]) -> tuple[str, int, str | None]:
+    args = parse_pdrouter(argv)
+    return args.preset, args.seed, args.dtype
+
+
+def test_every_pod_prepares_the_same_model_as_compose(objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    compose = load_compose()
+    (expected,) = [make_model_args(argv) for argv in pdrouter_commands(compose_argv(compose["services"]["model"]))]
+    for server in servers:
+        (init,) = [c for c in server.pod.get("initContainers", []) if is_project_image(c["image"])]
+        (make,) = pdrouter_commands(container_argv(init))
+        assert make_model_args(make) == expected, f"{server.name}: other weights than its peers"
+        model_dir = str(server.args.model)
+        (writes,) = [m for m in init["volumeMounts"] if model_dir.startswith(m["mountPath"] + "/")]
+        (reads,) = [m for m in server.container["volumeMounts"] if model_dir.startswith(m["mountPath"] + "/")]
+        assert reads["name"] == writes["name"] and reads.get("readOnly") is True, server.name
+
+
+def test_gpu_overlay_puts_the_workers_on_a_gpu() -> None:
+    cpu = build_kustomization(OVERLAYS["cpu"])
+    gpu = build_kustomization(OVERLAYS["gpu"])
+    for name in ("pd-prefill", "pd-decode"):
+        (c_cpu,) = find_object(cpu, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        (c_gpu,) = find_object(gpu, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        assert parse_pdrouter(container_argv(c_cpu)[1:]).device == "cpu"
+        args = parse_pdrouter(container_argv(c_gpu)[1:])
+        assert args.device == "cuda" and args.num_blocks is None and 0 < args.utilization <= 1
+        assert c_gpu["image"] == "pd-router-cuda"
+        assert int(c_gpu["resources"]["limits"]["nvidia.com/gpu"]) == 1
+        # Apart from the device and the pool sizing, the GPU worker runs the CPU worker's command.
+        strip = re.compile(r"--(device|utilization|num-blocks) \S+ ?")
+        assert strip.sub("", " ".join(container_argv(c_gpu))) == strip.sub("", " ".join(container_argv(c_cpu)))
