@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 
 from engine.tokenizer import load_tokenizer
 from pdcommon.model_spec import ModelSpec
+from pdcommon.workers import WorkerRecord, WorkerRole
 from pdrouter.grpc_util import GrpcServer
 from pdrouter.v1 import router_pb2_grpc
 from pdstate.prefix_index import PrefixIndex
@@ -74,7 +75,9 @@ class RouterProcess:
             if cfg.admission:
                 self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
                 self.admission.start()
-        self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s)
+        self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
+                               on_leave=self._forget_worker if index is not None else None)
+        self._index = index
         await self.pool.start()
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
         self.orchestrator = PdOrchestrator(self.pool, self.model, cfg.orchestrator, policy, index,
@@ -102,6 +105,14 @@ class RouterProcess:
         self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
         log.info("router for %s (%s) on http://%s:%d and grpc %s", self.model_name, cfg.mode, cfg.host,
                  self.http_port, self.grpc.address)
+
+    async def _forget_worker(self, record: WorkerRecord) -> None:
+        """A worker incarnation left the pool: its prefix index entries go with it."""
+        if self._index is not None and record.role is WorkerRole.PREFILL:
+            try:
+                await self._index.clear(record.worker_id, record.epoch)
+            except (RedisError, OSError) as exc:  # they expire on their own anyway
+                log.debug("could not clear index entries of %s: %s", record.worker_id, exc)
 
     @property
     def grpc_address(self) -> str:

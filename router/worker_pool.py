@@ -14,8 +14,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from redis.exceptions import RedisError
@@ -64,7 +65,9 @@ class WorkerPool:
     def __init__(self, model: str, registry: WorkerRegistry | None = None,
                  static_addresses: Sequence[str] = (), refresh_interval_s: float = 1.0,
                  breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
-                 missing_grace_s: float = 2.0) -> None:
+                 missing_grace_s: float = 2.0,
+                 on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None) -> None:
+        """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries)."""
         self.model = model
         self.registry = registry
         self.static_addresses = list(static_addresses)
@@ -74,6 +77,7 @@ class WorkerPool:
         self._missing: dict[WorkerId, float] = {}
         self._closing: set[asyncio.Task[None]] = set()
         self.missing_grace_s = missing_grace_s
+        self.on_leave = on_leave
         self._task: asyncio.Task[None] | None = None
         self.registry_ok = registry is not None
         self.model_compat_hash = ""
@@ -82,8 +86,14 @@ class WorkerPool:
         return [h for h in self._handles.values() if role is None or h.role is role]
 
     def available(self, role: WorkerRole) -> list[WorkerHandle]:
-        """Workers of ``role`` whose circuit breaker lets a request through now."""
-        return [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+        """Workers of ``role`` whose circuit breaker lets a request through now.
+
+        A worker missing from the registry stops counting at once, unless every worker of the role
+        is missing (Redis restarted or is unreachable: better the last known workers than none).
+        """
+        allowed = [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+        present = [h for h in allowed if h.worker_id not in self._missing]
+        return present or allowed
 
     async def start(self) -> None:
         await self.refresh()
@@ -157,9 +167,9 @@ class WorkerPool:
             self._missing.pop(worker_id, None)
             log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
             del self._handles[worker_id]
-            task = asyncio.ensure_future(self._close_when_idle(handle))
-            self._closing.add(task)
-            task.add_done_callback(self._closing.discard)
+            if self.on_leave is not None:
+                self._track(self.on_leave(handle.record))
+            self._track(self._close_when_idle(handle))
         for worker_id, (record, load) in seen.items():
             if record.model != self.model:
                 continue
@@ -177,6 +187,11 @@ class WorkerPool:
             self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
             log.info("worker %s (%s, epoch %s) joined at %s", worker_id, record.role.value,
                      record.epoch, record.address)
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     @staticmethod
     async def _close_when_idle(handle: WorkerHandle, limit_s: float = 60.0) -> None:

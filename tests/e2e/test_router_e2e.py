@@ -16,7 +16,9 @@ from engine.engine import Engine
 from engine.tokenizer import load_tokenizer
 from pdcommon.sampling import SamplingParams
 from pdcommon.workers import WorkerRole
+from pdrouter.local_cluster import ManagedProcess
 from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.config import RouterConfig
 from router.orchestrator import OrchestratorConfig
 from router.server import RouterProcess
 
@@ -167,3 +169,22 @@ async def test_killed_decode_worker_gives_a_clean_error(cluster: Cluster) -> Non
             break
         await asyncio.sleep(0.05)
     assert router.admission.active == 0
+
+
+async def test_static_worker_list_without_redis(cluster: Cluster) -> None:
+    worker = ManagedProcess("static-worker", ["worker", "--model", str(cluster.model), "--port", "0",
+                                              "--num-blocks", "128", "--log-level", "WARNING"])
+    cluster.procs.append(worker)
+    assert worker.wait_ready()
+    config = RouterConfig(model_dir=cluster.model, static_workers=(worker.address or "",), mode="colocated",
+                          http_port=0, grpc_port=0, orchestrator=OrchestratorConfig(mode="colocated"))
+    router = RouterProcess(config)
+    await router.start()
+    cluster.routers.append(router)
+    await wait_workers(router, {WorkerRole.COLOCATED: 1})
+    assert router.admission is None and router.redis is None
+    _, text = expected_text(cluster.model, PROMPT, 6)
+    async with httpx.AsyncClient() as http:
+        resp = await http.post(f"http://127.0.0.1:{router.http_port}/v1/completions",
+                               json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == text
