@@ -53,6 +53,8 @@ class RouterRequest:
     sampling: SamplingParams
     deadline: float | None = None
     """``time.monotonic()`` by which the request must finish (None: no deadline)."""
+    priority: int = 0
+    """Admission order among waiting requests: higher first, FIFO within a priority."""
 
 
 @dataclass(frozen=True)
