@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 
 import grpc
@@ -97,3 +98,22 @@ async def test_outputs_registration_and_errors(spawn_worker: SpawnWorker, redis_
     live = await WorkerRegistry(client, "tiny").live_workers()
     await client.aclose()
     assert [(w.record.role, w.record.address) for w in live] == [(WorkerRole.COLOCATED, worker.address)]
+
+
+async def test_sigterm_drains_in_flight_requests(spawn_worker: SpawnWorker) -> None:
+    worker = spawn_worker("worker")
+    async with grpc.aio.insecure_channel(worker.address) as channel:
+        stub = worker_pb2_grpc.ColocatedWorkerStub(channel)
+        params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+        call = stub.Generate(worker_pb2.WorkerGenerateRequest(request_id="long", prompt_token_ids=PROMPTS[0],
+                                                              sampling=sampling_to_pb(params)))
+        tokens: list[int] = []
+        last = None
+        async for chunk in call:
+            if not tokens:
+                worker.proc.send_signal(signal.SIGTERM)  # shut down while the request runs
+            tokens.extend(chunk.token_ids)
+            last = chunk
+        assert len(tokens) == 300 and last is not None
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert await asyncio.to_thread(worker.proc.wait, 30) == 0
