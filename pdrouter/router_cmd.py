@@ -78,11 +78,5 @@ async def _serve(config: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import os as _os
-    if _os.environ.get("RO_UVLOOP"):
-        import uvloop
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(_serve(build_config(args)))
-        return 0
     asyncio.run(_serve(build_config(args)))
     return 0

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
@@ -292,7 +291,7 @@ def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
     Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
     to serve on a free port; stop it with ``server.should_exit = True``.
     """
-    config = uvicorn.Config(app, host=host, port=port, http=os.environ.get("RO_HTTP", "h11"), ws="none", lifespan="off",
+    config = uvicorn.Config(app, host=host, port=port, http="h11", ws="none", lifespan="off",
                             access_log=False, log_config=None, log_level=log_level,
                             server_header=False)
     return uvicorn.Server(config)

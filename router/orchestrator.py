@@ -171,8 +171,11 @@ class PdOrchestrator:
 
     async def _cached_tokens(self, request: RouterRequest,
                              candidates: Sequence[WorkerHandle]) -> dict[WorkerId, int]:
-        """Per candidate, the prompt tokens its prefix cache holds (empty without an index)."""
-        if self.prefix_index is None or not candidates:
+        """Per candidate, the prompt tokens its prefix cache holds (empty without an index).
+
+        A prompt shorter than one block cannot hit, so it costs no lookup.
+        """
+        if self.prefix_index is None or not candidates or len(request.prompt_token_ids) < self.model.block_size:
             return {}
         start = time.perf_counter()
         hashes = self.hasher.hash_blocks(request.prompt_token_ids)
@@ -190,6 +193,24 @@ class PdOrchestrator:
         self.stats.lookup_seconds += time.perf_counter() - start
         self.stats.lookups += 1
         return {m.worker_id: m.blocks * self.model.block_size for m in matches}
+
+    def _early_lookup(self, request: RouterRequest) -> asyncio.Task[dict[WorkerId, int]] | None:
+        """Start the first prefill placement's index lookup now, to run while Allocate does.
+
+        Only for prompts that may need the prefill pool (longer than ``local_prefill_tokens``) and
+        can hit (one block or more). The task never raises (``_cached_tokens`` degrades to {}); it
+        is left to finish when the request does not use it (a local prefill, an early error).
+        """
+        n = len(request.prompt_token_ids)
+        if self.prefix_index is None or n < self.model.block_size or n <= self.config.local_prefill_tokens:
+            return None
+        candidates = self.pool.available(WorkerRole.PREFILL)
+        if not candidates:
+            return None
+        task = asyncio.ensure_future(self._cached_tokens(request, candidates))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
 
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
@@ -231,7 +252,8 @@ class PdOrchestrator:
         caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
         start = time.perf_counter()
         try:
-            reservation = await self.admission.admit(request.request_id, blocks, caps, deadline=request.deadline)
+            reservation = await self.admission.admit(request.request_id, blocks, caps, priority=request.priority,
+                                                     deadline=request.deadline)
         except (RedisError, OSError) as exc:
             # Redis is the only shared state: without it keep serving, each decode worker still
             # guards its own pool (Allocate answers RESOURCE_EXHAUSTED when it is full).
@@ -247,13 +269,14 @@ class PdOrchestrator:
             self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
 
-    async def _allocate(self, request: RouterRequest, handle: WorkerHandle) -> worker_pb2.AllocateResponse:
+    async def _allocate(self, request: RouterRequest, handle: WorkerHandle,
+                        sampling: common_pb2.SamplingParams) -> worker_pb2.AllocateResponse:
         msg = worker_pb2.AllocateRequest(request_id=request.request_id,
                                          prompt_token_ids=request.prompt_token_ids,
                                          max_tokens=request.sampling.max_tokens,
                                          model_compat_hash=self.pool.model_compat_hash,
                                          lease_ms=self.config.lease_ms, backend=self.config.kv_backend,
-                                         sampling=sampling_to_pb(request.sampling))
+                                         sampling=sampling)
         handle.breaker.on_attempt()
         try:
             resp = await handle.decode.Allocate(msg, timeout=min(self._timeout(request), 30.0))
@@ -272,17 +295,22 @@ class PdOrchestrator:
         except _GRPC_ERRORS as exc:
             log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
 
-    async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget,
-                       exclude: set[str]) -> worker_pb2.PrefillResponse:
+    async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget, exclude: set[str],
+                       sampling: common_pb2.SamplingParams,
+                       lookup: asyncio.Task[dict[WorkerId, int]] | None = None) -> worker_pb2.PrefillResponse:
+        """Prefill on the best candidate not in ``exclude``; ``lookup``: the index lookup, if started."""
         candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
-        cached_tokens = await self._cached_tokens(request, candidates)
+        if lookup is not None:
+            cached_tokens = await asyncio.shield(lookup)  # a cancelled request leaves it to finish
+        else:
+            cached_tokens = await self._cached_tokens(request, candidates)
         handle = self.policy.pick_prefill(request, candidates, cached_tokens)
         wid = handle.worker_id
         self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached_tokens.get(wid, 0)
         self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + len(request.prompt_token_ids)
         msg = worker_pb2.PrefillRequest(request_id=request.request_id,
                                         prompt_token_ids=request.prompt_token_ids,
-                                        sampling=sampling_to_pb(request.sampling), target=target,
+                                        sampling=sampling, target=target,
                                         model_compat_hash=self.pool.model_compat_hash)
         tokens = len(request.prompt_token_ids)
         handle.inflight += 1
@@ -317,23 +345,26 @@ class PdOrchestrator:
 
     async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         decode, reservation = await self._admit(request, WorkerRole.DECODE)
+        sampling = sampling_to_pb(request.sampling)
         decode.inflight += 1
         allocated = done = False
         try:
+            lookup = self._early_lookup(request)
             tried: set[str] = set()
             for attempt in range(1, self.config.max_prefill_attempts + 1):
-                alloc = await self._allocate(request, decode)
+                alloc = await self._allocate(request, decode, sampling)
                 allocated = True
                 uncached = len(request.prompt_token_ids) - alloc.cached_blocks * self.model.block_size
                 if uncached <= self.config.local_prefill_tokens:
                     self.stats.local_prefills += 1
-                    msg = worker_pb2.DecodeRequest(request_id=request.request_id,
-                                                   sampling=sampling_to_pb(request.sampling), local_prefill=True,
-                                                   prompt_token_ids=request.prompt_token_ids)
+                    msg = worker_pb2.DecodeRequest(request_id=request.request_id, sampling=sampling,
+                                                   local_prefill=True, prompt_token_ids=request.prompt_token_ids)
                     base, produced = Usage(len(request.prompt_token_ids), 0), 0
                     break
                 try:
-                    resp = await self._prefill(request, alloc.target, tried)
+                    # Only the first attempt's candidates are the ones the early lookup asked about.
+                    resp = await self._prefill(request, alloc.target, tried, sampling,
+                                               lookup if attempt == 1 else None)
                 except _PrefillFailed as failed:
                     tried.add(failed.handle.worker_id)
                     if not failed.error.retryable or attempt == self.config.max_prefill_attempts:
@@ -346,8 +377,7 @@ class PdOrchestrator:
                     allocated = False
                     continue
                 yield TokenDelta((resp.first_token_id,))
-                msg = worker_pb2.DecodeRequest(request_id=request.request_id,
-                                               sampling=sampling_to_pb(request.sampling),
+                msg = worker_pb2.DecodeRequest(request_id=request.request_id, sampling=sampling,
                                                first_token_id=resp.first_token_id)
                 base, produced = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens), 1
                 break

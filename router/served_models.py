@@ -50,6 +50,8 @@ class ServedModel:
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         """InvalidRequestError unless every id is in ``[0, vocab_size)``."""
         vocab = self.info.vocab_size
+        if not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab):
+            return  # the common case, at C speed; the loop below names the first bad id
         for t in token_ids:
             if not 0 <= t < vocab:
                 raise InvalidRequestError(
