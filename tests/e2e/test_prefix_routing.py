@@ -114,7 +114,10 @@ async def test_redis_restart_and_outage(cluster: Cluster, redis_server: Embedded
     await ready(router, 2, 1)
     prompt = SYSTEMS[0] + "What now?"
     await complete(router, prompt)
-    await asyncio.sleep(0.2)
+    for _ in range(100):  # the first request's block events reach the index
+        if cached(await complete(router, prompt)) > 0:
+            break
+        await asyncio.sleep(0.1)
     assert cached(await complete(router, prompt)) > 0
     # Redis goes away: requests are still served, on load alone, and the metrics say so.
     redis_server.stop()
@@ -126,7 +129,7 @@ async def test_redis_restart_and_outage(cluster: Cluster, redis_server: Embedded
         assert "pdrouter_redis_up 0.0" in (await http.get(f"http://127.0.0.1:{router.http_port}/metrics")).text
     # Redis comes back empty: workers re-register and republish, and hits return.
     redis_server.start()
-    for _ in range(200):
+    for _ in range(400):
         answer = await complete(router, prompt)
         if cached(answer) > 0 and orch.index_ok:
             break
