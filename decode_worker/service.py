@@ -31,7 +31,7 @@ from pdrouter.grpc_util import grpc_errors
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.driver import EngineDriver
 from worker_common.kv_convert import target_to_pb
-from worker_common.streaming import token_chunks
+from worker_common.streaming import check_request, token_chunks
 
 if TYPE_CHECKING:
     from worker_common.process import WorkerProcess
@@ -92,11 +92,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     async def Allocate(self, request: worker_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
         rid = request.request_id
-        if not rid:
-            raise InvalidRequestError("request_id is required")
-        if request.model_compat_hash != self.model_compat_hash:
-            raise IncompatibleError(f"model_compat_hash {request.model_compat_hash!r} does not match this "
-                                    f"worker's {self.model_compat_hash!r} (different model, dtype or block size)")
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
         if request.backend and request.backend != self.backend:
             raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
                                     f"not {request.backend!r}")

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
-import logging
 import os
-import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdcommon.errors import ConfigError
+from pdrouter.serve import configure_logging, serve_until_signal
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> RouterConfig:
     from router.admission import AdmissionConfig
     from router.config import RouterConfig
     from router.orchestrator import OrchestratorConfig
@@ -60,23 +62,12 @@ def build_config(args: argparse.Namespace) -> object:
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
 
 
-async def _serve(config: object) -> None:
-    from router.config import RouterConfig
+def run(args: argparse.Namespace) -> int:
     from router.server import RouterProcess
 
-    assert isinstance(config, RouterConfig)
+    configure_logging(args.log_level)
+    config = build_config(args)
     process = RouterProcess(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await process.start()
-    print(f"router ready at {config.host}:{process.http_port} grpc {process.grpc_address}", flush=True)
-    await stop.wait()
-    await process.stop()
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(_serve(build_config(args)))
+    serve_until_signal(process, lambda: f"router ready at {process.config.host}:{process.http_port} "
+                                        f"grpc {process.grpc_address}")
     return 0

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdcommon.capacity import DEFAULT_OVERHEAD_BYTES, check_utilization_against_quota, utilization_from_quota
 from pdcommon.errors import ConfigError
 from pdcommon.gpu import GiB, get_gpu_preset
 from pdcommon.workers import WorkerRole
+from pdrouter.serve import configure_logging, serve_until_signal
+
+if TYPE_CHECKING:
+    from worker_common.config import WorkerConfig
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
 DEV_KV_TOKEN = "pdrouter-dev-token"
@@ -59,7 +62,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=run, role_name=name)
 
 
-def build_config(args: argparse.Namespace) -> object:
+def build_config(args: argparse.Namespace) -> WorkerConfig:
     from engine.config import EngineConfig
     from worker_common.config import WorkerConfig
 
@@ -102,24 +105,12 @@ def build_config(args: argparse.Namespace) -> object:
         kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000))
 
 
-async def _serve(config: object) -> None:
-    from worker_common.config import WorkerConfig
+def run(args: argparse.Namespace) -> int:
     from worker_common.process import WorkerProcess
 
-    assert isinstance(config, WorkerConfig)
-    process = WorkerProcess(config)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await process.start()
-    print(f"{config.role.value} worker {config.worker_id} ready at {process.address}", flush=True)
-    await stop.wait()
-    await process.stop()
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
     config = build_config(args)
-    asyncio.run(_serve(config))
+    process = WorkerProcess(config)
+    serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
+                                        f"ready at {process.address}")
     return 0

@@ -18,7 +18,7 @@ import grpc
 from kvtransfer.config import Backend, TransferConfig
 from kvtransfer.outgoing import OutgoingTransfer
 from kvtransfer.sender import KvSender
-from pdcommon.errors import IncompatibleError, InvalidRequestError
+from pdcommon.errors import InvalidRequestError
 from pdcommon.ids import RequestId
 from pdcommon.kv_layout import KvLayout
 from pdrouter.convert import sampling_from_pb
@@ -26,6 +26,7 @@ from pdrouter.grpc_util import grpc_errors
 from pdrouter.v1 import worker_pb2, worker_pb2_grpc
 from worker_common.driver import EngineDriver
 from worker_common.kv_convert import target_from_pb
+from worker_common.streaming import check_request
 
 if TYPE_CHECKING:
     from worker_common.process import WorkerProcess
@@ -44,11 +45,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         rid = request.request_id
-        if not rid:
-            raise InvalidRequestError("request_id is required")
-        if request.model_compat_hash != self.model_compat_hash:
-            raise IncompatibleError(f"model_compat_hash {request.model_compat_hash!r} does not match this "
-                                    f"worker's {self.model_compat_hash!r} (different model, dtype or block size)")
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
         if not request.HasField("target"):
             raise InvalidRequestError("target is required (the reply of DecodeWorker.Allocate)")
         target = target_from_pb(request.target)

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from engine.outputs import FinishReason, RequestOutput
+from pdcommon.errors import IncompatibleError, InvalidRequestError
 from pdcommon.workers import WorkerLoad, WorkerRecord
 from pdrouter.convert import load_to_pb, record_to_pb
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -49,3 +50,12 @@ class WorkerInfoServicer(worker_pb2_grpc.WorkerInfoServiceServicer):
     async def GetLoad(self, request: worker_pb2.GetLoadRequest,
                       context: grpc.aio.ServicerContext) -> common_pb2.WorkerLoad:
         return load_to_pb(self._load())
+
+
+def check_request(request_id: str, model_compat_hash: str, expected_compat_hash: str) -> None:
+    """The checks every worker RPC starts with: a request id, and the same model on both ends."""
+    if not request_id:
+        raise InvalidRequestError("request_id is required")
+    if model_compat_hash != expected_compat_hash:
+        raise IncompatibleError(f"model_compat_hash {model_compat_hash!r} does not match this worker's "
+                                f"{expected_compat_hash!r} (different model, dtype or block size)")
