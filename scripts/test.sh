@@ -19,4 +19,4 @@ ruff check .
 echo "== mypy"
 mypy pdcommon pdstate worker_common pdrouter engine kvtransfer router prefill_worker decode_worker
 echo "== pytest"
-python -m pytest -q -p no:cacheprovider "$@"
+timeout --signal=INT --kill-after=60 45m python -m pytest -q -p no:cacheprovider "$@"
