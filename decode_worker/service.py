@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.outputs import KvReservation
-from kvtransfer.config import Backend, TransferConfig
 from kvtransfer.incoming import IncomingTransfer
 from kvtransfer.receiver import KvReceiver
 from pdcommon.errors import IncompatibleError, InvalidRequestError, NotFoundError
@@ -187,7 +186,7 @@ class DecodeParts:
 async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
     cfg = proc.config
     assert proc.engine is not None and proc.driver is not None and proc.server is not None
-    transfer = TransferConfig(auth_token=cfg.kv_auth_token, epoch=proc.epoch, backend=Backend(cfg.kv_backend))
+    transfer = proc.transfer_config()
     receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from kvtransfer.config import Backend, TransferConfig
 from kvtransfer.outgoing import OutgoingTransfer
 from kvtransfer.sender import KvSender
 from pdcommon.errors import InvalidRequestError
@@ -96,7 +95,7 @@ class PrefillParts:
 async def build_prefill_services(proc: WorkerProcess) -> PrefillParts:
     cfg = proc.config
     assert proc.engine is not None and proc.driver is not None and proc.server is not None
-    transfer = TransferConfig(auth_token=cfg.kv_auth_token, epoch=proc.epoch, backend=Backend(cfg.kv_backend))
+    transfer = proc.transfer_config()
     sender = KvSender(proc.engine.kv_tensor, proc.engine.kv_layout, transfer)
     servicer = PrefillServicer(proc.driver, sender, proc.engine.kv_layout, proc.model_compat_hash,
                                transfer_timeout_s=cfg.kv_wait_s)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pdcommon.errors import CapacityError, ConfigError
 from pdcommon.ids import RequestId
+from pdrouter.aio import cancel_and_wait
 from pdstate.reservations import DecodeCapacity, KvReservations, Reservation
 
 log = logging.getLogger(__name__)
@@ -83,10 +84,7 @@ class Admission:
         self._renewer = asyncio.create_task(self._renew_loop(), name="admission-renew")
 
     async def stop(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        await cancel_and_wait(self._renewer)
 
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
                     priority: int = 0, deadline: float | None = None) -> Reservation:

@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from engine.tokenizer import load_tokenizer
 from pdcommon.model_spec import ModelSpec
 from pdcommon.workers import WorkerRecord, WorkerRole
+from pdrouter.aio import cancel_and_wait
 from pdrouter.grpc_util import GrpcServer
 from pdrouter.v1 import router_pb2_grpc
 from pdstate.prefix_index import PrefixIndex
@@ -144,10 +145,7 @@ class RouterProcess:
         if self._http_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._http_task, grace)
-        if self._metrics_task is not None:
-            self._metrics_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._metrics_task
+        await cancel_and_wait(self._metrics_task)
         if self.orchestrator is not None:
             await self.orchestrator.drain()
         if self.admission is not None:

@@ -11,7 +11,6 @@ last known set is kept and ``registry_ok`` turns false.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -23,6 +22,7 @@ from redis.exceptions import RedisError
 
 from pdcommon.ids import WorkerId
 from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.aio import cancel_and_wait
 from pdrouter.convert import load_from_pb, record_from_pb
 from pdrouter.grpc_util import CHANNEL_OPTIONS
 from pdrouter.v1 import worker_pb2, worker_pb2_grpc
@@ -100,11 +100,8 @@ class WorkerPool:
         self._task = asyncio.create_task(self._loop(), name=f"worker-pool-{self.model}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         for handle in self._handles.values():
             await handle.channel.close()
         self._handles.clear()

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from redis.exceptions import RedisError
 
 from pdcommon.ids import BlockHash
+from pdrouter.aio import cancel_and_wait
 from pdstate.prefix_index import PrefixIndex
 
 log = logging.getLogger(__name__)
@@ -104,11 +105,8 @@ class RedisBlockPublisher:
         self._wake.set()
 
     async def stop(self, clear: bool = True) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if clear:
             with contextlib.suppress(RedisError, OSError):
                 await self.index.clear(self.worker_id, self.epoch)

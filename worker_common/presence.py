@@ -7,7 +7,6 @@ the same worker id registered, this one stops heartbeating and reports itself su
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -16,6 +15,7 @@ from redis.exceptions import RedisError
 
 from pdcommon.errors import StaleEpochError
 from pdcommon.workers import WorkerLoad, WorkerRecord
+from pdrouter.aio import cancel_and_wait
 from pdstate.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -77,11 +77,8 @@ class Presence:
                 self.redis_ok = False
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         try:
             await self.registry.deregister(self.record.worker_id, self.record.epoch)
         except (RedisError, OSError) as exc:

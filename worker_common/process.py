@@ -15,6 +15,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from engine.engine import Engine
+from kvtransfer.config import Backend, TransferConfig
 from pdcommon.ids import Epoch, WorkerId
 from pdcommon.kv_layout import model_compat_hash
 from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
@@ -60,6 +61,11 @@ class WorkerProcess:
     def address(self) -> str:
         assert self.server is not None
         return f"{self.config.public_host}:{self.server.port}"
+
+    def transfer_config(self) -> TransferConfig:
+        """The KV transport's identity for this incarnation: shared token, this epoch, the backend."""
+        cfg = self.config
+        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend))
 
     def load(self) -> WorkerLoad:
         assert self.driver is not None
