@@ -136,18 +136,30 @@ class PdOrchestrator:
                 # The worker's lease expiry frees the blocks if it cannot be told now.
                 log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
 
-        self._background_task(release())
+        self._background_task(release(), f"release-{request_id}-on-{handle.worker_id}")
 
-    def _background_task(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _background_task(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``coro`` to completion even if the request's own task is cancelled."""
         task = asyncio.ensure_future(coro)
+        task.set_name(name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def drain(self) -> None:
-        """Wait for outstanding releases (shutdown)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+    async def drain(self, timeout: float = 15.0) -> None:
+        """Wait for outstanding releases (shutdown); cancel what is still running after ``timeout``.
+
+        A cancelled release is not lost: the decode worker's lease and the Redis booking's lease
+        both expire on their own.
+        """
+        if not self._background:
+            return
+        _, pending = await asyncio.wait(set(self._background), timeout=timeout)
+        if pending:
+            log.warning("shutdown: %d background release(s) still running after %.1fs; cancelled: %s",
+                        len(pending), timeout, sorted(t.get_name() for t in pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
 
     async def _relay(self, call: Any, request: RouterRequest, usage_base: Usage,
                      already: int) -> AsyncIterator[TokenDelta]:
@@ -208,6 +220,7 @@ class PdOrchestrator:
         if not candidates:
             return None
         task = asyncio.ensure_future(self._cached_tokens(request, candidates))
+        task.set_name(f"prefix-lookup-{request.request_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -237,7 +250,7 @@ class PdOrchestrator:
             if call is not None:
                 call.cancel()
             if reservation is not None and self.admission is not None:
-                self._background_task(self.admission.release(reservation))
+                self._background_task(self.admission.release(reservation), f"unbook-{request.request_id}")
 
     # -- disaggregated ------------------------------------------------------------------------
     async def _admit(self, request: RouterRequest, role: WorkerRole) -> tuple[WorkerHandle, Reservation | None]:
@@ -396,7 +409,7 @@ class PdOrchestrator:
             if allocated and not done:
                 self._release_later(decode, request.request_id, "router: request ended early")
             if reservation is not None and self.admission is not None:
-                self._background_task(self.admission.release(reservation))
+                self._background_task(self.admission.release(reservation), f"unbook-{request.request_id}")
 
 class _PrefillFailed(Exception):
     def __init__(self, handle: WorkerHandle, error: PdRouterError) -> None:

@@ -8,8 +8,8 @@ shared admission. Shutdown: stop accepting, drain in-flight requests, release ev
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
+from collections.abc import Awaitable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -138,20 +138,42 @@ class RouterProcess:
             await self.state_metrics.refresh()
 
     async def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, then release everything.
+
+        Every step is bounded: a step that overruns is abandoned with a warning naming it, so a
+        stuck dependency can delay shutdown but never hang it.
+        """
         if self._http_server is not None:
+            # Open HTTP connections get ``grace`` to finish, then uvicorn closes them.
+            self._http_server.config.timeout_graceful_shutdown = grace  # type: ignore[attr-defined]
             self._http_server.should_exit = True  # type: ignore[attr-defined]
+        bound = grace + 5.0
         if self.grpc is not None:
-            await self.grpc.stop(grace)
+            await _bounded("gRPC front door stop", self.grpc.stop(grace), bound)
         if self._http_task is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._http_task, grace)
+            await _bounded("HTTP front door stop", asyncio.shield(self._http_task), bound)
+            await cancel_and_wait(self._http_task)
         await cancel_and_wait(self._metrics_task)
         if self.orchestrator is not None:
-            await self.orchestrator.drain()
+            await self.orchestrator.drain(bound)
         if self.admission is not None:
-            await self.admission.stop()
+            await _bounded("admission stop", self.admission.stop(), bound)
         if self.pool is not None:
-            await self.pool.stop()
+            await _bounded("worker pool stop", self.pool.stop(), bound)
         if self.redis is not None:
-            with contextlib.suppress(Exception):
-                await self.redis.aclose()
+            await _bounded("Redis client close", self.redis.aclose(), bound)
+
+
+async def _bounded(what: str, aw: Awaitable[object], timeout: float) -> None:
+    """Await ``aw`` for at most ``timeout`` seconds; log (never raise) an overrun or a failure.
+
+    An overrunning step is cancelled but not waited for, so even one that ignores cancellation
+    cannot hold shutdown up.
+    """
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        log.warning("shutdown: %s did not finish within %.1fs; abandoned", what, timeout)
+        task.cancel()
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("shutdown: %s failed: %s", what, task.exception())

@@ -102,6 +102,8 @@ class WorkerPool:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
+        for task in list(self._closing):  # departed workers: cancelling closes their channels
+            await cancel_and_wait(task)
         for handle in self._handles.values():
             await handle.channel.close()
         self._handles.clear()
@@ -194,6 +196,8 @@ class WorkerPool:
     async def _close_when_idle(handle: WorkerHandle, limit_s: float = 60.0) -> None:
         """Close a departed worker's channel once no request of this router uses it any more."""
         deadline = time.monotonic() + limit_s
-        while handle.inflight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        await handle.channel.close()
+        try:
+            while handle.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:  # also when the pool stops: the channel closes either way
+            await handle.channel.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,16 +56,29 @@ class Cluster:
 async def cluster(tiny_model: Path, redis_url: str) -> AsyncIterator[Cluster]:
     c = Cluster(tiny_model, redis_url)
     yield c
-    for r in c.routers:
-        await r.stop(grace=1.0)
-    for p in c.procs:
-        p.stop()
+    try:
+        for r in c.routers:
+            stopping = asyncio.ensure_future(r.stop(grace=1.0))
+            done, _ = await asyncio.wait({stopping}, timeout=60)
+            if not done:
+                dump_tasks()
+                stopping.cancel()
+                raise AssertionError("the router did not stop within 60 s; its tasks are printed above")
+            stopping.result()
+    finally:
+        for p in c.procs:
+            p.stop()
+
+
+def dump_tasks() -> None:
+    """Print every task of the running loop with its stack: what a hung teardown was waiting for."""
+    for task in asyncio.all_tasks():
+        print(f"--- {task.get_name()}: {task!r}", file=sys.stderr)
+        task.print_stack(file=sys.stderr)
 
 
 @pytest.fixture
 def wait_for() -> Iterator[Callable[..., Any]]:
-    import asyncio
-
     async def wait(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.05) -> Any:
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
