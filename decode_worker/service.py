@@ -191,5 +191,5 @@ async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s)
-    proc.server.add(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
+    proc.serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
     return DecodeParts(receiver, servicer)

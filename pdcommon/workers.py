@@ -43,6 +43,8 @@ class WorkerRecord:
     capacity_blocks: int
     kv_address: str = ""
     kv_backends: tuple[str, ...] = field(default_factory=tuple)
+    lane_address: str = ""
+    """host:port of the worker lane (``pdrouter.lane``), or empty when it serves gRPC only."""
 
     @property
     def capacity_tokens(self) -> int:

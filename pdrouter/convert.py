@@ -56,7 +56,8 @@ def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:
                                                block_size=record.block_size,
                                                num_blocks=record.capacity_blocks),
                          capacity_blocks=record.capacity_blocks, capacity_tokens=record.capacity_tokens,
-                         kv_address=record.kv_address, kv_backends=list(record.kv_backends))
+                         kv_address=record.kv_address, kv_backends=list(record.kv_backends),
+                         lane_address=record.lane_address)
 
 
 def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
@@ -66,4 +67,5 @@ def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
                         epoch=Epoch(msg.epoch), model=msg.model.name,
                         model_compat_hash=msg.model_compat_hash, kv_compat_hash=msg.kv_layout.compat_hash,
                         block_size=msg.kv_layout.block_size, capacity_blocks=msg.capacity_blocks,
-                        kv_address=msg.kv_address, kv_backends=tuple(msg.kv_backends))
+                        kv_address=msg.kv_address, kv_backends=tuple(msg.kv_backends),
+                        lane_address=msg.lane_address)

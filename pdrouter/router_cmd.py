@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front door port (0: any free port)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
+    p.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
+                   help="reach workers over their lane where they serve one (faster), or always over gRPC")
     p.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="uncached prompt tokens at or below which the decode worker prefills itself")
     p.add_argument("--no-cache-aware", action="store_true", help="place prefill by load alone")
@@ -55,7 +57,8 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-        block_size=args.block_size, cache_aware=not args.no_cache_aware, admission=not args.no_admission,
+        block_size=args.block_size, worker_transport=args.worker_transport,
+        cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms),

@@ -36,6 +36,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--worker-id", default=None, help=f"registry id (default: {name}-<port>)")
         p.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+        p.add_argument("--lane-port", type=int, default=0,
+                       help="worker lane port, the router's fast path (0: any free port; -1: serve gRPC only)")
         p.add_argument("--advertise-host", default=None, help="host others dial (default: the bind host)")
         p.add_argument("--redis", default=os.environ.get("PDROUTER_REDIS_URL"),
                        help="Redis URL for registry and prefix index (env PDROUTER_REDIS_URL)")
@@ -102,7 +104,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
         redis_url=args.redis, model_name=args.served_model_name,
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
-        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000))
+        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
+        lane_port=None if args.lane_port < 0 else args.lane_port)
 
 
 def run(args: argparse.Namespace) -> int:

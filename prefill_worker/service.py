@@ -99,5 +99,5 @@ async def build_prefill_services(proc: WorkerProcess) -> PrefillParts:
     sender = KvSender(proc.engine.kv_tensor, proc.engine.kv_layout, transfer)
     servicer = PrefillServicer(proc.driver, sender, proc.engine.kv_layout, proc.model_compat_hash,
                                transfer_timeout_s=cfg.kv_wait_s)
-    proc.server.add(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdrouter.v1.PrefillWorker")
+    proc.serve(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdrouter.v1.PrefillWorker")
     return PrefillParts(sender)

@@ -31,6 +31,9 @@ class RouterConfig:
     cache_aware: bool = True
     admission: bool = True
     refresh_interval_s: float = 1.0
+    worker_transport: Literal["lane", "grpc"] = "lane"
+    """How requests reach the workers: the worker lane where a worker serves one (the fast path),
+    else gRPC; or always gRPC."""
     orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
     placement: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
@@ -45,5 +48,7 @@ class RouterConfig:
                 raise ConfigError(f"ports must be in [0, 65535], got {port}")
         if self.mode not in ("disaggregated", "colocated"):
             raise ConfigError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.worker_transport not in ("lane", "grpc"):
+            raise ConfigError(f"worker transport must be lane or grpc, got {self.worker_transport!r}")
         if self.block_size <= 0:
             raise ConfigError(f"block size must be > 0, got {self.block_size}")

@@ -77,6 +77,7 @@ class RouterProcess:
                 self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
                 self.admission.start()
         self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
+                               use_lane=cfg.worker_transport == "lane",
                                on_leave=self._forget_worker if index is not None else None)
         self._index = index
         await self.pool.start()

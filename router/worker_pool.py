@@ -1,6 +1,7 @@
 """The workers one router knows: discovered from the Redis registry and/or a static address list.
 
-Each ``WorkerHandle`` holds the gRPC channel and stubs to one worker, its last reported load,
+Each ``WorkerHandle`` holds the channel and stubs to one worker (its worker lane where it serves
+one, see ``pdrouter.lane``, else gRPC), its last reported load,
 the requests this router has in flight on it, and its circuit breaker. ``refresh`` re-reads the
 registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
 info; a worker that disappears from both is dropped after ``missing_grace_s`` (long enough for every
@@ -25,6 +26,7 @@ from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.aio import cancel_and_wait
 from pdrouter.convert import load_from_pb, record_from_pb
 from pdrouter.grpc_util import CHANNEL_OPTIONS
+from pdrouter.lane import ColocatedLane, DecodeLane, LaneChannel, PrefillLane
 from pdrouter.v1 import worker_pb2, worker_pb2_grpc
 from pdstate.registry import WorkerRegistry
 from router.circuit_breaker import CircuitBreaker
@@ -43,12 +45,29 @@ class WorkerHandle:
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     assigned_tokens: int = 0
+    lane: LaneChannel | None = None
+    """The worker lane, when the worker serves one and the router uses it: request RPCs go there."""
 
     def __post_init__(self) -> None:
         self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
-        self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
-        self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
-        self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+        # The same call shapes either way (``Stub.Method(request, timeout=…)``, awaitable or async
+        # iterable, ``cancel()``, failures as ``grpc.RpcError``).
+        self.prefill: Any
+        self.decode: Any
+        self.colocated: Any
+        if self.lane is not None:
+            self.prefill = PrefillLane(self.lane)
+            self.decode = DecodeLane(self.lane)
+            self.colocated = ColocatedLane(self.lane)
+        else:
+            self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
+            self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
+            self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        if self.lane is not None:
+            await self.lane.close()
 
     @property
     def worker_id(self) -> WorkerId:
@@ -66,8 +85,13 @@ class WorkerPool:
                  static_addresses: Sequence[str] = (), refresh_interval_s: float = 1.0,
                  breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
                  missing_grace_s: float = 2.0,
-                 on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None) -> None:
-        """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries)."""
+                 on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None,
+                 use_lane: bool = True) -> None:
+        """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries).
+
+        ``use_lane``: send requests over a worker's lane when its record names one (else gRPC).
+        """
+        self.use_lane = use_lane
         self.model = model
         self.registry = registry
         self.static_addresses = list(static_addresses)
@@ -105,7 +129,7 @@ class WorkerPool:
         for task in list(self._closing):  # departed workers: cancelling closes their channels
             await cancel_and_wait(task)
         for handle in self._handles.values():
-            await handle.channel.close()
+            await handle.close()
         self._handles.clear()
 
     async def _loop(self) -> None:
@@ -182,10 +206,11 @@ class WorkerPool:
                 continue
             channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
             breaker = CircuitBreaker(*self._breaker_args)
-            self._handles[worker_id] = WorkerHandle(record, load, channel, breaker)
+            lane = LaneChannel(record.lane_address) if self.use_lane and record.lane_address else None
+            self._handles[worker_id] = WorkerHandle(record, load, channel, breaker, lane=lane)
             self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
-            log.info("worker %s (%s, epoch %s) joined at %s", worker_id, record.role.value,
-                     record.epoch, record.address)
+            log.info("worker %s (%s, epoch %s) joined at %s%s", worker_id, record.role.value,
+                     record.epoch, record.address, f" (lane {lane.address})" if lane is not None else "")
 
     def _track(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -200,4 +225,4 @@ class WorkerPool:
             while handle.inflight > 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
         finally:  # also when the pool stops: the channel closes either way
-            await handle.channel.close()
+            await handle.close()

@@ -38,6 +38,8 @@ class WorkerConfig:
     kv_wait_s: float = 60.0
     """How long a decode request waits for its KV to land."""
     drain_grace_s: float = 10.0
+    lane_port: int | None = 0
+    """Port of the worker lane, the router's fast path (0: any free port; None: gRPC only)."""
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c in self.worker_id for c in " :{}"):
@@ -45,7 +47,7 @@ class WorkerConfig:
                               f"got {self.worker_id!r}")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
-        if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536:
+        if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536 or not 0 <= (self.lane_port or 0) < 65536:
             raise ConfigError("ports must be in [0, 65535]")
         if self.heartbeat_interval_s * 1000 >= self.heartbeat_ttl_ms:
             raise ConfigError("the heartbeat interval must be shorter than the heartbeat TTL")

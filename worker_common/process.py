@@ -1,8 +1,11 @@
 """One worker process: engine + driver + gRPC services + presence in Redis, with a clean shutdown.
 
 Start-up order: Redis (epoch, index) → engine (loads weights, sizes the KV pool) → KV transport →
-gRPC server → registration (only now can the router route to it) → heartbeats. Shutdown runs the
-other way and lets in-flight requests finish within ``drain_grace_s``.
+gRPC server and worker lane → registration (only now can the router route to it) → heartbeats.
+Shutdown runs the other way and lets in-flight requests finish within ``drain_grace_s``.
+
+Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
+lane (``pdrouter.lane``, the same messages; the router's fast path) unless ``lane_port`` is None.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pdcommon.ids import Epoch, WorkerId
 from pdcommon.kv_layout import model_compat_hash
 from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.grpc_util import GrpcServer
+from pdrouter.lane import LaneServer, serve_servicer
 from pdrouter.v1 import common_pb2, worker_pb2_grpc
 from pdstate.prefix_index import PrefixIndex
 from pdstate.registry import WorkerRegistry
@@ -51,6 +55,7 @@ class WorkerProcess:
         self.engine: Engine | None = None
         self.driver: EngineDriver | None = None
         self.server: GrpcServer | None = None
+        self.lane: LaneServer | None = None
         self.role_parts: Any = None
         self.epoch = Epoch(0)
         self.model_compat_hash = ""
@@ -86,6 +91,8 @@ class WorkerProcess:
         self.engine = await asyncio.to_thread(Engine, cfg.engine, event_sink=self.publisher)
         self.driver = EngineDriver(self.engine)
         self.server = GrpcServer(cfg.host, cfg.port)
+        if cfg.lane_port is not None:
+            self.lane = LaneServer(cfg.host, cfg.lane_port)
         spec = self.engine.spec
         layout = self.engine.kv_layout
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
@@ -96,6 +103,8 @@ class WorkerProcess:
             block_size=layout.block_size, capacity_blocks=layout.num_blocks,
             kv_address=getattr(self.role_parts, "kv_address", ""),
             kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else ())
+        if self.lane is not None:
+            await self.lane.start()
         geometry = common_pb2.ModelGeometry(
             name=spec_name, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
@@ -125,7 +134,15 @@ class WorkerProcess:
             return self.record
         from dataclasses import replace
 
-        return replace(self.record, address=self.address)
+        lane = f"{self.config.public_host}:{self.lane.port}" if self.lane is not None else ""
+        return replace(self.record, address=self.address, lane_address=lane)
+
+    def serve(self, add_fn: Any, servicer: Any, service_name: str) -> None:
+        """Serve ``servicer`` over gRPC (``add_XServicer_to_server``) and over the worker lane."""
+        assert self.server is not None
+        self.server.add(add_fn, servicer, service_name)
+        if self.lane is not None:
+            serve_servicer(self.lane, servicer)
 
     async def _on_beat(self, reregistered: bool) -> None:
         if self.index is None:
@@ -140,8 +157,8 @@ class WorkerProcess:
         assert self.server is not None and self.driver is not None
         role = self.config.role
         if role is WorkerRole.COLOCATED:
-            self.server.add(worker_pb2_grpc.add_ColocatedWorkerServicer_to_server,
-                            ColocatedServicer(self.driver), "pdrouter.v1.ColocatedWorker")
+            self.serve(worker_pb2_grpc.add_ColocatedWorkerServicer_to_server, ColocatedServicer(self.driver),
+                       "pdrouter.v1.ColocatedWorker")
             return None
         if role is WorkerRole.DECODE:
             from decode_worker.service import build_decode_services
@@ -159,8 +176,8 @@ class WorkerProcess:
         cfg = self.config
         if self.presence is not None:
             await self.presence.stop()
-        if self.server is not None:
-            await self.server.stop(cfg.drain_grace_s)
+        drains = [part.stop(cfg.drain_grace_s) for part in (self.server, self.lane) if part is not None]
+        await asyncio.gather(*drains)
         if self.role_parts is not None and hasattr(self.role_parts, "close"):
             await self.role_parts.close()
         if self.publisher is not None:

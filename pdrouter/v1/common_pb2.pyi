@@ -118,7 +118,7 @@ class TransferTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sender_epoch: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends")
+    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends", "lane_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class WorkerInfo(_message.Message):
     CAPACITY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
+    LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -141,7 +142,8 @@ class WorkerInfo(_message.Message):
     capacity_tokens: int
     kv_address: str
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ...) -> None: ...
+    lane_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks")

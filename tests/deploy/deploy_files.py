@@ -34,7 +34,7 @@ HEALTHCHECK_COMMAND = "pdrouter-healthcheck"
 """The name the Dockerfiles install ``deploy/healthcheck.py`` under."""
 IMAGE_ENTRYPOINT = ("pdrouter",)
 """The images' ENTRYPOINT (test_dockerfile checks it): what a container runs without ``entrypoint``."""
-PORT_FLAGS = ("--port", "--kv-port", "--http-port", "--grpc-port")
+PORT_FLAGS = ("--port", "--lane-port", "--kv-port", "--http-port", "--grpc-port")
 """The ``pdrouter`` flags whose value is a port the process listens on."""
 
 

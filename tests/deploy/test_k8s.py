@@ -57,7 +57,7 @@ class Server:
 
     @property
     def listen_ports(self) -> set[int]:
-        names = ("port", "kv_port") if self.args.command != "router" else ("http_port", "grpc_port")
+        names = ("port", "lane_port", "kv_port") if self.args.command != "router" else ("http_port", "grpc_port")
         return {getattr(self.args, n) for n in names if getattr(self.args, n, 0)}
 
     @property

@@ -82,20 +82,46 @@ async def check_front_doors(router: RouterProcess, model: Path) -> None:
         assert last.usage.completion_tokens == 12
 
 
-async def test_disaggregated_mode_both_front_doors(cluster: Cluster) -> None:
-    cluster.spawn("prefill")
-    cluster.spawn("decode")
-    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+TRANSPORTS = ["lane", "grpc", "mixed"]
+"""lane: the router reaches workers over their lanes; grpc: over gRPC only (``worker_transport``);
+mixed: one worker serves no lane (``--lane-port -1``), so the router talks gRPC to that one."""
+
+
+def spawn_for(cluster: Cluster, transport: str, roles: list[str]) -> None:
+    for i, role in enumerate(roles):
+        no_lane = transport == "mixed" and i == len(roles) - 1
+        cluster.spawn(role, extra=("--lane-port", "-1") if no_lane else ())
+
+
+def check_transport(router: RouterProcess, transport: str) -> None:
+    assert router.pool is not None
+    handles = router.pool.workers()
+    on_lane = [h.lane is not None for h in handles]
+    expected = {"lane": [True] * len(handles), "grpc": [False] * len(handles)}.get(transport)
+    if expected is None:  # mixed: the last worker spawned has no lane
+        assert sorted(on_lane) == [False] + [True] * (len(handles) - 1)
+    else:
+        assert on_lane == expected
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_disaggregated_mode_both_front_doors(cluster: Cluster, transport: str) -> None:
+    spawn_for(cluster, transport, ["prefill", "decode"])
+    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0),
+                                  worker_transport="grpc" if transport == "grpc" else "lane")
     await wait_workers(router, {WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
+    check_transport(router, transport)
     await check_front_doors(router, cluster.model)
     assert router.orchestrator is not None
     assert router.orchestrator.stats.transfers > 0  # long prompts went through the prefill pool
 
 
-async def test_colocated_mode_both_front_doors(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", ["lane", "grpc"])
+async def test_colocated_mode_both_front_doors(cluster: Cluster, transport: str) -> None:
     cluster.spawn("worker")
-    router = await cluster.router("colocated")
+    router = await cluster.router("colocated", worker_transport=transport)
     await wait_workers(router, {WorkerRole.COLOCATED: 1})
+    check_transport(router, transport)
     await check_front_doors(router, cluster.model)
 
 

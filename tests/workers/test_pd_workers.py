@@ -23,6 +23,7 @@ from pdcommon.hashing import hash_blocks
 from pdcommon.ids import Epoch, WorkerId
 from pdcommon.sampling import SamplingParams
 from pdrouter.convert import sampling_to_pb
+from pdrouter.lane import DecodeLane, LaneChannel, PrefillLane
 from pdrouter.local_cluster import ManagedProcess
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdstate.prefix_index import PrefixIndex
@@ -93,21 +94,30 @@ async def connect(prefill: ManagedProcess, decode: ManagedProcess) -> Stubs:
 
 @pytest.fixture
 async def pd(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Stubs]:
-    backend = getattr(request, "param", "tcp")
+    # "BACKEND" or "BACKEND+lane": the request RPCs go over the workers' lanes instead of gRPC.
+    backend, _, via = getattr(request, "param", "tcp").partition("+")
     prefill = spawn_worker("prefill", redis_url=redis_url, kv_backend=backend)
     decode = spawn_worker("decode", redis_url=redis_url, kv_backend=backend, extra=("--lease-ms", "1500"))
     stubs = await connect(prefill, decode)
     stubs.procs = (prefill, decode)  # type: ignore[attr-defined]
+    lanes = []
+    if via == "lane":
+        p_info = await stubs.prefill_info.GetInfo(worker_pb2.GetInfoRequest())
+        d_info = await stubs.decode_info.GetInfo(worker_pb2.GetInfoRequest())
+        lanes = [LaneChannel(p_info.lane_address), LaneChannel(d_info.lane_address)]
+        stubs.prefill, stubs.decode = PrefillLane(lanes[0]), DecodeLane(lanes[1])  # type: ignore[assignment]
     yield stubs
     for ch in stubs.channels:
         await ch.close()
+    for lane in lanes:
+        await lane.close()
 
 
 def reference(model: Path) -> list[list[int]]:
     return Engine(EngineConfig(model_dir=model, num_blocks=256)).generate(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("pd", ["tcp", "gloo"], indirect=True)
+@pytest.mark.parametrize("pd", ["tcp", "gloo", "tcp+lane"], indirect=True)
 async def test_disaggregated_outputs_equal_colocated(pd: Stubs, tiny_model: Path) -> None:
     start_free = (await pd.free(pd.decode_info))[0]
     expected = reference(tiny_model)
@@ -121,6 +131,7 @@ async def test_disaggregated_outputs_equal_colocated(pd: Stubs, tiny_model: Path
     assert await pd.settle(pd.decode_info, start_free) == (start_free, 0)
 
 
+@pytest.mark.parametrize("pd", ["tcp", "tcp+lane"], indirect=True)
 async def test_cancel_at_every_stage_frees_everything(pd: Stubs) -> None:
     d_free = (await pd.free(pd.decode_info))[0]
     p_free = (await pd.free(pd.prefill_info))[0]
@@ -188,12 +199,13 @@ async def test_killed_prefill_worker_strands_nothing(pd: Stubs) -> None:
     assert again.num_blocks > 0
 
 
+@pytest.mark.parametrize("pd", ["tcp", "tcp+lane"], indirect=True)
 async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
     async def code_of(coro: object) -> grpc.StatusCode:
-        with pytest.raises(grpc.aio.AioRpcError) as err:
+        with pytest.raises(grpc.RpcError) as err:  # grpc.aio.AioRpcError, or LaneError over a lane
             await coro  # type: ignore[misc]
-        assert err.value.details()
-        return err.value.code()
+        assert err.value.details()  # type: ignore[attr-defined]
+        return err.value.code()  # type: ignore[attr-defined,no-any-return]
 
     async def stream_code(msg: worker_pb2.DecodeRequest) -> grpc.StatusCode:
         async def drain() -> None:
