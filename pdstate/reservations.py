@@ -11,6 +11,7 @@ fresh, empty keys (its old bookings are never counted again and expire on their 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import redis.asyncio as aioredis
 
 from pdcommon.errors import CapacityError, InvalidRequestError, RequestTooLargeError
 from pdcommon.ids import Epoch, RequestId, WorkerId
+from pdstate.coalesce import Coalescer
 from pdstate.keys import PoolKeys
 
 
@@ -49,69 +51,92 @@ class Reservation:
     lease_ms: int
 
 
-# KEYS: per candidate 3 keys (book, lease, used). ARGV: request_id, blocks, lease_ms, policy,
-# then per candidate its capacity. Returns {index, used_after} or {0, max_free}.
+# KEYS: per candidate 3 keys (book, lease, used). ARGV: lease_ms, policy, number of candidates,
+# per candidate its capacity, then per request its id and blocks. Requests are booked in order;
+# per request the reply holds {index, used_after, 1 if it was booked already} or {0, max_free, 0}.
 _RESERVE = """
 redis.replicate_commands()
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local rid, need, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local policy = ARGV[4]
-local n = #KEYS / 3
-local best, best_score, max_free = 0, nil, -1
+local lease, policy, n = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local cap, used = {}, {}
 for i = 1, n do
-  local book, leases, used = KEYS[3*i-2], KEYS[3*i-1], KEYS[3*i]
+  local book, leases = KEYS[3*i-2], KEYS[3*i-1]
   local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
   for _, r in ipairs(expired) do
     local b = redis.call('HGET', book, r)
     if b then
-      redis.call('DECRBY', used, tonumber(b))
+      redis.call('DECRBY', KEYS[3*i], tonumber(b))
       redis.call('HDEL', book, r)
     end
     redis.call('ZREM', leases, r)
   end
-  local cap = tonumber(ARGV[4 + i])
-  local existing = redis.call('HGET', book, rid)
-  if existing then
-    redis.call('ZADD', leases, now + lease, rid)
-    return {i, tonumber(redis.call('GET', used) or '0'), 1}
+  cap[i] = tonumber(ARGV[3 + i])
+  used[i] = tonumber(redis.call('GET', KEYS[3*i]) or '0')
+end
+local out, touched = {}, {}
+for j = 4 + n, #ARGV, 2 do
+  local rid, need = ARGV[j], tonumber(ARGV[j + 1])
+  local found = 0
+  for i = 1, n do
+    if redis.call('HEXISTS', KEYS[3*i-2], rid) == 1 then found = i break end
   end
-  local free = cap - tonumber(redis.call('GET', used) or '0')
-  if free > max_free then max_free = free end
-  if free >= need then
-    local score
-    if policy == 'best_fit' then score = free - need else score = -free end
-    if best_score == nil or score < best_score then
-      best, best_score = i, score
+  if found > 0 then
+    redis.call('ZADD', KEYS[3*found-1], now + lease, rid)
+    out[#out+1] = found; out[#out+1] = used[found]; out[#out+1] = 1
+  else
+    local best, best_score, max_free = 0, nil, -1
+    for i = 1, n do
+      local free = cap[i] - used[i]
+      if free > max_free then max_free = free end
+      if free >= need then
+        local score
+        if policy == 'best_fit' then score = free - need else score = -free end
+        if best_score == nil or score < best_score then best, best_score = i, score end
+      end
+    end
+    if best == 0 then
+      out[#out+1] = 0; out[#out+1] = max_free; out[#out+1] = 0
+    else
+      redis.call('HSET', KEYS[3*best-2], rid, need)
+      redis.call('ZADD', KEYS[3*best-1], now + lease, rid)
+      used[best] = redis.call('INCRBY', KEYS[3*best], need)
+      touched[best] = true
+      out[#out+1] = best; out[#out+1] = used[best]; out[#out+1] = 0
     end
   end
 end
-if best == 0 then return {0, max_free, 0} end
-local book, leases, used = KEYS[3*best-2], KEYS[3*best-1], KEYS[3*best]
-redis.call('HSET', book, rid, need)
-redis.call('ZADD', leases, now + lease, rid)
-local after = redis.call('INCRBY', used, need)
 local ttl = lease * 4 + 60000
-redis.call('PEXPIRE', book, ttl)
-redis.call('PEXPIRE', leases, ttl)
-redis.call('PEXPIRE', used, ttl)
-return {best, after, 0}
+for i, _ in pairs(touched) do
+  redis.call('PEXPIRE', KEYS[3*i-2], ttl)
+  redis.call('PEXPIRE', KEYS[3*i-1], ttl)
+  redis.call('PEXPIRE', KEYS[3*i], ttl)
+end
+return out
 """
 
-# KEYS: book, lease, used. ARGV: request_id, new blocks (0 = release). Returns blocks freed.
+# KEYS: per worker 3 keys (book, lease, used). ARGV: per change the worker's index, the request id
+# and its new blocks (0 = release). Returns, per change, the blocks given back.
 _RESIZE = """
-local b = redis.call('HGET', KEYS[1], ARGV[1])
-if not b then return 0 end
-local old, new = tonumber(b), tonumber(ARGV[2])
-if new >= old then return 0 end
-if new == 0 then
-  redis.call('HDEL', KEYS[1], ARGV[1])
-  redis.call('ZREM', KEYS[2], ARGV[1])
-else
-  redis.call('HSET', KEYS[1], ARGV[1], new)
+local out = {}
+for j = 1, #ARGV, 3 do
+  local i, rid, new = tonumber(ARGV[j]), ARGV[j + 1], tonumber(ARGV[j + 2])
+  local book = KEYS[3*i-2]
+  local b = redis.call('HGET', book, rid)
+  local freed = 0
+  if b and new < tonumber(b) then
+    freed = tonumber(b) - new
+    if new == 0 then
+      redis.call('HDEL', book, rid)
+      redis.call('ZREM', KEYS[3*i-1], rid)
+    else
+      redis.call('HSET', book, rid, new)
+    end
+    redis.call('DECRBY', KEYS[3*i], freed)
+  end
+  out[#out+1] = freed
 end
-redis.call('DECRBY', KEYS[3], old - new)
-return old - new
+return out
 """
 
 # KEYS: book, lease. ARGV: request_id, lease_ms. Extends a lease (1) or says it is gone (0).
@@ -143,7 +168,12 @@ return tonumber(redis.call('GET', KEYS[3]) or '0')
 
 
 class KvReservations:
-    """Admission bookings for one pool's decode workers."""
+    """Admission bookings for one pool's decode workers.
+
+    Concurrent ``reserve`` calls with the same candidates, and concurrent ``shrink`` / ``release``
+    calls, are coalesced into one script call each (:class:`~pdstate.coalesce.Coalescer`): a
+    router under load pays one Redis round trip per batch instead of one per request.
+    """
 
     def __init__(self, client: aioredis.Redis, pool: str, namespace: str = "pdr",
                  policy: PickPolicy = PickPolicy.MOST_FREE) -> None:
@@ -154,16 +184,26 @@ class KvReservations:
         self._resize = client.register_script(_RESIZE)
         self._renew = client.register_script(_RENEW)
         self._purge = client.register_script(_PURGE)
+        self._reserves: Coalescer[tuple[tuple[DecodeCapacity, ...], int], tuple[str, int], tuple[int, int, int]] = \
+            Coalescer(self._reserve_batch, abandoned=self._abandoned)
+        self._resizes: Coalescer[None, tuple[Reservation, int], int] = Coalescer(self._resize_batch)
+        self._undo: set[asyncio.Task[int]] = set()
 
     def _worker_keys(self, worker_id: str, epoch: int) -> list[str]:
         k = self.keys
         return [k.kv_bookings(worker_id, epoch), k.kv_leases(worker_id, epoch), k.kv_used(worker_id, epoch)]
+
+    @property
+    def round_trips(self) -> int:
+        """Reserve and resize script calls sent so far (requests served per call = coalescing)."""
+        return self._reserves.batches + self._resizes.batches
 
     async def reserve(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
                       lease_ms: int) -> Reservation:
         """Book ``blocks`` on one candidate with room; idempotent per request id.
 
         RequestTooLargeError when no candidate could ever hold it; CapacityError when none has room now.
+        A caller cancelled while its booking is on the way has it released again.
         """
         if blocks <= 0 or lease_ms <= 0:
             raise InvalidRequestError(f"blocks and lease_ms must be > 0, got {blocks} and {lease_ms}")
@@ -173,19 +213,50 @@ class KvReservations:
         if blocks > largest:
             raise RequestTooLargeError(f"the request needs {blocks} KV blocks but the largest decode worker holds "
                                        f"{largest}; shorten the prompt or max_tokens")
-        keys = [k for c in candidates for k in self._worker_keys(c.worker_id, c.epoch)]
-        args: list[str | int] = [request_id, blocks, lease_ms, self.policy.value,
-                                 *(c.capacity_blocks for c in candidates)]
-        index, value, _existing = (int(x) for x in await self._reserve(keys=keys, args=args))
+        group = (tuple(candidates), lease_ms)
+        index, value, _existing = await self._reserves.submit(group, (request_id, blocks))
         if index == 0:
             raise CapacityError(f"no decode worker has {blocks} free KV blocks now (most free: {max(value, 0)})")
         chosen = candidates[index - 1]
         return Reservation(request_id, chosen.worker_id, chosen.epoch, blocks, lease_ms)
 
+    async def _reserve_batch(self, group: tuple[tuple[DecodeCapacity, ...], int],
+                             requests: Sequence[tuple[str, int]]) -> list[tuple[int, int, int]]:
+        candidates, lease_ms = group
+        keys = [k for c in candidates for k in self._worker_keys(c.worker_id, c.epoch)]
+        args: list[str | int] = [lease_ms, self.policy.value, len(candidates),
+                                 *(c.capacity_blocks for c in candidates)]
+        for request_id, blocks in requests:
+            args += [request_id, blocks]
+        flat = [int(x) for x in await self._reserve(keys=keys, args=args)]
+        return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+
+    def _abandoned(self, group: tuple[tuple[DecodeCapacity, ...], int], request: tuple[str, int],
+                   result: tuple[int, int, int]) -> None:
+        """A booking made for a caller that gave up meanwhile: give it back."""
+        index, _, existing = result
+        if index and not existing:
+            chosen = group[0][index - 1]
+            orphan = Reservation(RequestId(request[0]), chosen.worker_id, chosen.epoch, request[1], group[1])
+            task = asyncio.ensure_future(self.release(orphan))
+            self._undo.add(task)
+            task.add_done_callback(self._undo.discard)
+
     async def shrink(self, reservation: Reservation, blocks: int) -> int:
         """Lower a booking to ``blocks`` (tokens finished early); returns the blocks given back."""
-        keys = self._worker_keys(reservation.worker_id, reservation.epoch)
-        return int(await self._resize(keys=keys, args=[reservation.request_id, max(0, blocks)]))
+        return await self._resizes.submit(None, (reservation, max(0, blocks)))
+
+    async def _resize_batch(self, _: None, changes: Sequence[tuple[Reservation, int]]) -> list[int]:
+        workers: dict[tuple[str, int], int] = {}
+        keys: list[str] = []
+        args: list[str | int] = []
+        for reservation, blocks in changes:
+            worker = (reservation.worker_id, reservation.epoch)
+            if worker not in workers:
+                workers[worker] = len(workers) + 1
+                keys += self._worker_keys(*worker)
+            args += [workers[worker], reservation.request_id, blocks]
+        return [int(x) for x in await self._resize(keys=keys, args=args)]
 
     async def release(self, reservation: Reservation) -> int:
         """Drop the booking; returns the blocks given back (0 when it was already gone)."""

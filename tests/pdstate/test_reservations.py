@@ -110,3 +110,39 @@ async def test_concurrent_routers_never_overbook(redis_url: str) -> None:
     assert (await routers[0].used("d0", 1), await routers[0].used("d1", 1)) == (0, 0)
     for c in clients:
         await c.aclose()
+
+
+async def test_concurrent_calls_share_round_trips_and_never_overbook(client: aioredis.Redis) -> None:
+    res = KvReservations(client, "coalesce")
+    pool = [DecodeCapacity(WorkerId("c0"), Epoch(1), 50), DecodeCapacity(WorkerId("c1"), Epoch(1), 50)]
+    outcomes = await asyncio.gather(*(res.reserve(RequestId(f"r{i}"), 7, pool, lease_ms=10_000) for i in range(40)),
+                                    return_exceptions=True)
+    booked = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(booked) == 14  # 7 blocks each: 7 fit in 50 on each worker
+    assert all(isinstance(o, CapacityError) for o in outcomes if isinstance(o, BaseException))
+    assert await res.used("c0", 1) == await res.used("c1", 1) == 49
+    assert res.round_trips < 10  # 40 requests, a handful of script calls
+    assert sorted(await asyncio.gather(*(res.release(r) for r in booked))) == [7] * 14  # type: ignore[arg-type]
+    assert await res.used("c0", 1) == await res.used("c1", 1) == 0
+    # Shrinks and releases of different workers in one batch.
+    a = await res.reserve(RequestId("a"), 10, pool[:1], lease_ms=10_000)
+    b = await res.reserve(RequestId("b"), 10, pool[1:], lease_ms=10_000)
+    assert await asyncio.gather(res.shrink(a, 4), res.release(b), res.release(b), res.shrink(a, 9)) == [6, 10, 0, 0]
+    assert (await res.used("c0", 1), await res.used("c1", 1)) == (4, 0)
+
+
+async def test_a_cancelled_reserve_gives_its_booking_back(client: aioredis.Redis) -> None:
+    res = KvReservations(client, "abandon")
+    pool = [DecodeCapacity(WorkerId("x0"), Epoch(1), 20)]
+    task = asyncio.ensure_future(res.reserve(RequestId("gone"), 5, pool, lease_ms=10_000))
+    while res.round_trips == 0:  # until the batch is on its way to Redis
+        await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        if await res.used("x0", 1) == 0 and not await res.bookings("x0", 1):
+            break
+        await asyncio.sleep(0.01)
+    assert await res.used("x0", 1) == 0 and await res.bookings("x0", 1) == {}
+    assert res.round_trips == 2  # the booking was made (one call), then given back (another)
