@@ -12,9 +12,11 @@ fresh, empty keys (its old bookings are never counted again and expire on their 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -51,38 +53,65 @@ class Reservation:
     lease_ms: int
 
 
-# KEYS: per candidate 3 keys (book, lease, used). ARGV: lease_ms, policy, number of candidates,
-# per candidate its capacity, then per request its id and blocks. Requests are booked in order;
-# per request the reply holds {index, used_after, 1 if it was booked already} or {0, max_free, 0}.
-_RESERVE = """
+# One script for every change of bookings, so that a batch of releases can ride along with the
+# next batch of reservations. KEYS: per worker 3 keys (book, lease, used). ARGV: lease_ms, policy,
+# the number of candidates C, C pairs (worker index, capacity), the number of resizes R, R triples
+# (worker index, request id, new blocks; 0 = release), then per reservation its id and blocks.
+# Resizes go first (their blocks are free for the reservations), then expired leases are dropped
+# on the candidates, then the reservations are booked in order. Reply: per resize the blocks given
+# back; per reservation {candidate index, used_after, 1 if it was booked already} or {0, max_free, 0}.
+_ADMIT = """
 redis.replicate_commands()
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease, policy, n = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local cap, used = {}, {}
+local out = {}
+local nres = tonumber(ARGV[4 + 2*n])
+local first_resize = 5 + 2*n
+for j = first_resize, first_resize + 3*nres - 1, 3 do
+  local w, rid, new = tonumber(ARGV[j]), ARGV[j + 1], tonumber(ARGV[j + 2])
+  local book = KEYS[3*w-2]
+  local b = redis.call('HGET', book, rid)
+  local freed = 0
+  if b and new < tonumber(b) then
+    freed = tonumber(b) - new
+    if new == 0 then
+      redis.call('HDEL', book, rid)
+      redis.call('ZREM', KEYS[3*w-1], rid)
+    else
+      redis.call('HSET', book, rid, new)
+    end
+    redis.call('DECRBY', KEYS[3*w], freed)
+  end
+  out[#out+1] = freed
+end
+local first_reserve = first_resize + 3*nres
+if first_reserve > #ARGV then return out end
+local cap, used, wk = {}, {}, {}
 for i = 1, n do
-  local book, leases = KEYS[3*i-2], KEYS[3*i-1]
-  local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-  for _, r in ipairs(expired) do
+  local w = tonumber(ARGV[2 + 2*i])
+  wk[i] = w
+  cap[i] = tonumber(ARGV[3 + 2*i])
+  local book, leases = KEYS[3*w-2], KEYS[3*w-1]
+  for _, r in ipairs(redis.call('ZRANGEBYSCORE', leases, '-inf', now)) do
     local b = redis.call('HGET', book, r)
     if b then
-      redis.call('DECRBY', KEYS[3*i], tonumber(b))
+      redis.call('DECRBY', KEYS[3*w], tonumber(b))
       redis.call('HDEL', book, r)
     end
     redis.call('ZREM', leases, r)
   end
-  cap[i] = tonumber(ARGV[3 + i])
-  used[i] = tonumber(redis.call('GET', KEYS[3*i]) or '0')
+  used[i] = tonumber(redis.call('GET', KEYS[3*w]) or '0')
 end
-local out, touched = {}, {}
-for j = 4 + n, #ARGV, 2 do
+local touched = {}
+for j = first_reserve, #ARGV, 2 do
   local rid, need = ARGV[j], tonumber(ARGV[j + 1])
   local found = 0
   for i = 1, n do
-    if redis.call('HEXISTS', KEYS[3*i-2], rid) == 1 then found = i break end
+    if redis.call('HEXISTS', KEYS[3*wk[i]-2], rid) == 1 then found = i break end
   end
   if found > 0 then
-    redis.call('ZADD', KEYS[3*found-1], now + lease, rid)
+    redis.call('ZADD', KEYS[3*wk[found]-1], now + lease, rid)
     out[#out+1] = found; out[#out+1] = used[found]; out[#out+1] = 1
   else
     local best, best_score, max_free = 0, nil, -1
@@ -98,43 +127,20 @@ for j = 4 + n, #ARGV, 2 do
     if best == 0 then
       out[#out+1] = 0; out[#out+1] = max_free; out[#out+1] = 0
     else
-      redis.call('HSET', KEYS[3*best-2], rid, need)
-      redis.call('ZADD', KEYS[3*best-1], now + lease, rid)
-      used[best] = redis.call('INCRBY', KEYS[3*best], need)
-      touched[best] = true
+      local w = wk[best]
+      redis.call('HSET', KEYS[3*w-2], rid, need)
+      redis.call('ZADD', KEYS[3*w-1], now + lease, rid)
+      used[best] = redis.call('INCRBY', KEYS[3*w], need)
+      touched[w] = true
       out[#out+1] = best; out[#out+1] = used[best]; out[#out+1] = 0
     end
   end
 end
 local ttl = lease * 4 + 60000
-for i, _ in pairs(touched) do
-  redis.call('PEXPIRE', KEYS[3*i-2], ttl)
-  redis.call('PEXPIRE', KEYS[3*i-1], ttl)
-  redis.call('PEXPIRE', KEYS[3*i], ttl)
-end
-return out
-"""
-
-# KEYS: per worker 3 keys (book, lease, used). ARGV: per change the worker's index, the request id
-# and its new blocks (0 = release). Returns, per change, the blocks given back.
-_RESIZE = """
-local out = {}
-for j = 1, #ARGV, 3 do
-  local i, rid, new = tonumber(ARGV[j]), ARGV[j + 1], tonumber(ARGV[j + 2])
-  local book = KEYS[3*i-2]
-  local b = redis.call('HGET', book, rid)
-  local freed = 0
-  if b and new < tonumber(b) then
-    freed = tonumber(b) - new
-    if new == 0 then
-      redis.call('HDEL', book, rid)
-      redis.call('ZREM', KEYS[3*i-1], rid)
-    else
-      redis.call('HSET', book, rid, new)
-    end
-    redis.call('DECRBY', KEYS[3*i], freed)
-  end
-  out[#out+1] = freed
+for w, _ in pairs(touched) do
+  redis.call('PEXPIRE', KEYS[3*w-2], ttl)
+  redis.call('PEXPIRE', KEYS[3*w-1], ttl)
+  redis.call('PEXPIRE', KEYS[3*w], ttl)
 end
 return out
 """
@@ -167,27 +173,36 @@ return tonumber(redis.call('GET', KEYS[3]) or '0')
 """
 
 
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
 class KvReservations:
     """Admission bookings for one pool's decode workers.
 
-    Concurrent ``reserve`` calls with the same candidates, and concurrent ``shrink`` / ``release``
-    calls, are coalesced into one script call each (:class:`~pdstate.coalesce.Coalescer`): a
-    router under load pays one Redis round trip per batch instead of one per request.
+    Booking changes travel in batches, one script call each: concurrent ``reserve`` calls with the
+    same candidates are coalesced (:class:`~pdstate.coalesce.Coalescer`), and ``shrink`` /
+    ``release`` wait up to ``resize_delay_s`` to ride along with the next batch of reservations
+    (``urgent=True`` sends at once). A router under load pays one Redis round trip per batch
+    instead of two per request.
     """
 
     def __init__(self, client: aioredis.Redis, pool: str, namespace: str = "pdr",
-                 policy: PickPolicy = PickPolicy.MOST_FREE) -> None:
+                 policy: PickPolicy = PickPolicy.MOST_FREE, resize_delay_s: float = 0.002) -> None:
         self._r = client
         self.keys = PoolKeys(namespace, pool)
         self.policy = policy
-        self._reserve = client.register_script(_RESERVE)
-        self._resize = client.register_script(_RESIZE)
+        self.resize_delay_s = resize_delay_s
+        self._admit = client.register_script(_ADMIT)
         self._renew = client.register_script(_RENEW)
         self._purge = client.register_script(_PURGE)
         self._reserves: Coalescer[tuple[tuple[DecodeCapacity, ...], int], tuple[str, int], tuple[int, int, int]] = \
             Coalescer(self._reserve_batch, abandoned=self._abandoned)
-        self._resizes: Coalescer[None, tuple[Reservation, int], int] = Coalescer(self._resize_batch)
-        self._undo: set[asyncio.Task[int]] = set()
+        self._resizes: list[tuple[Reservation, int, asyncio.Future[int]]] = []
+        self._resize_timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.script_calls = 0
 
     def _worker_keys(self, worker_id: str, epoch: int) -> list[str]:
         k = self.keys
@@ -195,8 +210,8 @@ class KvReservations:
 
     @property
     def round_trips(self) -> int:
-        """Reserve and resize script calls sent so far (requests served per call = coalescing)."""
-        return self._reserves.batches + self._resizes.batches
+        """Booking script calls sent so far (requests served per call = the coalescing)."""
+        return self.script_calls
 
     async def reserve(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
                       lease_ms: int) -> Reservation:
@@ -223,13 +238,41 @@ class KvReservations:
     async def _reserve_batch(self, group: tuple[tuple[DecodeCapacity, ...], int],
                              requests: Sequence[tuple[str, int]]) -> list[tuple[int, int, int]]:
         candidates, lease_ms = group
-        keys = [k for c in candidates for k in self._worker_keys(c.worker_id, c.epoch)]
-        args: list[str | int] = [lease_ms, self.policy.value, len(candidates),
-                                 *(c.capacity_blocks for c in candidates)]
+        flat = await self._call(candidates, lease_ms, requests, self._take_resizes())
+        return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+
+    async def _call(self, candidates: Sequence[DecodeCapacity], lease_ms: int, requests: Sequence[tuple[str, int]],
+                    resizes: list[tuple[Reservation, int, asyncio.Future[int]]]) -> list[int]:
+        """One script call: ``resizes`` (their futures get the blocks given back), then ``requests``."""
+        workers: dict[tuple[str, int], int] = {}
+        keys: list[str] = []
+
+        def index(worker_id: str, epoch: int) -> int:
+            if (worker_id, epoch) not in workers:
+                workers[(worker_id, epoch)] = len(workers) + 1
+                keys.extend(self._worker_keys(worker_id, epoch))
+            return workers[(worker_id, epoch)]
+
+        args: list[str | int] = [lease_ms, self.policy.value, len(candidates)]
+        for c in candidates:
+            args += [index(c.worker_id, c.epoch), c.capacity_blocks]
+        args.append(len(resizes))
+        for reservation, blocks, _ in resizes:
+            args += [index(reservation.worker_id, reservation.epoch), reservation.request_id, blocks]
         for request_id, blocks in requests:
             args += [request_id, blocks]
-        flat = [int(x) for x in await self._reserve(keys=keys, args=args)]
-        return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3)]
+        self.script_calls += 1
+        try:
+            flat = [int(x) for x in await self._admit(keys=keys, args=args)]
+        except BaseException as exc:
+            for _, _, fut in resizes:
+                if not fut.done():
+                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+            raise
+        for (_, _, fut), freed in zip(resizes, flat, strict=False):
+            if not fut.done():
+                fut.set_result(freed)
+        return flat[len(resizes):]
 
     def _abandoned(self, group: tuple[tuple[DecodeCapacity, ...], int], request: tuple[str, int],
                    result: tuple[int, int, int]) -> None:
@@ -238,29 +281,55 @@ class KvReservations:
         if index and not existing:
             chosen = group[0][index - 1]
             orphan = Reservation(RequestId(request[0]), chosen.worker_id, chosen.epoch, request[1], group[1])
-            task = asyncio.ensure_future(self.release(orphan))
-            self._undo.add(task)
-            task.add_done_callback(self._undo.discard)
+            self._spawn(self.release(orphan, urgent=True))
 
-    async def shrink(self, reservation: Reservation, blocks: int) -> int:
-        """Lower a booking to ``blocks`` (tokens finished early); returns the blocks given back."""
-        return await self._resizes.submit(None, (reservation, max(0, blocks)))
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
-    async def _resize_batch(self, _: None, changes: Sequence[tuple[Reservation, int]]) -> list[int]:
-        workers: dict[tuple[str, int], int] = {}
-        keys: list[str] = []
-        args: list[str | int] = []
-        for reservation, blocks in changes:
-            worker = (reservation.worker_id, reservation.epoch)
-            if worker not in workers:
-                workers[worker] = len(workers) + 1
-                keys += self._worker_keys(*worker)
-            args += [workers[worker], reservation.request_id, blocks]
-        return [int(x) for x in await self._resize(keys=keys, args=args)]
+    async def shrink(self, reservation: Reservation, blocks: int, urgent: bool = False) -> int:
+        """Lower a booking to ``blocks`` (tokens finished early); returns the blocks given back.
 
-    async def release(self, reservation: Reservation) -> int:
+        The change rides along with the next reservations sent within ``resize_delay_s``, or goes
+        alone then; ``urgent`` sends it at once (someone is waiting for the room).
+        """
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[int] = loop.create_future()
+        fut.add_done_callback(_retrieve)  # a cancelled caller's failure is not an unhandled error
+        self._resizes.append((reservation, max(0, blocks), fut))
+        if urgent or self.resize_delay_s <= 0:
+            self._flush_resizes()
+        elif self._resize_timer is None:
+            self._resize_timer = loop.call_later(self.resize_delay_s, self._flush_resizes)
+        return await asyncio.shield(fut)  # a cancelled caller does not take the change back
+
+    def _take_resizes(self) -> list[tuple[Reservation, int, asyncio.Future[int]]]:
+        taken, self._resizes = self._resizes, []
+        if self._resize_timer is not None:
+            self._resize_timer.cancel()
+            self._resize_timer = None
+        return taken
+
+    def _flush_resizes(self) -> None:
+        taken = self._take_resizes()
+        if taken:
+            self._spawn(self._send_resizes(taken))
+
+    async def _send_resizes(self, taken: list[tuple[Reservation, int, asyncio.Future[int]]]) -> None:
+        with contextlib.suppress(Exception):  # each caller's future carries the failure
+            await self._call((), 1, (), taken)
+
+    async def release(self, reservation: Reservation, urgent: bool = False) -> int:
         """Drop the booking; returns the blocks given back (0 when it was already gone)."""
-        return await self.shrink(reservation, 0)
+        return await self.shrink(reservation, 0, urgent)
+
+    async def flush(self) -> None:
+        """Send pending releases now and wait for every booking call in flight (shutdown)."""
+        self._flush_resizes()
+        await self._reserves.drain()
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def renew(self, reservation: Reservation, lease_ms: int | None = None) -> bool:
         """Extend the lease; False when the booking already expired or was released."""

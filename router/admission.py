@@ -85,6 +85,7 @@ class Admission:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._renewer)
+        await self.reservations.flush()  # releases still waiting to ride along go now
 
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
                     priority: int = 0, deadline: float | None = None) -> Reservation:
@@ -145,13 +146,14 @@ class Admission:
         """Give the blocks back (idempotent); wakes the next waiting request."""
         self._active.pop(reservation.request_id, None)
         try:
-            await self.reservations.release(reservation)
+            # With requests waiting for room the release goes at once, else with the next bookings.
+            await self.reservations.release(reservation, urgent=bool(self._queue))
         finally:
             self._wake_head()
 
     async def shrink(self, reservation: Reservation, blocks: int) -> None:
         """The request needs fewer blocks now (it finished early or its remaining budget fell)."""
-        if await self.reservations.shrink(reservation, blocks):
+        if await self.reservations.shrink(reservation, blocks, urgent=bool(self._queue)):
             self._wake_head()
 
     async def _renew_loop(self) -> None:

@@ -146,3 +146,24 @@ async def test_a_cancelled_reserve_gives_its_booking_back(client: aioredis.Redis
         await asyncio.sleep(0.01)
     assert await res.used("x0", 1) == 0 and await res.bookings("x0", 1) == {}
     assert res.round_trips == 2  # the booking was made (one call), then given back (another)
+
+
+async def test_releases_ride_along_with_the_next_reservations(client: aioredis.Redis) -> None:
+    res = KvReservations(client, "ride", resize_delay_s=30.0)  # only a reserve (or urgency) sends them
+    pool = [DecodeCapacity(WorkerId("w0"), Epoch(1), 10)]
+    first = await res.reserve(RequestId("first"), 10, pool, lease_ms=10_000)
+    assert res.round_trips == 1
+    released = asyncio.ensure_future(res.release(first))
+    await asyncio.sleep(0.05)
+    assert not released.done() and await res.used("w0", 1) == 10  # held back, waiting for company
+    # The next reservation carries the release: the blocks it frees are already free for it.
+    second = await res.reserve(RequestId("second"), 10, pool, lease_ms=10_000)
+    assert await released == 10 and second.worker_id == "w0"
+    assert res.round_trips == 2
+    # Urgent releases go at once; flush() sends whatever still waits.
+    assert await res.release(second, urgent=True) == 10 and res.round_trips == 3
+    third = await res.reserve(RequestId("third"), 4, pool, lease_ms=10_000)
+    later = asyncio.ensure_future(res.shrink(third, 1))
+    await asyncio.sleep(0)
+    await res.flush()
+    assert await later == 3 and await res.used("w0", 1) == 1
