@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from contextlib import aclosing
 
 import grpc
@@ -54,10 +54,11 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
     which = msg.WhichOneof("prompt")
+    ids: Sequence[int]
     if which == "text":
         ids = served.tokenizer.encode(msg.text)
     elif which == "token_ids":
-        ids = list(msg.token_ids.ids)
+        ids = tuple(msg.token_ids.ids)
         served.check_token_ids(ids, "token_ids")
     else:
         raise InvalidRequestError("prompt is required: set text or token_ids")

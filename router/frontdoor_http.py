@@ -1,7 +1,9 @@
-"""The OpenAI-compatible HTTP front door: a Starlette app served by uvicorn (h11).
+"""The OpenAI-compatible HTTP front door: an ASGI app served by uvicorn (httptools).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404.
+``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404
+(a known path with another method, a JSON 405). The two generation POSTs go straight to their
+handler; everything else is routed by Starlette.
 
 A generation request is validated and tokenized in the endpoint; the response object then drives
 the orchestrator's stream itself, so that:
@@ -23,15 +25,16 @@ import socket
 import time
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.tokenizer import Tokenizer
 from pdcommon.errors import CancelledError, InvalidRequestError, PdRouterError
@@ -72,10 +75,11 @@ class HttpFrontdoor:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.config = config if config is not None else FrontdoorConfig()
         self.door_metrics = self.metrics.frontdoor("http")
-        self.app = Starlette(
+        completions, chat_completions = _GenerationEndpoint(self, chat=False), _GenerationEndpoint(self, chat=True)
+        routes = Starlette(
             routes=[
-                Route("/v1/completions", self._completions, methods=["POST"]),
-                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
                 Route("/v1/models", self._list_models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/healthz", self._health, methods=["GET"]),
@@ -83,18 +87,14 @@ class HttpFrontdoor:
             ],
             exception_handlers={404: self._no_route, 405: self._no_route},
         )
+        self.app = HttpApp(routes, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
 
-    async def _completions(self, request: Request) -> Any:
-        return await self._generation(request, chat=False)
-
-    async def _chat_completions(self, request: Request) -> Any:
-        return await self._generation(request, chat=True)
-
-    async def _generation(self, request: Request, chat: bool) -> Any:
+    async def generation(self, receive: Receive, send: Send, chat: bool) -> None:
+        """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request."""
         arrival = time.perf_counter()
         self.door_metrics.in_flight.inc()
         try:
-            body = await self._read_body(request)
+            body = await self._read_body(receive)
             parsed = parse_openai_request(body, chat, self.config)
             served = self.models.get(parsed.model)
             timeout = self.config.request_timeout_s
@@ -103,22 +103,29 @@ class HttpFrontdoor:
         except Exception as exc:
             self.finish(exc, arrival)
             reply = error_reply(exc, self.config.retry_after_s)
-            return _json_response(reply.status, reply.body(), reply.headers)
-        return _Generation(self, parsed, served, router_request, arrival)
+            payload = reply.body()
+            headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
+            headers += [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return
+        await _Generation(self, parsed, served, router_request, arrival).run(receive, send)
 
-    async def _read_body(self, request: Request) -> bytes:
+    async def _read_body(self, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
         chunks: list[bytes] = []
         size = 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise InvalidRequestError(f"request body is larger than {limit} bytes")
-                chunks.append(chunk)
-        except ClientDisconnect:
-            raise CancelledError("the client disconnected while sending the request") from None
-        return b"".join(chunks)
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect
+                raise CancelledError("the client disconnected while sending the request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise InvalidRequestError(f"request body is larger than {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def finish(self, error: BaseException | None, arrival: float) -> None:
         """Account one finished generation request (outcome, latency, in-flight gauge)."""
@@ -150,8 +157,49 @@ class HttpFrontdoor:
         return _json_response(status, json.dumps({"error": error}, separators=(",", ":")).encode(), headers)
 
 
+class HttpApp:
+    """The ASGI application of an :class:`HttpFrontdoor`.
+
+    ``POST`` requests to the generation paths go straight to their endpoint, skipping routing;
+    every other request (other routes, other methods, unknown paths, any scope with a root path)
+    goes through the Starlette ``routes``, which hold the same endpoints, so both ways answer alike.
+    """
+
+    __slots__ = ("_posts", "_routes", "state")
+
+    def __init__(self, routes: Starlette, posts: Mapping[str, ASGIApp]) -> None:
+        self._routes = routes
+        self._posts = dict(posts)
+        self.state = routes.state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self._posts.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
+
+
+class _GenerationEndpoint:
+    """The ASGI app of ``/v1/completions`` or ``/v1/chat/completions``.
+
+    An object rather than a function, so that Starlette serves it as a plain ASGI app (no
+    ``Request`` / ``Response`` objects) when it routes to it.
+    """
+
+    __slots__ = ("_chat", "_door")
+
+    def __init__(self, door: HttpFrontdoor, chat: bool) -> None:
+        self._door = door
+        self._chat = chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._door.generation(receive, send, self._chat)
+
+
 class _Generation:
-    """The ASGI response of one completion: runs the stream, answers, watches for disconnect."""
+    """The response to one completion request: runs the stream, answers, watches for disconnect."""
 
     __slots__ = ("_arrival", "_client_gone", "_complete", "_door", "_parsed", "_request", "_served")
 
@@ -165,10 +213,11 @@ class _Generation:
         self._complete = False      # the last byte of the response is (being) sent
         self._client_gone = False
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def run(self, receive: Receive, send: Send) -> None:
+        """Answer the request on the ASGI channels; account it with the door when it ends."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(self._watch_disconnect(receive, task))
+        watcher = task.get_loop().create_task(self._watch_disconnect(receive, task))
         error: BaseException | None = None
         try:
             error = await (self._stream(send) if self._parsed.stream else self._unary(send))
@@ -261,7 +310,7 @@ def _usage(piece: Piece) -> Usage:
 
 
 def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
-               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> Starlette:
+               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> HttpApp:
     """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
     door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config)
     door.app.state.frontdoor = door
@@ -281,9 +330,29 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+READ_SIZE = 64 * 1024
+"""Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
+
+
+class _HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools HTTP/1.1 protocol, reading at most :data:`READ_SIZE` bytes at a time.
+
+    asyncio's socket transport receives into a fresh buffer of its ``max_size`` (256 KiB) per
+    read. An allocation that large is at glibc's mmap threshold, and depending on the process's
+    allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
+    page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
+    """
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
+            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
+        super().connection_made(cast(asyncio.Transport, transport))  # a stream connection
+
+
 def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
                 log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for ``app`` tuned for the router: h11, no lifespan, no access log.
+    """A uvicorn server for ``app`` tuned for the router: httptools with small reads (see
+    :class:`_HttpProtocol`), no lifespan, no access log.
 
     uvicorn leaves the process's logging configuration alone (``log_config=None``); the CLI
     configures logging once for every component.
@@ -291,7 +360,7 @@ def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
     Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
     to serve on a free port; stop it with ``server.should_exit = True``.
     """
-    config = uvicorn.Config(app, host=host, port=port, http="h11", ws="none", lifespan="off",
+    config = uvicorn.Config(app, host=host, port=port, http=_HttpProtocol, ws="none", lifespan="off",
                             access_log=False, log_config=None, log_level=log_level,
                             server_header=False)
     return uvicorn.Server(config)

@@ -1,13 +1,16 @@
 """OpenAI response shapes: unary bodies, SSE chunks, and the one mapping of errors to HTTP replies.
 
-Streamed chunks are rendered from a per-response envelope prepared once (id, object, created,
-model), so each token chunk costs one ``json.dumps`` of its text.
+Bodies are rendered from string templates (the same bytes as ``json.dumps`` with compact
+separators would produce from the equivalent objects), and streamed chunks from a per-response
+envelope prepared once (id, object, created, model), so each token chunk costs one JSON string
+encoding of its text.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from pdcommon.errors import PdRouterError, PromptTooLongError
@@ -16,16 +19,31 @@ from router.request import FinishReason, RouterRequest, Usage
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 DONE = b"data: [DONE]\n\n"
 _COMPACT = (",", ":")
+_REASON_JSON = {reason: encode_basestring_ascii(name) for reason, name in FINISH_REASONS.items()}
+_USAGE = ('{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d,'
+          '"prompt_tokens_details":{"cached_tokens":%d}}')
+_BODY = ('{"id":%s,"object":%s,"created":%d,"model":%s,"choices":[{"index":0,%s,"logprobs":null,'
+         '"finish_reason":%s}],"usage":%s}')
 
 
 def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=_COMPACT)
 
 
+def _json_str(text: str) -> str:
+    """``text`` as a JSON string literal, escaped to ASCII as ``json.dumps`` writes it."""
+    return encode_basestring_ascii(text)
+
+
 def usage_json(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
             "total_tokens": usage.total_tokens,
             "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+def _usage_text(usage: Usage) -> str:
+    """``usage_json(usage)`` rendered as compact JSON."""
+    return _USAGE % (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens, usage.cached_tokens)
 
 
 def response_id(request: RouterRequest, chat: bool) -> str:
@@ -36,29 +54,29 @@ def response_id(request: RouterRequest, chat: bool) -> str:
 def completion_body(chat: bool, rid: str, created: int, model: str, text: str,
                     finish_reason: FinishReason, usage: Usage) -> bytes:
     """A whole (non-streamed) ``text_completion`` or ``chat.completion`` response body."""
-    reason = FINISH_REASONS[finish_reason]
-    choice: dict[str, Any]
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": reason}
+        kind = '"chat.completion"'
+        content = '"message":{"role":"assistant","content":' + _json_str(text) + "}"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-            "model": model, "choices": [choice], "usage": usage_json(usage)}
-    return _dumps(body).encode()
+        kind = '"text_completion"'
+        content = '"text":' + _json_str(text)
+    return (_BODY % (_json_str(rid), kind, created, _json_str(model), content, _REASON_JSON[finish_reason],
+                     _usage_text(usage))).encode()
 
 
 class SseWriter:
     """The ``data: …`` events of one streamed response, in OpenAI's chunk shapes."""
 
-    __slots__ = ("_chat", "_envelope", "_first", "_include_usage", "_open", "_open_first", "_tail")
+    __slots__ = ("_chat", "_envelope", "_first", "_head", "_include_usage", "_open", "_open_first", "_tail")
 
     def __init__(self, chat: bool, rid: str, created: int, model: str, include_usage: bool) -> None:
         self._chat = chat
         self._include_usage = include_usage
-        self._envelope = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                          "created": created, "model": model}
-        head = "data: " + _dumps(self._envelope)[:-1] + ',"choices":[{"index":0,'
+        kind = '"chat.completion.chunk"' if chat else '"text_completion"'
+        # The opening of every chunk, up to its "choices".
+        self._envelope = (f'data: {{"id":{_json_str(rid)},"object":{kind},"created":{created:d},'
+                          f'"model":{_json_str(model)}')
+        self._head = head = self._envelope + ',"choices":[{"index":0,'
         if chat:
             self._open = head + '"delta":{"content":'
             self._open_first = head + '"delta":{"role":"assistant","content":'
@@ -73,26 +91,26 @@ class SseWriter:
         """A chunk carrying ``text`` (the first chat chunk also carries the assistant role)."""
         opening = self._open_first if self._first else self._open
         self._first = False
-        return (opening + json.dumps(text) + self._tail).encode()
+        return (opening + _json_str(text) + self._tail).encode()
 
     def final(self, text: str, finish_reason: FinishReason, usage: Usage) -> bytes:
         """The last chunk (finish_reason), the usage chunk when asked for, and ``[DONE]``."""
-        reason = FINISH_REASONS[finish_reason]
-        choice: dict[str, Any]
         if self._chat:
-            delta: dict[str, Any] = {"role": "assistant"} if self._first else {}
-            if text or self._first:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            if self._first:
+                delta = '"delta":{"role":"assistant","content":' + _json_str(text) + "}"
+            elif text:
+                delta = '"delta":{"content":' + _json_str(text) + "}"
+            else:
+                delta = '"delta":{}'
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            delta = '"text":' + _json_str(text)
         self._first = False
-        last: dict[str, Any] = {**self._envelope, "choices": [choice]}
+        out = self._head + delta + ',"logprobs":null,"finish_reason":' + _REASON_JSON[finish_reason] + "}]"
         if self._include_usage:
-            last["usage"] = None
-        out = "data: " + _dumps(last) + "\n\n"
-        if self._include_usage:
-            out += "data: " + _dumps({**self._envelope, "choices": [], "usage": usage_json(usage)}) + "\n\n"
+            out += (',"usage":null}\n\n' + self._envelope + ',"choices":[],"usage":' + _usage_text(usage)
+                    + "}\n\n")
+        else:
+            out += "}\n\n"
         return out.encode() + DONE
 
 

@@ -67,6 +67,7 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
     "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
 }
+_NEUTRAL_KEYS = frozenset(_NEUTRAL)
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"})
 
@@ -81,6 +82,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+"""What ``json.loads(text, parse_constant=_no_constant)`` uses, built once rather than per call."""
+
+
 def load_json_object(body: bytes) -> dict[str, Any]:
     """The request body as a JSON object; InvalidRequestError for bad UTF-8, bad JSON, non-objects."""
     try:
@@ -89,7 +94,8 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequestError(f"request body is not valid UTF-8 (bad byte at offset {exc.start})"
                                   ) from None
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        # json.loads refuses a leading BOM before decoding; let it, for the same message.
+        data = json.loads(text, parse_constant=_no_constant) if text.startswith("\ufeff") else _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -202,6 +208,8 @@ def _stop(body: dict[str, Any], limit: int) -> tuple[str, ...]:
 
 
 def _check_unsupported(body: dict[str, Any]) -> None:
+    if _NEUTRAL_KEYS.isdisjoint(body):  # the common case: none of those fields is sent
+        return
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
         if value is not None and value not in neutral:

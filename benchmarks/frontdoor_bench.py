@@ -1,0 +1,325 @@
+"""Front-door overhead: the router's CPU per request in its HTTP and gRPC doors, over an in-process echo model.
+
+A child process serves both front doors built as ``router.server.RouterProcess`` builds them
+(``create_app`` / ``make_server`` / ``bind_socket`` for HTTP, ``RouterServicer`` on a
+``GrpcServer`` for gRPC), over ``EchoOrchestrator`` instead of the real orchestrator, so nothing
+but the doors (parsing, tokenizing, metrics, response shaping, the HTTP and gRPC stacks) costs CPU.
+This process drives load and reads the child's CPU time (user + system, all threads) from
+``/proc/<pid>/stat`` around each measured phase.
+
+Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greedy tokens. Kinds:
+
+* ``http``: ``POST /v1/completions`` with ``stream: false`` over keep-alive connections (one per
+  concurrent caller), with a minimal HTTP/1.1 client;
+* ``http_stream``: the same request with ``stream: true`` (SSE, chunked);
+* ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
+  per token).
+
+Each kind runs at concurrency 1 and 32; phases alternate between kinds over several rounds so
+drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child CPU per request),
+``_cpu_sys`` (the part of it spent in the kernel: sockets, polling), ``_p50`` / ``_p99`` latency
+and ``_rps``.
+
+``--profile PATH`` runs the child under cProfile and writes its stats to PATH (the CPU figures
+are then inflated by the profiler); ``--kinds`` measures a subset.
+
+    python benchmarks/frontdoor_bench.py [--quick] [--json] [--kinds http,grpc] [--profile out.pstats]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import grpc
+from _report import Report, base_parser
+
+from engine.tokenizer import ByteTokenizer
+from pdrouter.grpc_util import CHANNEL_OPTIONS, GrpcServer
+from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from router.echo_orchestrator import ECHO, TINY, EchoOrchestrator
+from router.frontdoor_grpc import SERVICE_NAME, RouterServicer
+from router.frontdoor_http import bind_socket, create_app, make_server
+from router.metrics import RouterMetrics
+from router.request import RouterRequest
+from router.served_models import FrontdoorConfig
+
+MODEL = ECHO.name
+PROMPT = "Hello, world"
+"""13 tokens with the byte tokenizer's <bos>."""
+HOST = "127.0.0.1"
+KINDS = ("http", "http_stream", "grpc")
+_READY = "frontdoor-bench ready"
+_PROFILE_ENV = "FRONTDOOR_BENCH_PROFILE"
+T = TypeVar("T")
+
+
+# -- the child: both front doors over the echo orchestrator ------------------------------------
+
+
+async def serve() -> None:
+    """Serve both doors until SIGTERM; print ``<ready> <http port> <grpc address>`` once up."""
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    profile_path = os.environ.get(_PROFILE_ENV)
+    profiler = cProfile.Profile() if profile_path else None
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    orchestrator = EchoOrchestrator([ECHO, TINY])
+    tokenizers = {ECHO.name: ByteTokenizer(ECHO.vocab_size), TINY.name: ByteTokenizer(TINY.vocab_size)}
+    metrics = RouterMetrics()
+    config = FrontdoorConfig()
+    grpc_server = GrpcServer(HOST, 0)
+    grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server,
+                    RouterServicer(orchestrator, tokenizers, metrics=metrics, config=config), SERVICE_NAME)
+    await grpc_server.start()
+    app = create_app(orchestrator, tokenizers, metrics=metrics, config=config)
+    sock = bind_socket(HOST, 0)
+    sock.listen(1024)
+    sock.setblocking(False)
+    http_port = sock.getsockname()[1]
+    server = make_server(app, HOST, http_port)
+    http_task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if http_task.done():
+            await http_task
+        await asyncio.sleep(0.01)
+    # The fake keeps every request it saw; a long run must not grow the heap without bound.
+    orchestrator.requests = _Discard[RouterRequest]()
+    orchestrator.completed = _Discard[str]()
+    print(f"{_READY} {http_port} {grpc_server.address}", flush=True)
+    if profiler is not None:
+        profiler.enable()
+    await stop.wait()
+    if profiler is not None and profile_path:
+        profiler.disable()
+        profiler.dump_stats(profile_path)
+    server.should_exit = True
+    await grpc_server.stop(0)
+    await http_task
+
+
+class _Discard(list[T]):
+    """A list that forgets what is appended to it."""
+
+    def append(self, item: T) -> None:
+        pass
+
+
+# -- the load generator ------------------------------------------------------------------------
+
+
+class Client(Protocol):
+    async def once(self, slot: int) -> float:
+        """Send one request on the caller's connection ``slot``; seconds to its last byte."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class HttpClient:
+    """``POST /v1/completions`` over one keep-alive connection per slot (a minimal HTTP/1.1 client)."""
+
+    def __init__(self, port: int, ids: list[int], max_tokens: int, stream: bool) -> None:
+        self._port = port
+        body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
+                           "ignore_eos": True, "stream": stream}).encode()
+        self._request = (f"POST /v1/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\n"
+                         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
+        self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
+
+    async def once(self, slot: int) -> float:
+        conn = self._conns.get(slot)
+        if conn is None or conn[0].at_eof():
+            conn = self._conns[slot] = await asyncio.open_connection(HOST, self._port)
+        reader, writer = conn
+        start = time.perf_counter()
+        writer.write(self._request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"front door answered {head!r}")
+        headers = head.lower()
+        if b"transfer-encoding: chunked" not in headers:
+            length = int(headers.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
+            body = await reader.readexactly(length)
+            if b'"finish_reason":"length"' not in body:
+                raise RuntimeError(f"unexpected completion {body!r}")
+            return time.perf_counter() - start
+        last = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+            if size == 0:
+                await reader.readuntil(b"\r\n")
+                break
+            last = await reader.readexactly(size + 2)
+        if b"[DONE]" not in last:
+            raise RuntimeError(f"stream did not end with [DONE]: {last!r}")
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        for _, writer in self._conns.values():
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+class GrpcClient:
+    """``pdrouter.v1.Router.Generate`` with the prompt's token ids, on one channel."""
+
+    def __init__(self, address: str, ids: list[int], max_tokens: int) -> None:
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = router_pb2_grpc.RouterStub(self._channel)
+        self._request = router_pb2.GenerateRequest(
+            model=MODEL, token_ids=router_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        self._max_tokens = max_tokens
+
+    async def once(self, slot: int) -> float:
+        start = time.perf_counter()
+        tokens = 0
+        async for msg in self._stub.Generate(self._request):
+            tokens += len(msg.token_ids)
+        if tokens != self._max_tokens:
+            raise RuntimeError(f"Generate returned {tokens} tokens, expected {self._max_tokens}")
+        return time.perf_counter() - start
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+@dataclass
+class Samples:
+    """Latencies of one kind at one concurrency over all its phases, and the child CPU they cost."""
+
+    latencies: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    sys_seconds: float = 0.0
+
+    def p(self, q: float) -> float:
+        values = sorted(self.latencies)
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """User and system CPU of process ``pid`` (all its threads) so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+async def run_phase(client: Client, concurrency: int, n: int, into: Samples, pid: int) -> None:
+    """``n`` requests from ``concurrency`` callers; latencies, wall and child CPU go into ``into``."""
+    left = n
+
+    async def caller(slot: int) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            into.latencies.append(await client.once(slot))
+
+    user0, sys0 = cpu_seconds(pid)
+    start = time.perf_counter()
+    await asyncio.gather(*(caller(i) for i in range(concurrency)))
+    into.seconds += time.perf_counter() - start
+    user1, sys1 = cpu_seconds(pid)
+    into.cpu_seconds += user1 - user0 + sys1 - sys0
+    into.sys_seconds += sys1 - sys0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Requests per phase; each kind runs ``rounds`` phases per concurrency."""
+
+    warmup: int
+    c1: int
+    c32: int
+    rounds: int
+
+
+QUICK = Plan(warmup=500, c1=1000, c32=3000, rounds=2)
+FULL = Plan(warmup=1000, c1=2000, c32=6000, rounds=4)
+
+
+async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Report) -> None:
+    for client in clients.values():
+        await run_phase(client, 32, plan.warmup, Samples(), pid)
+    for concurrency, n in ((1, plan.c1), (32, plan.c32)):
+        samples = {kind: Samples() for kind in clients}
+        for r in range(plan.rounds):
+            for kind in (list(clients) if r % 2 == 0 else list(reversed(clients))):
+                await run_phase(clients[kind], concurrency, n, samples[kind], pid)
+        for kind, s in samples.items():
+            name = f"{kind}_c{concurrency}"
+            report.add(f"{name}_cpu", s.cpu_seconds / len(s.latencies) * 1e6, "us/req")
+            report.add(f"{name}_cpu_sys", s.sys_seconds / len(s.latencies) * 1e6, "us/req")
+            report.add(f"{name}_p50", s.p(0.5) * 1e3, "ms")
+            report.add(f"{name}_p99", s.p(0.99) * 1e3, "ms")
+            report.add(f"{name}_rps", len(s.latencies) / s.seconds, "req/s")
+
+
+def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if profile:
+        env[_PROFILE_ENV] = str(Path(profile).resolve())
+    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout is not None
+    line = child.stdout.readline()
+    if not line.startswith(_READY):
+        child.kill()
+        raise RuntimeError(f"front-door child did not start: {line!r}")
+    _, port, address = line.rsplit(" ", 2)
+    return child, int(port), address.strip()
+
+
+async def main_async() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per request")
+    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--profile", metavar="PATH", help="run the child under cProfile, stats to PATH")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
+    args = parser.parse_args()
+    if args.serve:
+        await serve()
+        return
+    kinds = [k for k in args.kinds.split(",") if k]
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(unknown)}")
+    ids = ByteTokenizer(ECHO.vocab_size).encode(PROMPT)
+    report = Report()
+    report.add("prompt_tokens", len(ids), "tokens")
+    report.add("max_tokens", args.max_tokens, "tokens")
+    child, port, address = start_child(args.profile)
+    try:
+        make: dict[str, Callable[[], Client]] = {
+            "http": lambda: HttpClient(port, ids, args.max_tokens, stream=False),
+            "http_stream": lambda: HttpClient(port, ids, args.max_tokens, stream=True),
+            "grpc": lambda: GrpcClient(address, ids, args.max_tokens)}
+        clients: dict[str, Client] = {kind: make[kind]() for kind in kinds}
+        await measure(clients, QUICK if args.quick else FULL, child.pid, report)
+        for client in clients.values():
+            await client.close()
+    finally:
+        child.send_signal(signal.SIGTERM)
+        try:
+            child.wait(30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    asyncio.run(main_async())

@@ -1,0 +1,49 @@
+"""The HTTP door on the wire: a keep-alive connection carrying HEAD, POST and GET requests in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from engine.tokenizer import ByteTokenizer
+from router.echo_orchestrator import EchoOrchestrator
+from router.frontdoor_http import READ_SIZE, HttpFrontdoor, bind_socket, make_server
+from router.metrics import RouterMetrics
+
+WAIT_S = 10.0  # hang guard, not a latency bound
+
+
+async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
+    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(door.app)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not serving.done()
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
+        post = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        for request in (b"HEAD /health HTTP/1.1\r\nhost: x\r\n\r\n", post, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"):
+            writer.write(request)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+            assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            if request.startswith(b"HEAD"):
+                assert length == len(b'{"status":"ok"}')
+                continue
+            payload = json.loads(await asyncio.wait_for(reader.readexactly(length), WAIT_S))
+            assert payload.get("status") == "ok" or payload["choices"][0]["text"] == "hi"
+        [connection] = server.server_state.connections
+        assert isinstance(connection, HttpToolsProtocol)
+        assert getattr(connection.transport, "max_size", None) == READ_SIZE  # small reads: no mmap per request
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, WAIT_S)
+        sock.close()
