@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import Protocol
@@ -19,8 +22,38 @@ def configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+MMAP_THRESHOLD = 1 << 20
+TRIM_THRESHOLD = 8 << 20
+
+
+def tune_allocator() -> bool:
+    """Keep glibc from mapping and unmapping memory for every socket read; True if applied.
+
+    asyncio receives each socket read into a fresh 256 KiB buffer and shrinks it to what arrived.
+    At glibc's default (adaptive) thresholds such a buffer can come from ``mmap`` and go back with
+    ``munmap``, with page faults in between, on every read (CPython issue #85451). With thousands
+    of small reads a second that is a large share of the router's CPU. A fixed 1 MiB mmap threshold
+    and an 8 MiB trim threshold keep these buffers on the heap (measured: about a third less router
+    CPU per request at concurrency 1). Left alone when ``MALLOC_MMAP_THRESHOLD_`` is set, and on
+    C libraries without ``mallopt``.
+    """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
 def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
     """Start ``service``, print ``ready_line()`` (the line ``local_cluster`` waits for), stop on a signal."""
+    tune_allocator()
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
