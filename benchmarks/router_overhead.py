@@ -3,7 +3,8 @@
 Redis, the workers and the router run as separate processes (the router is ``pdrouter router``);
 this script is the load generator. For each mode it measures, at concurrency 1 and 32:
 
-* ``direct``: a client driving the workers itself over gRPC with the router's request shape:
+* ``direct``: a client driving the workers itself with the router's request shape and over the
+  router's worker transport (``--worker-transport``: the workers' lanes by default, or gRPC):
   colocated ``Generate``; or disaggregated ``Allocate`` → ``Prefill`` → ``Generate`` from the
   first token (the router runs with ``--local-prefill-tokens 0`` so it takes the same path);
 * ``grpc``: the same prompt ids through the router's gRPC front door (``pdrouter.v1.Router``);
@@ -23,6 +24,7 @@ concurrency 1 ≤ 0.4 ms colocated and ≤ 0.5 ms disaggregated, router CPU ≤ 
 concurrency 32; first-chunk extra ≤ 1 ms).
 
     python benchmarks/router_overhead.py [--quick] [--json] [--max-tokens N] [--prompt TEXT]
+                                         [--worker-transport lane|grpc]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from _report import Report, base_parser
@@ -48,6 +50,7 @@ from pdcommon.sampling import SamplingParams
 from pdrouter.convert import sampling_to_pb
 from pdrouter.embedded_redis import EmbeddedRedis
 from pdrouter.grpc_util import CHANNEL_OPTIONS
+from pdrouter.lane import ColocatedLane, DecodeLane, LaneChannel, PrefillLane
 from pdrouter.local_cluster import ManagedProcess, worker_args
 from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -84,12 +87,42 @@ async def _drain(call: AsyncIterator[object], start: float) -> tuple[float, floa
     return time.perf_counter() - start, first
 
 
+class WorkerLink:
+    """One worker's request stubs over the transport under test, and how to close them."""
+
+    def __init__(self, info: common_pb2.WorkerInfo, transport: str) -> None:
+        self._lane = LaneChannel(info.lane_address) if transport == "lane" else None
+        self._channel = _channel(info.address) if self._lane is None else None
+        self.colocated: Any
+        self.prefill: Any
+        self.decode: Any
+        if self._lane is not None:
+            self.colocated, self.prefill = ColocatedLane(self._lane), PrefillLane(self._lane)
+            self.decode = DecodeLane(self._lane)
+        else:
+            self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self._channel)
+            self.prefill = worker_pb2_grpc.PrefillWorkerStub(self._channel)
+            self.decode = worker_pb2_grpc.DecodeWorkerStub(self._channel)
+
+    async def close(self) -> None:
+        for closable in (self._lane, self._channel):
+            if closable is not None:
+                await closable.close()
+
+
+async def worker_info(address: str) -> common_pb2.WorkerInfo:
+    async with _channel(address) as channel:
+        info: common_pb2.WorkerInfo = await worker_pb2_grpc.WorkerInfoServiceStub(channel).GetInfo(
+            worker_pb2.GetInfoRequest())
+    return info
+
+
 class ColocatedDirect:
     """``ColocatedWorker.Generate`` on the worker itself."""
 
-    def __init__(self, address: str, ids: list[int], sampling: SamplingParams) -> None:
-        self._channel = _channel(address)
-        self._stub = worker_pb2_grpc.ColocatedWorkerStub(self._channel)
+    def __init__(self, worker: WorkerLink, ids: list[int], sampling: SamplingParams) -> None:
+        self._link = worker
+        self._stub = worker.colocated
         self._ids, self._sampling = ids, sampling_to_pb(sampling)
         self._seq = itertools.count()
 
@@ -100,16 +133,17 @@ class ColocatedDirect:
         return await _drain(self._stub.Generate(msg), start)
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._link.close()
 
 
 class PdDirect:
     """Allocate (decode) → Prefill (prefill) → Generate (decode), as the router sends them."""
 
-    def __init__(self, prefill: str, decode: str, ids: list[int], sampling: SamplingParams, compat: str) -> None:
-        self._channels = [_channel(prefill), _channel(decode)]
-        self._prefill = worker_pb2_grpc.PrefillWorkerStub(self._channels[0])
-        self._decode = worker_pb2_grpc.DecodeWorkerStub(self._channels[1])
+    def __init__(self, prefill: WorkerLink, decode: WorkerLink, ids: list[int], sampling: SamplingParams,
+                 compat: str) -> None:
+        self._links = [prefill, decode]
+        self._prefill = prefill.prefill
+        self._decode = decode.decode
         self._ids, self._sampling, self._compat = ids, sampling_to_pb(sampling), compat
         self._max_tokens = sampling.max_tokens
         self._seq = itertools.count()
@@ -129,8 +163,8 @@ class PdDirect:
         return total, first
 
     async def close(self) -> None:
-        for channel in self._channels:
-            await channel.close()
+        for link in self._links:
+            await link.close()
 
 
 class RouterGrpc:
@@ -268,6 +302,7 @@ class Bench:
     stream_ids: list[int]
     max_tokens: int
     plan: Plan
+    transport: str = "lane"
     report: Report = field(default_factory=Report)
 
     @property
@@ -280,7 +315,8 @@ class Bench:
     def router_args(self, mode: str) -> list[str]:
         # --local-prefill-tokens 0: the router always takes the prefill pool, as the direct client does.
         return ["router", "--model", str(self.model), "--redis", self.redis_url, "--mode", mode,
-                "--http-port", "0", "--grpc-port", "0", "--local-prefill-tokens", "0", "--log-level", "WARNING"]
+                "--http-port", "0", "--grpc-port", "0", "--local-prefill-tokens", "0", "--log-level", "WARNING",
+                "--worker-transport", self.transport]
 
     def worker_args(self, role: str) -> list[str]:
         return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048)
@@ -357,14 +393,16 @@ async def colocated(bench: Bench) -> None:
     with started("worker", bench.worker_args("worker")) as worker, \
             started("router", bench.router_args("colocated")) as router:
         assert worker.address is not None and router.grpc_address is not None
+        info = await worker_info(worker.address)
         host, port = _split(router.address)
-        clients: dict[str, Client] = {"direct": ColocatedDirect(worker.address, bench.ids, bench.sampling),
-                                      "grpc": RouterGrpc(router.grpc_address, bench.ids, bench.max_tokens),
-                                      "http": RouterHttp(host, port, bench.ids, bench.max_tokens, stream=False)}
+        clients: dict[str, Client] = {
+            "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
+            "grpc": RouterGrpc(router.grpc_address, bench.ids, bench.max_tokens),
+            "http": RouterHttp(host, port, bench.ids, bench.max_tokens, stream=False)}
         await measure_mode(bench, "colocated", clients, router.proc.pid)
         await _closing(clients)
         sampling = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
-        clients = {"direct": ColocatedDirect(worker.address, bench.stream_ids, sampling),
+        clients = {"direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.stream_ids, sampling),
                    "grpc": RouterGrpc(router.grpc_address, bench.stream_ids, STREAM_TOKENS),
                    "http": RouterHttp(host, port, bench.stream_ids, STREAM_TOKENS, stream=True)}
         await measure_stream(bench, clients)
@@ -376,11 +414,11 @@ async def disaggregated(bench: Bench) -> None:
             started("decode", bench.worker_args("decode")) as decode, \
             started("router", bench.router_args("disaggregated")) as router:
         assert prefill.address and decode.address and router.grpc_address
-        async with _channel(decode.address) as channel:
-            info = await worker_pb2_grpc.WorkerInfoServiceStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        p_info, d_info = await worker_info(prefill.address), await worker_info(decode.address)
         host, port = _split(router.address)
         clients: dict[str, Client] = {
-            "direct": PdDirect(prefill.address, decode.address, bench.ids, bench.sampling, info.model_compat_hash),
+            "direct": PdDirect(WorkerLink(p_info, bench.transport), WorkerLink(d_info, bench.transport), bench.ids,
+                               bench.sampling, d_info.model_compat_hash),
             "grpc": RouterGrpc(router.grpc_address, bench.ids, bench.max_tokens),
             "http": RouterHttp(host, port, bench.ids, bench.max_tokens, stream=False)}
         await measure_mode(bench, "disaggregated", clients, router.proc.pid)
@@ -402,14 +440,17 @@ async def main_async() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short request (1 or 2)")
     parser.add_argument("--prompt", default=PROMPT, help="prompt text of the short requests")
+    parser.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
+                        help="how the router (and the direct client) reach the workers")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp, EmbeddedRedis() as redis_server:
         model = make_model(MODEL, 0, Path(tmp) / MODEL)
         tokenizer = load_tokenizer(model)
         bench = Bench(model, redis_server.url, tokenizer.encode(args.prompt), tokenizer.encode(STREAM_PROMPT),
-                      args.max_tokens, QUICK if args.quick else FULL)
+                      args.max_tokens, QUICK if args.quick else FULL, args.worker_transport)
         bench.report.add("prompt_tokens", len(bench.ids), "tokens")
         bench.report.add("max_tokens", args.max_tokens, "tokens")
+        bench.report.add("worker_transport_lane", int(args.worker_transport == "lane"), "bool")
         await colocated(bench)
         await disaggregated(bench)
     add_targets(bench)
