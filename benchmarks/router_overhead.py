@@ -39,7 +39,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 from _report import Report, base_parser
@@ -50,7 +50,7 @@ from pdcommon.sampling import SamplingParams
 from pdrouter.convert import sampling_to_pb
 from pdrouter.embedded_redis import EmbeddedRedis
 from pdrouter.grpc_util import CHANNEL_OPTIONS
-from pdrouter.lane import ColocatedLane, DecodeLane, LaneChannel, PrefillLane
+from pdrouter.lane import LaneChannel, request_stubs
 from pdrouter.local_cluster import ManagedProcess, worker_args
 from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -93,16 +93,7 @@ class WorkerLink:
     def __init__(self, info: common_pb2.WorkerInfo, transport: str) -> None:
         self._lane = LaneChannel(info.lane_address) if transport == "lane" else None
         self._channel = _channel(info.address) if self._lane is None else None
-        self.colocated: Any
-        self.prefill: Any
-        self.decode: Any
-        if self._lane is not None:
-            self.colocated, self.prefill = ColocatedLane(self._lane), PrefillLane(self._lane)
-            self.decode = DecodeLane(self._lane)
-        else:
-            self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self._channel)
-            self.prefill = worker_pb2_grpc.PrefillWorkerStub(self._channel)
-            self.decode = worker_pb2_grpc.DecodeWorkerStub(self._channel)
+        self.prefill, self.decode, self.colocated = request_stubs(self._channel, self._lane)
 
     async def close(self) -> None:
         for closable in (self._lane, self._channel):

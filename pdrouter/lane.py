@@ -41,7 +41,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pdcommon.errors import PdRouterError
-from pdrouter.v1 import common_pb2, worker_pb2
+from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -677,3 +677,16 @@ def serve_servicer(server: LaneServer, servicer: Any) -> None:
         base = service_name.rsplit(".", 1)[1] + "Servicer"
         if any(cls.__name__ == base for cls in service):
             server.add(method, getattr(servicer, name))
+
+
+def request_stubs(channel: grpc.aio.Channel | None, lane: LaneChannel | None) -> tuple[Any, Any, Any]:
+    """``(prefill, decode, colocated)`` stubs over ``lane`` when given, else over the gRPC ``channel``.
+
+    Both kinds have the same call shapes: ``Stub.Method(request, timeout=…)`` returns an awaitable
+    (unary) or an async iterable (streaming) with ``cancel()``; failures are ``grpc.RpcError``.
+    """
+    if lane is not None:
+        return PrefillLane(lane), DecodeLane(lane), ColocatedLane(lane)
+    assert channel is not None, "a gRPC channel or a lane is needed"
+    return (worker_pb2_grpc.PrefillWorkerStub(channel), worker_pb2_grpc.DecodeWorkerStub(channel),
+            worker_pb2_grpc.ColocatedWorkerStub(channel))

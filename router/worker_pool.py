@@ -26,7 +26,7 @@ from pdcommon.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.aio import cancel_and_wait
 from pdrouter.convert import load_from_pb, record_from_pb
 from pdrouter.grpc_util import CHANNEL_OPTIONS
-from pdrouter.lane import ColocatedLane, DecodeLane, LaneChannel, PrefillLane
+from pdrouter.lane import LaneChannel, request_stubs
 from pdrouter.v1 import worker_pb2, worker_pb2_grpc
 from pdstate.registry import WorkerRegistry
 from router.circuit_breaker import CircuitBreaker
@@ -50,19 +50,7 @@ class WorkerHandle:
 
     def __post_init__(self) -> None:
         self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
-        # The same call shapes either way (``Stub.Method(request, timeout=…)``, awaitable or async
-        # iterable, ``cancel()``, failures as ``grpc.RpcError``).
-        self.prefill: Any
-        self.decode: Any
-        self.colocated: Any
-        if self.lane is not None:
-            self.prefill = PrefillLane(self.lane)
-            self.decode = DecodeLane(self.lane)
-            self.colocated = ColocatedLane(self.lane)
-        else:
-            self.prefill = worker_pb2_grpc.PrefillWorkerStub(self.channel)
-            self.decode = worker_pb2_grpc.DecodeWorkerStub(self.channel)
-            self.colocated = worker_pb2_grpc.ColocatedWorkerStub(self.channel)
+        self.prefill, self.decode, self.colocated = request_stubs(self.channel, self.lane)
 
     async def close(self) -> None:
         await self.channel.close()
