@@ -262,6 +262,8 @@ class _ServerConnection(_Corked):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # refused or going away: nothing more is read
         if not self.greeted:
             data = self._greet(data)
             if not data:
