@@ -1,9 +1,9 @@
 """Group concurrent Redis calls into one: fewer round trips, far less client CPU per call.
 
-A :class:`Coalescer` collects the calls submitted for one key during the current event-loop
-iteration, and while the previous batch for that key is still on its way, and sends them as one
-batch (one script call). With one caller it adds no wait (the batch goes out in the same loop
-iteration); under load batches grow by themselves to what arrives during one round trip.
+A :class:`Coalescer` sends a call at once, from the caller's own task, when nothing is on its way
+for its key (one caller pays no extra event-loop turns); calls submitted while a batch is on its
+way wait and go together as the next batch (one script call). Under load batches grow by
+themselves to what arrives during one round trip.
 """
 
 from __future__ import annotations
@@ -22,16 +22,19 @@ class Coalescer(Generic[K, I, R]):
 
     ``send`` must return one result per item, in order; an exception it raises is raised to every
     caller of the batch. ``abandoned(key, item, result)`` is called for a result whose caller was
-    cancelled meanwhile (e.g. to undo a booking nobody will use).
+    cancelled meanwhile (e.g. to undo a booking nobody will use); ``interrupted(key, item)`` for a
+    call cancelled while it was on its way, whose outcome is unknown.
     """
 
     def __init__(self, send: Callable[[K, Sequence[I]], Awaitable[Sequence[R]]], max_batch: int = 256,
-                 abandoned: Callable[[K, I, R], None] | None = None) -> None:
+                 abandoned: Callable[[K, I, R], None] | None = None,
+                 interrupted: Callable[[K, I], None] | None = None) -> None:
         if max_batch <= 0:
             raise ValueError("max_batch must be > 0")
         self._send = send
         self._max_batch = max_batch
         self._abandoned = abandoned
+        self._interrupted = interrupted
         self._pending: dict[K, list[tuple[I, asyncio.Future[R]]]] = {}
         self._busy: set[K] = set()  # a batch is scheduled or in flight
         self._tasks: set[asyncio.Task[None]] = set()
@@ -39,13 +42,28 @@ class Coalescer(Generic[K, I, R]):
         self.items = 0
 
     async def submit(self, key: K, item: I) -> R:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[R] = loop.create_future()
-        self._pending.setdefault(key, []).append((item, fut))
         if key not in self._busy:
-            self._busy.add(key)
-            loop.call_soon(self._flush, key)
+            return await self._inline(key, item)
+        fut: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(key, []).append((item, fut))
         return await fut
+
+    async def _inline(self, key: K, item: I) -> R:
+        """Send ``item`` alone from the caller's task; what queues meanwhile goes next."""
+        self._busy.add(key)
+        self.batches += 1
+        self.items += 1
+        try:
+            results = await self._send(key, [item])
+        except asyncio.CancelledError:
+            if self._interrupted is not None:
+                self._interrupted(key, item)
+            raise
+        finally:
+            self._flush(key)
+        if len(results) != 1:
+            raise RuntimeError(f"batch of 1 got {len(results)} results")
+        return results[0]
 
     def _flush(self, key: K) -> None:
         pending = self._pending.get(key)
@@ -81,6 +99,9 @@ class Coalescer(Generic[K, I, R]):
                         else:
                             fut.set_exception(exc)
                 if isinstance(exc, asyncio.CancelledError):
+                    if self._interrupted is not None:
+                        for item, _ in live:
+                            self._interrupted(key, item)
                     raise
                 return
             for (item, fut), result in zip(live, results, strict=True):

@@ -198,7 +198,7 @@ class KvReservations:
         self._renew = client.register_script(_RENEW)
         self._purge = client.register_script(_PURGE)
         self._reserves: Coalescer[tuple[tuple[DecodeCapacity, ...], int], tuple[str, int], tuple[int, int, int]] = \
-            Coalescer(self._reserve_batch, abandoned=self._abandoned)
+            Coalescer(self._reserve_batch, abandoned=self._abandoned, interrupted=self._interrupted)
         self._resizes: list[tuple[Reservation, int, asyncio.Future[int]]] = []
         self._resize_timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -264,10 +264,16 @@ class KvReservations:
         self.script_calls += 1
         try:
             flat = [int(x) for x in await self._admit(keys=keys, args=args)]
-        except BaseException as exc:
+        except asyncio.CancelledError:
+            # Resizes are idempotent: whether or not this call got through, they go again.
+            if resizes:
+                self._resizes.extend(resizes)
+                asyncio.get_running_loop().call_soon(self._flush_resizes)
+            raise
+        except Exception as exc:
             for _, _, fut in resizes:
                 if not fut.done():
-                    fut.set_exception(exc if isinstance(exc, Exception) else ConnectionError("cancelled"))
+                    fut.set_exception(exc)
             raise
         for (_, _, fut), freed in zip(resizes, flat, strict=False):
             if not fut.done():
@@ -282,6 +288,12 @@ class KvReservations:
             chosen = group[0][index - 1]
             orphan = Reservation(RequestId(request[0]), chosen.worker_id, chosen.epoch, request[1], group[1])
             self._spawn(self.release(orphan, urgent=True))
+
+    def _interrupted(self, group: tuple[tuple[DecodeCapacity, ...], int], request: tuple[str, int]) -> None:
+        """A reservation cancelled on its way may or may not be booked: release it wherever it may be."""
+        for c in group[0]:
+            self._spawn(self.release(Reservation(RequestId(request[0]), c.worker_id, c.epoch, request[1], group[1]),
+                                     urgent=True))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)
