@@ -488,14 +488,20 @@ class LaneChannel:
     async def _connect(self) -> _ClientConnection:
         host, _, port = self.address.rpartition(":")
         loop = asyncio.get_running_loop()
+        conn: _ClientConnection | None = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, conn = await loop.create_connection(lambda: _ClientConnection(self.address), host.strip("[]"),
                                                        int(port))
                 await conn.greeted
-        except (OSError, TimeoutError) as exc:
-            raise LaneError(grpc.StatusCode.UNAVAILABLE,
-                            f"cannot reach the worker lane at {self.address}: {exc or 'timed out'}") from None
+        except BaseException as exc:
+            if conn is not None and conn.transport is not None:
+                conn.transport.abort()  # connected but not greeted: do not keep the socket
+            if isinstance(exc, (OSError, TimeoutError)):
+                raise LaneError(grpc.StatusCode.UNAVAILABLE,
+                                f"cannot reach the worker lane at {self.address}: "
+                                f"{str(exc) or f'timed out after {self.connect_timeout_s}s'}") from None
+            raise
         self._conn = conn
         return conn
 

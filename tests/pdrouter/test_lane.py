@@ -256,3 +256,22 @@ async def test_stop_lets_calls_finish_and_refuses_new_ones(served: tuple) -> Non
     with pytest.raises(LaneError) as info:
         await stub.Allocate(worker_pb2.AllocateRequest(request_id="late"))
     assert info.value.code() is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_peer_that_never_answers_the_handshake_is_dropped() -> None:
+    closed = asyncio.Event()
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # never answers; returns when the client hangs up
+        closed.set()
+        writer.close()
+
+    other = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = other.sockets[0].getsockname()[1]
+    with pytest.raises(LaneError) as info:
+        await DecodeLane(LaneChannel(f"127.0.0.1:{port}", connect_timeout_s=0.2)).Allocate(
+            worker_pb2.AllocateRequest(request_id="a"))
+    assert info.value.code() is grpc.StatusCode.UNAVAILABLE and "timed out" in info.value.details()
+    await asyncio.wait_for(closed.wait(), 5)  # the half-open connection was not kept
+    other.close()
+    await other.wait_closed()
