@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import cProfile
-import json
 import logging
 import os
 import signal
@@ -44,12 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
-import grpc
+from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
 from engine.tokenizer import ByteTokenizer
-from pdrouter.grpc_util import CHANNEL_OPTIONS, GrpcServer
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdrouter.grpc_util import GrpcServer
+from pdrouter.serve import tune_allocator
+from pdrouter.v1 import router_pb2_grpc
 from router.echo_orchestrator import ECHO, TINY, EchoOrchestrator
 from router.frontdoor_grpc import SERVICE_NAME, RouterServicer
 from router.frontdoor_http import bind_socket, create_app, make_server
@@ -123,81 +122,11 @@ class _Discard(list[T]):
 
 
 class Client(Protocol):
-    async def once(self, slot: int) -> float:
-        """Send one request on the caller's connection ``slot``; seconds to its last byte."""
+    async def once(self, slot: int) -> tuple[float, float]:
+        """Send one request on the caller's connection ``slot``; (seconds to its last byte, to its first)."""
         ...
 
     async def close(self) -> None: ...
-
-
-class HttpClient:
-    """``POST /v1/completions`` over one keep-alive connection per slot (a minimal HTTP/1.1 client)."""
-
-    def __init__(self, port: int, ids: list[int], max_tokens: int, stream: bool) -> None:
-        self._port = port
-        body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": stream}).encode()
-        self._request = (f"POST /v1/completions HTTP/1.1\r\nhost: {HOST}:{port}\r\n"
-                         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-        self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
-
-    async def once(self, slot: int) -> float:
-        conn = self._conns.get(slot)
-        if conn is None or conn[0].at_eof():
-            conn = self._conns[slot] = await asyncio.open_connection(HOST, self._port)
-        reader, writer = conn
-        start = time.perf_counter()
-        writer.write(self._request)
-        head = await reader.readuntil(b"\r\n\r\n")
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"front door answered {head!r}")
-        headers = head.lower()
-        if b"transfer-encoding: chunked" not in headers:
-            length = int(headers.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            body = await reader.readexactly(length)
-            if b'"finish_reason":"length"' not in body:
-                raise RuntimeError(f"unexpected completion {body!r}")
-            return time.perf_counter() - start
-        last = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                break
-            last = await reader.readexactly(size + 2)
-        if b"[DONE]" not in last:
-            raise RuntimeError(f"stream did not end with [DONE]: {last!r}")
-        return time.perf_counter() - start
-
-    async def close(self) -> None:
-        for _, writer in self._conns.values():
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-
-class GrpcClient:
-    """``pdrouter.v1.Router.Generate`` with the prompt's token ids, on one channel."""
-
-    def __init__(self, address: str, ids: list[int], max_tokens: int) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._request = router_pb2.GenerateRequest(
-            model=MODEL, token_ids=router_pb2.TokenIds(ids=ids),
-            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        self._max_tokens = max_tokens
-
-    async def once(self, slot: int) -> float:
-        start = time.perf_counter()
-        tokens = 0
-        async for msg in self._stub.Generate(self._request):
-            tokens += len(msg.token_ids)
-        if tokens != self._max_tokens:
-            raise RuntimeError(f"Generate returned {tokens} tokens, expected {self._max_tokens}")
-        return time.perf_counter() - start
-
-    async def close(self) -> None:
-        await self._channel.close()
 
 
 @dataclass
@@ -214,13 +143,6 @@ class Samples:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def cpu_seconds(pid: int) -> tuple[float, float]:
-    """User and system CPU of process ``pid`` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
 async def run_phase(client: Client, concurrency: int, n: int, into: Samples, pid: int) -> None:
     """``n`` requests from ``concurrency`` callers; latencies, wall and child CPU go into ``into``."""
     left = n
@@ -229,13 +151,13 @@ async def run_phase(client: Client, concurrency: int, n: int, into: Samples, pid
         nonlocal left
         while left > 0:
             left -= 1
-            into.latencies.append(await client.once(slot))
+            into.latencies.append((await client.once(slot))[0])
 
-    user0, sys0 = cpu_seconds(pid)
+    user0, sys0 = cpu_times(pid)
     start = time.perf_counter()
     await asyncio.gather(*(caller(i) for i in range(concurrency)))
     into.seconds += time.perf_counter() - start
-    user1, sys1 = cpu_seconds(pid)
+    user1, sys1 = cpu_times(pid)
     into.cpu_seconds += user1 - user0 + sys1 - sys0
     into.sys_seconds += sys1 - sys0
 
@@ -293,6 +215,7 @@ async def main_async() -> None:
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
     args = parser.parse_args()
     if args.serve:
+        tune_allocator()  # as every pdrouter server process does
         await serve()
         return
     kinds = [k for k in args.kinds.split(",") if k]
@@ -305,9 +228,9 @@ async def main_async() -> None:
     child, port, address = start_child(args.profile)
     try:
         make: dict[str, Callable[[], Client]] = {
-            "http": lambda: HttpClient(port, ids, args.max_tokens, stream=False),
-            "http_stream": lambda: HttpClient(port, ids, args.max_tokens, stream=True),
-            "grpc": lambda: GrpcClient(address, ids, args.max_tokens)}
+            "http": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=False),
+            "http_stream": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=True),
+            "grpc": lambda: RouterGenerate(address, MODEL, ids, args.max_tokens)}
         clients: dict[str, Client] = {kind: make[kind]() for kind in kinds}
         await measure(clients, QUICK if args.quick else FULL, child.pid, report)
         for client in clients.values():

@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
-import os
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +40,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
+from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
 from engine.model_io import make_model
@@ -52,7 +51,7 @@ from pdrouter.embedded_redis import EmbeddedRedis
 from pdrouter.grpc_util import CHANNEL_OPTIONS
 from pdrouter.lane import LaneChannel, request_stubs
 from pdrouter.local_cluster import ManagedProcess, worker_args
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny"
 PROMPT = "Hello, world"
@@ -158,73 +157,6 @@ class PdDirect:
             await link.close()
 
 
-class RouterGrpc:
-    """``pdrouter.v1.Router.Generate`` with the prompt's token ids."""
-
-    def __init__(self, address: str, ids: list[int], max_tokens: int) -> None:
-        self._channel = _channel(address)
-        self._stub = router_pb2_grpc.RouterStub(self._channel)
-        self._sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        self._ids = router_pb2.TokenIds(ids=ids)
-
-    async def once(self, slot: int) -> tuple[float, float]:
-        start = time.perf_counter()
-        msg = router_pb2.GenerateRequest(model=MODEL, token_ids=self._ids, sampling=self._sampling)
-        return await _drain(self._stub.Generate(msg), start)
-
-    async def close(self) -> None:
-        await self._channel.close()
-
-
-class RouterHttp:
-    """``POST /v1/completions`` over one keep-alive connection per slot (a minimal HTTP/1.1 client)."""
-
-    def __init__(self, host: str, port: int, ids: list[int], max_tokens: int, stream: bool) -> None:
-        self._host, self._port = host, port
-        body = json.dumps({"model": MODEL, "prompt": ids, "max_tokens": max_tokens, "temperature": 0,
-                           "ignore_eos": True, "stream": stream}).encode()
-        self._request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\n"
-                         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-        self._conns: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}
-
-    async def once(self, slot: int) -> tuple[float, float]:
-        conn = self._conns.get(slot)
-        if conn is None or conn[0].at_eof():  # new, or closed by the server's keep-alive timeout
-            conn = self._conns[slot] = await asyncio.open_connection(self._host, self._port)
-        reader, writer = conn
-        start = time.perf_counter()
-        writer.write(self._request)
-        head = await reader.readuntil(b"\r\n\r\n")
-        first = time.perf_counter() - start
-        headers = head.lower()
-        if not head.startswith(b"HTTP/1.1 200"):
-            raise RuntimeError(f"router answered {head!r}")
-        if b"transfer-encoding: chunked" not in headers:
-            length = int(headers.split(b"content-length:", 1)[1].split(b"\r\n", 1)[0])
-            body = await reader.readexactly(length)
-            if b'"finish_reason"' not in body:
-                raise RuntimeError(f"unexpected completion {body!r}")
-            return time.perf_counter() - start, first
-        first, last = 0.0, b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
-            if size == 0:
-                await reader.readuntil(b"\r\n")
-                break
-            last = await reader.readexactly(size + 2)
-            if not first and b"data:" in last:
-                first = time.perf_counter() - start
-        if b"[DONE]" not in last:
-            raise RuntimeError(f"stream did not end with [DONE]: {last!r}")
-        return time.perf_counter() - start, first
-
-    async def close(self) -> None:
-        for _, writer in self._conns.values():
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-
-
 @dataclass
 class Samples:
     """Latencies of one kind of request over all its phases, and the router CPU they cost."""
@@ -245,8 +177,7 @@ class Samples:
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of process ``pid`` (all its threads) so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(cpu_times(pid))
 
 
 async def run_phase(client: Client, concurrency: int, n: int, into: Samples, router_pid: int | None) -> None:
@@ -388,14 +319,14 @@ async def colocated(bench: Bench) -> None:
         host, port = _split(router.address)
         clients: dict[str, Client] = {
             "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
-            "grpc": RouterGrpc(router.grpc_address, bench.ids, bench.max_tokens),
-            "http": RouterHttp(host, port, bench.ids, bench.max_tokens, stream=False)}
+            "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+            "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
         await measure_mode(bench, "colocated", clients, router.proc.pid)
         await _closing(clients)
         sampling = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
         clients = {"direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.stream_ids, sampling),
-                   "grpc": RouterGrpc(router.grpc_address, bench.stream_ids, STREAM_TOKENS),
-                   "http": RouterHttp(host, port, bench.stream_ids, STREAM_TOKENS, stream=True)}
+                   "grpc": RouterGenerate(router.grpc_address, MODEL, bench.stream_ids, STREAM_TOKENS),
+                   "http": HttpCompletions(host, port, MODEL, bench.stream_ids, STREAM_TOKENS, stream=True)}
         await measure_stream(bench, clients)
         await _closing(clients)
 
@@ -410,8 +341,8 @@ async def disaggregated(bench: Bench) -> None:
         clients: dict[str, Client] = {
             "direct": PdDirect(WorkerLink(p_info, bench.transport), WorkerLink(d_info, bench.transport), bench.ids,
                                bench.sampling, d_info.model_compat_hash),
-            "grpc": RouterGrpc(router.grpc_address, bench.ids, bench.max_tokens),
-            "http": RouterHttp(host, port, bench.ids, bench.max_tokens, stream=False)}
+            "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+            "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
         await measure_mode(bench, "disaggregated", clients, router.proc.pid)
         await _closing(clients)
 
