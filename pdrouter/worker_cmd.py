@@ -105,7 +105,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         redis_url=args.redis, model_name=args.served_model_name,
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
         kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
-        lane_port=None if args.lane_port < 0 else args.lane_port)
+        lane_port=None if args.lane_port == -1 else args.lane_port)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,8 +47,9 @@ class WorkerConfig:
                               f"got {self.worker_id!r}")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
-        if not 0 <= self.port < 65536 or not 0 <= self.kv_port < 65536 or not 0 <= (self.lane_port or 0) < 65536:
-            raise ConfigError("ports must be in [0, 65535]")
+        for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"the {name} must be in [0, 65535], got {port}")
         if self.heartbeat_interval_s * 1000 >= self.heartbeat_ttl_ms:
             raise ConfigError("the heartbeat interval must be shorter than the heartbeat TTL")
         if self.lease_ms <= 0 or self.kv_wait_s <= 0:

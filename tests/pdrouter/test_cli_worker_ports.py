@@ -1,0 +1,42 @@
+"""Worker and router CLI: the lane settings and their errors (one line, exit 2, nothing started)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from engine.model_io import make_model
+from pdrouter.cli import build_parser
+from pdrouter.worker_cmd import build_config
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_model("tiny", 0, tmp_path_factory.mktemp("cli") / "tiny")
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+def test_lane_port_default_fixed_and_off(model: Path) -> None:
+    assert build_config(parse("decode", "--model", str(model))).lane_port == 0  # any free port
+    assert build_config(parse("prefill", "--model", str(model), "--lane-port", "50062")).lane_port == 50062
+    assert build_config(parse("worker", "--model", str(model), "--lane-port", "-1")).lane_port is None
+
+
+@pytest.mark.parametrize("port", ["-5", "70000"])
+def test_a_bad_lane_port_is_one_line_and_exit_2(model: Path, port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdrouter.cli import main
+
+    assert main(["worker", "--model", str(model), "--lane-port", port]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"pdrouter worker: error: the lane port must be in [0, 65535], got {port}"
+
+
+def test_router_worker_transport_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse("router", "--model", "m", "--worker-transport", "carrier-pigeon")
+    assert info.value.code == 2 and "invalid choice: 'carrier-pigeon'" in capsys.readouterr().err
