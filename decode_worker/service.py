@@ -6,27 +6,34 @@ prefill worker. The allocation is a lease: if no ``Generate`` follows within ``l
 freed. ``Generate`` waits for the KV to land, then decodes from the prefill worker's first token.
 ``Release``, a cancelled call, a failed transfer or an expired lease free everything: the
 expectation is aborted first (so nothing writes into the blocks any more), then the blocks.
+
+``Serve`` is the same request driven from here in one call (the router's path): reserve, then
+compute the prompt here when little of it is uncached, else call the prefill workers the router
+ranked (the next one on a retryable failure) into the reserved blocks, then decode. The router
+makes one call per request instead of three, and the first token reaches it one hop after the
+prefill worker produced it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
 
+from decode_worker.prefill_links import PrefillLinks
 from engine.outputs import KvReservation
 from kvtransfer.incoming import IncomingTransfer
 from kvtransfer.receiver import KvReceiver
-from pdcommon.errors import IncompatibleError, InvalidRequestError, NotFoundError
+from pdcommon.errors import IncompatibleError, InvalidRequestError, NotFoundError, error_from_grpc_code
 from pdcommon.ids import RequestId
 from pdcommon.sampling import SamplingParams
 from pdrouter.convert import sampling_from_pb
-from pdrouter.grpc_util import grpc_errors
+from pdrouter.grpc_util import from_rpc_error, grpc_errors, status_code
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from worker_common.driver import EngineDriver
 from worker_common.kv_convert import target_to_pb
@@ -49,8 +56,12 @@ class _Allocation:
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
-                 backend: str, lease_ms: int, kv_wait_s: float) -> None:
+                 backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
+                 prefill_timeout_s: float = 600.0) -> None:
         self.driver = driver
+        self.links = links or PrefillLinks()
+        self.prefill_timeout_s = prefill_timeout_s
+        """Limit of one prefill call when the Serve call has no deadline of its own."""
         self.receiver = receiver
         self.worker_id = worker_id
         self.model_compat_hash = model_compat_hash
@@ -58,6 +69,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.lease_ms = lease_ms
         self.kv_wait_s = kv_wait_s
         self._allocs: dict[str, _Allocation] = {}
+        self._serving: set[str] = set()
 
     @property
     def allocations(self) -> int:
@@ -163,6 +175,117 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     self.driver.abort(RequestId(rid))
 
     @grpc_errors
+    async def Serve(self, request: worker_pb2.ServeRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
+        if request.backend and request.backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
+                                    f"not {request.backend!r}")
+        if not request.HasField("sampling"):
+            raise InvalidRequestError("sampling is required (max_tokens at least)")
+        if rid in self._serving or rid in self._allocs:
+            raise InvalidRequestError(f"request {rid!r} is already on this worker")
+        sampling = sampling_from_pb(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        routes = list(request.prefill)
+        for route in routes:
+            self.links.stub(route)  # a route without an address is the caller's error: say so now
+        report = common_pb2.PrefillReport(prompt_tokens=len(prompt))
+        self._serving.add(rid)
+        try:
+            while not (report.failures and not routes):
+                reservation = self.driver.reserve_remote(RequestId(rid), prompt, sampling)
+                report.decode_cached_tokens = reservation.num_cached_tokens
+                if routes and len(prompt) - reservation.num_cached_tokens > request.local_prefill_tokens:
+                    route = routes.pop(0)
+                    first = await self._remote_prefill(rid, prompt, request, reservation, route, report, context)
+                    if first is None:
+                        continue  # that worker failed (and the blocks were freed): the next one
+                    async with aclosing(self._decode_after(rid, first, reservation.num_cached_tokens,
+                                                           report)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                # Computed here (little is uncached, or no prefill worker was named): the
+                # reservation's cached prefix stays in the prefix cache, and the local request
+                # reuses it at once.
+                self.driver.abort(RequestId(rid))
+                report.local = True
+                pending: common_pb2.PrefillReport | None = report
+                async with aclosing(self.driver.generate(RequestId(rid), prompt, sampling)) as outputs:
+                    async for chunk in token_chunks(rid, outputs):
+                        if pending is not None:
+                            chunk.prefill.CopyFrom(pending)
+                            pending = None
+                        yield chunk
+                return
+            # Every prefill worker failed: the report names them all, then the last failure ends the call.
+            yield common_pb2.TokenChunk(request_id=rid, prefill=report)
+            last = report.failures[-1]
+            raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
+        finally:
+            self._serving.discard(rid)
+
+    async def _remote_prefill(self, rid: str, prompt: list[int], request: worker_pb2.ServeRequest,
+                              reservation: KvReservation, route: worker_pb2.PrefillRoute,
+                              report: common_pb2.PrefillReport, context: grpc.aio.ServicerContext) -> int | None:
+        """One prefill attempt into ``reservation``: the first token, or None (recorded in ``report``).
+
+        A failed attempt frees the blocks (the caller reserves afresh); a cancelled one also
+        cancels the prefill call, so the prefill worker drops its share.
+        """
+        remaining = context.time_remaining()
+        timeout = self.prefill_timeout_s if remaining is None else remaining
+        landed = False
+        incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
+                                        timeout_s=timeout + self.kv_wait_s)
+        try:
+            msg = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
+                                            target=target_to_pb(incoming.target, self.worker_id),
+                                            model_compat_hash=request.model_compat_hash)
+            call = self.links.stub(route).Prefill(msg, timeout=timeout)
+            try:
+                resp = await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.RpcError, grpc.aio.UsageError) as exc:
+                err = from_rpc_error(exc)
+                report.failures.add(worker_id=route.worker_id, code=status_code(err).name, message=err.message)
+                log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
+                if not err.retryable:
+                    raise err from None
+                return None
+            await incoming.wait_all_async(timeout=self.kv_wait_s)
+            landed = True
+        finally:
+            if not landed:
+                incoming.abort("the prefill attempt ended early")
+                self.driver.abort(RequestId(rid))
+        report.worker_id = route.worker_id
+        report.cached_tokens = resp.stats.cached_tokens
+        report.compute_ms = resp.stats.compute_ms
+        report.transfer_ms = resp.stats.transfer_ms
+        report.bytes_sent = resp.stats.bytes_sent
+        return resp.first_token_id
+
+    async def _decode_after(self, rid: str, first: int, decode_cached: int,
+                            report: common_pb2.PrefillReport) -> AsyncGenerator[common_pb2.TokenChunk, None]:
+        """The first token at once (with the report), then the decode stream from the landed KV."""
+        finished = False
+        try:
+            yield common_pb2.TokenChunk(request_id=rid, token_ids=[first], prefill=report)
+            cached = max(decode_cached, report.cached_tokens)
+            async with aclosing(self.driver.decode_remote(RequestId(rid), first)) as outputs:
+                async for chunk in token_chunks(rid, outputs, cached_tokens=cached):
+                    yield chunk
+            finished = True
+        finally:
+            if not finished:
+                self.driver.abort(RequestId(rid))
+
+    @grpc_errors
     async def Release(self, request: worker_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
         if not request.request_id:
@@ -180,6 +303,7 @@ class DecodeParts:
         self.kv_address = receiver.address
 
     async def close(self) -> None:
+        await self.servicer.links.close()
         await asyncio.to_thread(self.receiver.close)
 
 
@@ -190,6 +314,7 @@ async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
     receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
-                              cfg.lease_ms, cfg.kv_wait_s)
+                              cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s))
     proc.serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
     return DecodeParts(receiver, servicer)
+

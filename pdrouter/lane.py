@@ -76,7 +76,8 @@ RELEASE = LaneMethod(4, "/pdrouter.v1.DecodeWorker/Release", worker_pb2.ReleaseR
                      worker_pb2.ReleaseResponse, False)
 COLOCATED = LaneMethod(5, "/pdrouter.v1.ColocatedWorker/Generate", worker_pb2.WorkerGenerateRequest,
                        common_pb2.TokenChunk, True)
-METHODS = {m.id: m for m in (PREFILL, ALLOCATE, DECODE, RELEASE, COLOCATED)}
+SERVE = LaneMethod(6, "/pdrouter.v1.DecodeWorker/Serve", worker_pb2.ServeRequest, common_pb2.TokenChunk, True)
+METHODS = {m.id: m for m in (PREFILL, ALLOCATE, DECODE, RELEASE, COLOCATED, SERVE)}
 
 
 class LaneError(grpc.RpcError):
@@ -664,6 +665,10 @@ class DecodeLane:
     def Release(self, request: worker_pb2.ReleaseRequest,
                 timeout: float | None = None) -> UnaryCall[worker_pb2.ReleaseResponse]:
         return self._channel.unary(RELEASE, request, timeout)
+
+    def Serve(self, request: worker_pb2.ServeRequest,
+              timeout: float | None = None) -> StreamCall[common_pb2.TokenChunk]:
+        return self._channel.stream(SERVE, request, timeout)
 
 
 class ColocatedLane:

@@ -1,20 +1,25 @@
 """PD orchestration: one request's path through the worker pools.
 
-Disaggregated::
+Disaggregated: admission books the decode blocks (Redis), the prefix index ranks the prefill
+workers (looked up while admission runs), then one call does the rest::
 
-    Allocate(decode) ──▶ Prefill(prefill, target = the decode blocks) ──▶ first token to the client
-                     └─▶ Generate(decode, first token) ──▶ the rest of the stream
+    DecodeWorker.Serve(prompt, ranked prefill routes)
+        decode worker: reserve blocks ──▶ PrefillWorker.Prefill(into those blocks) ──▶ first token
+                                                                         └─▶ decode ──▶ the rest
 
+* The router makes one worker call per request (not three), so it adds one hop, not three, and
+  the first token reaches it one hop after the prefill worker produced it.
 * Conditional disaggregation: when the prompt's part not already cached on the decode worker is
-  at most ``local_prefill_tokens``, the decode worker computes it itself (no KV transfer).
-* A prefill that fails before the first token (worker gone, transfer broken) is retried on another
-  prefill worker with a fresh allocation, up to ``max_prefill_attempts`` in all.
-* Whatever ends the request (finish, error, client gone, deadline) releases the decode allocation;
-  cancelling the in-flight call makes the prefill worker drop its share.
+  at most ``local_prefill_tokens``, the decode worker computes it itself (no KV transfer); a prompt
+  that short costs no index lookup and names no prefill worker.
+* A prefill that fails before the first token (worker gone, transfer broken) is retried by the
+  decode worker on the next ranked prefill worker, up to ``max_prefill_attempts`` in all; the
+  report on the first chunk names the failures, and their circuit breakers count them.
+* Whatever ends the request (finish, error, client gone, deadline) cancels the call: the decode
+  worker frees its blocks and cancels the prefill in flight. The booking is released in Redis.
 
 Colocated: the request goes to one colocated worker, which streams every token.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +32,7 @@ from typing import Any, Literal
 import grpc
 from redis.exceptions import RedisError
 
-from pdcommon.errors import DeadlineExceededError, PdRouterError, UnavailableError
+from pdcommon.errors import DeadlineExceededError, UnavailableError
 from pdcommon.hashing import BlockHasher
 from pdcommon.ids import WorkerId
 from pdcommon.workers import WorkerRole
@@ -126,18 +131,6 @@ class PdOrchestrator:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         return -(-total // self.model.block_size)
 
-    def _release_later(self, handle: WorkerHandle, request_id: str, reason: str) -> None:
-        """Release a decode allocation in a task of its own: it survives the caller's cancellation."""
-        async def release() -> None:
-            try:
-                await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason=reason),
-                                            timeout=5.0)
-            except _GRPC_ERRORS as exc:
-                # The worker's lease expiry frees the blocks if it cannot be told now.
-                log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
-
-        self._background_task(release(), f"release-{request_id}-on-{handle.worker_id}")
-
     def _background_task(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``coro`` to completion even if the request's own task is cancelled."""
         task = asyncio.ensure_future(coro)
@@ -207,7 +200,7 @@ class PdOrchestrator:
         return {m.worker_id: m.blocks * self.model.block_size for m in matches}
 
     def _early_lookup(self, request: RouterRequest) -> asyncio.Task[dict[WorkerId, int]] | None:
-        """Start the first prefill placement's index lookup now, to run while Allocate does.
+        """Start the prefill placement's index lookup now, to run while admission does.
 
         Only for prompts that may need the prefill pool (longer than ``local_prefill_tokens``) and
         can hit (one block or more). The task never raises (``_cached_tokens`` degrades to {}); it
@@ -282,137 +275,113 @@ class PdOrchestrator:
             self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
 
-    async def _allocate(self, request: RouterRequest, handle: WorkerHandle,
-                        sampling: common_pb2.SamplingParams) -> worker_pb2.AllocateResponse:
-        msg = worker_pb2.AllocateRequest(request_id=request.request_id,
-                                         prompt_token_ids=request.prompt_token_ids,
-                                         max_tokens=request.sampling.max_tokens,
-                                         model_compat_hash=self.pool.model_compat_hash,
-                                         lease_ms=self.config.lease_ms, backend=self.config.kv_backend,
-                                         sampling=sampling)
-        handle.breaker.on_attempt()
-        try:
-            resp = await handle.decode.Allocate(msg, timeout=min(self._timeout(request), 30.0))
-        except _GRPC_ERRORS as exc:
-            err = from_rpc_error(exc)
-            if isinstance(err, UnavailableError):
-                handle.breaker.on_failure()
-            raise err from None
-        handle.breaker.on_success()
-        return resp
+    def _prefill_routes(self, request: RouterRequest,
+                        cached_tokens: dict[WorkerId, int]) -> list[tuple[WorkerHandle, int]]:
+        """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens."""
+        candidates = list(self.pool.available(WorkerRole.PREFILL))
+        ranked: list[tuple[WorkerHandle, int]] = []
+        while candidates and len(ranked) < self.config.max_prefill_attempts:
+            handle = self.policy.pick_prefill(request, candidates, cached_tokens)
+            candidates.remove(handle)
+            ranked.append((handle, cached_tokens.get(handle.worker_id, 0)))
+        return ranked
 
-    async def _release_now(self, handle: WorkerHandle, request_id: str) -> None:
-        try:
-            await handle.decode.Release(worker_pb2.ReleaseRequest(request_id=request_id, reason="prefill retry"),
-                                        timeout=5.0)
-        except _GRPC_ERRORS as exc:
-            log.warning("release of %s on %s failed: %s", request_id, handle.worker_id, exc)
-
-    async def _prefill(self, request: RouterRequest, target: common_pb2.TransferTarget, exclude: set[str],
-                       sampling: common_pb2.SamplingParams,
-                       lookup: asyncio.Task[dict[WorkerId, int]] | None = None) -> worker_pb2.PrefillResponse:
-        """Prefill on the best candidate not in ``exclude``; ``lookup``: the index lookup, if started."""
-        candidates = [h for h in self.pool.available(WorkerRole.PREFILL) if h.worker_id not in exclude]
-        if lookup is not None:
-            cached_tokens = await asyncio.shield(lookup)  # a cancelled request leaves it to finish
-        else:
-            cached_tokens = await self._cached_tokens(request, candidates)
-        handle = self.policy.pick_prefill(request, candidates, cached_tokens)
-        wid = handle.worker_id
-        self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached_tokens.get(wid, 0)
-        self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + len(request.prompt_token_ids)
-        msg = worker_pb2.PrefillRequest(request_id=request.request_id,
-                                        prompt_token_ids=request.prompt_token_ids,
-                                        sampling=sampling, target=target,
-                                        model_compat_hash=self.pool.model_compat_hash)
-        tokens = len(request.prompt_token_ids)
-        handle.inflight += 1
-        handle.inflight_prefill_tokens += tokens
-        handle.assigned_tokens += tokens - cached_tokens.get(wid, 0)
-        handle.breaker.on_attempt()
-        call = handle.prefill.Prefill(msg, timeout=self._timeout(request))
-        try:
-            resp = await call
-        except _GRPC_ERRORS as exc:
-            err = from_rpc_error(exc)
-            if isinstance(err, UnavailableError):
-                handle.breaker.on_failure()
-            raise _PrefillFailed(handle, err) from None
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
-        finally:
-            handle.inflight -= 1
-            handle.inflight_prefill_tokens -= tokens
-        handle.breaker.on_success()
-        self.stats.prompt_tokens += resp.stats.prompt_tokens
-        self.stats.cached_prompt_tokens += resp.stats.cached_tokens
+    def _on_report(self, report: common_pb2.PrefillReport, request: RouterRequest) -> None:
+        """What the decode worker says of the prompt's computation: breakers, stats, metrics."""
+        for failure in report.failures:
+            self.stats.prefill_retries += 1
+            failed = self.pool.get(WorkerId(failure.worker_id))
+            if failed is not None and failure.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                failed.breaker.on_failure()
+            log.warning("prefill of %s on %s failed (%s: %s)", request.request_id, failure.worker_id,
+                        failure.code, failure.message)
+        if report.local:
+            self.stats.local_prefills += 1
+            return
+        if not report.worker_id:
+            return  # every attempt failed; the error follows
+        served = self.pool.get(WorkerId(report.worker_id))
+        if served is not None:
+            served.breaker.on_success()
+        self.stats.prompt_tokens += report.prompt_tokens
+        self.stats.cached_prompt_tokens += report.cached_tokens
         self.stats.transfers += 1
-        self.stats.bytes += resp.stats.bytes_sent
-        self.stats.seconds += resp.stats.transfer_ms / 1e3
+        self.stats.bytes += report.bytes_sent
+        self.stats.seconds += report.transfer_ms / 1e3
         if self.metrics is not None:
-            self.metrics.observe_prefix_match(resp.stats.prompt_tokens, resp.stats.cached_tokens)
-            self.metrics.observe_kv_transfer(resp.stats.bytes_sent, resp.stats.transfer_ms / 1e3,
-                                             target.backend or "tcp")
-        return resp
+            self.metrics.observe_prefix_match(report.prompt_tokens, report.cached_tokens)
+            self.metrics.observe_kv_transfer(report.bytes_sent, report.transfer_ms / 1e3,
+                                             self.config.kv_backend or "tcp")
 
     async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        """One ``DecodeWorker.Serve`` call: the decode worker reserves, has the ranked prefill workers
+        compute the prompt (or computes it itself), and streams every token."""
+        lookup = self._early_lookup(request)  # runs while admission books the decode blocks
         decode, reservation = await self._admit(request, WorkerRole.DECODE)
-        sampling = sampling_to_pb(request.sampling)
+        handles: list[tuple[WorkerHandle, int]] = []
+        accounted: WorkerHandle | None = None
+        call = None
+        tokens = len(request.prompt_token_ids)
         decode.inflight += 1
-        allocated = done = False
         try:
-            lookup = self._early_lookup(request)
-            tried: set[str] = set()
-            for attempt in range(1, self.config.max_prefill_attempts + 1):
-                alloc = await self._allocate(request, decode, sampling)
-                allocated = True
-                uncached = len(request.prompt_token_ids) - alloc.cached_blocks * self.model.block_size
-                if uncached <= self.config.local_prefill_tokens:
-                    self.stats.local_prefills += 1
-                    msg = worker_pb2.DecodeRequest(request_id=request.request_id, sampling=sampling,
-                                                   local_prefill=True, prompt_token_ids=request.prompt_token_ids)
-                    base, produced = Usage(len(request.prompt_token_ids), 0), 0
-                    break
-                try:
-                    # Only the first attempt's candidates are the ones the early lookup asked about.
-                    resp = await self._prefill(request, alloc.target, tried, sampling,
-                                               lookup if attempt == 1 else None)
-                except _PrefillFailed as failed:
-                    tried.add(failed.handle.worker_id)
-                    if not failed.error.retryable or attempt == self.config.max_prefill_attempts:
-                        raise failed.error from None
-                    self.stats.prefill_retries += 1
-                    log.warning("prefill of %s on %s failed (%s); retrying elsewhere", request.request_id,
-                                failed.handle.worker_id, failed.error.message)
-                    # The decode side may hold half-written blocks: free them before allocating again.
-                    await self._release_now(decode, request.request_id)
-                    allocated = False
-                    continue
-                yield TokenDelta((resp.first_token_id,))
-                msg = worker_pb2.DecodeRequest(request_id=request.request_id, sampling=sampling,
-                                               first_token_id=resp.first_token_id)
-                base, produced = Usage(len(request.prompt_token_ids), 1, resp.stats.cached_tokens), 1
-                break
+            if tokens > self.config.local_prefill_tokens:
+                cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
+                handles = self._prefill_routes(request, cached_tokens)
+            msg = worker_pb2.ServeRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling_to_pb(request.sampling), model_compat_hash=self.pool.model_compat_hash,
+                backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
+                prefill=[worker_pb2.PrefillRoute(worker_id=h.worker_id, address=h.record.address,
+                                                 lane_address=h.record.lane_address if h.lane is not None else "",
+                                                 cached_tokens=cached)
+                         for h, cached in handles])
+            if handles:
+                # The best candidate is charged with the prompt until its report arrives.
+                accounted, cached = handles[0]
+                wid = accounted.worker_id
+                self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached
+                self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + tokens
+                accounted.inflight += 1
+                accounted.inflight_prefill_tokens += tokens
+                accounted.assigned_tokens += tokens - cached
+                for h, _ in handles:
+                    h.breaker.on_attempt()
+            decode.breaker.on_attempt()
+            reported = False
             try:
-                call = decode.decode.Generate(msg, timeout=self._timeout(request))
+                call = decode.decode.Serve(msg, timeout=self._timeout(request))
+                produced = 0
+                async for chunk in call:
+                    if chunk.HasField("prefill") and not reported:
+                        reported = True
+                        if accounted is not None:
+                            accounted.inflight -= 1
+                            accounted.inflight_prefill_tokens -= tokens
+                            accounted = None
+                        self._on_report(chunk.prefill, request)
+                    produced += len(chunk.token_ids)
+                    reason = _FINISH.get(chunk.finish_reason)
+                    if reason is None:
+                        if chunk.token_ids:
+                            yield TokenDelta(tuple(chunk.token_ids))
+                        continue
+                    yield TokenDelta(tuple(chunk.token_ids), reason,
+                                     Usage(tokens, produced, chunk.usage.cached_tokens))
+                    decode.breaker.on_success()
+                    return
             except _GRPC_ERRORS as exc:
-                raise from_rpc_error(exc) from None
-            try:
-                async for delta in self._relay(call, request, base, produced):
-                    yield delta
-                done = True
-            finally:
-                call.cancel()
+                err = from_rpc_error(exc)
+                if isinstance(err, UnavailableError) and not reported:
+                    decode.breaker.on_failure()  # a report would say the prefill side failed
+                raise err from None
+            raise UnavailableError(f"request {request.request_id}: the decode worker ended the stream "
+                                   "without finishing")
         finally:
             decode.inflight -= 1
-            if allocated and not done:
-                self._release_later(decode, request.request_id, "router: request ended early")
+            if accounted is not None:
+                accounted.inflight -= 1
+                accounted.inflight_prefill_tokens -= tokens
+            if call is not None:
+                call.cancel()
             if reservation is not None and self.admission is not None:
                 self._background_task(self.admission.release(reservation), f"unbook-{request.request_id}")
-
-class _PrefillFailed(Exception):
-    def __init__(self, handle: WorkerHandle, error: PdRouterError) -> None:
-        super().__init__(error.message)
-        self.handle = handle
-        self.error = error

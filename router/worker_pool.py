@@ -97,6 +97,10 @@ class WorkerPool:
     def workers(self, role: WorkerRole | None = None) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if role is None or h.role is role]
 
+    def get(self, worker_id: WorkerId) -> WorkerHandle | None:
+        """The handle of a worker in the pool now, or None."""
+        return self._handles.get(worker_id)
+
     def available(self, role: WorkerRole) -> list[WorkerHandle]:
         """Workers of ``role`` whose circuit breaker lets a request through now.
 

@@ -172,13 +172,47 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "usage")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "usage", "prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    prefill: PrefillReport
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., prefill: _Optional[_Union[PrefillReport, _Mapping]] = ...) -> None: ...
+
+class PrefillReport(_message.Message):
+    __slots__ = ("worker_id", "local", "prompt_tokens", "cached_tokens", "decode_cached_tokens", "compute_ms", "transfer_ms", "bytes_sent", "failures")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    local: bool
+    prompt_tokens: int
+    cached_tokens: int
+    decode_cached_tokens: int
+    compute_ms: float
+    transfer_ms: float
+    bytes_sent: int
+    failures: _containers.RepeatedCompositeFieldContainer[PrefillFailure]
+    def __init__(self, worker_id: _Optional[str] = ..., local: _Optional[bool] = ..., prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., decode_cached_tokens: _Optional[int] = ..., compute_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., bytes_sent: _Optional[int] = ..., failures: _Optional[_Iterable[_Union[PrefillFailure, _Mapping]]] = ...) -> None: ...
+
+class PrefillFailure(_message.Message):
+    __slots__ = ("worker_id", "code", "message")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    code: str
+    message: str
+    def __init__(self, worker_id: _Optional[str] = ..., code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,36 @@ class PrefillResponse(_message.Message):
     stats: PrefillStats
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
+class ServeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    model_compat_hash: str
+    backend: str
+    local_prefill_tokens: int
+    prefill: _containers.RepeatedCompositeFieldContainer[PrefillRoute]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ...) -> None: ...
+
+class PrefillRoute(_message.Message):
+    __slots__ = ("worker_id", "address", "lane_address", "cached_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    lane_address: str
+    cached_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., lane_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
 class AllocateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "model_compat_hash", "lease_ms", "backend", "sampling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

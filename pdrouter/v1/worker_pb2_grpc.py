@@ -247,6 +247,11 @@ class DecodeWorkerStub:
                 request_serializer=pdrouter_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pdrouter_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.unary_stream(
+                '/pdrouter.v1.DecodeWorker/Serve',
+                request_serializer=pdrouter_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+                response_deserializer=pdrouter_dot_v1_dot_common__pb2.TokenChunk.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -277,6 +282,18 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Serve(self, request, context):
+        """The whole disaggregated request, driven from the decode side in one call: reserve the blocks
+        here, then either compute the prompt here (its uncached part is at most local_prefill_tokens)
+        or have the prefill workers in `prefill` (tried in order, on a retryable failure the next)
+        compute it into those blocks, then decode. The chunk with the first token carries a
+        PrefillReport; when every prefill attempt failed, a chunk with only the report precedes the
+        error. Cancelling the call cancels the prefill in flight and frees every block.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +311,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pdrouter_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
                     response_serializer=pdrouter_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Serve': grpc.unary_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=pdrouter_dot_v1_dot_worker__pb2.ServeRequest.FromString,
+                    response_serializer=pdrouter_dot_v1_dot_common__pb2.TokenChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -378,6 +400,33 @@ class DecodeWorker:
             '/pdrouter.v1.DecodeWorker/Release',
             pdrouter_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
             pdrouter_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdrouter.v1.DecodeWorker/Serve',
+            pdrouter_dot_v1_dot_worker__pb2.ServeRequest.SerializeToString,
+            pdrouter_dot_v1_dot_common__pb2.TokenChunk.FromString,
             options,
             channel_credentials,
             insecure,
