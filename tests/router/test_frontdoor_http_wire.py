@@ -9,7 +9,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.tokenizer import ByteTokenizer
 from router.echo_orchestrator import EchoOrchestrator
-from router.frontdoor_http import READ_SIZE, HttpFrontdoor, bind_socket, make_server
+from router.frontdoor_http import READ_SIZE, HttpFrontdoor, _CorkedTransport, bind_socket, make_server
 from router.metrics import RouterMetrics
 
 WAIT_S = 10.0  # hang guard, not a latency bound
@@ -41,6 +41,82 @@ async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
         [connection] = server.server_state.connections
         assert isinstance(connection, HttpToolsProtocol)
         assert getattr(connection.transport, "max_size", None) == READ_SIZE  # small reads: no mmap per request
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, WAIT_S)
+        sock.close()
+
+
+class _Recorder:
+    """A transport that records what reaches it (the corking is pure logic)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"extra:{name}"
+
+
+async def test_writes_of_one_loop_iteration_leave_together() -> None:
+    raw = _Recorder()
+    corked = _CorkedTransport(raw)  # type: ignore[arg-type]
+    corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    corked.write(b"")
+    corked.writelines([b"body", b"!"])
+    assert raw.writes == []
+    await asyncio.sleep(0)  # the next iteration
+    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody!"]
+    corked.write(b"last")
+    corked.close()  # flushes first
+    assert raw.writes[-1] == b"last" and raw.closed
+    assert corked.get_extra_info("peername") == "extra:peername"
+    dropped = _Recorder()
+    corked = _CorkedTransport(dropped)  # type: ignore[arg-type]
+    corked.write(b"never")
+    corked.abort()
+    await asyncio.sleep(0)
+    assert dropped.writes == [] and dropped.aborted
+
+
+async def test_a_unary_response_leaves_in_one_write() -> None:
+    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(door.app)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not serving.done()
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b'{"status":"ok"}'), WAIT_S)
+        [connection] = server.server_state.connections
+        transport = connection.transport
+        assert isinstance(transport, _CorkedTransport)
+        seen: list[bytes] = []
+        real_write = transport._transport.write
+        transport._transport.write = lambda data: (seen.append(data), real_write(data))[1]
+        body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n")
+        assert len(seen) == 1 and seen[0].startswith(b"HTTP/1.1 200 OK\r\n") and seen[0].endswith(b"}")
         writer.close()
         await writer.wait_closed()
     finally:
