@@ -88,12 +88,19 @@ def check_block_ids(ids: Sequence[int], *, what: str, num_blocks: int | None = N
     """InvalidRequestError unless ``ids`` are distinct, >= 0 and (if given) < ``num_blocks``."""
     if not ids:
         return
-    arr = np.asarray(ids, dtype=np.int64)
-    if arr.min() < 0 or (num_blocks is not None and arr.max() >= num_blocks):
+    if len(ids) <= _SMALL:  # most requests: plain Python beats numpy's per-call overhead here
+        low, high, distinct = min(ids), max(ids), len(set(ids))
+    else:
+        arr = np.asarray(ids, dtype=np.int64)
+        low, high, distinct = int(arr.min()), int(arr.max()), len(np.unique(arr))
+    if low < 0 or (num_blocks is not None and high >= num_blocks):
         limit = "" if num_blocks is None else f" and < {num_blocks}"
-        raise InvalidRequestError(f"{what} must be >= 0{limit}; got min {arr.min()}, max {arr.max()}")
-    if len(np.unique(arr)) != len(arr):
+        raise InvalidRequestError(f"{what} must be >= 0{limit}; got min {low}, max {high}")
+    if distinct != len(ids):
         raise InvalidRequestError(f"{what} has duplicate block ids")
+
+
+_SMALL = 256
 
 
 def pair_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[BlockSegment, ...]:
@@ -102,6 +109,14 @@ def pair_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[Block
         raise InvalidRequestError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
     if not src_ids:
         return ()
+    if len(src_ids) <= _SMALL:
+        segments: list[BlockSegment] = []
+        start = 0
+        for i in range(1, len(src_ids) + 1):
+            if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
+                segments.append(BlockSegment(int(src_ids[start]), int(dst_ids[start]), i - start))
+                start = i
+        return tuple(segments)
     src = np.asarray(src_ids, dtype=np.int64)
     dst = np.asarray(dst_ids, dtype=np.int64)
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -64,3 +65,34 @@ def test_check_block_ids_bounds() -> None:
         check_block_ids([0, 64], what="ids", num_blocks=64)
     with pytest.raises(InvalidRequestError, match="duplicate"):
         check_block_ids([4, 4], what="ids")
+
+
+def _segments_by_hand(src: list[int], dst: list[int]) -> list[BlockSegment]:
+    out: list[BlockSegment] = []
+    for s, d in zip(src, dst, strict=True):
+        last = out[-1] if out else None
+        if last is not None and s == last.src_start + last.length and d == last.dst_start + last.length:
+            out[-1] = BlockSegment(last.src_start, last.dst_start, last.length + 1)
+        else:
+            out.append(BlockSegment(s, d, 1))
+    return out
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 257, 1500])
+def test_short_and_long_id_lists_are_checked_and_paired_alike(n: int) -> None:
+    """Short lists take a plain-Python path, long ones numpy: the answers are the same."""
+    rng = random.Random(n)
+    for _ in range(20):
+        src = rng.sample(range(4 * n), n)
+        # Runs consecutive on both sides, broken at random places.
+        base = rng.randrange(1000)
+        dst = [base + i + (i // rng.randint(1, 8)) * 3 for i in range(n)]
+        src = sorted(src) if rng.random() < 0.5 else src
+        assert list(pair_segments(src, dst)) == _segments_by_hand(src, dst)
+        check_block_ids(src, what="ids", num_blocks=4 * n)
+        with pytest.raises(InvalidRequestError, match="duplicate"):
+            check_block_ids([*src, src[0]], what="ids")
+        with pytest.raises(InvalidRequestError, match="got min -1"):
+            check_block_ids([*src, -1], what="ids")
+        with pytest.raises(InvalidRequestError, match=f"max {4 * n}"):
+            check_block_ids([*src, 4 * n], what="ids", num_blocks=4 * n)
