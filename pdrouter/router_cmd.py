@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--queue-limit", type=int, default=1024, help="requests that may wait for KV room")
     p.add_argument("--lease-ms", type=int, default=30_000,
                    help="KV bookings expire this long after the last renewal (a crashed router's come back)")
+    p.add_argument("--admission-credit", type=float, default=0.05, metavar="FRACTION",
+                   help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
+                        "requests are admitted without a Redis round trip (0: book each request alone)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -53,6 +56,9 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--model {args.model} has no config.json (create a model with `pdrouter make-model`)")
     if args.local_prefill_tokens < 0:
         raise ConfigError("--local-prefill-tokens must be >= 0")
+    if not 0.0 <= args.admission_credit <= 0.5:
+        raise ConfigError(f"--admission-credit is a fraction of a decode worker's pool in [0, 0.5], "
+                          f"got {args.admission_credit:g}")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     return RouterConfig(
         model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
@@ -61,7 +67,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
-                                          lease_ms=args.lease_ms),
+                                          lease_ms=args.lease_ms, credit_fraction=args.admission_credit),
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
 
 

@@ -342,7 +342,7 @@ class _CorkedTransport:
     Everything but writing and closing is the wrapped transport's.
     """
 
-    __slots__ = ("_transport", "_out", "_loop")
+    __slots__ = ("_loop", "_out", "_transport")
 
     def __init__(self, transport: asyncio.Transport) -> None:
         self._transport = transport

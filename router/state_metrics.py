@@ -11,7 +11,8 @@ periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing 
 * ``pdrouter_kv_reserved_blocks{worker}`` / ``pdrouter_kv_capacity_blocks{worker}`` — the KV
   water level per decode worker, as booked in Redis.
 * ``pdrouter_admission_queue_length``, ``pdrouter_admission_wait_seconds_total``,
-  ``pdrouter_admission_admitted_total``, ``pdrouter_admission_rejections_total{reason}``.
+  ``pdrouter_admission_admitted_total``, ``pdrouter_admission_admitted_on_credit_total``,
+  ``pdrouter_admission_credit_blocks``, ``pdrouter_admission_rejections_total{reason}``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ class StateMetrics(Collector):
             yield GaugeMetricFamily("pdrouter_admission_queue_length", "Requests waiting for KV room.",
                                     value=adm.queue_length)
             yield CounterMetricFamily("pdrouter_admission_admitted", "Requests admitted.", value=adm.stats.admitted)
+            yield CounterMetricFamily("pdrouter_admission_admitted_on_credit",
+                                      "Requests admitted from this router's booked credit (no Redis round trip).",
+                                      value=adm.stats.admitted_on_credit)
+            yield GaugeMetricFamily("pdrouter_admission_credit_blocks",
+                                    "KV blocks this router has booked ahead as credit (used or not).",
+                                    value=adm.credit_blocks)
             yield CounterMetricFamily("pdrouter_admission_wait_seconds", "Time requests waited for KV room.",
                                       value=adm.stats.wait_seconds_total)
             rejected = CounterMetricFamily("pdrouter_admission_rejections", "Requests refused by admission.",

@@ -40,3 +40,17 @@ def test_router_worker_transport_choices(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit) as info:
         parse("router", "--model", "m", "--worker-transport", "carrier-pigeon")
     assert info.value.code == 2 and "invalid choice: 'carrier-pigeon'" in capsys.readouterr().err
+
+
+def test_router_admission_credit_default_and_bad(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdrouter.cli import main
+    from pdrouter.router_cmd import build_config as router_config
+
+    redis = ("--redis", "redis://127.0.0.1:1")
+    assert router_config(parse("router", "--model", str(model), *redis)).admission_config.credit_fraction == 0.05
+    off = router_config(parse("router", "--model", str(model), *redis, "--admission-credit", "0"))
+    assert off.admission_config.credit_fraction == 0.0
+    assert main(["router", "--model", str(model), *redis, "--admission-credit", "0.9"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("pdrouter router: error: --admission-credit is a fraction of a decode worker's pool in "
+                   "[0, 0.5], got 0.9")

@@ -1,9 +1,10 @@
-"""The admission queue against a real Redis: priority then FIFO, deadlines, limits, too-large."""
+"""The admission queue against a real Redis: priority then FIFO, deadlines, limits, too-large, credit."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -64,3 +65,114 @@ async def test_timeout_limit_and_too_large(client: aioredis.Redis) -> None:
     await adm.release(small)
     await adm.release(holder)
     assert await adm.reservations.used("d0", 1) == 0
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
+    for _ in range(400):
+        if await predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_credit_admits_without_a_round_trip_and_goes_back_when_idle(client: aioredis.Redis) -> None:
+    worker = [DecodeCapacity(WorkerId("d1"), Epoch(1), 100)]
+    res = KvReservations(client, "credit")
+    adm = Admission(res, AdmissionConfig(credit_fraction=0.1, credit_limit=0.5, credit_idle_s=0.2))
+    first = await adm.admit(RequestId("first"), 2, worker)  # no credit yet: booked on its own
+    assert adm.stats.admitted_on_credit == 0
+
+    async def credit_landed() -> bool:
+        return adm.credit_blocks == 10
+
+    await _until(credit_landed, "a 10-block credit chunk")
+    calls = res.script_calls
+    held = [await adm.admit(RequestId(f"r{i}"), 2, worker) for i in range(4)]
+    assert adm.stats.admitted_on_credit == 4
+    assert res.script_calls - calls <= 1  # at most a top-up: 8 of 10 used leaves under half a chunk
+    assert {r.worker_id for r in held} == {"d1"} and adm.active == 5
+    # Redis holds the request booked alone plus the credit: every block in use is booked.
+    assert await res.used("d1", 1) >= 2 + 8
+    for r in [first, *held]:
+        await adm.release(r)
+    assert adm.active == 0
+
+    async def all_given_back() -> bool:
+        return adm.credit_blocks == 0 and await res.used("d1", 1) == 0
+
+    await _until(all_given_back, "unused credit given back after credit_idle_s")
+    await adm.stop()
+
+
+async def test_credit_is_booked_only_below_the_limit_and_routers_never_overbook(client: aioredis.Redis) -> None:
+    capacity = 40
+    worker = [DecodeCapacity(WorkerId("d2"), Epoch(1), capacity)]
+    config = AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=0.1, queue_timeout_s=5,
+                             poll_interval_s=0.005)
+    routers = [Admission(KvReservations(client, "limits"), config) for _ in range(2)]
+    probe = KvReservations(client, "limits")
+    peak_used = peak_credit = 0
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak_used, peak_credit
+        while not stop.is_set():
+            peak_used = max(peak_used, int(await client.get(probe.keys.kv_used("d2", 1)) or 0))
+            peak_credit = max(peak_credit, sum(a.credit_blocks for a in routers))
+            await asyncio.sleep(0.001)
+
+    rng = random.Random(7)
+
+    async def request(i: int) -> None:
+        adm = routers[i % 2]
+        r = await adm.admit(RequestId(f"q{i}"), rng.randint(1, 8), worker)
+        await asyncio.sleep(rng.random() * 0.02)
+        await adm.release(r)
+
+    async def lane(start: int, n: int) -> None:
+        for i in range(start, start + n):
+            await request(i)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        # Light load (three at a time: credit) and bursts over capacity (queueing), in turn.
+        for wave, width in enumerate((3, 30, 3, 30)):
+            per = 30 // width
+            await asyncio.gather(*(lane(wave * 30 + k * per, per) for k in range(width)))
+    finally:
+        stop.set()
+        await watcher
+    assert 0 < peak_used <= capacity
+    assert peak_credit <= capacity // 2  # chunks only ever book up to the limit
+    assert sum(a.stats.admitted_on_credit for a in routers) > 0
+    assert sum(a.stats.admitted for a in routers) == 120
+
+    async def drained() -> bool:
+        return await probe.used("d2", 1) == 0
+
+    await _until(drained, "every booking and all credit gone")
+    for adm in routers:
+        await adm.stop()
+
+
+async def test_a_waiting_request_takes_back_spare_credit_and_stop_releases_it(client: aioredis.Redis) -> None:
+    worker = [DecodeCapacity(WorkerId("d3"), Epoch(1), 20)]
+    res = KvReservations(client, "spare")
+    adm = Admission(res, AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=60,
+                                         queue_timeout_s=5, poll_interval_s=0.005))
+    small = await adm.admit(RequestId("small"), 1, worker)
+
+    async def credit_landed() -> bool:
+        return adm.credit_blocks > 0
+
+    await _until(credit_landed, "credit booked")
+    await adm.release(small)
+    # 16 blocks fit next to the 5 of credit only once it (not due back for a minute) is given back.
+    big = await adm.admit(RequestId("big"), 16, worker)
+    assert adm.credit_blocks == 0 and big.blocks == 16
+    await adm.release(big)
+    again = await adm.admit(RequestId("again"), 1, worker)
+    await _until(credit_landed, "credit booked again")
+    await adm.stop()  # gives back the credit with the rest
+    assert await res.used("d3", 1) == 1  # only "again", which its owner never released
+    await adm.reservations.release(again, urgent=True)
