@@ -334,12 +334,17 @@ READ_SIZE = 64 * 1024
 """Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
 
 
+_RESPONSE_HEAD = b"HTTP/1.1 "
+
+
 class _CorkedTransport:
-    """A transport whose writes during one event-loop iteration leave in one ``send``.
+    """A transport that holds a response's head back until its first body bytes, then writes both.
 
     uvicorn writes a response's status line and headers, then its body, each at once: two
-    system calls (and two wake-ups of the client) for every unary response. Corked, they are one.
-    Everything but writing and closing is the wrapped transport's.
+    system calls (and two wake-ups of the client) for every unary response. Here the head waits,
+    and the body that follows in the same event-loop iteration leaves with it in one ``send``; a
+    head with no body in that iteration leaves on its own at the next one. Body bytes are never
+    held back. Everything but writing and closing is the wrapped transport's.
     """
 
     __slots__ = ("_loop", "_out", "_transport")
@@ -352,9 +357,14 @@ class _CorkedTransport:
     def write(self, data: bytes) -> None:
         if not data:
             return
-        if not self._out:
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        elif data.startswith(_RESPONSE_HEAD):
+            self._out.append(data)
             self._loop.call_soon(self._flush)
-        self._out.append(data)
+        else:
+            self._transport.write(data)
 
     def writelines(self, lines: list[bytes]) -> None:
         for data in lines:
@@ -407,5 +417,5 @@ def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
     """
     config = uvicorn.Config(app, host=host, port=port, http=_HttpProtocol, ws="none", lifespan="off",
                             access_log=False, log_config=None, log_level=log_level,
-                            server_header=False)
+                            server_header=False, proxy_headers=False)
     return uvicorn.Server(config)

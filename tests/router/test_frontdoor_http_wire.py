@@ -72,22 +72,24 @@ class _Recorder:
         return f"extra:{name}"
 
 
-async def test_writes_of_one_loop_iteration_leave_together() -> None:
+async def test_a_response_head_waits_for_its_body_and_bodies_are_never_held() -> None:
     raw = _Recorder()
     corked = _CorkedTransport(raw)  # type: ignore[arg-type]
     corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
     corked.write(b"")
+    assert raw.writes == []  # the head waits...
     corked.writelines([b"body", b"!"])
-    assert raw.writes == []
-    await asyncio.sleep(0)  # the next iteration
-    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody!"]
-    corked.write(b"last")
+    assert raw.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody", b"!"]  # ...for its body; bodies go at once
+    corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    await asyncio.sleep(0)  # no body in that iteration: the head goes alone
+    assert raw.writes[-1] == b"HTTP/1.1 200 OK\r\n\r\n"
+    corked.write(b"HTTP/1.1 204 No Content\r\n\r\n")
     corked.close()  # flushes first
-    assert raw.writes[-1] == b"last" and raw.closed
+    assert raw.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n" and raw.closed
     assert corked.get_extra_info("peername") == "extra:peername"
     dropped = _Recorder()
     corked = _CorkedTransport(dropped)  # type: ignore[arg-type]
-    corked.write(b"never")
+    corked.write(b"HTTP/1.1 500 Internal Server Error\r\n\r\n")
     corked.abort()
     await asyncio.sleep(0)
     assert dropped.writes == [] and dropped.aborted
