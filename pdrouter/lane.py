@@ -614,24 +614,32 @@ class UnaryCall(_Call, Generic[T]):
 
 
 class StreamCall(_Call, Generic[T]):
-    """Async iterator over the responses; ends on OK, raises :class:`LaneError` otherwise."""
+    """Async iterator over the responses; ends on OK, raises :class:`LaneError` otherwise.
 
-    def __aiter__(self) -> AsyncIterator[T]:
-        return self._iterate()
+    The call is its own iterator (no async generator): a consumer that stops early leaves
+    nothing for the garbage collector to finalize, and ends the call with ``cancel()``, as with
+    grpc.aio. A consumer cancelled while waiting cancels the call.
+    """
 
-    async def _iterate(self) -> AsyncIterator[T]:
-        inbox = await self._start()
-        parse = self._method.response.FromString
+    def __aiter__(self) -> StreamCall[T]:
+        return self
+
+    async def __anext__(self) -> T:
+        inbox = self._inbox
+        if inbox is None:
+            inbox = await self._start()  # a call cancelled before it started raises CancelledError
+        elif self._done and not inbox.items:
+            raise StopAsyncIteration
         try:
-            while True:
-                kind, arg, body = await inbox.get()
-                if kind == END:
-                    self._ended(arg, body)
-                    return
-                yield parse(body)
-        finally:
+            kind, arg, body = await inbox.get()
+        except asyncio.CancelledError:
             if not self._done:
                 self.cancel()
+            raise
+        if kind == END:
+            self._ended(arg, body)
+            raise StopAsyncIteration
+        return self._method.response.FromString(body)
 
 
 # -- stubs -------------------------------------------------------------------------------------

@@ -124,6 +124,28 @@ async def test_cancel_mid_stream_closes_the_handler(served: tuple) -> None:
     assert not call.cancel()  # already over
 
 
+async def test_a_stream_is_its_own_iterator_and_stays_ended(served: tuple) -> None:
+    server, servicer, stub, _ = served
+    call = stub.Generate(generate("r", 2))
+    assert call.__aiter__() is call  # no async generator left for the garbage collector to finalize
+    assert [c.token_ids[:] async for c in call] == [[0], [1], []]
+    assert [c async for c in call] == []  # iterating an ended call ends at once
+    assert call.done() and not call.cancel()
+    # A consumer that leaves early ends the call with cancel(), as with grpc.aio.
+    early = stub.Generate(generate("stall-2", 5))
+    async for _chunk in early:
+        break
+    assert early.cancel()
+    await eventually(lambda: "stall-2" in servicer.closed and server.active_calls == 0)
+    # A call cancelled before it was ever iterated raises CancelledError, and never reaches the worker.
+    never = stub.Generate(generate("never", 1))
+    assert never.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        async for _ in never:
+            pass
+    assert "never" not in servicer.started
+
+
 async def test_a_cancelled_awaiting_task_cancels_the_call(served: tuple) -> None:
     server, _, stub, _ = served
     task = asyncio.ensure_future(stub.Allocate(worker_pb2.AllocateRequest(request_id="slow")))
