@@ -207,6 +207,21 @@ class Admission:
         if self._queue:
             self._queue[0].wake.set()
 
+    def release_soon(self, reservation: Reservation) -> asyncio.Task[None] | None:
+        """``release`` without waiting: credit comes back at once (no task); a booking of its own
+        is released by a task, which is returned (it survives its caller's cancellation)."""
+        credit = self._on_credit.pop(reservation.request_id, None)
+        if credit is None:
+            task = asyncio.ensure_future(self.release(reservation))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return task
+        active = self._active.pop(reservation.request_id, None)
+        credit.used -= (active or reservation).blocks
+        self._after_release(credit)
+        self._wake_head()
+        return None
+
     async def release(self, reservation: Reservation) -> None:
         """Give the blocks back (idempotent); wakes the next waiting request."""
         active = self._active.pop(reservation.request_id, None)

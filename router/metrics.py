@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -130,6 +131,7 @@ class RouterMetrics:
         self.kv_transfer_duration_seconds = Histogram(
             "pdrouter_kv_transfer_duration_seconds", "Duration of one request's KV transfer.",
             ["backend"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self._transfer_children: dict[str, tuple[Any, Any]] = {}
         self.prefix_query_tokens_total = Counter(
             "pdrouter_prefix_cache_query_tokens_total",
             "Prompt tokens looked up in the prefix index for placement.", registry=r)
@@ -166,8 +168,12 @@ class RouterMetrics:
 
     def observe_kv_transfer(self, nbytes: int, seconds: float, backend: str = "tcp") -> None:
         """One request's KV transfer: its size and how long it took."""
-        self.kv_transfer_bytes_total.labels(backend).inc(nbytes)
-        self.kv_transfer_duration_seconds.labels(backend).observe(seconds)
+        children = self._transfer_children.get(backend)
+        if children is None:
+            children = self._transfer_children[backend] = (self.kv_transfer_bytes_total.labels(backend),
+                                                            self.kv_transfer_duration_seconds.labels(backend))
+        children[0].inc(nbytes)
+        children[1].observe(seconds)
 
     def observe_prefix_match(self, prompt_tokens: int, hit_tokens: int) -> None:
         """A placement decision: ``hit_tokens`` of ``prompt_tokens`` were cached on the chosen worker."""

@@ -131,6 +131,15 @@ class PdOrchestrator:
         total = len(request.prompt_token_ids) + request.sampling.max_tokens
         return -(-total // self.model.block_size)
 
+    def _unbook(self, reservation: Reservation) -> None:
+        """Give a request's KV booking back; one that needs Redis goes on in the background."""
+        assert self.admission is not None
+        task = self.admission.release_soon(reservation)
+        if task is not None:
+            task.set_name(f"unbook-{reservation.request_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
     def _background_task(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
         """Run ``coro`` to completion even if the request's own task is cancelled."""
         task = asyncio.ensure_future(coro)
@@ -243,7 +252,7 @@ class PdOrchestrator:
             if call is not None:
                 call.cancel()
             if reservation is not None and self.admission is not None:
-                self._background_task(self.admission.release(reservation), f"unbook-{request.request_id}")
+                self._unbook(reservation)
 
     # -- disaggregated ------------------------------------------------------------------------
     async def _admit(self, request: RouterRequest, role: WorkerRole) -> tuple[WorkerHandle, Reservation | None]:
@@ -279,6 +288,8 @@ class PdOrchestrator:
                         cached_tokens: dict[WorkerId, int]) -> list[tuple[WorkerHandle, int]]:
         """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens."""
         candidates = list(self.pool.available(WorkerRole.PREFILL))
+        if len(candidates) == 1:
+            return [(candidates[0], cached_tokens.get(candidates[0].worker_id, 0))]
         ranked: list[tuple[WorkerHandle, int]] = []
         while candidates and len(ranked) < self.config.max_prefill_attempts:
             handle = self.policy.pick_prefill(request, candidates, cached_tokens)
@@ -384,4 +395,4 @@ class PdOrchestrator:
             if call is not None:
                 call.cancel()
             if reservation is not None and self.admission is not None:
-                self._background_task(self.admission.release(reservation), f"unbook-{request.request_id}")
+                self._unbook(reservation)
