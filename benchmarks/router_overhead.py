@@ -3,10 +3,12 @@
 Redis, the workers and the router run as separate processes (the router is ``pdrouter router``);
 this script is the load generator. For each mode it measures, at concurrency 1 and 32:
 
-* ``direct``: a client driving the workers itself with the router's request shape and over the
-  router's worker transport (``--worker-transport``: the workers' lanes by default, or gRPC):
-  colocated ``Generate``; or disaggregated ``Allocate`` → ``Prefill`` → ``Generate`` from the
-  first token (the router runs with ``--local-prefill-tokens 0`` so it takes the same path);
+* ``direct``: a client driving the workers itself over the router's worker transport
+  (``--worker-transport``: the workers' lanes by default, or gRPC): colocated ``Generate``; or
+  disaggregated ``Allocate`` → ``Prefill`` → ``Generate`` from the first token, the three calls a
+  client makes to put a request through the prefill and decode pools. (The router makes one,
+  ``DecodeWorker.Serve``, and the decode worker calls the prefill worker; the router runs with
+  ``--local-prefill-tokens 0`` so the prompt is computed on the prefill worker, as here);
 * ``grpc``: the same prompt ids through the router's gRPC front door (``pdrouter.v1.Router``);
 * ``http``: the same prompt ids through the OpenAI front door (``POST /v1/completions``) over
   persistent keep-alive connections, with a minimal HTTP/1.1 client (little client-side noise).

@@ -33,9 +33,9 @@ import functools
 import logging
 import struct
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -241,7 +241,8 @@ class _ServerConnection(_Corked):
         self._writable.set()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # A stream transport (uvloop's do not subclass asyncio.Transport, hence no isinstance check).
+        transport = cast(asyncio.Transport, transport)
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         self.server._connections.add(self)
@@ -402,7 +403,7 @@ class _ClientConnection(_Corked):
         self._next = 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        transport = cast(asyncio.Transport, transport)  # a stream transport (asyncio's or uvloop's)
         self.transport = transport
         transport.write(HELLO)
 

@@ -62,7 +62,7 @@ class OrchestratorConfig:
     local_prefill_tokens: int = 32
     """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
     max_prefill_attempts: int = 3
-    lease_ms: int = 30_000
+    """Prefill workers a request may try (the decode worker moves on after a retryable failure)."""
     kv_backend: str = ""
     """KV transport to ask decode workers for ("" = each worker's default)."""
     rpc_timeout_s: float = 600.0
