@@ -66,7 +66,20 @@ class KvSender:
         if target.backend != self._config.backend.value:
             raise IncompatibleError(f"transfer {target.transfer_id}: the receiver expects backend "
                                     f"{target.backend!r}, this sender uses {self._config.backend.value!r}")
-        conn = self._connection(target.peer)
+        return self._open_on(self._connection(target.peer), target)
+
+    def open_transfer_if_connected(self, target: TransferTarget) -> OutgoingTransfer | None:
+        """``open_transfer`` when a live connection to the target's receiver exists (it does not
+        block: an event loop may call it), else None (use ``open_transfer``, which may dial)."""
+        with self._lock:
+            conn = self._connections.get(target.peer)
+            if self._closed or conn is None or not conn.alive:
+                return None
+        if target.backend != self._config.backend.value:
+            return self.open_transfer(target)  # raises at once, without dialling
+        return self._open_on(conn, target)
+
+    def _open_on(self, conn: SenderConnection, target: TransferTarget) -> OutgoingTransfer:
         if conn.peer.epoch != target.epoch:
             raise StaleEpochError(f"transfer {target.transfer_id}: receiver at {target.peer} is now epoch "
                                   f"{conn.peer.epoch}, the target was issued by epoch {target.epoch} "

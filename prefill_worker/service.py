@@ -60,7 +60,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         outgoing: OutgoingTransfer | None = None
         done = False
         try:
-            outgoing = await asyncio.to_thread(self.sender.open_transfer, target)
+            # Connected already (the usual case): no thread hop; else dial in a thread.
+            outgoing = self.sender.open_transfer_if_connected(target)
+            if outgoing is None:
+                outgoing = await asyncio.to_thread(self.sender.open_transfer, target)
             outgoing.send_layers(result.block_ids)
             await outgoing.finish_async(timeout=self.transfer_timeout_s)
             done = True

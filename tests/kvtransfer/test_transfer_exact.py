@@ -40,6 +40,27 @@ def test_one_block(make_pair: Callable[..., Pair], backend: Backend, dtype: str)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_open_without_dialling_only_on_a_live_connection(make_pair: Callable[..., Pair], backend: Backend) -> None:
+    """The event-loop path: no connection yet → None (nothing sent); connected → the same transfer."""
+    pair = make_pair(make_layout("float32"), backend)
+    first = pair.receiver.expect("req-a", [5], timeout_s=30)
+    assert pair.sender.open_transfer_if_connected(first.target) is None
+    assert pair.sender.stats().connections == 0 and first.state is TransferState.WAITING
+    transfer = pair.sender.open_transfer(first.target)  # dials
+    transfer.send_layers([1])
+    transfer.finish(30)
+    second = pair.receiver.expect("req-b", [9], timeout_s=30)
+    again = pair.sender.open_transfer_if_connected(second.target)
+    assert again is not None
+    again.send_layers([2])
+    again.finish(30)
+    for handle in (first, second):
+        handle.wait_all(30)
+    assert blocks_equal(pair.src, [1, 2], pair.dst, [5, 9])
+    pair.assert_released()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_thousands_of_scattered_blocks_layer_by_layer(make_pair: Callable[..., Pair], backend: Backend,
                                                       dtype: str) -> None:
