@@ -41,13 +41,15 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """May a request be sent now? (HALF_OPEN lets exactly one trial through.)"""
+        if self._state is BreakerState.CLOSED:  # the hot path: nothing to check
+            return True
         state = self.state
         if state is BreakerState.CLOSED:
             return True
         return state is BreakerState.HALF_OPEN and not self._trial_in_flight
 
     def on_attempt(self) -> None:
-        if self.state is BreakerState.HALF_OPEN:
+        if self._state is not BreakerState.CLOSED and self.state is BreakerState.HALF_OPEN:
             self._trial_in_flight = True
 
     def on_success(self) -> None:

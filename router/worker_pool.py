@@ -108,6 +108,8 @@ class WorkerPool:
         is missing (Redis restarted or is unreachable: better the last known workers than none).
         """
         allowed = [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+        if not self._missing:
+            return allowed
         present = [h for h in allowed if h.worker_id not in self._missing]
         return present or allowed
 
