@@ -23,7 +23,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -89,8 +89,13 @@ class HttpFrontdoor:
         )
         self.app = HttpApp(routes, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
 
-    async def generation(self, receive: Receive, send: Send, chat: bool) -> None:
-        """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request."""
+    async def generation(self, receive: Receive, send: Send, chat: bool,
+                         on_disconnect: OnDisconnect | None = None) -> None:
+        """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request.
+
+        ``on_disconnect`` (the server's :data:`DISCONNECT_EXTENSION`, when it has it) replaces the
+        task that otherwise watches ``receive`` for the client going away.
+        """
         arrival = time.perf_counter()
         self.door_metrics.in_flight.inc()
         try:
@@ -109,7 +114,7 @@ class HttpFrontdoor:
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             await send({"type": "http.response.body", "body": payload, "more_body": False})
             return
-        await _Generation(self, parsed, served, router_request, arrival).run(receive, send)
+        await _Generation(self, parsed, served, router_request, arrival).run(receive, send, on_disconnect)
 
     async def _read_body(self, receive: Receive) -> bytes:
         limit = self.config.max_body_bytes
@@ -195,7 +200,8 @@ class _GenerationEndpoint:
         self._chat = chat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await self._door.generation(receive, send, self._chat)
+        extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
+        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None)
 
 
 class _Generation:
@@ -213,11 +219,16 @@ class _Generation:
         self._complete = False      # the last byte of the response is (being) sent
         self._client_gone = False
 
-    async def run(self, receive: Receive, send: Send) -> None:
+    async def run(self, receive: Receive, send: Send, on_disconnect: OnDisconnect | None = None) -> None:
         """Answer the request on the ASGI channels; account it with the door when it ends."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = task.get_loop().create_task(self._watch_disconnect(receive, task))
+        watcher: asyncio.Task[None] | None = None
+        forget: Callable[[], None] | None = None
+        if on_disconnect is not None:  # no task per request: the connection calls back
+            forget = on_disconnect(lambda: self._client_lost(task))
+        else:
+            watcher = task.get_loop().create_task(self._watch_disconnect(receive, task))
         error: BaseException | None = None
         try:
             error = await (self._stream(send) if self._parsed.stream else self._unary(send))
@@ -227,15 +238,21 @@ class _Generation:
                 raise
             task.uncancel()
         finally:
-            watcher.cancel()
+            if forget is not None:
+                forget()
+            if watcher is not None:
+                watcher.cancel()
             self._door.finish(error, self._arrival)
+
+    def _client_lost(self, task: asyncio.Task[Any]) -> None:
+        if not self._complete:
+            self._client_gone = True
+            task.cancel()
 
     async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        if not self._complete:
-            self._client_gone = True
-            task.cancel()
+        self._client_lost(task)
 
     def _pieces(self) -> aclosing[AsyncGenerator[Piece, None]]:
         text = TextStream(self._served.tokenizer.stream_decoder(), self._parsed.stop)
@@ -334,6 +351,11 @@ READ_SIZE = 64 * 1024
 """Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
 
 
+OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+"""``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
+DISCONNECT_EXTENSION = "pdrouter.disconnect"
+"""The ASGI scope extension by which the router's HTTP server offers ``{"register": OnDisconnect}``."""
+
 _RESPONSE_HEAD = b"HTTP/1.1 "
 
 
@@ -396,6 +418,25 @@ class _HttpProtocol(HttpToolsProtocol):
     allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
     page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
     """
+
+    _lost_callbacks: set[Callable[[], None]] | None = None
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
+
+    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        if self._lost_callbacks is None:
+            self._lost_callbacks = set()
+        callbacks = self._lost_callbacks
+        callbacks.add(callback)
+        return lambda: callbacks.discard(callback)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        callbacks, self._lost_callbacks = self._lost_callbacks, None
+        for callback in callbacks or ():
+            callback()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports

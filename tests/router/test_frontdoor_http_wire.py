@@ -9,7 +9,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.tokenizer import ByteTokenizer
 from router.echo_orchestrator import EchoOrchestrator
-from router.frontdoor_http import READ_SIZE, HttpFrontdoor, _CorkedTransport, bind_socket, make_server
+from router.frontdoor_http import (
+    DISCONNECT_EXTENSION,
+    READ_SIZE,
+    HttpFrontdoor,
+    _CorkedTransport,
+    bind_socket,
+    make_server,
+)
 from router.metrics import RouterMetrics
 
 WAIT_S = 10.0  # hang guard, not a latency bound
@@ -121,6 +128,64 @@ async def test_a_unary_response_leaves_in_one_write() -> None:
         assert len(seen) == 1 and seen[0].startswith(b"HTTP/1.1 200 OK\r\n") and seen[0].endswith(b"}")
         writer.close()
         await writer.wait_closed()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(serving, WAIT_S)
+        sock.close()
+
+
+async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_callback() -> None:
+    """Under uvicorn the connection calls back (no watcher task per request); any other ASGI
+    server's ``http.disconnect`` message is watched for. Either way the request is cancelled."""
+    fake = EchoOrchestrator()
+    door = HttpFrontdoor(fake, {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    body = b'{"model": "echo", "prompt": "#stall0:plain", "max_tokens": 5}'
+    # A plain ASGI server: the body, then (once the request started) the disconnect message.
+    started, closed = fake.events("plain")
+    gone = asyncio.Event()
+    sent: list[dict[str, object]] = []
+
+    async def receive() -> dict[str, object]:
+        if not sent:
+            sent.append({})
+            return {"type": "http.request", "body": body, "more_body": False}
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "", "headers": []}
+    call = asyncio.ensure_future(door.app(scope, receive, send))  # type: ignore[arg-type]
+    while not started.is_set():
+        await asyncio.sleep(0.005)
+    gone.set()
+    await asyncio.wait_for(call, WAIT_S)
+    assert closed.is_set() and sent == [{}]  # cancelled, nothing answered
+    # The router's server: the scope offers the callback, and a closed socket cancels the request.
+    sock = bind_socket("127.0.0.1", 0)
+    server = make_server(door.app)
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            await asyncio.sleep(0.01)
+        started, closed = fake.events("real")
+        _reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        body = body.replace(b"plain", b"real")
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        [connection] = server.server_state.connections
+        assert isinstance(connection, HttpToolsProtocol)
+        assert DISCONNECT_EXTENSION in connection.scope["extensions"]
+        assert not [t for t in asyncio.all_tasks() if "_watch_disconnect" in repr(t.get_coro())]
+        writer.close()
+        for _ in range(int(WAIT_S / 0.01)):
+            if closed.is_set():
+                break
+            await asyncio.sleep(0.01)
+        assert closed.is_set()
     finally:
         server.should_exit = True
         await asyncio.wait_for(serving, WAIT_S)
