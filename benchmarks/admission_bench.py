@@ -6,7 +6,10 @@ the same Redis at once (their bookings contend on the same keys, as replicas' do
 release as the router does: in the background, riding along with the next reservations; their
 latency figures are the reserve's. The serial round trip sends its release at once (``urgent``),
 so it is two full script calls. ``script_calls_per_reservation`` shows the coalescing: booking
-script calls sent per reservation made.
+script calls sent per reservation made. ``admit_release_p50_c1_{credit,alone}`` go through the
+router's ``Admission`` one request at a time, with credit (booked ahead, admitted in memory) and
+with every request booked alone; ``admitted_on_credit_share`` is the share of the former that
+needed no round trip.
 
     python benchmarks/admission_bench.py [--quick] [--json]
 """
@@ -25,6 +28,7 @@ from pdcommon.errors import CapacityError
 from pdcommon.ids import Epoch, RequestId, WorkerId
 from pdrouter.embedded_redis import EmbeddedRedis
 from pdstate.reservations import DecodeCapacity, KvReservations
+from router.admission import Admission, AdmissionConfig
 
 WORKERS = [DecodeCapacity(WorkerId(f"decode-{i}"), Epoch(1), 100_000) for i in range(4)]
 
@@ -94,6 +98,24 @@ async def serial_round_trip(url: str, n: int) -> tuple[float, float]:
     return statistics.median(times), statistics.median(pings)
 
 
+async def serial_admission(url: str, n: int, credit: float) -> tuple[float, float]:
+    """Admit + release one request at a time through ``Admission``: (p50 seconds, share on credit)."""
+    client = aioredis.Redis.from_url(url)
+    adm = Admission(KvReservations(client, f"bench-credit-{credit}"), AdmissionConfig(credit_fraction=credit))
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        r = await adm.admit(RequestId(f"adm-{i}"), 32, WORKERS)
+        task = adm.release_soon(r)
+        times.append(time.perf_counter() - start)
+        if task is not None:
+            await task  # a booking of its own: its release is a script call (off the request's path)
+    share = adm.stats.admitted_on_credit / max(1, adm.stats.admitted)
+    await adm.stop()
+    await client.aclose()
+    return statistics.median(times), share
+
+
 def main() -> None:
     args = base_parser(__doc__ or "").parse_args()
     seconds = 3.0 if args.quick else 10.0
@@ -102,6 +124,12 @@ def main() -> None:
         rt, ping = asyncio.run(serial_round_trip(server.url, 300 if args.quick else 2000))
         report.add("ping_p50", ping * 1e6, "us")
         report.add("reserve_release_p50_c1", rt * 1e6, "us")
+        n = 300 if args.quick else 2000
+        alone, _ = asyncio.run(serial_admission(server.url, n, 0.0))
+        credited, share = asyncio.run(serial_admission(server.url, n, 0.05))
+        report.add("admit_release_p50_c1_alone", alone * 1e6, "us")
+        report.add("admit_release_p50_c1_credit", credited * 1e6, "us")
+        report.add("admitted_on_credit_share", share, "ratio")
         for routers in (1, 2):
             rate, lat, calls = measure(server.url, routers, seconds, 16)
             lat.sort()
