@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -163,21 +163,27 @@ class PdOrchestrator:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
 
-    async def _relay(self, call: Any, request: RouterRequest, usage_base: Usage,
-                     already: int) -> AsyncIterator[TokenDelta]:
-        """Turn a worker's TokenChunk stream into TokenDeltas; the last one carries usage."""
-        produced = already
+    async def _relay(self, call: Any, request: RouterRequest,
+                     on_report: Callable[[common_pb2.PrefillReport], None] | None = None,
+                     ) -> AsyncIterator[TokenDelta]:
+        """Turn a worker's TokenChunk stream into TokenDeltas; the last one carries usage.
+
+        ``on_report`` gets the ``PrefillReport`` of a ``Serve`` stream (once) when it comes.
+        """
+        produced = 0
         try:
             async for chunk in call:
+                if on_report is not None and chunk.HasField("prefill"):
+                    on_report(chunk.prefill)
+                    on_report = None
                 produced += len(chunk.token_ids)
                 reason = _FINISH.get(chunk.finish_reason)
                 if reason is None:
                     if chunk.token_ids:
                         yield TokenDelta(tuple(chunk.token_ids))
                     continue
-                cached = max(usage_base.cached_tokens, chunk.usage.cached_tokens)
                 yield TokenDelta(tuple(chunk.token_ids), reason,
-                                 Usage(len(request.prompt_token_ids), produced, cached))
+                                 Usage(len(request.prompt_token_ids), produced, chunk.usage.cached_tokens))
                 return
         except _GRPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
@@ -241,7 +247,7 @@ class PdOrchestrator:
                 call = handle.colocated.Generate(msg, timeout=self._timeout(request))
             except _GRPC_ERRORS as exc:
                 raise from_rpc_error(exc) from None
-            async for delta in self._relay(call, request, Usage(len(request.prompt_token_ids), 0), 0):
+            async for delta in self._relay(call, request):
                 yield delta
             handle.breaker.on_success()
         except UnavailableError:
@@ -359,34 +365,25 @@ class PdOrchestrator:
                     h.breaker.on_attempt()
             decode.breaker.on_attempt()
             reported = False
+
+            def on_report(report: common_pb2.PrefillReport) -> None:
+                nonlocal reported, accounted
+                reported = True
+                if accounted is not None:
+                    accounted.inflight -= 1
+                    accounted.inflight_prefill_tokens -= tokens
+                    accounted = None
+                self._on_report(report, request)
+
             try:
                 call = decode.decode.Serve(msg, timeout=self._timeout(request))
-                produced = 0
-                async for chunk in call:
-                    if chunk.HasField("prefill") and not reported:
-                        reported = True
-                        if accounted is not None:
-                            accounted.inflight -= 1
-                            accounted.inflight_prefill_tokens -= tokens
-                            accounted = None
-                        self._on_report(chunk.prefill, request)
-                    produced += len(chunk.token_ids)
-                    reason = _FINISH.get(chunk.finish_reason)
-                    if reason is None:
-                        if chunk.token_ids:
-                            yield TokenDelta(tuple(chunk.token_ids))
-                        continue
-                    yield TokenDelta(tuple(chunk.token_ids), reason,
-                                     Usage(tokens, produced, chunk.usage.cached_tokens))
-                    decode.breaker.on_success()
-                    return
-            except _GRPC_ERRORS as exc:
-                err = from_rpc_error(exc)
-                if isinstance(err, UnavailableError) and not reported:
+                async for delta in self._relay(call, request, on_report):
+                    yield delta
+            except UnavailableError:
+                if not reported:
                     decode.breaker.on_failure()  # a report would say the prefill side failed
-                raise err from None
-            raise UnavailableError(f"request {request.request_id}: the decode worker ended the stream "
-                                   "without finishing")
+                raise
+            decode.breaker.on_success()
         finally:
             decode.inflight -= 1
             if accounted is not None:

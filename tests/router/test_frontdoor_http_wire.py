@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
+import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from engine.tokenizer import ByteTokenizer
@@ -22,16 +25,27 @@ from router.metrics import RouterMetrics
 WAIT_S = 10.0  # hang guard, not a latency bound
 
 
-async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
-    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+@contextlib.asynccontextmanager
+async def serving(door: HttpFrontdoor) -> AsyncIterator[tuple[uvicorn.Server, int]]:
+    """The router's uvicorn server for ``door`` on a free port, until the block ends."""
     sock = bind_socket("127.0.0.1", 0)
     server = make_server(door.app)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:
-            assert not serving.done()
+            assert not task.done()
             await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        yield server, sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, WAIT_S)
+        sock.close()
+
+
+async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
+    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    async with serving(door) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
         post = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                 b"content-length: %d\r\n\r\n%s" % (len(body), body))
@@ -50,10 +64,6 @@ async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
         assert getattr(connection.transport, "max_size", None) == READ_SIZE  # small reads: no mmap per request
         writer.close()
         await writer.wait_closed()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, WAIT_S)
-        sock.close()
 
 
 class _Recorder:
@@ -104,14 +114,8 @@ async def test_a_response_head_waits_for_its_body_and_bodies_are_never_held() ->
 
 async def test_a_unary_response_leaves_in_one_write() -> None:
     door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_server(door.app)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not serving.done()
-            await asyncio.sleep(0.01)
-        reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+    async with serving(door) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
         await asyncio.wait_for(reader.readuntil(b'{"status":"ok"}'), WAIT_S)
         [connection] = server.server_state.connections
@@ -128,10 +132,6 @@ async def test_a_unary_response_leaves_in_one_write() -> None:
         assert len(seen) == 1 and seen[0].startswith(b"HTTP/1.1 200 OK\r\n") and seen[0].endswith(b"}")
         writer.close()
         await writer.wait_closed()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, WAIT_S)
-        sock.close()
 
 
 async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_callback() -> None:
@@ -163,14 +163,9 @@ async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_c
     await asyncio.wait_for(call, WAIT_S)
     assert closed.is_set() and sent == [{}]  # cancelled, nothing answered
     # The router's server: the scope offers the callback, and a closed socket cancels the request.
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_server(door.app)
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            await asyncio.sleep(0.01)
+    async with serving(door) as (server, port):
         started, closed = fake.events("real")
-        _reader, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = body.replace(b"plain", b"real")
         writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
@@ -186,7 +181,3 @@ async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_c
                 break
             await asyncio.sleep(0.01)
         assert closed.is_set()
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(serving, WAIT_S)
-        sock.close()
