@@ -13,8 +13,9 @@ this script is the load generator. For each mode it measures, at concurrency 1 a
 * ``http``: the same prompt ids through the OpenAI front door (``POST /v1/completions``) over
   persistent keep-alive connections, with a minimal HTTP/1.1 client (little client-side noise).
 
-Short requests: a 13-token prompt (``--prompt``) and ``--max-tokens`` (2) greedy tokens. Phases
-alternate (direct, grpc, http, then the reverse) so drift hits every kind alike. Figures per mode,
+Short requests: a 13-token prompt (``--prompt``) and ``--max-tokens`` (2) greedy tokens. At
+concurrency 1 the kinds take turns request by request; at 32, phases alternate (direct, grpc,
+http, then the reverse); either way drift hits every kind alike. Figures per mode,
 concurrency and kind: p50 / p99 latency, requests/s; through the router also the added p50 (router
 p50 minus direct p50) and the router's CPU time per request (user + system of all its threads,
 from ``/proc/<pid>/stat`` over its measured phases; the load generator is this process, not the
@@ -246,14 +247,38 @@ class Bench:
         return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048)
 
 
+async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples], router_pid: int) -> None:
+    """Concurrency 1, one request of each kind in turn (the order rotating), ``n`` of each.
+
+    Every kind sees the same machine at the same moments, so drift (other jobs, frequency,
+    caches) cancels out of the differences. The router's CPU is read around each request it
+    serves.
+    """
+    kinds = list(clients)
+    for i in range(n):
+        for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+            s = samples[kind]
+            cpu0 = cpu_seconds(router_pid) if kind != "direct" else 0.0
+            start = time.perf_counter()
+            total, first = await clients[kind].once(0)
+            s.seconds += time.perf_counter() - start
+            if kind != "direct":
+                s.cpu_seconds += cpu_seconds(router_pid) - cpu0
+            s.totals.append(total)
+            s.firsts.append(first)
+
+
 async def measure_mode(bench: Bench, mode: str, clients: dict[str, Client], router_pid: int) -> None:
-    """Alternate direct / grpc / http phases at concurrency 1 and 32, and report each kind."""
+    """Concurrency 1: the kinds interleaved request by request; concurrency 32: alternating
+    direct / grpc / http phases. Report each kind."""
     plan, report = bench.plan, bench.report
     for client in clients.values():
         await run_phase(client, 32, plan.warmup, Samples(), None)
     for concurrency, n in ((1, plan.c1), (32, plan.c32)):
         samples = {kind: Samples() for kind in clients}
-        for r in range(plan.rounds):
+        if concurrency == 1:
+            await run_interleaved(clients, n * plan.rounds, samples, router_pid)
+        for r in range(plan.rounds if concurrency > 1 else 0):
             for kind in (list(clients) if r % 2 == 0 else list(reversed(clients))):
                 await run_phase(clients[kind], concurrency, n, samples[kind], None if kind == "direct" else router_pid)
         direct = samples["direct"].p(0.5)
