@@ -23,7 +23,7 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from typing import Any, cast
 
@@ -40,6 +40,7 @@ from engine.tokenizer import Tokenizer
 from pdcommon.errors import CancelledError, InvalidRequestError, PdRouterError
 from router.detokenize import TextStream
 from router.generation import Piece, stream_pieces
+from router.http_fast import FastCycle, Handler
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
 from router.openai_responses import SseWriter, completion_body, error_reply, response_id
 from router.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
@@ -177,6 +178,15 @@ class HttpApp:
         self._posts = dict(posts)
         self.state = routes.state
 
+    def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
+        """Per generation path: ``handler(receive, send)`` and the body limit, for the router's own
+        request cycle (``router.http_fast``)."""
+        out: dict[bytes, tuple[Handler, int]] = {}
+        for path, endpoint in self._posts.items():
+            if isinstance(endpoint, _GenerationEndpoint):
+                out[path.encode()] = (endpoint.handler(on_disconnect), endpoint.body_limit)
+        return out
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             endpoint = self._posts.get(scope["path"])
@@ -198,6 +208,17 @@ class _GenerationEndpoint:
     def __init__(self, door: HttpFrontdoor, chat: bool) -> None:
         self._door = door
         self._chat = chat
+
+    @property
+    def body_limit(self) -> int:
+        return self._door.config.max_body_bytes
+
+    def handler(self, on_disconnect: OnDisconnect) -> Handler:
+        door, chat = self._door, self._chat
+
+        def handle(receive: Receive, send: Send) -> Awaitable[None]:
+            return door.generation(receive, send, chat, on_disconnect)
+        return handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
@@ -397,6 +418,14 @@ class _CorkedTransport:
         if out and not self._transport.is_closing():
             self._transport.write(out[0] if len(out) == 1 else b"".join(out))
 
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` (a whole response, or the rest of one) at once, after anything held."""
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        else:
+            self._transport.write(data)
+
     def close(self) -> None:
         self._flush()
         self._transport.close()
@@ -420,6 +449,26 @@ class _HttpProtocol(HttpToolsProtocol):
     """
 
     _lost_callbacks: set[Callable[[], None]] | None = None
+    _fast: dict[bytes, tuple[Handler, int]] | None = None
+
+    def on_headers_complete(self) -> None:
+        fast = self._fast_handler()
+        if fast is None:
+            super().on_headers_complete()
+            return
+        handler, body_limit = fast
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self.cycle = FastCycle(self, handler, keep_alive, body_limit)  # type: ignore[assignment]
+
+    def _fast_handler(self) -> tuple[Handler, int] | None:
+        """The generation endpoint's own cycle applies (see ``router.http_fast``), or None."""
+        if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
+            return None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return None  # pipelined behind a response in progress: uvicorn queues it
+        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        return self._fast.get(bytes(self.url))
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -443,6 +492,9 @@ class _HttpProtocol(HttpToolsProtocol):
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
         super().connection_made(cast(asyncio.Transport, corked))
+        app = self.app
+        if isinstance(app, HttpApp) and not self.root_path:
+            self._fast = app.fast_handlers(self._on_disconnect)
 
 
 def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,

@@ -20,6 +20,7 @@ from router.frontdoor_http import (
     bind_socket,
     make_server,
 )
+from router.http_fast import FastCycle
 from router.metrics import RouterMetrics
 
 WAIT_S = 10.0  # hang guard, not a latency bound
@@ -181,3 +182,72 @@ async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_c
                 break
             await asyncio.sleep(0.01)
         assert closed.is_set()
+
+
+def _post(body: bytes, path: bytes = b"/v1/completions", extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return (b"POST %s HTTP/%s\r\nhost: x\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+            % (path, version, extra, len(body), body))
+
+
+async def _response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+    lower = head.lower()
+    if b"transfer-encoding: chunked" in lower:
+        body = b""
+        while True:
+            size = int((await asyncio.wait_for(reader.readuntil(b"\r\n"), WAIT_S)).split(b";")[0], 16)
+            chunk = await asyncio.wait_for(reader.readexactly(size + 2), WAIT_S)
+            if size == 0:
+                return head, body
+            body += chunk[:-2]
+    length = int(lower.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+    return head, await asyncio.wait_for(reader.readexactly(length), WAIT_S)
+
+
+async def test_generation_posts_take_the_routers_own_cycle_with_uvicorns_connection_rules() -> None:
+    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    unary = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
+    streamed = b'{"model": "echo", "prompt": "hey", "max_tokens": 3, "stream": true}'
+    chat = b'{"model": "echo", "messages": [{"role": "user", "content": "yo"}], "max_tokens": 1}'
+    async with serving(door) as (server, port):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        # Keep-alive: unary, streamed (chunked SSE), chat, a plain GET in between, all on one connection.
+        writer.write(_post(unary))
+        head, body = await _response(reader)
+        [connection] = server.server_state.connections
+        assert isinstance(connection, HttpToolsProtocol) and isinstance(connection.cycle, FastCycle)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"date: " in head and b"x-request-id: req-" in head
+        assert json.loads(body)["choices"][0]["text"] == "hi"
+        writer.write(_post(streamed))
+        head, body = await _response(reader)
+        assert b"transfer-encoding: chunked" in head and b"text/event-stream" in head
+        assert body.endswith(b"data: [DONE]\n\n") and b'"text":"hey"' not in body and b'"text":"h"' in body
+        writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await _response(reader))[1] == b'{"status":"ok"}'
+        writer.write(_post(chat, b"/v1/chat/completions"))
+        assert json.loads((await _response(reader))[1])["choices"][0]["message"]["content"] == "y"
+        # Pipelined: two requests in one write are answered in order.
+        writer.write(_post(unary) + _post(unary.replace(b'"hi"', b'"ho"')))
+        texts = [json.loads((await _response(reader))[1])["choices"][0]["text"] for _ in range(2)]
+        assert texts == ["hi", "ho"]
+        # Bad input on the fast path: the OpenAI error body, and the connection still serves.
+        writer.write(_post(b"{not json"))
+        head, body = await _response(reader)
+        assert head.startswith(b"HTTP/1.1 400 ") and json.loads(body)["error"]["type"] == "invalid_request_error"
+        writer.write(_post(unary))
+        assert json.loads((await _response(reader))[1])["choices"][0]["text"] == "hi"
+        # Connection: close is honoured after the response.
+        writer.write(_post(unary, extra=b"connection: close\r\n"))
+        head, _ = await _response(reader)
+        assert b"connection: close" in head.lower()
+        assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
+        writer.close()
+        # HTTP/1.0 closes too; a body over the limit is refused (400) and the connection closed.
+        for request in (_post(unary, version=b"1.0"),
+                        _post(b"{" + b" " * (door.config.max_body_bytes + 10) + b"}")):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            head, body = await _response(reader)
+            assert head.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 400 "))
+            assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
+            writer.close()
