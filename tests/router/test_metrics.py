@@ -95,3 +95,43 @@ def test_orchestrator_side_api() -> None:
 ])
 def test_outcome_labels(exc: BaseException | None, outcome: str) -> None:
     assert outcome_of(exc) == outcome
+
+
+def test_the_hot_path_metrics_expose_what_stock_prometheus_metrics_would() -> None:
+    """The front door's children run without locks and bucket by binary search: same exposition."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from router.metrics import FrontdoorMetrics, _FastHistogram, _PlainValue
+
+    metrics = RouterMetrics()
+    door = FrontdoorMetrics(metrics, "http")
+    assert isinstance(door.ttft, _FastHistogram) and door.ttft.observe.__name__ == "_observe"
+    assert isinstance(door.in_flight._value, _PlainValue)
+    reference = CollectorRegistry()
+    buckets = list(metrics.ttft_seconds._upper_bounds)
+    ttft = Histogram("pdrouter_time_to_first_token_seconds", metrics.ttft_seconds._documentation, ["frontdoor"],
+                     buckets=buckets[:-1], registry=reference).labels("http")
+    in_flight = Gauge("pdrouter_requests_in_flight", metrics.requests_in_flight._documentation, ["frontdoor"],
+                      registry=reference).labels("http")
+    tokens = Counter("pdrouter_prompt_tokens", metrics.prompt_tokens_total._documentation, ["frontdoor"],
+                     registry=reference).labels("http")
+    # Values on, between and beyond the bounds, negative and huge ones included.
+    values = [0.0, -1.0, *buckets[:-1], *(b * 1.5 for b in buckets[:-1]), 1e9]
+    for v in values:
+        door.ttft.observe(v)
+        ttft.observe(v)
+        door.in_flight.inc()
+        in_flight.inc()
+        door.prompt_tokens.inc(3)
+        tokens.inc(3)
+    door.in_flight.dec()
+    in_flight.dec()
+
+    def lines(registry: CollectorRegistry, names: tuple[str, ...]) -> list[str]:
+        text = generate_latest(registry).decode()
+        return sorted(line for line in text.splitlines()
+                      if line.startswith(names) and "_created" not in line)
+
+    names = ("pdrouter_time_to_first_token_seconds", "pdrouter_requests_in_flight", "pdrouter_prompt_tokens")
+    assert lines(metrics.registry, names) == lines(reference, names)
+    assert any('le="+Inf"' in line for line in lines(reference, names))
