@@ -33,7 +33,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         max_tokens=int(msg.max_tokens), temperature=float(msg.temperature),
         top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0, top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
-        stop_token_ids=tuple(int(t) for t in msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos))
+        stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos))
 
 
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:

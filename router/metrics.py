@@ -191,7 +191,7 @@ class RouterMetrics:
         self.kv_transfer_duration_seconds = Histogram(
             "pdrouter_kv_transfer_duration_seconds", "Duration of one request's KV transfer.",
             ["backend"], buckets=_TRANSFER_BUCKETS, registry=r)
-        self._transfer_children: dict[str, tuple[Any, Any]] = {}
+        self._transfer_children: dict[str, tuple[Any, _FastHistogram]] = {}
         self.prefix_query_tokens_total = Counter(
             "pdrouter_prefix_cache_query_tokens_total",
             "Prompt tokens looked up in the prefix index for placement.", registry=r)
@@ -199,6 +199,10 @@ class RouterMetrics:
             "pdrouter_prefix_cache_hit_tokens_total",
             "Prompt tokens found cached on the chosen prefill worker.", registry=r)
         self._frontdoors: dict[str, FrontdoorMetrics] = {}
+        # Recorded once per request or placement: no locks (see _PlainValue), binary-search buckets.
+        self._queue_time = _FastHistogram(_unlocked(self.queue_time_seconds))
+        _unlocked(self.prefix_query_tokens_total)
+        _unlocked(self.prefix_hit_tokens_total)
 
     def frontdoor(self, name: str) -> FrontdoorMetrics:
         """The pre-resolved metrics of front door ``name`` (``http`` or ``grpc``)."""
@@ -210,7 +214,7 @@ class RouterMetrics:
     # -- recorded by the orchestrator -------------------------------------------------------
 
     def observe_queue_time(self, seconds: float) -> None:
-        self.queue_time_seconds.observe(seconds)
+        self._queue_time.observe(seconds)
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
                         free_blocks: int) -> None:
@@ -230,8 +234,9 @@ class RouterMetrics:
         """One request's KV transfer: its size and how long it took."""
         children = self._transfer_children.get(backend)
         if children is None:
-            children = self._transfer_children[backend] = (self.kv_transfer_bytes_total.labels(backend),
-                                                            self.kv_transfer_duration_seconds.labels(backend))
+            children = self._transfer_children[backend] = (
+                _unlocked(self.kv_transfer_bytes_total.labels(backend)),
+                _FastHistogram(_unlocked(self.kv_transfer_duration_seconds.labels(backend))))
         children[0].inc(nbytes)
         children[1].observe(seconds)
 

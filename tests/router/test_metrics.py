@@ -132,6 +132,17 @@ def test_the_hot_path_metrics_expose_what_stock_prometheus_metrics_would() -> No
         return sorted(line for line in text.splitlines()
                       if line.startswith(names) and "_created" not in line)
 
-    names = ("pdrouter_time_to_first_token_seconds", "pdrouter_requests_in_flight", "pdrouter_prompt_tokens")
+    queue = Histogram("pdrouter_queue_time_seconds", metrics.queue_time_seconds._documentation,
+                      buckets=list(metrics.queue_time_seconds._upper_bounds)[:-1], registry=reference)
+    transfer = Histogram("pdrouter_kv_transfer_duration_seconds", metrics.kv_transfer_duration_seconds._documentation,
+                         ["backend"], buckets=list(metrics.kv_transfer_duration_seconds._upper_bounds)[:-1],
+                         registry=reference).labels("tcp")
+    for v in values:
+        metrics.observe_queue_time(v)
+        queue.observe(v)
+        metrics.observe_kv_transfer(1, v, "tcp")
+        transfer.observe(v)
+    names = ("pdrouter_time_to_first_token_seconds", "pdrouter_requests_in_flight", "pdrouter_prompt_tokens",
+             "pdrouter_queue_time_seconds", "pdrouter_kv_transfer_duration_seconds")
     assert lines(metrics.registry, names) == lines(reference, names)
     assert any('le="+Inf"' in line for line in lines(reference, names))
