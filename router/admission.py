@@ -210,32 +210,34 @@ class Admission:
     def release_soon(self, reservation: Reservation) -> asyncio.Task[None] | None:
         """``release`` without waiting: credit comes back at once (no task); a booking of its own
         is released by a task, which is returned (it survives its caller's cancellation)."""
-        credit = self._on_credit.pop(reservation.request_id, None)
-        if credit is None:
-            task = asyncio.ensure_future(self.release(reservation))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            return task
-        active = self._active.pop(reservation.request_id, None)
-        credit.used -= (active or reservation).blocks
-        self._after_release(credit)
-        self._wake_head()
-        return None
+        if self._return_credit(reservation):
+            return None
+        task = asyncio.ensure_future(self.release(reservation))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def release(self, reservation: Reservation) -> None:
         """Give the blocks back (idempotent); wakes the next waiting request."""
-        active = self._active.pop(reservation.request_id, None)
-        credit = self._on_credit.pop(reservation.request_id, None)
-        if credit is not None:
-            credit.used -= (active or reservation).blocks
-            self._after_release(credit)
-            self._wake_head()
+        if self._return_credit(reservation):
             return
+        self._active.pop(reservation.request_id, None)
         try:
             # With requests waiting for room the release goes at once, else with the next bookings.
             await self.reservations.release(reservation, urgent=bool(self._queue))
         finally:
             self._wake_head()
+
+    def _return_credit(self, reservation: Reservation) -> bool:
+        """Give back a request admitted on credit (in memory); False when it was booked alone."""
+        credit = self._on_credit.pop(reservation.request_id, None)
+        if credit is None:
+            return False
+        active = self._active.pop(reservation.request_id, None)
+        credit.used -= (active or reservation).blocks
+        self._after_release(credit)
+        self._wake_head()
+        return True
 
     async def shrink(self, reservation: Reservation, blocks: int) -> None:
         """The request needs fewer blocks now (it finished early or its remaining budget fell)."""

@@ -61,7 +61,7 @@ class FastCycle:
     ``more_body``, ``message_event``, ``response_complete``, ``disconnected``, ``keep_alive``).
     """
 
-    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "_task", "body", "chunked", "disconnected",
+    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "body", "chunked", "disconnected",
                  "handler", "keep_alive", "message_event", "more_body", "protocol", "response_complete",
                  "response_started")
 
@@ -81,7 +81,6 @@ class FastCycle:
         self._started = False
         self._taken = False
         self._closed: asyncio.Future[None] | None = None
-        self._task: asyncio.Task[None] | None = None
 
     # -- from uvicorn's parser callbacks and connection_lost ------------------------------------
     def progress(self) -> None:
@@ -98,7 +97,6 @@ class FastCycle:
             self.keep_alive = False  # answered before the body ended: the connection cannot be reused
         self._started = True
         task = asyncio.get_running_loop().create_task(self._run())
-        self._task = task
         self.protocol.tasks.add(task)
         task.add_done_callback(self.protocol.tasks.discard)
 
