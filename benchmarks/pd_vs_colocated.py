@@ -25,7 +25,7 @@ from _report import Report, base_parser
 
 from engine.model_io import make_model
 from pdrouter.embedded_redis import EmbeddedRedis
-from pdrouter.local_cluster import ManagedProcess, worker_args
+from pdrouter.local_cluster import ManagedProcess, cores_each, worker_args
 from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -84,9 +84,10 @@ def run_layout(mode: str, model: Path, blocks_total: int, prompts: list[str], ma
     with EmbeddedRedis() as redis_server:
         try:
             roles = ["worker", "worker"] if mode == "colocated" else ["prefill", "decode"]
+            threads = cores_each(len(roles) + 1)  # both layouts: the same cores per worker
             for i, role in enumerate(roles):
                 proc = ManagedProcess(f"{role}-{i}", worker_args(role, model, redis_url=redis_server.url,
-                                                                 num_blocks=blocks_total // 2,
+                                                                 num_blocks=blocks_total // 2, torch_threads=threads,
                                                                  extra=("--worker-id", f"{role}-{i}")))
                 procs.append(proc)
                 proc.wait_ready()

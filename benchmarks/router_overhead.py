@@ -13,7 +13,9 @@ this script is the load generator. For each mode it measures, at concurrency 1 a
 * ``http``: the same prompt ids through the OpenAI front door (``POST /v1/completions``) over
   persistent keep-alive connections, with a minimal HTTP/1.1 client (little client-side noise).
 
-Short requests: a 13-token prompt (``--prompt``) and ``--max-tokens`` (2) greedy tokens. At
+Short requests: a 13-token prompt (``--prompt``) and ``--max-tokens`` (2) greedy tokens; each
+worker runs one torch thread (``--torch-threads 1``: this machine's cores are shared with the
+router and the load generator). At
 concurrency 1 the kinds take turns request by request; at 32, phases alternate (direct, grpc,
 http, then the reverse); either way drift hits every kind alike. Figures per mode,
 concurrency and kind: p50 / p99 latency, requests/s; through the router also the added p50 (router
@@ -244,7 +246,9 @@ class Bench:
                 "--worker-transport", self.transport]
 
     def worker_args(self, role: str) -> list[str]:
-        return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048)
+        # One torch thread per worker: the workers, the router and this load generator share the
+        # machine's cores, and torch's default (a thread per core) spins on the cores the others need.
+        return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048, torch_threads=1)
 
 
 async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples], router_pid: int) -> None:

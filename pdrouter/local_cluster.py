@@ -100,10 +100,23 @@ class ManagedProcess:
         self.stop()
 
 
+def cores_each(processes: int) -> int:
+    """Cores per process when ``processes`` share the cores this process may run on (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, processes))
+
+
 def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = None, num_blocks: int | None = None,
-                kv_backend: str | None = None, extra: Sequence[str] = ()) -> list[str]:
-    """Command-line arguments of ``pdrouter worker|prefill|decode``."""
+                kv_backend: str | None = None, torch_threads: int | None = None,
+                extra: Sequence[str] = ()) -> list[str]:
+    """Command-line arguments of ``pdrouter worker|prefill|decode``.
+
+    ``torch_threads``: the worker's torch intra-op threads (None: the worker's default). Workers
+    sharing a machine should split its cores (:func:`cores_each`): torch's default gives each of
+    them one thread per core, and the extra threads spin on cores the others need.
+    """
     args = [role, "--model", str(model_dir), "--port", "0", "--log-level", "WARNING"]
+    if torch_threads is not None:
+        args += ["--torch-threads", str(torch_threads)]
     if redis_url:
         args += ["--redis", redis_url]
     if num_blocks:

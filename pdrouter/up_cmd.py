@@ -18,7 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from pdcommon.errors import ConfigError, UnavailableError
-from pdrouter.local_cluster import ManagedProcess, worker_args
+from pdrouter.local_cluster import ManagedProcess, cores_each, worker_args
+from pdrouter.worker_cmd import TORCH_THREADS_ENV
 
 DEFAULT_MODEL_DIR = Path(".pdrouter") / "models" / "tiny"
 
@@ -83,8 +84,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"redis      {redis_server.url}", flush=True)
             roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
                      else [("worker", args.workers)])
+            # The workers split the cores, the router counting as one (unless the environment says).
+            threads = None if os.environ.get(TORCH_THREADS_ENV) else cores_each(1 + sum(n for _, n in roles))
             workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
                                                         num_blocks=args.num_blocks, kv_backend=args.kv_backend,
+                                                        torch_threads=threads,
                                                         extra=("--worker-id", f"{role}-{i}")))
                        for role, n in roles for i in range(n)]
             for w in workers:

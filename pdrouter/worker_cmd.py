@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from worker_common.config import WorkerConfig
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
+TORCH_THREADS_ENV = "PDROUTER_TORCH_THREADS"
 DEV_KV_TOKEN = "pdrouter-dev-token"
 
 _HELP = {
@@ -56,6 +57,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="memory quota in GiB (HAMi nvidia.com/gpumem); refuses a utilization above it")
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (chunk size)")
+        p.add_argument("--torch-threads", type=int, default=None,
+                       help="torch intra-op threads on the CPU (0: torch's default, one per core; "
+                            f"env {TORCH_THREADS_ENV}). Give each worker its share of the cores when "
+                            "several processes share a machine")
         if name != "worker":
             p.add_argument("--kv-backend", default="tcp", choices=["tcp", "gloo", "nccl"])
             p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (decode; 0: any free)")
@@ -64,10 +69,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=run, role_name=name)
 
 
+def torch_threads(args: argparse.Namespace) -> int:
+    """The worker's torch intra-op threads: ``--torch-threads``, else the environment's, else 0 (torch's
+    default: one per core)."""
+    threads = args.torch_threads
+    if threads is None:
+        raw = os.environ.get(TORCH_THREADS_ENV, "").strip() or "0"
+        try:
+            threads = int(raw)
+        except ValueError:
+            raise ConfigError(f"{TORCH_THREADS_ENV} must be a whole number, got {raw!r}") from None
+    if threads < 0:
+        raise ConfigError(f"--torch-threads must be 0 (torch's default) or more, got {threads}")
+    return int(threads)
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     from engine.config import EngineConfig
     from worker_common.config import WorkerConfig
 
+    torch_threads(args)  # checked with the rest, before anything starts
     if args.port and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if not args.model.is_dir():
@@ -113,6 +134,11 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     config = build_config(args)
+    threads = torch_threads(args)
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     process = WorkerProcess(config)
     serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
                                         f"ready at {process.address}")

@@ -35,7 +35,7 @@ class Cluster:
               extra: tuple[str, ...] = ()) -> ManagedProcess:
         ident = worker_id or f"{role}-{len(self.procs)}"
         proc = ManagedProcess(ident, worker_args(role, self.model, redis_url=self.redis_url, num_blocks=num_blocks,
-                                                 extra=("--worker-id", ident, *extra)))
+                                                 torch_threads=1, extra=("--worker-id", ident, *extra)))
         self.procs.append(proc)
         proc.wait_ready()
         return proc

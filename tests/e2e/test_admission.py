@@ -35,7 +35,7 @@ def test_planner_capacity_equals_the_capacity_math() -> None:
 
 def spawn_router(cluster: Cluster, name: str) -> ManagedProcess:
     proc = ManagedProcess(name, ["router", "--model", str(cluster.model), "--redis", cluster.redis_url,
-                                 "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "1.5",
+                                 "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "0.05",
                                  "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"])
     cluster.procs.append(proc)
     proc.wait_ready()
@@ -101,11 +101,13 @@ async def burst_and_kill(router_a: ManagedProcess, router_b: ManagedProcess,
                          used_settles_to_zero: Callable[[], Awaitable[int]]) -> None:
     await asyncio.sleep(1.0)  # both routers have discovered the workers
     assert router_a.address and router_b.address
+    # Each request books 27 of the 64 blocks, so two at a time fit; they hold them for 300 decode
+    # steps, far longer than the 50 ms a request may queue, so the rest are refused.
     async with httpx.AsyncClient(timeout=60) as http:
-        statuses = await asyncio.gather(*(send(http, (router_a if i % 2 else router_b).address or "")
+        statuses = await asyncio.gather(*(send(http, (router_a if i % 2 else router_b).address or "", 300)
                                           for i in range(20)))
     assert set(statuses) <= {200, 429}, statuses
-    assert statuses.count(200) >= 4 and statuses.count(429) >= 1, statuses
+    assert statuses.count(200) >= 2 and statuses.count(429) >= 1, statuses
     assert await used_settles_to_zero() == 0  # every booking is gone
     # A router killed mid-burst: its bookings expire with their leases.
     async with httpx.AsyncClient(timeout=60) as http:

@@ -54,3 +54,33 @@ def test_router_admission_credit_default_and_bad(model: Path, capsys: pytest.Cap
     err = capsys.readouterr().err.strip()
     assert err == ("pdrouter router: error: --admission-credit is a fraction of a decode worker's pool in "
                    "[0, 0.5], got 0.9")
+
+
+def test_torch_threads_flag_environment_and_bad_values(model: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from pdrouter.cli import main
+    from pdrouter.worker_cmd import TORCH_THREADS_ENV, torch_threads
+
+    monkeypatch.delenv(TORCH_THREADS_ENV, raising=False)
+    assert torch_threads(parse("decode", "--model", str(model))) == 0  # torch's default
+    monkeypatch.setenv(TORCH_THREADS_ENV, "3")
+    assert torch_threads(parse("decode", "--model", str(model))) == 3
+    assert torch_threads(parse("decode", "--model", str(model), "--torch-threads", "1")) == 1  # the flag wins
+    assert main(["worker", "--model", str(model), "--torch-threads", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("pdrouter worker: error: --torch-threads must be 0 (torch's "
+                                               "default) or more, got -1")
+    monkeypatch.setenv(TORCH_THREADS_ENV, "two")
+    assert main(["prefill", "--model", str(model)]) == 2
+    assert capsys.readouterr().err.strip() == ("pdrouter prefill: error: PDROUTER_TORCH_THREADS must be a whole "
+                                               "number, got 'two'")
+
+
+def test_cores_each_splits_the_cores() -> None:
+    import os
+
+    from pdrouter.local_cluster import cores_each, worker_args
+
+    cores = len(os.sched_getaffinity(0))
+    assert cores_each(1) == cores and cores_each(cores * 4) == 1 and cores_each(0) == cores
+    assert worker_args("decode", "m", torch_threads=2)[-2:] == ["--torch-threads", "2"]
+    assert "--torch-threads" not in worker_args("decode", "m")

@@ -27,7 +27,7 @@ def spawn_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
     def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256, kv_backend: str | None = None,
               extra: tuple[str, ...] = (), model: Path | None = None) -> ManagedProcess:
         args = worker_args(role, model or tiny_model, redis_url=redis_url, num_blocks=num_blocks,
-                           kv_backend=kv_backend, extra=extra)
+                           kv_backend=kv_backend, torch_threads=1, extra=extra)
         proc = ManagedProcess(f"{role}-{len(procs)}", args)
         procs.append(proc)
         proc.wait_ready()
