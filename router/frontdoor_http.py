@@ -40,7 +40,7 @@ from engine.tokenizer import Tokenizer
 from pdcommon.errors import CancelledError, InvalidRequestError, PdRouterError
 from router.detokenize import TextStream
 from router.generation import Piece, stream_pieces
-from router.http_fast import FastCycle, Handler
+from router.http_fast import FastCycle, Handler, whole_request
 from router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
 from router.openai_responses import SseWriter, completion_body, error_reply, response_id
 from router.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
@@ -450,6 +450,22 @@ class _HttpProtocol(HttpToolsProtocol):
 
     _lost_callbacks: set[Callable[[], None]] | None = None
     _fast: dict[bytes, tuple[Handler, int]] | None = None
+    _in_message = False  # the parser has begun a message it has not completed
+
+    def data_received(self, data: bytes) -> None:
+        if (self._fast is not None and not self._in_message and not self.pipeline
+                and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
+            whole = whole_request(data, self._fast)
+            if whole is not None:  # one plain generation request, whole: no parser callbacks
+                (handler, body_limit), keep_alive, body = whole
+                self._unset_keepalive_if_required()
+                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body)  # type: ignore[assignment]
+                return
+        super().data_received(data)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
 
     def on_headers_complete(self) -> None:
         fast = self._fast_handler()
@@ -471,6 +487,7 @@ class _HttpProtocol(HttpToolsProtocol):
         return self._fast.get(bytes(self.url))
 
     def on_message_begin(self) -> None:
+        self._in_message = True
         super().on_message_begin()
         self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
 

@@ -6,7 +6,9 @@ finds the caches cold, it costs about as much as the router's own work. For ``PO
 /v1/completions`` and ``POST /v1/chat/completions`` (no query string, no ``Expect``, nothing
 pipelined ahead), the router's protocol (``router.frontdoor_http._HttpProtocol``) hands the
 request to a :class:`FastCycle` instead: the same ASGI ``receive`` / ``send`` contract for the
-endpoint, kept to what it uses, and the response's head leaves with its first body bytes.
+endpoint, kept to what it uses, and the response's head leaves with its first body bytes. A request
+that arrives whole in one read and is plain (:func:`whole_request`), the common case for a client
+on a keep-alive connection, skips uvicorn's parser and its per-header callbacks as well.
 
 It keeps uvicorn's connection semantics: keep-alive (``Connection: close`` and HTTP/1.0 close
 after the response), requests pipelined behind it (queued by uvicorn, started when this response
@@ -20,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
+import re
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +32,62 @@ Handler = Callable[[Any, Any], Awaitable[None]]
 """``handler(receive, send)``: the endpoint's ASGI work for one request (scope already decided)."""
 
 _STATUS_LINES: dict[int, bytes] = {}
+
+T = TypeVar("T")
+
+_HEADER_LINES = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*"
+                           rb"(?:[\x21-\x7e\x80-\xff](?:[\x20-\x7e\x80-\xff\t]*[\x21-\x7e\x80-\xff])?)?"
+                           rb"[ \t]*\r\n)*")
+"""Header lines as RFC 9110 / 9112 allow them (token name, no space before the colon, visible
+value characters, no obsolete line folding), each ending in CRLF."""
+_PASS_ON = (b"\ntransfer-encoding:", b"\nexpect:", b"\nupgrade:")
+
+
+def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, bytes] | None:
+    """``(route, keep_alive, body)`` when ``data`` is exactly one plain ``POST`` to one of ``routes``.
+
+    Plain: ``HTTP/1.1``, the path exactly a key of ``routes`` (no query string), well-formed header
+    lines, one ``Content-Length`` equal to the body that follows, no ``Transfer-Encoding``,
+    ``Expect`` or ``Upgrade``, at most one ``Connection`` header. Anything else, including a request
+    that has not wholly arrived or one with another pipelined behind it, is None: the general
+    parser takes it (and answers what is malformed). A request read here never reaches that
+    parser, which stays between two messages.
+    """
+    line_end = data.find(b"\r\n")
+    if line_end < 0 or not data.startswith(b"POST /"):
+        return None
+    target, _, version = data[5:line_end].partition(b" ")
+    route = routes.get(target)
+    if route is None or version != b"HTTP/1.1":
+        return None
+    head_end = data.find(b"\r\n\r\n", line_end)
+    if head_end < 0:
+        return None
+    block = data[line_end + 2:head_end + 2]
+    if _HEADER_LINES.fullmatch(block) is None:
+        return None
+    lower = b"\n" + block.lower()
+    if any(name in lower for name in _PASS_ON):
+        return None
+    at = lower.find(b"\ncontent-length:")
+    if at < 0 or lower.find(b"\ncontent-length:", at + 1) >= 0:
+        return None
+    value = lower[at + 16:lower.find(b"\r", at)].strip()
+    if not value.isdigit():
+        return None
+    body = data[head_end + 4:]
+    if len(body) != int(value):
+        return None
+    keep_alive = True
+    at = lower.find(b"\nconnection:")
+    if at >= 0:
+        if lower.find(b"\nconnection:", at + 1) >= 0:
+            return None
+        options = {option.strip() for option in lower[at + 12:lower.find(b"\r", at)].split(b",")}
+        if b"upgrade" in options:
+            return None
+        keep_alive = b"close" not in options
+    return route, keep_alive, body
 
 
 def status_line(status: int) -> bytes:
@@ -65,12 +124,15 @@ class FastCycle:
                  "handler", "keep_alive", "message_event", "more_body", "protocol", "response_complete",
                  "response_started")
 
-    def __init__(self, protocol: Any, handler: Handler, keep_alive: bool, body_limit: int) -> None:
+    def __init__(self, protocol: Any, handler: Handler, keep_alive: bool, body_limit: int,
+                 body: bytes | None = None) -> None:
+        """``body``: the whole request body, when it has all arrived (the request starts at once);
+        None: uvicorn's parser callbacks bring it."""
         self.protocol = protocol
         self.handler = handler
         self.keep_alive = keep_alive
-        self.body = bytearray()
-        self.more_body = True
+        self.body: bytes | bytearray = bytearray() if body is None else body
+        self.more_body = body is None
         self.message_event = _Event(self)
         self.response_started = False
         self.response_complete = False
@@ -81,6 +143,8 @@ class FastCycle:
         self._started = False
         self._taken = False
         self._closed: asyncio.Future[None] | None = None
+        if body is not None:
+            self.progress()
 
     # -- from uvicorn's parser callbacks and connection_lost ------------------------------------
     def progress(self) -> None:

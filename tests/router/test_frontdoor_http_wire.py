@@ -163,25 +163,38 @@ async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_c
     gone.set()
     await asyncio.wait_for(call, WAIT_S)
     assert closed.is_set() and sent == [{}]  # cancelled, nothing answered
-    # The router's server: the scope offers the callback, and a closed socket cancels the request.
+    # The router's server: a closed socket cancels the request, whether it arrived whole (read
+    # without uvicorn's parser) or in parts (parsed by it; the scope offers the callback).
     async with serving(door) as (server, port):
-        started, closed = fake.events("real")
-        _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = body.replace(b"plain", b"real")
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        while not started.is_set():
-            await asyncio.sleep(0.005)
-        [connection] = server.server_state.connections
-        assert isinstance(connection, HttpToolsProtocol)
-        assert DISCONNECT_EXTENSION in connection.scope["extensions"]
-        assert not [t for t in asyncio.all_tasks() if "_watch_disconnect" in repr(t.get_coro())]
-        writer.close()
-        for _ in range(int(WAIT_S / 0.01)):
-            if closed.is_set():
-                break
-            await asyncio.sleep(0.01)
-        assert closed.is_set()
+        for split in (False, True):
+            label = b"split" if split else b"whole"
+            started, closed = fake.events(label.decode())
+            _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            request = _post(body.replace(b"plain", label))
+            if split:
+                writer.write(request[:40])
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(request[40:])
+            else:
+                writer.write(request)
+            while not started.is_set():
+                await asyncio.sleep(0.005)
+            [connection] = server.server_state.connections
+            assert isinstance(connection, HttpToolsProtocol)
+            if split:
+                assert DISCONNECT_EXTENSION in connection.scope["extensions"]
+            assert not [t for t in asyncio.all_tasks() if "_watch_disconnect" in repr(t.get_coro())]
+            writer.close()
+            for _ in range(int(WAIT_S / 0.01)):
+                if closed.is_set():
+                    break
+                await asyncio.sleep(0.01)
+            assert closed.is_set()
+            for _ in range(int(WAIT_S / 0.01)):
+                if not server.server_state.connections:
+                    break
+                await asyncio.sleep(0.01)
 
 
 def _post(body: bytes, path: bytes = b"/v1/completions", extra: bytes = b"", version: bytes = b"1.1") -> bytes:
