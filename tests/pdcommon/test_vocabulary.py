@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pkgutil
+import re
 import subprocess
 import sys
 
@@ -53,7 +54,24 @@ def test_error_round_trip_and_foreign_exceptions() -> None:
 
 def test_request_ids_are_unique() -> None:
     ids = {new_request_id() for _ in range(1000)}
-    assert len(ids) == 1000 and all(i.startswith("req-") for i in ids)
+    assert len(ids) == 1000 and all(re.fullmatch("req-[0-9a-f]{32}", i) for i in ids)
+
+
+def test_a_forked_process_makes_other_request_ids() -> None:
+    import os
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its ids must not repeat the parent's
+        os.write(write, "\n".join(new_request_id() for _ in range(3)).encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as pipe:
+        child = pipe.read().split("\n")
+    parent = [new_request_id() for _ in range(3)]
+    assert len(child) == 3 and not set(child) & set(parent)
+    assert child[0][:24] != parent[0][:24]  # another random prefix
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [
