@@ -543,9 +543,11 @@ class _Call:
     async def _start(self) -> _Inbox:
         if self._cancelled:
             raise asyncio.CancelledError()
-        conn = await self._channel.connection()
-        if self._cancelled:
-            raise asyncio.CancelledError()
+        conn = self._channel._conn
+        if conn is None or conn.lost is not None:  # not connected yet, or lost: (re)connect
+            conn = await self._channel.connection()
+            if self._cancelled:
+                raise asyncio.CancelledError()
         timeout_ms = 0
         if self._timeout is not None:
             if self._timeout <= 0:
@@ -605,11 +607,14 @@ class UnaryCall(_Call, Generic[T]):
 
     async def _result(self) -> T:
         inbox = await self._start()
-        try:
-            _, arg, body = await inbox.get()
-        except asyncio.CancelledError:
-            self.cancel()
-            raise
+        if inbox.items:
+            _, arg, body = inbox.items.popleft()
+        else:
+            try:
+                _, arg, body = await inbox.get()
+            except asyncio.CancelledError:
+                self.cancel()
+                raise
         self._ended(arg, body)
         return self._method.response.FromString(body)
 
@@ -631,12 +636,15 @@ class StreamCall(_Call, Generic[T]):
             inbox = await self._start()  # a call cancelled before it started raises CancelledError
         elif self._done and not inbox.items:
             raise StopAsyncIteration
-        try:
-            kind, arg, body = await inbox.get()
-        except asyncio.CancelledError:
-            if not self._done:
-                self.cancel()
-            raise
+        if inbox.items:  # already here: no waiting
+            kind, arg, body = inbox.items.popleft()
+        else:
+            try:
+                kind, arg, body = await inbox.get()
+            except asyncio.CancelledError:
+                if not self._done:
+                    self.cancel()
+                raise
         if kind == END:
             self._ended(arg, body)
             raise StopAsyncIteration
