@@ -26,6 +26,12 @@ class PoolKeys:
         return f"{self.tag}:hb:{worker_id}"
 
     @property
+    def credit_wanted(self) -> str:
+        """Pub/sub channel: a router has a request waiting for KV room (routers holding credit
+        give back what they do not use)."""
+        return f"{self.tag}:credit-wanted"
+
+    @property
     def epoch_counter(self) -> str:
         """INCR counter handing out strictly increasing worker epochs."""
         return f"{self.tag}:epoch"

@@ -204,6 +204,10 @@ class KvReservations:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.script_calls = 0
 
+    @property
+    def client(self) -> aioredis.Redis:
+        return self._r
+
     def _worker_keys(self, worker_id: str, epoch: int) -> list[str]:
         k = self.keys
         return [k.kv_bookings(worker_id, epoch), k.kv_leases(worker_id, epoch), k.kv_used(worker_id, epoch)]

@@ -16,6 +16,10 @@ in the background and given back once unused for ``credit_idle_s`` (or at once w
 this router waits for room). Every block a request uses is still booked in Redis before the
 request starts, so routers sharing one Redis never book more than a worker has; near full, every
 request is booked on its own, exactly as without credit.
+
+A request that waits also tells the other routers (a Redis pub/sub message on the pool's
+``credit-wanted`` channel, repeated while it waits): they give back their unused credit at once and
+book no more for a while, so one router's spare credit does not hold another's requests back.
 """
 
 from __future__ import annotations
@@ -58,12 +62,16 @@ class AdmissionConfig:
     """Credit is booked only while a worker's bookings (all routers) stay within this fraction of it."""
     credit_idle_s: float = 1.0
     """Unused credit on a worker whose requests all ended this long ago goes back."""
+    credit_yield_s: float = 1.0
+    """After another router asked for room, this router books no credit for this long."""
 
     def __post_init__(self) -> None:
         if self.queue_limit < 0 or self.queue_timeout_s < 0 or self.lease_ms <= 0 or self.poll_interval_s <= 0:
             raise ConfigError("admission: queue_limit and queue_timeout_s must be >= 0, lease and poll > 0")
-        if not (0.0 <= self.credit_fraction <= self.credit_limit <= 1.0) or self.credit_idle_s <= 0:
-            raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1 and credit_idle_s > 0")
+        if not (0.0 <= self.credit_fraction <= self.credit_limit <= 1.0) or self.credit_idle_s <= 0 \
+                or self.credit_yield_s < 0:
+            raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1, credit_idle_s > 0 "
+                              "and credit_yield_s >= 0")
 
 
 @dataclass(order=True)
@@ -118,6 +126,11 @@ class Admission:
         self._credit_prefix = f"credit-{uuid.uuid4().hex[:12]}-"
         self._credit_seq = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._listener: asyncio.Task[None] | None = None
+        self._asked_at = 0.0           # when this router last asked the others for room
+        self._others_wait_until = 0.0  # another router asked: no credit top-ups until then
+        self.credit_requests_heard = 0
+        """Times another router asked for room and this one gave its unused credit back."""
 
     @property
     def queue_length(self) -> int:
@@ -134,8 +147,11 @@ class Admission:
 
     def start(self) -> None:
         self._renewer = asyncio.create_task(self._renew_loop(), name="admission-renew")
+        if self.config.credit_fraction > 0:
+            self._listener = asyncio.create_task(self._listen_for_waiters(), name="admission-credit-wanted")
 
     async def stop(self) -> None:
+        await cancel_and_wait(self._listener)
         await cancel_and_wait(self._renewer)
         for task in list(self._tasks):
             task.cancel()
@@ -168,6 +184,7 @@ class Admission:
         waiter = _Waiter(-priority, next(self._seq))
         heapq.heappush(self._queue, waiter)
         self._give_back_unused()  # someone waits for room: this router's spare credit goes first
+        self._ask_for_room()  # and the other routers' spare credit
         self.stats.max_queue = max(self.stats.max_queue, len(self._queue))
         start = time.monotonic()
         give_up = start + cfg.queue_timeout_s
@@ -189,6 +206,7 @@ class Admission:
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
                                 cfg.retry_after_s)
+                self._ask_for_room()
                 waiter.wake.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.wake.wait(), min(left, cfg.poll_interval_s))
@@ -303,7 +321,8 @@ class Admission:
         """Book another chunk when less than half a chunk is left unused (one booking at a time)."""
         if credit.topping_up or credit.free * 2 >= self._chunk_blocks(credit) or self._queue:
             return
-        if time.monotonic() < credit.refused_until:
+        now = time.monotonic()
+        if now < credit.refused_until or now < self._others_wait_until:
             return
         credit.topping_up = True
         self._spawn(self._top_up(credit))
@@ -326,8 +345,11 @@ class Admission:
             return
         finally:
             credit.topping_up = False
-        if self._credits.get((worker.worker_id, worker.epoch)) is not credit:
-            self._spawn(self.reservations.release(res, urgent=True))  # stopped or forgotten meanwhile
+        if self._credits.get((worker.worker_id, worker.epoch)) is not credit or self._queue \
+                or time.monotonic() < self._others_wait_until:
+            # Stopped or forgotten meanwhile, or a request (here or on another router) now waits
+            # for room: the chunk goes straight back.
+            self._spawn(self.reservations.release(res, urgent=True))
             return
         credit.chunks.append(res)
         credit.held += res.blocks
@@ -357,6 +379,43 @@ class Admission:
     def _give_back_unused(self) -> None:
         for credit in self._credits.values():
             self._give_back(credit, keep=credit.used, urgent=True)
+
+    def _ask_for_room(self) -> None:
+        """Tell the other routers a request waits (at most every ``credit_yield_s / 4``)."""
+        now = time.monotonic()
+        if self.config.credit_fraction <= 0 or now - self._asked_at < self.config.credit_yield_s / 4:
+            return
+        self._asked_at = now
+        self._spawn(self._publish_wanted())
+
+    async def _publish_wanted(self) -> None:
+        try:
+            await self.reservations.client.publish(self.reservations.keys.credit_wanted, self._credit_prefix)
+        except Exception as exc:  # Redis trouble: the others' credit still goes back when idle
+            log.debug("could not ask the other routers for room: %s", exc)
+
+    async def _listen_for_waiters(self) -> None:
+        """Give unused credit back when another router has a request waiting for room."""
+        channel = self.reservations.keys.credit_wanted
+        while True:
+            pubsub = self.reservations.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(channel)
+                async for message in pubsub.listen():
+                    data = message.get("data")
+                    if message.get("type") != "message" or data in (self._credit_prefix, self._credit_prefix.encode()):
+                        continue  # our own request
+                    self.credit_requests_heard += 1
+                    self._others_wait_until = time.monotonic() + self.config.credit_yield_s
+                    self._give_back_unused()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis gone: credit still goes back when idle; listen again soon
+                log.debug("credit-wanted channel: %s", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(1.0)
 
     def _give_back(self, credit: _Credit, keep: int, urgent: bool) -> None:
         """Release whole chunks (largest first) while at least ``keep`` blocks stay held."""

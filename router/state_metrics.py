@@ -12,7 +12,8 @@ periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing 
   water level per decode worker, as booked in Redis.
 * ``pdrouter_admission_queue_length``, ``pdrouter_admission_wait_seconds_total``,
   ``pdrouter_admission_admitted_total``, ``pdrouter_admission_admitted_on_credit_total``,
-  ``pdrouter_admission_credit_blocks``, ``pdrouter_admission_rejections_total{reason}``.
+  ``pdrouter_admission_credit_blocks``, ``pdrouter_admission_credit_yields_total``,
+  ``pdrouter_admission_rejections_total{reason}``.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class StateMetrics(Collector):
             yield GaugeMetricFamily("pdrouter_admission_credit_blocks",
                                     "KV blocks this router has booked ahead as credit (used or not).",
                                     value=adm.credit_blocks)
+            yield CounterMetricFamily("pdrouter_admission_credit_yields",
+                                      "Times another router had a request waiting for room and this router "
+                                      "gave back its unused credit.", value=adm.credit_requests_heard)
             yield CounterMetricFamily("pdrouter_admission_wait_seconds", "Time requests waited for KV room.",
                                       value=adm.stats.wait_seconds_total)
             rejected = CounterMetricFamily("pdrouter_admission_rejections", "Requests refused by admission.",

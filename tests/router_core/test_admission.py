@@ -179,3 +179,34 @@ async def test_a_waiting_request_takes_back_spare_credit_and_stop_releases_it(cl
     await adm.stop()  # gives back the credit with the rest
     assert await res.used("d3", 1) == 1  # only "again", which its owner never released
     await adm.reservations.release(again, urgent=True)
+
+
+async def test_a_request_waiting_on_one_router_gets_another_routers_spare_credit(client: aioredis.Redis) -> None:
+    """Router A holds credit it does not use (not due back for a minute); router B's request needs
+    that room. B's waiting request asks, A gives its spare credit back, and B is admitted. (Without
+    the request B would time out after 5 s.)"""
+    worker = [DecodeCapacity(WorkerId("d4"), Epoch(1), 64)]
+    config = AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=60, queue_timeout_s=5,
+                             poll_interval_s=0.005)
+    a = Admission(KvReservations(client, "shared"), config)
+    b = Admission(KvReservations(client, "shared"), config)
+    a.start()
+    b.start()
+    await asyncio.sleep(0.1)  # both listen
+    small = await a.admit(RequestId("a-small"), 1, worker)
+
+    async def a_holds_credit() -> bool:
+        return a.credit_blocks >= 16
+
+    await _until(a_holds_credit, "credit booked by router A")
+    await a.release(small)
+    big = await b.admit(RequestId("b-big"), 56, worker)  # fits only once A's credit is back
+    assert big.blocks == 56 and a.credit_blocks == 0 and a.credit_requests_heard >= 1
+    assert b.credit_requests_heard == 0  # a router does not answer its own call
+    again = await a.admit(RequestId("a-again"), 1, worker)  # booked on its own: A books no credit now
+    assert a.stats.admitted_on_credit == 0 and a.credit_blocks == 0
+    await a.release(again)
+    await b.release(big)
+    await a.stop()
+    await b.stop()
+    assert await a.reservations.used("d4", 1) == 0
