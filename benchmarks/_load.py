@@ -16,10 +16,23 @@ from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of process ``pid`` (all its threads) so far."""
+    """User and system CPU seconds of process ``pid`` (all its threads) so far (clock ticks: 10 ms)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid`` (all its threads, those gone included) so far, to the nanosecond.
+
+    Reads the process's CPU-time clock (Linux: ``clock_getcpuclockid`` is ``~pid << 3 | 2``, the
+    scheduler's clock); ``/proc/<pid>/stat`` counts in 10 ms ticks, coarse next to the ~250 µs
+    per request measured over a few hundred milliseconds. Elsewhere, the ticks.
+    """
+    try:
+        return time.clock_gettime(((~pid) << 3) | 2)
+    except (OSError, OverflowError, AttributeError):
+        return sum(cpu_times(pid))
 
 
 class HttpCompletions:

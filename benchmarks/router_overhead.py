@@ -19,9 +19,9 @@ router and the load generator). At
 concurrency 1 the kinds take turns request by request; at 32, phases alternate (direct, grpc,
 http, then the reverse); either way drift hits every kind alike. Figures per mode,
 concurrency and kind: p50 / p99 latency, requests/s; through the router also the added p50 (router
-p50 minus direct p50) and the router's CPU time per request (user + system of all its threads,
-from ``/proc/<pid>/stat`` over its measured phases; the load generator is this process, not the
-router's). A streaming check compares the first chunk's latency through each door with the
+p50 minus direct p50) and the router's CPU time per request (all its threads, from the router
+process's CPU-time clock over its measured phases, to the nanosecond; the load generator is this
+process, not the router's). A streaming check compares the first chunk's latency through each door with the
 worker's own on warm connections (``stream_first_chunk_*``): ``..._extra`` is what the router
 adds to a first chunk beyond what it adds to a whole short request, where a Nagle / delayed-ACK
 stall would show as tens of milliseconds. ``target_met_*`` compare with the targets (added p50 at
@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
-from _load import HttpCompletions, RouterGenerate, cpu_times
+from _load import HttpCompletions, RouterGenerate, cpu_seconds
 from _report import Report, base_parser
 
 from engine.model_io import make_model
@@ -178,11 +178,6 @@ class Samples:
     @property
     def rps(self) -> float:
         return len(self.totals) / self.seconds
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of process ``pid`` (all its threads) so far."""
-    return sum(cpu_times(pid))
 
 
 async def run_phase(client: Client, concurrency: int, n: int, into: Samples, router_pid: int | None) -> None:
