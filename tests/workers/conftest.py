@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from engine.model_io import make_model
 from pdrouter.local_cluster import ManagedProcess, worker_args
+from pdrouter.v1 import worker_pb2, worker_pb2_grpc
 
 SpawnWorker = Callable[..., ManagedProcess]
 
@@ -36,3 +38,20 @@ def spawn_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
     yield spawn
     for proc in procs:
         proc.stop()
+
+
+async def load_of(info: worker_pb2_grpc.WorkerInfoServiceStub) -> tuple[int, int]:
+    """A worker's (free KV blocks, running requests)."""
+    load = await info.GetLoad(worker_pb2.GetLoadRequest())
+    return load.free_blocks, load.running
+
+
+async def settle(info: worker_pb2_grpc.WorkerInfoServiceStub, free: int) -> tuple[int, int]:
+    """Poll until the worker shows ``free`` blocks and nothing running (or give the last reading)."""
+    reading = (-1, -1)
+    for _ in range(200):
+        reading = await load_of(info)
+        if reading == (free, 0):
+            break
+        await asyncio.sleep(0.025)
+    return reading

@@ -26,7 +26,7 @@ from pdrouter.lane import DecodeLane, LaneChannel
 from pdrouter.local_cluster import ManagedProcess
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import SpawnWorker
+from .conftest import SpawnWorker, load_of, settle
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SHARED = [257, *(b"the quick brown fox jumps over the lazy dog " * 4)]
@@ -63,18 +63,10 @@ class Fleet:
         return [t for c in chunks for t in c.token_ids], chunks
 
     async def load(self, worker_id: str) -> tuple[int, int]:
-        load = await self.infos[worker_id].GetLoad(worker_pb2.GetLoadRequest())
-        return load.free_blocks, load.running
+        return await load_of(self.infos[worker_id])
 
     async def settle(self, worker_id: str, free: int) -> tuple[int, int]:
-        """Poll until the worker shows ``free`` blocks and nothing running (or give the last reading)."""
-        reading = (-1, -1)
-        for _ in range(200):
-            reading = await self.load(worker_id)
-            if reading == (free, 0):
-                break
-            await asyncio.sleep(0.025)
-        return reading
+        return await settle(self.infos[worker_id], free)
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdstate.prefix_index import PrefixIndex
 from pdstate.registry import WorkerRegistry
 
-from .conftest import SpawnWorker
+from .conftest import SpawnWorker, load_of, settle
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[257, *b"hello world"], [257, *(b"the quick brown fox jumps over the lazy dog " * 4)],
@@ -46,18 +46,10 @@ class Stubs:
     compat: str
 
     async def free(self, info: worker_pb2_grpc.WorkerInfoServiceStub) -> tuple[int, int]:
-        load = await info.GetLoad(worker_pb2.GetLoadRequest())
-        return load.free_blocks, load.running
+        return await load_of(info)
 
     async def settle(self, info: worker_pb2_grpc.WorkerInfoServiceStub, free: int) -> tuple[int, int]:
-        """Poll until the worker shows ``free`` blocks and nothing running (or give the last reading)."""
-        reading = (-1, -1)
-        for _ in range(200):
-            reading = await self.free(info)
-            if reading == (free, 0):
-                break
-            await asyncio.sleep(0.025)
-        return reading
+        return await settle(info, free)
 
     async def allocate(self, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
                        **kw: object) -> worker_pb2.AllocateResponse:
