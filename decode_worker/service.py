@@ -25,11 +25,17 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from decode_worker.prefill_links import PrefillLinks
+from decode_worker.prefill_links import PrefillLinks, RegisteredPrefillWorkers
 from engine.outputs import KvReservation
 from kvtransfer.incoming import IncomingTransfer
 from kvtransfer.receiver import KvReceiver
-from pdcommon.errors import IncompatibleError, InvalidRequestError, NotFoundError, error_from_grpc_code
+from pdcommon.errors import (
+    IncompatibleError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+    error_from_grpc_code,
+)
 from pdcommon.ids import RequestId
 from pdcommon.sampling import SamplingParams
 from pdrouter.convert import sampling_from_pb
@@ -44,6 +50,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REFUSED = "PERMISSION_DENIED"
+"""The failure code ``Serve`` reports for a prefill route it refused to call (not registered)."""
+
 
 @dataclass
 class _Allocation:
@@ -57,9 +66,11 @@ class _Allocation:
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
-                 prefill_timeout_s: float = 600.0) -> None:
+                 prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none)."""
         self.driver = driver
         self.links = links or PrefillLinks()
+        self.registered = registered
         self.prefill_timeout_s = prefill_timeout_s
         """Limit of one prefill call when the Serve call has no deadline of its own."""
         self.receiver = receiver
@@ -190,7 +201,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         routes = list(request.prefill)
         for route in routes:
-            self.links.stub(route)  # a route without an address is the caller's error: say so now
+            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
         report = common_pb2.PrefillReport(prompt_tokens=len(prompt))
         self._serving.add(rid)
         try:
@@ -223,6 +234,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             # Every prefill worker failed: the report names them all, then the last failure ends the call.
             yield common_pb2.TokenChunk(request_id=rid, prefill=report)
             last = report.failures[-1]
+            if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
+                raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
             raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
         finally:
             self._serving.discard(rid)
@@ -241,6 +254,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
                                         timeout_s=timeout + self.kv_wait_s)
         try:
+            refusal = await self.registered.refusal(route) if self.registered is not None else None
+            if refusal is not None:
+                report.failures.add(worker_id=route.worker_id, code=REFUSED, message=refusal)
+                log.warning("Serve %s: prefill route refused: %s", rid, refusal)
+                return None
             msg = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
                                             target=target_to_pb(incoming.target, self.worker_id),
                                             model_compat_hash=request.model_compat_hash)
@@ -313,8 +331,12 @@ async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
     transfer = proc.transfer_config()
     receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
+    registered = RegisteredPrefillWorkers(proc.registry) if proc.registry is not None else None
+    if registered is None:
+        log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
     servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
-                              cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s))
+                              cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s),
+                              registered=registered)
     proc.serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
     return DecodeParts(receiver, servicer)
 

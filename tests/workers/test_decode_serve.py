@@ -17,14 +17,18 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from pdcommon.ids import WorkerId
 from pdcommon.sampling import SamplingParams
+from pdcommon.workers import WorkerRecord, WorkerRole
 from pdrouter.convert import sampling_to_pb
 from pdrouter.lane import DecodeLane, LaneChannel
 from pdrouter.local_cluster import ManagedProcess
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdstate.registry import WorkerRegistry
 
 from .conftest import SpawnWorker, load_of, settle
 
@@ -42,6 +46,7 @@ class Fleet:
     infos: dict[str, worker_pb2_grpc.WorkerInfoServiceStub]
     procs: dict[str, ManagedProcess]
     use_lane: bool
+    redis_url: str
 
     def route(self, info: common_pb2.WorkerInfo) -> worker_pb2.PrefillRoute:
         return worker_pb2.PrefillRoute(worker_id=info.worker_id, address=info.address,
@@ -68,6 +73,25 @@ class Fleet:
     async def settle(self, worker_id: str, free: int) -> tuple[int, int]:
         return await settle(self.infos[worker_id], free)
 
+    async def dead_route(self, worker_id: str = "prefill-gone") -> worker_pb2.PrefillRoute:
+        """A route to a registered prefill worker that no longer listens (it died since the router
+        ranked it)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        await self.register(worker_id, address)
+        return worker_pb2.PrefillRoute(worker_id=worker_id, address=address, lane_address=address)
+
+    async def register(self, worker_id: str, address: str) -> None:
+        """Register a prefill worker at ``address`` (gRPC and lane) in the fleet's pool."""
+        client = aioredis.Redis.from_url(self.redis_url)
+        registry = WorkerRegistry(client, "tiny")
+        record = WorkerRecord(worker_id=WorkerId(worker_id), role=WorkerRole.PREFILL, address=address,
+                              epoch=await registry.new_epoch(), model="tiny", model_compat_hash="",
+                              kv_compat_hash="", block_size=16, capacity_blocks=1, lane_address=address)
+        await registry.register(record)
+        await client.aclose()
+
 
 @pytest.fixture
 async def fleet(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
@@ -83,20 +107,13 @@ async def fleet(spawn_worker: SpawnWorker, redis_url: str, request: pytest.Fixtu
     stub = DecodeLane(lane) if lane is not None else worker_pb2_grpc.DecodeWorkerStub(channels["decode"])
     yield Fleet([infos["prefill-a"], infos["prefill-b"]], infos["decode"], stub,
                 {infos[name].worker_id: s for name, s in info_stubs.items()},
-                {infos[name].worker_id: p for name, p in procs.items()}, use_lane)
+                {infos[name].worker_id: p for name, p in procs.items()}, use_lane, redis_url)
     if lane is not None:
         await lane.close()
     for ch in channels.values():
         await ch.close()
 
 
-def dead_route(worker_id: str = "prefill-gone") -> worker_pb2.PrefillRoute:
-    """A route to a port nobody listens on (the worker died since the router ranked it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return worker_pb2.PrefillRoute(worker_id=worker_id, address=f"127.0.0.1:{port}",
-                                   lane_address=f"127.0.0.1:{port}")
 
 
 @pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
@@ -135,7 +152,7 @@ async def test_local_prefill_when_little_is_uncached_or_no_route(fleet: Fleet, t
 async def test_failed_prefill_worker_is_retried_on_the_next(fleet: Fleet, tiny_model: Path) -> None:
     d_free = (await fleet.load(fleet.decode.worker_id))[0]
     expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
-    routes = [dead_route(), fleet.route(fleet.prefills[1])]
+    routes = [await fleet.dead_route(), fleet.route(fleet.prefills[1])]
     tokens, chunks = await fleet.run("retry", PROMPTS[1], routes=routes)
     assert tokens == expected
     report = chunks[0].prefill
@@ -143,13 +160,56 @@ async def test_failed_prefill_worker_is_retried_on_the_next(fleet: Fleet, tiny_m
     assert [(f.worker_id, f.code) for f in report.failures] == [("prefill-gone", "UNAVAILABLE")]
     # Every route failing: a chunk with the report, then UNAVAILABLE; nothing stays held.
     chunks = []
+    hopeless = [await fleet.dead_route("x"), await fleet.dead_route("y")]
     with pytest.raises(grpc.RpcError) as err:
-        async for chunk in fleet.serve("hopeless", PROMPTS[1], routes=[dead_route("x"), dead_route("y")]):  # type: ignore[attr-defined]
+        async for chunk in fleet.serve("hopeless", PROMPTS[1], routes=hopeless):  # type: ignore[attr-defined]
             chunks.append(chunk)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     assert "prefill on y failed" in err.value.details()  # type: ignore[attr-defined]
     assert [f.worker_id for f in chunks[0].prefill.failures] == ["x", "y"] and not chunks[0].token_ids
     assert await fleet.settle(fleet.decode.worker_id, d_free) == (d_free, 0)
+
+
+@pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
+async def test_routes_not_registered_in_the_pool_are_never_called(fleet: Fleet, tiny_model: Path) -> None:
+    """A caller cannot point the decode worker at an address of its choosing: the route must be a
+    prefill worker registered in the pool, at the addresses it registered."""
+    connections = 0
+
+    async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        writer.close()
+
+    server = await asyncio.start_server(count, "127.0.0.1", 0)
+    elsewhere = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    d_free = (await fleet.load(fleet.decode.worker_id))[0]
+    expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
+    unregistered = worker_pb2.PrefillRoute(worker_id="intruder", address=elsewhere, lane_address=elsewhere)
+    moved = worker_pb2.PrefillRoute(worker_id=fleet.prefills[0].worker_id, address=elsewhere, lane_address=elsewhere)
+    tokens, chunks = await fleet.run("refused", PROMPTS[1], routes=[unregistered, moved,
+                                                                    fleet.route(fleet.prefills[1])])
+    assert tokens == expected
+    report = chunks[0].prefill
+    assert report.worker_id == fleet.prefills[1].worker_id
+    assert [(f.worker_id, f.code) for f in report.failures] == [
+        ("intruder", "PERMISSION_DENIED"), (fleet.prefills[0].worker_id, "PERMISSION_DENIED")]
+    assert "not a prefill worker registered in pool 'tiny'" in report.failures[0].message
+    assert "registered address" in report.failures[1].message
+    # Every route refused: UNAVAILABLE (the caller's view of the pool is stale), nothing held.
+    with pytest.raises(grpc.RpcError) as err:
+        await fleet.run("all-refused", PROMPTS[1], routes=[unregistered])
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert "refused" in err.value.details()  # type: ignore[attr-defined]
+    assert connections == 0
+    assert await fleet.settle(fleet.decode.worker_id, d_free) == (d_free, 0)
+    # Once that address is registered as a prefill worker, the decode worker calls it at once.
+    await fleet.register("intruder", elsewhere)
+    tokens, chunks = await fleet.run("registered", PROMPTS[1], routes=[unregistered, fleet.route(fleet.prefills[1])])
+    assert tokens == expected and chunks[0].prefill.failures[0].code == "UNAVAILABLE"
+    assert connections >= 1
+    server.close()
+    await server.wait_closed()
 
 
 @pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
