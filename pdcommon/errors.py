@@ -6,6 +6,7 @@
     ├── InvalidRequestError            INVALID_ARGUMENT    400
     │   └── PromptTooLongError         INVALID_ARGUMENT    400
     ├── NotFoundError                  NOT_FOUND           404
+    │   └── ModelNotFoundError         NOT_FOUND           404  (OpenAI: model_not_found)
     ├── CapacityError                  RESOURCE_EXHAUSTED  429
     │   └── RequestTooLargeError       RESOURCE_EXHAUSTED  429  (never fits: do not retry)
     ├── FailedPreconditionError        FAILED_PRECONDITION 400
@@ -32,6 +33,8 @@ class PdRouterError(Exception):
     grpc_code: ClassVar[str] = "INTERNAL"
     http_status: ClassVar[int] = 500
     openai_type: ClassVar[str] = "server_error"
+    openai_code: ClassVar[str | None] = None
+    """OpenAI's ``error.code`` when it has a name of its own (else the gRPC code, lower-cased)."""
     retryable: ClassVar[bool] = False
 
     def __init__(self, message: str) -> None:
@@ -50,6 +53,8 @@ class InvalidRequestError(PdRouterError):
 class PromptTooLongError(InvalidRequestError):
     """Prompt plus max_tokens does not fit the model's context window."""
 
+    openai_code = "context_length_exceeded"
+
 
 class NotFoundError(PdRouterError):
     """An unknown model, request id or worker."""
@@ -57,6 +62,14 @@ class NotFoundError(PdRouterError):
     grpc_code = "NOT_FOUND"
     http_status = 404
     openai_type = "not_found_error"
+
+
+class ModelNotFoundError(NotFoundError):
+    """The request names a model this router does not serve (answered as OpenAI does: 404,
+    ``invalid_request_error``, code ``model_not_found``)."""
+
+    openai_type = "invalid_request_error"
+    openai_code = "model_not_found"
 
 
 class CapacityError(PdRouterError):

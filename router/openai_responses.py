@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from pdcommon.errors import PdRouterError, PromptTooLongError
+from pdcommon.errors import PdRouterError
 from router.request import FinishReason, RouterRequest, Usage
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
@@ -145,6 +145,6 @@ def error_reply(exc: BaseException, retry_after_s: int) -> ErrorReply:
         headers["retry-after"] = str(retry_after_s)
     elif exc.http_status >= 429:
         headers["x-should-retry"] = "false"
-    code = "context_length_exceeded" if isinstance(exc, PromptTooLongError) else exc.grpc_code.lower()
+    code = exc.openai_code or exc.grpc_code.lower()
     return ErrorReply(exc.http_status, headers, {"message": exc.message, "type": exc.openai_type,
                                                  "param": getattr(exc, "param", None), "code": code})

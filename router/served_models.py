@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.tokenizer import Tokenizer
-from pdcommon.errors import InvalidRequestError, NotFoundError, PdRouterError, PromptTooLongError
+from pdcommon.errors import InvalidRequestError, ModelNotFoundError, PdRouterError, PromptTooLongError
 from router.request import ModelInfo, Orchestrator
 
 
@@ -103,7 +103,7 @@ class ModelRegistry:
         return served
 
     def get(self, name: str) -> ServedModel:
-        """The served model called ``name``; NotFoundError listing the served names otherwise."""
+        """The served model called ``name``; ModelNotFoundError listing the served names otherwise."""
         found = self._models.get(name)
         if found is not None:
             return found
@@ -113,4 +113,4 @@ class ModelRegistry:
             return found
         if name in {info.name for info in self._orchestrator.models()}:
             raise PdRouterError(f"model {name!r} is served but the router has no tokenizer for it")
-        raise NotFoundError(f"model {name!r} does not exist; served models: {sorted(self._models)}")
+        raise ModelNotFoundError(f"model {name!r} does not exist; served models: {sorted(self._models)}")

@@ -362,7 +362,8 @@ def test_unknown_model_is_404(http_stack: HttpStack) -> None:
     with pytest.raises(openai.NotFoundError) as raised:
         client(http_stack).completions.create(model="gpt-9", prompt="hi")
     assert "gpt-9" in raised.value.message and "echo" in raised.value.message
-    assert raised.value.type == "not_found_error"
+    # OpenAI's own answer to an unknown model: 404, invalid_request_error, model_not_found.
+    assert (raised.value.type, raised.value.code) == ("invalid_request_error", "model_not_found")
 
 
 # -- orchestrator errors -----------------------------------------------------------------------
