@@ -13,12 +13,16 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   concurrent caller), with a minimal HTTP/1.1 client;
 * ``http_stream``: the same request with ``stream: true`` (SSE, chunked);
 * ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
-  per token).
+  per token);
+* ``grpc_bare``: the same call to a bare servicer in the same process, on its own ``GrpcServer``,
+  that writes ready-made messages (as many, of the same shape) and does nothing else: what
+  grpc.aio itself costs per call of this shape, the floor under the ``grpc`` figures.
 
 Each kind runs at concurrency 1 and 32; phases alternate between kinds over several rounds so
 drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child CPU per request),
 ``_cpu_sys`` (the part of it spent in the kernel: sockets, polling), ``_p50`` / ``_p99`` latency
-and ``_rps``.
+and ``_rps``. With both gRPC kinds, ``grpc_own_c{1,32}_cpu`` is the gRPC door's CPU above that
+floor: its own Python (validation, tokenizing, the request's path, metrics, messages).
 
 ``--profile PATH`` runs the child under cProfile and writes its stats to PATH (the CPU figures
 are then inflated by the profiler); ``--kinds`` measures a subset.
@@ -42,13 +46,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+import grpc
 from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
 from engine.tokenizer import ByteTokenizer
 from pdrouter.grpc_util import GrpcServer
 from pdrouter.serve import tune_allocator
-from pdrouter.v1 import router_pb2_grpc
+from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.echo_orchestrator import ECHO, TINY, EchoOrchestrator
 from router.frontdoor_grpc import SERVICE_NAME, RouterServicer
 from router.frontdoor_http import bind_socket, create_app, make_server
@@ -60,7 +65,7 @@ MODEL = ECHO.name
 PROMPT = "Hello, world"
 """13 tokens with the byte tokenizer's <bos>."""
 HOST = "127.0.0.1"
-KINDS = ("http", "http_stream", "grpc")
+KINDS = ("http", "http_stream", "grpc", "grpc_bare")
 _READY = "frontdoor-bench ready"
 _PROFILE_ENV = "FRONTDOOR_BENCH_PROFILE"
 T = TypeVar("T")
@@ -70,7 +75,8 @@ T = TypeVar("T")
 
 
 async def serve() -> None:
-    """Serve both doors until SIGTERM; print ``<ready> <http port> <grpc address>`` once up."""
+    """Serve both doors and the bare gRPC servicer until SIGTERM; print
+    ``<ready> <http port> <grpc address> <bare grpc address>`` once up."""
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile_path = os.environ.get(_PROFILE_ENV)
     profiler = cProfile.Profile() if profile_path else None
@@ -85,6 +91,9 @@ async def serve() -> None:
     grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server,
                     RouterServicer(orchestrator, tokenizers, metrics=metrics, config=config), SERVICE_NAME)
     await grpc_server.start()
+    bare_server = GrpcServer(HOST, 0)
+    bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, _BareRouter(), SERVICE_NAME)
+    await bare_server.start()
     app = create_app(orchestrator, tokenizers, metrics=metrics, config=config)
     sock = bind_socket(HOST, 0)
     sock.listen(1024)
@@ -99,7 +108,7 @@ async def serve() -> None:
     # The fake keeps every request it saw; a long run must not grow the heap without bound.
     orchestrator.requests = _Discard[RouterRequest]()
     orchestrator.completed = _Discard[str]()
-    print(f"{_READY} {http_port} {grpc_server.address}", flush=True)
+    print(f"{_READY} {http_port} {grpc_server.address} {bare_server.address}", flush=True)
     if profiler is not None:
         profiler.enable()
     await stop.wait()
@@ -108,7 +117,27 @@ async def serve() -> None:
         profiler.dump_stats(profile_path)
     server.should_exit = True
     await grpc_server.stop(0)
+    await bare_server.stop(0)
     await http_task
+
+
+class _BareRouter(router_pb2_grpc.RouterServicer):
+    """``Generate`` that writes ready-made messages, one per token asked for, and nothing else."""
+
+    def __init__(self) -> None:
+        self._replies: dict[int, list[router_pb2.GenerateResponse]] = {}
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        n = max(1, request.sampling.max_tokens)
+        replies = self._replies.get(n)
+        if replies is None:
+            replies = [router_pb2.GenerateResponse(request_id="bare", token_ids=[65], text="A") for _ in range(n)]
+            replies[-1].finish_reason = common_pb2.FINISH_REASON_LENGTH
+            replies[-1].usage.prompt_tokens = len(request.token_ids.ids)
+            replies[-1].usage.completion_tokens = n
+            self._replies[n] = replies
+        for reply in replies:
+            await context.write(reply)
 
 
 class _Discard(list[T]):
@@ -191,9 +220,13 @@ async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Repo
             report.add(f"{name}_p50", s.p(0.5) * 1e3, "ms")
             report.add(f"{name}_p99", s.p(0.99) * 1e3, "ms")
             report.add(f"{name}_rps", len(s.latencies) / s.seconds, "req/s")
+        if "grpc" in samples and "grpc_bare" in samples:
+            own = (samples["grpc"].cpu_seconds / len(samples["grpc"].latencies)
+                   - samples["grpc_bare"].cpu_seconds / len(samples["grpc_bare"].latencies))
+            report.add(f"grpc_own_c{concurrency}_cpu", own * 1e6, "us/req")
 
 
-def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str]:
+def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile:
         env[_PROFILE_ENV] = str(Path(profile).resolve())
@@ -203,8 +236,8 @@ def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str]:
     if not line.startswith(_READY):
         child.kill()
         raise RuntimeError(f"front-door child did not start: {line!r}")
-    _, port, address = line.rsplit(" ", 2)
-    return child, int(port), address.strip()
+    _, port, address, bare_address = line.rsplit(" ", 3)
+    return child, int(port), address, bare_address.strip()
 
 
 async def main_async() -> None:
@@ -225,12 +258,13 @@ async def main_async() -> None:
     report = Report()
     report.add("prompt_tokens", len(ids), "tokens")
     report.add("max_tokens", args.max_tokens, "tokens")
-    child, port, address = start_child(args.profile)
+    child, port, address, bare_address = start_child(args.profile)
     try:
         make: dict[str, Callable[[], Client]] = {
             "http": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=False),
             "http_stream": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=True),
-            "grpc": lambda: RouterGenerate(address, MODEL, ids, args.max_tokens)}
+            "grpc": lambda: RouterGenerate(address, MODEL, ids, args.max_tokens),
+            "grpc_bare": lambda: RouterGenerate(bare_address, MODEL, ids, args.max_tokens)}
         clients: dict[str, Client] = {kind: make[kind]() for kind in kinds}
         await measure(clients, QUICK if args.quick else FULL, child.pid, report)
         for client in clients.values():
