@@ -7,7 +7,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvtransfer.deadlines import DeadlineWatch
+from kvtransfer.deadlines import DeadlineWatch, Entry
 from kvtransfer.errors import UnknownTransferError
 from kvtransfer.incoming import IncomingTransfer
 from kvtransfer.target import TransferTarget, check_block_ids
@@ -38,6 +38,8 @@ class ExpectationBook:
         self._gone: OrderedDict[str, PdRouterError | None] = OrderedDict()
         self._closed = False
         self._deadlines: DeadlineWatch | None = None
+        self._timers: dict[str, Entry] = {}
+        """The deadline of each open expectation that has one (cancelled when it finishes)."""
 
     def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, skip_blocks: int = 0,
                layers: range | None = None, sender_epoch: int = 0,
@@ -70,7 +72,7 @@ class ExpectationBook:
             if deadline is not None:
                 if self._deadlines is None:
                     self._deadlines = DeadlineWatch(f"kvt-deadlines-{self._address}")
-                self._deadlines.add(deadline, incoming.expire)
+                self._timers[transfer_id] = self._deadlines.add(deadline, incoming.expire)
         return incoming
 
     def lookup(self, transfer_id: str) -> IncomingTransfer | None:
@@ -91,12 +93,19 @@ class ExpectationBook:
         with self._lock:
             return len(self._open)
 
+    def deadlines(self) -> int:
+        """Deadlines still pending (one per open expectation that has one)."""
+        with self._lock:
+            watch = self._deadlines
+        return 0 if watch is None else watch.pending()
+
     def close(self, reason: str) -> None:
         """Fail every open expectation with CancelledError(reason) and stop the deadline thread."""
         with self._lock:
             self._closed = True
             pending = list(self._open.values())
             deadlines, self._deadlines = self._deadlines, None
+            self._timers.clear()
         for incoming in pending:
             incoming.fail(CancelledError(f"transfer {incoming.transfer_id}: {reason}"))
         if deadlines is not None:
@@ -106,6 +115,9 @@ class ExpectationBook:
         with self._lock:
             if self._open.get(incoming.transfer_id) is incoming:
                 del self._open[incoming.transfer_id]
+                timer = self._timers.pop(incoming.transfer_id, None)
+                if timer is not None and self._deadlines is not None:
+                    self._deadlines.cancel(timer)  # else it would hold the transfer until its deadline
             self._gone[incoming.transfer_id] = incoming.error
             while len(self._gone) > REMEMBERED:
                 self._gone.popitem(last=False)

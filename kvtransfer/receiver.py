@@ -24,6 +24,8 @@ from pdcommon.kv_layout import KvLayout
 class ReceiverStats:
     expectations: int
     connections: int
+    deadlines: int = 0
+    """Expectations' deadlines still pending (a finished transfer's is cancelled at once)."""
 
 
 class KvReceiver:
@@ -81,7 +83,7 @@ class KvReceiver:
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return ReceiverStats(len(self._book), len(self._connections))
+            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines())
 
     def close(self) -> None:
         """Abort every expectation (telling the senders), close every connection, stop the threads."""

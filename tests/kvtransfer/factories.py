@@ -75,8 +75,8 @@ class Pair:
         self.receiver.close()
 
     def assert_released(self) -> None:
-        """No expectation, queued message, transfer or unacknowledged byte left on either side."""
-        assert wait_until(lambda: self.receiver.stats().expectations == 0)
+        """No expectation or deadline, queued message, transfer or unacknowledged byte left on either side."""
+        assert wait_until(lambda: (self.receiver.stats().expectations, self.receiver.stats().deadlines) == (0, 0))
         assert wait_until(lambda: (self.sender.stats().transfers, self.sender.stats().queued_messages,
                                    self.sender.stats().inflight_bytes) == (0, 0, 0))
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ from kvtransfer import (
     KvReceiver,
     KvSender,
     LocalFabric,
+    LocalReceiver,
     ProtocolError,
     TransferReceiver,
     TransferSender,
@@ -87,6 +90,30 @@ def test_deadline(endpoints: Endpoints) -> None:
     handle = endpoints.receiver.expect("req-1", [1], timeout_s=0.2)
     with pytest.raises(DeadlineExceededError):
         handle.wait_all(30)
+
+
+def test_a_finished_transfer_is_not_kept_until_its_deadline(endpoints: Endpoints) -> None:
+    """A transfer that ends long before its deadline gives the deadline back at once: a busy
+    receiver with long timeouts must not hold every finished transfer until then."""
+    e = endpoints
+
+    def deadlines() -> int:
+        r = e.receiver
+        return r.book.deadlines() if isinstance(r, LocalReceiver) else r.stats().deadlines  # type: ignore[attr-defined]
+
+    finished: list[weakref.ref[object]] = []
+    for i in range(20):
+        handle = e.receiver.expect(f"req-{i}", [1 + i % 4], timeout_s=600)
+        assert deadlines() == 1
+        out = e.sender.open_transfer(handle.target)
+        out.send_layers([2], range(0, 3))
+        out.finish(30)
+        handle.wait_all(30)
+        finished.append(weakref.ref(handle))
+        del handle, out
+    assert deadlines() == 0
+    gc.collect()
+    assert sum(ref() is not None for ref in finished) <= 1  # the sender side may still hold the last
 
 
 def test_refusals(endpoints: Endpoints) -> None:
