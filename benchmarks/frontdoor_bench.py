@@ -52,7 +52,7 @@ from _report import Report, base_parser
 
 from engine.tokenizer import ByteTokenizer
 from pdrouter.grpc_util import GrpcServer
-from pdrouter.serve import tune_allocator
+from pdrouter.serve import freeze_startup_heap, tune_allocator
 from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.echo_orchestrator import ECHO, TINY, EchoOrchestrator
 from router.frontdoor_grpc import SERVICE_NAME, RouterServicer
@@ -108,6 +108,7 @@ async def serve() -> None:
     # The fake keeps every request it saw; a long run must not grow the heap without bound.
     orchestrator.requests = _Discard[RouterRequest]()
     orchestrator.completed = _Discard[str]()
+    freeze_startup_heap()  # as every pdrouter server process does after start-up
     print(f"{_READY} {http_port} {grpc_server.address} {bare_server.address}", flush=True)
     if profiler is not None:
         profiler.enable()
@@ -208,6 +209,7 @@ FULL = Plan(warmup=1000, c1=2000, c32=6000, rounds=4)
 async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Report) -> None:
     for client in clients.values():
         await run_phase(client, 32, plan.warmup, Samples(), pid)
+    freeze_startup_heap()  # as the servers do: this process's full collections would land on any kind
     for concurrency, n in ((1, plan.c1), (32, plan.c32)):
         samples = {kind: Samples() for kind in clients}
         for r in range(plan.rounds):

@@ -56,6 +56,7 @@ from pdrouter.embedded_redis import EmbeddedRedis
 from pdrouter.grpc_util import CHANNEL_OPTIONS
 from pdrouter.lane import LaneChannel, request_stubs
 from pdrouter.local_cluster import ManagedProcess, worker_args
+from pdrouter.serve import freeze_startup_heap
 from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny"
@@ -273,6 +274,7 @@ async def measure_mode(bench: Bench, mode: str, clients: dict[str, Client], rout
     plan, report = bench.plan, bench.report
     for client in clients.values():
         await run_phase(client, 32, plan.warmup, Samples(), None)
+    freeze_startup_heap()  # this process's full collections (~70 ms with torch loaded) would land on any kind
     for concurrency, n in ((1, plan.c1), (32, plan.c32)):
         samples = {kind: Samples() for kind in clients}
         if concurrency == 1:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import gc
 import logging
 import os
 import signal
@@ -53,6 +54,21 @@ def tune_allocator() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
+def freeze_startup_heap() -> int:
+    """Take every object alive now out of the cyclic collector's way (``gc.freeze``); how many.
+
+    After start-up a worker holds ~300k objects (torch, the model, grpc) and the router ~50k, all
+    of them for the life of the process. A full collection walks every one: 70–80 ms in a worker
+    on the reference machine, a stall of every request in flight, and a run of the router
+    benchmarks saw one to three of them per worker (up to 220 ms each). Frozen, they are never
+    walked again, and a full collection walks only what came after. vLLM and SGLang freeze their
+    heap after start-up for the same reason.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
     """Start ``service``, print ``ready_line()`` (the line ``local_cluster`` waits for), stop on a signal."""
     tune_allocator()
@@ -63,6 +79,7 @@ def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await service.start()
+        freeze_startup_heap()
         print(ready_line(), flush=True)
         await stop.wait()
         await service.stop()
