@@ -58,9 +58,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--max-num-seqs", type=int, default=64)
         p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (chunk size)")
         p.add_argument("--torch-threads", type=int, default=None,
-                       help="torch intra-op threads on the CPU (0: torch's default, one per core; "
-                            f"env {TORCH_THREADS_ENV}). Give each worker its share of the cores when "
-                            "several processes share a machine")
+                       help="torch intra-op threads on the CPU (0: torch's default of one per core, capped "
+                            "by the CPUs this process may use: its affinity and cgroup CPU limit; env "
+                            f"{TORCH_THREADS_ENV}). Give each worker its share of the cores when several "
+                            "processes share a machine")
         if name != "worker":
             p.add_argument("--kv-backend", default="tcp", choices=["tcp", "gloo", "nccl"])
             p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (decode; 0: any free)")
@@ -71,7 +72,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def torch_threads(args: argparse.Namespace) -> int:
     """The worker's torch intra-op threads: ``--torch-threads``, else the environment's, else 0 (torch's
-    default: one per core)."""
+    default, one per core, capped by the CPUs the process may use; see ``run``)."""
     threads = args.torch_threads
     if threads is None:
         raw = os.environ.get(TORCH_THREADS_ENV, "").strip() or "0"
@@ -135,9 +136,19 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     config = build_config(args)
     threads = torch_threads(args)
-    if threads:
-        import torch
+    import torch
 
+    if not threads:
+        from worker_common.cpus import cpu_budget
+
+        budget = cpu_budget()
+        if budget.usable < torch.get_num_threads():
+            threads = budget.usable
+            logging.getLogger(__name__).info(
+                "torch threads: %d (torch's default %d; %d CPUs in the affinity mask, cgroup CPU limit %s)",
+                threads, torch.get_num_threads(), budget.affinity,
+                "none" if budget.limit is None else f"{budget.limit:g}")
+    if threads:
         torch.set_num_threads(threads)
     process = WorkerProcess(config)
     serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
