@@ -101,8 +101,11 @@ class ManagedProcess:
 
 
 def cores_each(processes: int) -> int:
-    """Cores per process when ``processes`` share the cores this process may run on (at least 1)."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, processes))
+    """Cores per process when ``processes`` share the CPUs this process may use (its affinity mask,
+    capped by its cgroup CPU limit: ``worker_common.cpus``); at least 1."""
+    from worker_common.cpus import cpu_budget
+
+    return max(1, cpu_budget().usable // max(1, processes))
 
 
 def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = None, num_blocks: int | None = None,

@@ -76,11 +76,10 @@ def test_torch_threads_flag_environment_and_bad_values(model: Path, monkeypatch:
 
 
 def test_cores_each_splits_the_cores() -> None:
-    import os
-
     from pdrouter.local_cluster import cores_each, worker_args
+    from worker_common.cpus import cpu_budget
 
-    cores = len(os.sched_getaffinity(0))
+    cores = cpu_budget().usable  # the affinity mask, capped by a cgroup CPU limit
     assert cores_each(1) == cores and cores_each(cores * 4) == 1 and cores_each(0) == cores
     assert worker_args("decode", "m", torch_threads=2)[-2:] == ["--torch-threads", "2"]
     assert "--torch-threads" not in worker_args("decode", "m")
