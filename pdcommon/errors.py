@@ -4,9 +4,9 @@
 
     PdRouterError                      INTERNAL            500
     ├── InvalidRequestError            INVALID_ARGUMENT    400
-    │   └── PromptTooLongError         INVALID_ARGUMENT    400
+    │   ├── PromptTooLongError         INVALID_ARGUMENT    400
+    │   └── ModelNotFoundError         INVALID_ARGUMENT    400  (code model_not_found)
     ├── NotFoundError                  NOT_FOUND           404
-    │   └── ModelNotFoundError         NOT_FOUND           404  (OpenAI: model_not_found)
     ├── CapacityError                  RESOURCE_EXHAUSTED  429
     │   └── RequestTooLargeError       RESOURCE_EXHAUSTED  429  (never fits: do not retry)
     ├── FailedPreconditionError        FAILED_PRECONDITION 400
@@ -56,20 +56,19 @@ class PromptTooLongError(InvalidRequestError):
     openai_code = "context_length_exceeded"
 
 
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this router does not serve: a bad request (400, gRPC
+    INVALID_ARGUMENT), with OpenAI's ``error.code`` for it, ``model_not_found``."""
+
+    openai_code = "model_not_found"
+
+
 class NotFoundError(PdRouterError):
     """An unknown model, request id or worker."""
 
     grpc_code = "NOT_FOUND"
     http_status = 404
     openai_type = "not_found_error"
-
-
-class ModelNotFoundError(NotFoundError):
-    """The request names a model this router does not serve (answered as OpenAI does: 404,
-    ``invalid_request_error``, code ``model_not_found``)."""
-
-    openai_type = "invalid_request_error"
-    openai_code = "model_not_found"
 
 
 class CapacityError(PdRouterError):

@@ -132,8 +132,8 @@ async def test_bad_input_gets_400_and_the_router_keeps_serving(cluster: Cluster)
     url = f"http://127.0.0.1:{router.http_port}/v1/completions"
     cases: list[tuple[bytes, int]] = [
         (b"{not json", 400),
-        # An unknown model: 404 with code model_not_found, as OpenAI answers it.
-        (json.dumps({"model": "nope", "prompt": "x", "max_tokens": 3}).encode(), 404),
+        # An unknown model: 400 with OpenAI's code model_not_found.
+        (json.dumps({"model": "nope", "prompt": "x", "max_tokens": 3}).encode(), 400),
         (json.dumps({"prompt": "x", "max_tokens": 3}).encode(), 400),
         (json.dumps({"model": "tiny", "max_tokens": 3}).encode(), 400),
         (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -1}).encode(), 400),

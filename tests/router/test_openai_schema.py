@@ -100,7 +100,7 @@ def test_registry_picks_up_new_models_and_needs_a_tokenizer(tokenizer: ByteToken
     fake = EchoOrchestrator(models=served)  # lists `served` as it is at each call
     registry = ModelRegistry(fake, {"echo": tokenizer, "late": tokenizer})
     assert registry.get("echo").info == ECHO
-    with pytest.raises(NotFoundError, match="'late'"):
+    with pytest.raises(ModelNotFoundError, match="'late'"):
         registry.get("late")
     late = ModelInfo("late", max_context=64, vocab_size=512, block_size=16)
     served.append(late)
@@ -115,7 +115,7 @@ def test_registry_picks_up_new_models_and_needs_a_tokenizer(tokenizer: ByteToken
     (PromptTooLongError("long"), 400, "invalid_request_error", "context_length_exceeded", {}),
     (ConfigError("cfg"), 400, "invalid_request_error", "failed_precondition", {}),
     (NotFoundError("nope"), 404, "not_found_error", "not_found", {}),
-    (ModelNotFoundError("gpt-9"), 404, "invalid_request_error", "model_not_found", {}),
+    (ModelNotFoundError("gpt-9"), 400, "invalid_request_error", "model_not_found", {}),
     (CapacityError("full"), 429, "rate_limit_error", "resource_exhausted", {"retry-after": "2"}),
     (RequestTooLargeError("huge"), 429, "rate_limit_error", "resource_exhausted", {"x-should-retry": "false"}),
     (TransferError("lost"), 503, "server_error", "unavailable", {"retry-after": "2"}),
