@@ -11,8 +11,8 @@ from pathlib import Path
 
 import grpc
 
-from pdrouter.grpc_util import CHANNEL_OPTIONS
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def cpu_times(pid: int) -> tuple[float, float]:

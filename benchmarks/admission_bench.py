@@ -24,11 +24,11 @@ import time
 import redis.asyncio as aioredis
 from _report import Report, base_parser
 
-from pdcommon.errors import CapacityError
-from pdcommon.ids import Epoch, RequestId, WorkerId
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdstate.reservations import DecodeCapacity, KvReservations
-from router.admission import Admission, AdmissionConfig
+from pdrouter.core.errors import CapacityError
+from pdrouter.core.ids import Epoch, RequestId, WorkerId
+from pdrouter.router.admission.admission import Admission, AdmissionConfig
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.state.reservations import DecodeCapacity, KvReservations
 
 WORKERS = [DecodeCapacity(WorkerId(f"decode-{i}"), Epoch(1), 100_000) for i in range(4)]
 

@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import Report, base_parser
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_io import make_model
-from pdcommon.ids import RequestId
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.model_io import make_model
 
 DECODE_TARGET = 8.0
 PREFILL_TARGET = 0.25

@@ -1,6 +1,6 @@
 """Front-door overhead: the router's CPU per request in its HTTP and gRPC doors, over an in-process echo model.
 
-A child process serves both front doors built as ``router.server.RouterProcess`` builds them
+A child process serves both front doors built as ``pdrouter.router.server.RouterProcess`` builds them
 (``create_app`` / ``make_server`` / ``bind_socket`` for HTTP, ``RouterServicer`` on a
 ``GrpcServer`` for gRPC), over ``EchoOrchestrator`` instead of the real orchestrator, so nothing
 but the doors (parsing, tokenizing, metrics, response shaping, the HTTP and gRPC stacks) costs CPU.
@@ -50,16 +50,16 @@ import grpc
 from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
-from engine.tokenizer import ByteTokenizer
-from pdrouter.grpc_util import GrpcServer
-from pdrouter.serve import freeze_startup_heap, tune_allocator
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.echo_orchestrator import ECHO, TINY, EchoOrchestrator
-from router.frontdoor_grpc import SERVICE_NAME, RouterServicer
-from router.frontdoor_http import bind_socket, create_app, make_server
-from router.metrics import RouterMetrics
-from router.request import RouterRequest
-from router.served_models import FrontdoorConfig
+from pdrouter.cli.serve import freeze_startup_heap, tune_allocator
+from pdrouter.core.tokenizer import ByteTokenizer
+from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
+from pdrouter.router.frontdoor.http_api import bind_socket, create_app, make_server
+from pdrouter.router.metrics import RouterMetrics
+from pdrouter.router.request import RouterRequest
+from pdrouter.router.served_models import FrontdoorConfig
+from pdrouter.testing.echo import ECHO, TINY, EchoOrchestrator
+from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 MODEL = ECHO.name
 PROMPT = "Hello, world"

@@ -10,7 +10,7 @@ import time
 
 from _report import Report, base_parser
 
-from pdcommon.hashing import BlockHasher
+from pdrouter.core.hashing import BlockHasher
 
 TARGET_MS = 2.0
 

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer import Backend, KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch
-from kvtransfer.pool_view import checksum
-from pdcommon.kv_layout import KvLayout
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch
+from pdrouter.transfer.pool_view import checksum
 
 TOKEN = "kvtransfer-bench"
 SEND_PIECE = 256 << 10

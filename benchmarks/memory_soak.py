@@ -29,10 +29,10 @@ from pathlib import Path
 from _load import HttpCompletions
 from _report import Report, base_parser
 
-from engine.model_io import make_model
-from engine.tokenizer import load_tokenizer
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdrouter.local_cluster import ManagedProcess, worker_args
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.engine.model_io import make_model
+from pdrouter.state.embedded_redis import EmbeddedRedis
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox"

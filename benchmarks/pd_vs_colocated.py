@@ -23,10 +23,10 @@ from pathlib import Path
 import grpc
 from _report import Report, base_parser
 
-from engine.model_io import make_model
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdrouter.local_cluster import ManagedProcess, cores_each, worker_args
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdrouter.cli.local_cluster import ManagedProcess, cores_each, worker_args
+from pdrouter.engine.model_io import make_model
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 def pct(values: list[float], q: float) -> float:

@@ -19,10 +19,10 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from _report import Report, base_parser
 
-from pdcommon.hashing import BlockHasher
-from pdcommon.ids import Epoch, WorkerId
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdstate.prefix_index import PrefixIndex
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.state.prefix_index import PrefixIndex
 
 WORKERS = [(WorkerId(f"prefill-{i}"), Epoch(1)) for i in range(16)]
 

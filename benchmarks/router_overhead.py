@@ -48,16 +48,16 @@ import grpc
 from _load import HttpCompletions, RouterGenerate, cpu_seconds
 from _report import Report, base_parser
 
-from engine.model_io import make_model
-from engine.tokenizer import load_tokenizer
-from pdcommon.sampling import SamplingParams
-from pdrouter.convert import sampling_to_pb
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdrouter.grpc_util import CHANNEL_OPTIONS
-from pdrouter.lane import LaneChannel, request_stubs
-from pdrouter.local_cluster import ManagedProcess, worker_args
-from pdrouter.serve import freeze_startup_heap
-from pdrouter.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.cli.serve import freeze_startup_heap
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.engine.model_io import make_model
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.wire.convert import sampling_to_pb
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.wire.lane import LaneChannel, request_stubs
+from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 MODEL = "tiny"
 PROMPT = "Hello, world"

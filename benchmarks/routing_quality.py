@@ -2,7 +2,7 @@
 
 Replays G groups × P prompts (a long per-group system prompt + a short unique question), in a
 seeded random order, over W simulated prefill workers. Each worker has a real block manager
-(``engine.block_manager``) with a finite KV pool, so its prefix cache fills and evicts exactly as a
+(``pdrouter.engine.block_manager``) with a finite KV pool, so its prefix cache fills and evicts exactly as a
 worker's would; the cache-aware policy reads a real Redis prefix index fed by those block events.
 Time advances one tick per request; each worker computes ``rate`` prompt tokens per tick, so
 backlogs (the load the policies see) rise and fall.
@@ -25,16 +25,16 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from _report import Report, base_parser
 
-from engine.block_manager import BlockManager
-from engine.events import RecordingBlockEventSink
-from pdcommon.hashing import BlockHasher
-from pdcommon.ids import Epoch, RequestId, WorkerId
-from pdcommon.sampling import SamplingParams
-from pdcommon.workers import WorkerLoad
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdstate.prefix_index import PrefixIndex
-from router.policy import CacheAware, LeastLoaded
-from router.request import RouterRequest
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import Epoch, RequestId, WorkerId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.workers import WorkerLoad
+from pdrouter.engine.block_manager import BlockManager
+from pdrouter.engine.events import RecordingBlockEventSink
+from pdrouter.router.placement.policy import CacheAware, LeastLoaded
+from pdrouter.router.request import RouterRequest
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.state.prefix_index import PrefixIndex
 
 BLOCK = 16
 

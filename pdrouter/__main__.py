@@ -1,5 +1,5 @@
 import sys
 
-from pdrouter.cli import main
+from pdrouter.cli.main import main
 
 sys.exit(main())

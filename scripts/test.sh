@@ -17,6 +17,6 @@ python -m pip install --quiet -e '.[dev]'
 echo "== ruff"
 ruff check .
 echo "== mypy"
-mypy pdcommon pdstate worker_common pdrouter engine kvtransfer router prefill_worker decode_worker
+mypy pdrouter
 echo "== pytest"
 timeout --signal=INT --kill-after=60 45m python -m pytest -q -p no:cacheprovider "$@"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdrouter.embedded_redis import EmbeddedRedis
+from pdrouter.state.embedded_redis import EmbeddedRedis
 
 
 @pytest.fixture(scope="session")

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pdrouter.cli import build_parser
+from pdrouter.cli.main import build_parser
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

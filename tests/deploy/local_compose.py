@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdrouter.embedded_redis import EmbeddedRedis, free_port
-from pdrouter.local_cluster import ManagedProcess
+from pdrouter.cli.local_cluster import ManagedProcess
+from pdrouter.state.embedded_redis import EmbeddedRedis, free_port
 
 from .deploy_files import (
     HEALTHCHECK_COMMAND,

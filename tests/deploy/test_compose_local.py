@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pdrouter.embedded_redis import EmbeddedRedis
+from pdrouter.state.embedded_redis import EmbeddedRedis
 
 from .deploy_files import (
     HEALTHCHECK_COMMAND,

@@ -161,19 +161,36 @@ def build_context(dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.slow
-def test_build_context_builds_a_wheel_with_every_package(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel pip builds from the image's build context (what .dockerignore lets through)."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     context = build_context(tmp_path / "context")
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                             "--no-index", "-q", "-w", str(tmp_path / "dist"), str(context)],
                            capture_output=True, text=True, timeout=300)
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = (tmp_path / "dist").glob("pd_router-*.whl")
+    (path,) = (tmp_path / "dist").glob("pd_router-*.whl")
+    return path
+
+
+@pytest.mark.slow
+def test_the_wheel_installs_exactly_one_top_level_package(wheel: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        top_level = next(n for n in names if n.endswith(".dist-info/top_level.txt"))
+        assert archive.read(top_level).decode().split() == ["pdrouter"]
+    installed = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert installed == {"pdrouter"}
+
+
+@pytest.mark.slow
+def test_build_context_builds_a_wheel_with_every_package(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for package in package_dirs():
         expected = {p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")
                     if "__pycache__" not in p.parts}
         assert expected <= names, f"{package}: {sorted(expected - names)[:5]} missing from the wheel"
-    assert "pdrouter/v1/router_pb2_grpc.py" in names
+    assert "pdrouter/wire/v1/router_pb2_grpc.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pdrouter = pdrouter.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -11,8 +11,8 @@ from types import ModuleType
 import pytest
 from grpc_health.v1 import health_pb2
 
-from pdrouter.embedded_redis import free_port
-from pdrouter.grpc_util import GrpcServer
+from pdrouter.state.embedded_redis import free_port
+from pdrouter.wire.grpc_util import GrpcServer
 
 from .deploy_files import load_healthcheck_module
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from engine.model_io import make_model
-from pdrouter.local_cluster import ManagedProcess, worker_args
-from router.admission import AdmissionConfig
-from router.config import RouterConfig
-from router.orchestrator import OrchestratorConfig
-from router.server import RouterProcess
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.engine.model_io import make_model
+from pdrouter.router.admission.admission import AdmissionConfig
+from pdrouter.router.config import RouterConfig
+from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.server import RouterProcess
 
 
 @pytest.fixture(scope="session")

@@ -9,15 +9,15 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 
-from engine.config import EngineConfig
-from pdcommon.capacity import plan_capacity
-from pdcommon.gpu import GiB, get_gpu_preset
-from pdcommon.model_spec import get_model_preset
-from pdcommon.workers import WorkerRole
-from pdrouter.local_cluster import ManagedProcess
-from pdstate.keys import PoolKeys
-from pdstate.registry import WorkerRegistry
-from pdstate.reservations import KvReservations
+from pdrouter.cli.local_cluster import ManagedProcess
+from pdrouter.core.capacity import plan_capacity
+from pdrouter.core.gpu import GiB, get_gpu_preset
+from pdrouter.core.model_spec import get_model_preset
+from pdrouter.core.workers import WorkerRole
+from pdrouter.engine.config import EngineConfig
+from pdrouter.state.keys import PoolKeys
+from pdrouter.state.registry import WorkerRegistry
+from pdrouter.state.reservations import KvReservations
 
 from .conftest import Cluster
 

@@ -7,13 +7,13 @@ import asyncio
 import httpx
 import redis.asyncio as aioredis
 
-from engine.tokenizer import load_tokenizer
-from pdcommon.hashing import hash_blocks
-from pdcommon.workers import WorkerRole
-from pdrouter.embedded_redis import EmbeddedRedis
-from pdstate.prefix_index import PrefixIndex
-from router.orchestrator import OrchestratorConfig
-from router.server import RouterProcess
+from pdrouter.core.hashing import hash_blocks
+from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.core.workers import WorkerRole
+from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.server import RouterProcess
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.state.prefix_index import PrefixIndex
 
 from .conftest import Cluster
 

@@ -11,16 +11,16 @@ import httpx
 import openai
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.tokenizer import load_tokenizer
-from pdcommon.sampling import SamplingParams
-from pdcommon.workers import WorkerRole
-from pdrouter.local_cluster import ManagedProcess
-from pdrouter.v1 import common_pb2, router_pb2, router_pb2_grpc
-from router.config import RouterConfig
-from router.orchestrator import OrchestratorConfig
-from router.server import RouterProcess
+from pdrouter.cli.local_cluster import ManagedProcess
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.core.workers import WorkerRole
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.engine import Engine
+from pdrouter.router.config import RouterConfig
+from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.server import RouterProcess
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 from .conftest import Cluster
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_io import make_model, write_random_model
-from pdcommon.model_spec import get_model_preset
+from pdrouter.core.model_spec import get_model_preset
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.model_io import make_model, write_random_model
 
 from .engine_testing import EngineFactory, assert_no_leak
 

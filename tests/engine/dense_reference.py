@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 import torch
 import torch.nn.functional as F
 
-from engine.model import DecoderLayer, LlamaModel, apply_rotary
+from pdrouter.engine.model import DecoderLayer, LlamaModel, apply_rotary
 
 
 @torch.inference_mode()

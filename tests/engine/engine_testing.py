@@ -6,8 +6,8 @@ import itertools
 import random
 from collections.abc import Callable
 
-from engine.engine import Engine
-from pdcommon.ids import RequestId
+from pdrouter.core.ids import RequestId
+from pdrouter.engine.engine import Engine
 
 EngineFactory = Callable[..., Engine]
 

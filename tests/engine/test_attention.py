@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, causal_prefix_mask, paged_attention
+from pdrouter.engine.attention import (
+    AttentionMetadata,
+    DecodeBatch,
+    PrefillSegment,
+    causal_prefix_mask,
+    paged_attention,
+)
 
 HEADS, KV_HEADS, DIM, BS, NUM_BLOCKS = 4, 2, 8, 4, 32
 SCALE = DIM ** -0.5

@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from engine.engine import Engine
-from pdcommon.errors import (
+from pdrouter.core.errors import (
     InvalidRequestError,
     PdRouterError,
     PromptTooLongError,
     RequestTooLargeError,
 )
-from pdcommon.ids import RequestId
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.engine import Engine
 
 from .engine_testing import EngineFactory, assert_no_leak, rid
 

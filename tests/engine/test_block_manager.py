@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from engine.block_manager import BlockManager
-from engine.events import RecordingBlockEventSink
-from pdcommon.errors import ConfigError
-from pdcommon.hashing import BlockHasher
-from pdcommon.ids import BlockHash
+from pdrouter.core.errors import ConfigError
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import BlockHash
+from pdrouter.engine.block_manager import BlockManager
+from pdrouter.engine.events import RecordingBlockEventSink
 
 
 def hashes(tag: int, n: int) -> list[BlockHash]:
@@ -221,6 +221,7 @@ def test_rejects_empty_pool() -> None:
 
 
 def test_block_manager_imports_no_torch() -> None:
-    code = ("import sys, engine, engine.block_manager, engine.events, engine.tokenizer; "
+    code = ("import sys, pdrouter.engine, pdrouter.engine.block_manager, pdrouter.engine.events; "
+            "import pdrouter.core.tokenizer; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_io import read_model_folder
-from pdcommon.capacity import pool_blocks_for_budget
-from pdcommon.errors import ConfigError
-from pdcommon.gpu import GiB
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.capacity import pool_blocks_for_budget
+from pdrouter.core.errors import ConfigError
+from pdrouter.core.gpu import GiB
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.model_io import read_model_folder
 
 
 def test_pool_is_sized_by_the_capacity_math(tiny_dir: Path) -> None:

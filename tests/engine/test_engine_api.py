@@ -10,15 +10,15 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.events import RecordingBlockEventSink
-from engine.model_runner import WorkItem
-from engine.outputs import FinishReason, PrefillResult, RequestOutput
-from pdcommon.errors import CapacityError, FailedPreconditionError, NotFoundError
-from pdcommon.hashing import BlockHasher
-from pdcommon.ids import RequestId
-from pdcommon.kv_layout import KvLayout
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.errors import CapacityError, FailedPreconditionError, NotFoundError
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import RequestId
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.events import RecordingBlockEventSink
+from pdrouter.engine.model_runner import WorkItem
+from pdrouter.engine.outputs import FinishReason, PrefillResult, RequestOutput
 
 from .dense_reference import dense_greedy
 from .engine_testing import EngineFactory, assert_no_leak, random_prompt, rid

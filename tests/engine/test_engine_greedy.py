@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from engine.engine import Engine
-from engine.outputs import FinishReason, RequestOutput
-from pdcommon.ids import RequestId
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.outputs import FinishReason, RequestOutput
 
 from .dense_reference import dense_greedy
 from .engine_testing import EngineFactory, rid

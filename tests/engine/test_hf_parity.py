@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSegment
-from engine.device import torch_dtype
-from engine.kv_cache import KvCache
-from engine.model import LlamaModel
-from engine.model_io import read_model_folder
-from engine.model_runner import ModelRunner, WorkItem
-from pdcommon.kv_layout import KvLayout
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.engine.attention import AttentionMetadata, PrefillSegment
+from pdrouter.engine.device import torch_dtype
+from pdrouter.engine.kv_cache import KvCache
+from pdrouter.engine.model import LlamaModel
+from pdrouter.engine.model_io import read_model_folder
+from pdrouter.engine.model_runner import ModelRunner, WorkItem
 
 transformers = pytest.importorskip("transformers")
 

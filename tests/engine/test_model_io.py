@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.model_io import make_model, read_model_folder
-from pdcommon.errors import ConfigError
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.errors import ConfigError
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.model_io import make_model, read_model_folder
 
 
 def test_same_preset_and_seed_give_identical_bytes(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from engine.sampler import filtered_probs, make_generator, sample
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.sampler import filtered_probs, make_generator, sample
 
 from .engine_testing import EngineFactory, random_prompt
 

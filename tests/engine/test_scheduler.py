@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from engine.block_manager import BlockManager
-from engine.outputs import FinishReason
-from engine.request import Request, RequestKind, RequestState
-from engine.scheduler import ScheduledWork, Scheduler
-from pdcommon.hashing import BlockHasher
-from pdcommon.ids import RequestId
-from pdcommon.sampling import SamplingParams
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.block_manager import BlockManager
+from pdrouter.engine.outputs import FinishReason
+from pdrouter.engine.request import Request, RequestKind, RequestState
+from pdrouter.engine.scheduler import ScheduledWork, Scheduler
 
 BS = 4
 

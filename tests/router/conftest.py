@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import ByteTokenizer
+from pdrouter.core.tokenizer import ByteTokenizer
 
 
 @pytest.fixture

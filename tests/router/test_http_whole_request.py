@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.http_fast import whole_request
+from pdrouter.router.http_server import whole_request
 
 ROUTES = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat"}
 BODY = b'{"model":"m","prompt":"hi"}'

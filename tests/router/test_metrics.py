@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from pdcommon.errors import (
+from pdrouter.core.errors import (
     CancelledError,
     CapacityError,
     DeadlineExceededError,
@@ -16,7 +16,7 @@ from pdcommon.errors import (
     RequestTooLargeError,
     TransferError,
 )
-from router.metrics import RouterMetrics, outcome_of
+from pdrouter.router.metrics import RouterMetrics, outcome_of
 
 
 def test_two_routers_in_one_process_have_separate_registries() -> None:
@@ -101,7 +101,7 @@ def test_the_hot_path_metrics_expose_what_stock_prometheus_metrics_would() -> No
     """The front door's children run without locks and bucket by binary search: same exposition."""
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from router.metrics import FrontdoorMetrics, _FastHistogram, _PlainValue
+    from pdrouter.router.metrics import FrontdoorMetrics, _FastHistogram, _PlainValue
 
     metrics = RouterMetrics()
     door = FrontdoorMetrics(metrics, "http")

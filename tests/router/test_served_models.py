@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer import ByteTokenizer
-from pdcommon.errors import InvalidRequestError
-from router.request import ModelInfo
-from router.served_models import ServedModel
+from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.tokenizer import ByteTokenizer
+from pdrouter.router.request import ModelInfo
+from pdrouter.router.served_models import ServedModel
 
 
 def make_served(vocab_size: int = 512) -> ServedModel:

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from router.server import _bounded
+from pdrouter.router.server import _bounded
 
 
 async def test_a_finished_step_is_quiet(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,1 +1,0 @@
-"""Decode worker: owns a KV block pool, receives KV, decodes with continuous batching."""

@@ -1,0 +1,129 @@
+"""Child processes for a local cluster: ``pdrouter up`` and the multi-process tests use the same code.
+
+Each child is a ``pdrouter`` subcommand that prints ``… ready at HOST:PORT`` once it serves; the
+parent waits for that line, keeps the process handle, and stops it with SIGTERM (then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+
+from pdrouter.core.errors import UnavailableError
+
+_READY = re.compile(r"ready at (\S+)(?: grpc (\S+))?")
+
+
+class ManagedProcess:
+    """A ``pdrouter`` child process, its readiness address and the tail of its output."""
+
+    def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None,
+                 log_file: Path | None = None) -> None:
+        self.name = name
+        self.args = [sys.executable, "-m", "pdrouter", *args]
+        full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+                                     text=True, bufsize=1, start_new_session=True)
+        self.tail: deque[str] = deque(maxlen=200)
+        self.address: str | None = None
+        self.grpc_address: str | None = None
+        self._ready = threading.Event()
+        self._log = log_file.open("a") if log_file else None
+        self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.tail.append(line.rstrip())
+            if self._log:
+                self._log.write(line)
+                self._log.flush()
+            if self.address is None:
+                m = _READY.search(line)
+                if m:
+                    self.address = m.group(1)
+                    self.grpc_address = m.group(2)
+                    self._ready.set()
+        self._ready.set()
+
+    def wait_ready(self, timeout: float = 120.0) -> str:
+        """The address the child serves at; UnavailableError with its output if it died or hung."""
+        deadline = time.monotonic() + timeout
+        while not self._ready.wait(0.1):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise UnavailableError(f"{self.name} not ready after {timeout}s:\n" + "\n".join(self.tail))
+        if self.address is None:
+            raise UnavailableError(f"{self.name} exited with {self.proc.wait()}:\n" + "\n".join(self.tail))
+        return self.address
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash, for fault tests)."""
+        if self.alive:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait for a graceful exit, SIGKILL if it does not come."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._reader.join(2.0)
+        if self._log:
+            self._log.close()
+            self._log = None
+        return int(self.proc.returncode)
+
+    def __enter__(self) -> ManagedProcess:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def cores_each(processes: int) -> int:
+    """Cores per process when ``processes`` share the CPUs this process may use (its affinity mask,
+    capped by its cgroup CPU limit: ``pdrouter.worker.cpus``); at least 1."""
+    from pdrouter.worker.cpus import cpu_budget
+
+    return max(1, cpu_budget().usable // max(1, processes))
+
+
+def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = None, num_blocks: int | None = None,
+                kv_backend: str | None = None, torch_threads: int | None = None,
+                extra: Sequence[str] = ()) -> list[str]:
+    """Command-line arguments of ``pdrouter worker|prefill|decode``.
+
+    ``torch_threads``: the worker's torch intra-op threads (None: the worker's default). Workers
+    sharing a machine should split its cores (:func:`cores_each`): torch's default gives each of
+    them one thread per core, and the extra threads spin on cores the others need.
+    """
+    args = [role, "--model", str(model_dir), "--port", "0", "--log-level", "WARNING"]
+    if torch_threads is not None:
+        args += ["--torch-threads", str(torch_threads)]
+    if redis_url:
+        args += ["--redis", redis_url]
+    if num_blocks:
+        args += ["--num-blocks", str(num_blocks)]
+    if kv_backend and role != "worker":
+        args += ["--kv-backend", kv_backend]
+    return [*args, *extra]

@@ -1,0 +1,82 @@
+"""``pdrouter router``: run the front-door router until SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdrouter.cli.serve import configure_logging, serve_until_signal
+from pdrouter.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdrouter.router.config import RouterConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the router (OpenAI HTTP + gRPC front doors, PD orchestration)",
+                       description="Run the front-door router for one model.")
+    p.add_argument("--model", type=Path, required=True,
+                   help="model folder with config.json and the tokenizer (weights are not read)")
+    p.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
+    p.add_argument("--redis", default=os.environ.get("PDROUTER_REDIS_URL"),
+                   help="Redis URL: worker registry, prefix index, KV admission (env PDROUTER_REDIS_URL)")
+    p.add_argument("--workers", default="", help="comma-separated static worker gRPC addresses (host:port)")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--host", default="127.0.0.1", help="bind host of both front doors")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front door port (0: any free port)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
+    p.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
+                   help="reach workers over their lane where they serve one (faster), or always over gRPC")
+    p.add_argument("--local-prefill-tokens", type=int, default=32,
+                   help="uncached prompt tokens at or below which the decode worker prefills itself")
+    p.add_argument("--no-cache-aware", action="store_true", help="place prefill by load alone")
+    p.add_argument("--no-admission", action="store_true", help="do not book KV in Redis before routing")
+    p.add_argument("--queue-timeout-s", type=float, default=10.0, help="longest wait for KV room before 429")
+    p.add_argument("--queue-limit", type=int, default=1024, help="requests that may wait for KV room")
+    p.add_argument("--lease-ms", type=int, default=30_000,
+                   help="KV bookings expire this long after the last renewal (a crashed router's come back)")
+    p.add_argument("--admission-credit", type=float, default=0.05, metavar="FRACTION",
+                   help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
+                        "requests are admitted without a Redis round trip (0: book each request alone)")
+    p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def build_config(args: argparse.Namespace) -> RouterConfig:
+    from pdrouter.router.admission.admission import AdmissionConfig
+    from pdrouter.router.config import RouterConfig
+    from pdrouter.router.orchestrator import OrchestratorConfig
+    from pdrouter.router.served_models import FrontdoorConfig
+
+    if not (args.model / "config.json").is_file():
+        raise ConfigError(f"--model {args.model} has no config.json (create a model with `pdrouter make-model`)")
+    if args.local_prefill_tokens < 0:
+        raise ConfigError("--local-prefill-tokens must be >= 0")
+    if not 0.0 <= args.admission_credit <= 0.5:
+        raise ConfigError(f"--admission-credit is a fraction of a decode worker's pool in [0, 0.5], "
+                          f"got {args.admission_credit:g}")
+    workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    return RouterConfig(
+        model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
+        mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        block_size=args.block_size, worker_transport=args.worker_transport,
+        cache_aware=not args.no_cache_aware, admission=not args.no_admission,
+        orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
+        admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
+                                          lease_ms=args.lease_ms, credit_fraction=args.admission_credit),
+        frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdrouter.router.server import RouterProcess
+
+    configure_logging(args.log_level)
+    config = build_config(args)
+    process = RouterProcess(config)
+    serve_until_signal(process, lambda: f"router ready at {process.config.host}:{process.http_port} "
+                                        f"grpc {process.grpc_address}")
+    return 0

@@ -1,0 +1,91 @@
+"""Chained block hashes: the key of the prefix cache and of the router's prefix index.
+
+``h[i] = XXH3-128(h[i-1] ‖ tokens of block i as little-endian uint32)`` with
+``h[-1] = XXH3-128("pdrouter-block-v1" ‖ seed)``. A hit on block ``i`` therefore means blocks
+``0..i`` all match. Only full blocks are hashed; a trailing partial block has no hash. The result
+depends only on the tokens, the block size and the seed, never on the process (no ``hash()``),
+so the router and every worker on every machine agree.
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+from pdrouter.core.errors import ConfigError, InvalidRequestError
+from pdrouter.core.ids import BlockHash
+
+_DOMAIN = b"pdrouter-block-v1"
+_ARRAY_IS_LE = array("I", [1]).tobytes() == b"\x01\x00\x00\x00"
+_hash128 = xxhash.xxh3_128_digest
+
+
+def root_hash(seed: int | str | bytes = 0) -> BlockHash:
+    """The parent of block 0 for a given seed (e.g. the model's compatibility hash)."""
+    if isinstance(seed, int):
+        seed_bytes = struct.pack("<q", seed) if -(2**63) <= seed < 2**63 else str(seed).encode()
+    elif isinstance(seed, str):
+        seed_bytes = seed.encode()
+    else:
+        seed_bytes = bytes(seed)
+    return BlockHash(_hash128(_DOMAIN + seed_bytes))
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        arr = array("I", tokens)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidRequestError(f"token ids must be integers in [0, 2^32): {exc}") from None
+    if not _ARRAY_IS_LE:
+        arr.byteswap()
+    return arr.tobytes()
+
+
+class BlockHasher:
+    """Hashes a token sequence's full blocks, each hash chained on its parent's."""
+
+    __slots__ = ("_root", "block_size", "seed")
+
+    def __init__(self, block_size: int = 16, seed: int | str | bytes = 0) -> None:
+        if block_size <= 0:
+            raise ConfigError(f"block size must be > 0, got {block_size}")
+        self.block_size = block_size
+        self.seed = seed
+        self._root = root_hash(seed)
+
+    @property
+    def root(self) -> BlockHash:
+        return self._root
+
+    def hash_blocks(self, tokens: Sequence[int], parent: BlockHash | None = None) -> list[BlockHash]:
+        """Hashes of every full block of ``tokens``; the trailing partial block is ignored.
+
+        ``parent`` continues a chain (the hash of the block just before ``tokens[0]``).
+        """
+        n_blocks = len(tokens) // self.block_size
+        if n_blocks == 0:
+            return []
+        data = _token_bytes(tokens[: n_blocks * self.block_size])
+        step = self.block_size * 4
+        prev: bytes = self._root if parent is None else parent
+        out: list[bytes] = []
+        append, h = out.append, _hash128
+        for off in range(0, n_blocks * step, step):
+            prev = h(prev + data[off : off + step])
+            append(prev)
+        return out  # type: ignore[return-value]  # bytes are BlockHash values; no per-item wrap
+
+    def hash_block(self, parent: BlockHash | None, block_tokens: Sequence[int]) -> BlockHash:
+        """The hash of one full block given its parent's hash."""
+        if len(block_tokens) != self.block_size:
+            raise InvalidRequestError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
+        prev = self._root if parent is None else parent
+        return BlockHash(_hash128(prev + _token_bytes(block_tokens)))
+
+
+def hash_blocks(tokens: Sequence[int], block_size: int = 16, seed: int | str | bytes = 0) -> list[BlockHash]:
+    """Convenience: ``BlockHasher(block_size, seed).hash_blocks(tokens)``."""
+    return BlockHasher(block_size, seed).hash_blocks(tokens)

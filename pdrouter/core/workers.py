@@ -1,0 +1,77 @@
+"""What a worker is and how loaded it is: the records the registry stores and the router reads."""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+
+from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.ids import Epoch, WorkerId
+
+
+class WorkerRole(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load at one instant (heartbeated)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_prefill_tokens: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    allocated_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker incarnation as registered: identity, model, KV capacity, where to reach it."""
+
+    worker_id: WorkerId
+    role: WorkerRole
+    address: str
+    epoch: Epoch
+    model: str
+    model_compat_hash: str
+    kv_compat_hash: str
+    block_size: int
+    capacity_blocks: int
+    kv_address: str = ""
+    kv_backends: tuple[str, ...] = field(default_factory=tuple)
+    lane_address: str = ""
+    """host:port of the worker lane (``pdrouter.wire.lane``), or empty when it serves gRPC only."""
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.capacity_blocks * self.block_size
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["role"] = self.role.value
+        data["kv_backends"] = list(self.kv_backends)
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerRecord:
+        try:
+            data = json.loads(raw)
+            data["role"] = WorkerRole(data["role"])
+            data["kv_backends"] = tuple(data.get("kv_backends", ()))
+            data["worker_id"] = WorkerId(data["worker_id"])
+            data["epoch"] = Epoch(int(data["epoch"]))
+            return cls(**data)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(f"malformed worker record: {exc}") from None
+
+
+@dataclass(frozen=True)
+class LiveWorker:
+    """A registered worker whose heartbeat is current, with its last reported load."""
+
+    record: WorkerRecord
+    load: WorkerLoad

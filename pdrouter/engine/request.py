@@ -1,0 +1,138 @@
+"""A request inside the engine: its tokens, blocks, sampling state and lifecycle.
+
+Lifecycle (all transitions go through :meth:`Request.transition`)::
+
+    WAITING ──▶ RUNNING ──▶ FINISHED               normal generation
+       ▲           │ ──▶ HELD ──▶ FINISHED          prefill-only: blocks kept until release()
+       └─preempt───┘                                 (blocks freed; recomputed on readmission)
+    AWAITING_KV ──▶ RUNNING | FINISHED              KV written from outside, then decode here
+    any state but FINISHED ──▶ ABORTED
+
+A request computes its tokens in order: ``all_token_ids[:num_computed_tokens]`` have KV in its
+blocks; when the remaining tokens are computed the request samples one more token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import BlockHash, RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.outputs import FinishReason
+
+
+class RequestState(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    HELD = "held"
+    AWAITING_KV = "awaiting_kv"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class RequestKind(Enum):
+    GENERATE = "generate"
+    """Prefill and decode in this engine."""
+    PREFILL_ONLY = "prefill_only"
+    """Prefill, sample the first token, hold the KV for export."""
+    REMOTE_KV = "remote_kv"
+    """Prompt KV arrives from another worker; decode here."""
+
+
+_TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
+    RequestState.WAITING: frozenset({RequestState.RUNNING, RequestState.ABORTED}),
+    RequestState.RUNNING: frozenset({RequestState.WAITING, RequestState.HELD, RequestState.FINISHED,
+                                     RequestState.ABORTED}),
+    RequestState.HELD: frozenset({RequestState.FINISHED, RequestState.ABORTED}),
+    RequestState.AWAITING_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED,
+                                         RequestState.ABORTED}),
+    RequestState.FINISHED: frozenset(),
+    RequestState.ABORTED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: RequestId
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+    kind: RequestKind
+    stop_ids: frozenset[int]
+    """Token ids that end the request (eos unless ignored, plus ``stop_token_ids``)."""
+    max_context: int
+    generator: torch.Generator | None = None
+    state: RequestState = RequestState.WAITING
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_committed_blocks: int = 0
+    num_cached_tokens: int = -1
+    """Prefix-cache hit of the first admission (-1 until then)."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    in_flight: bool = False
+    """Part of the model step running now (its blocks must not be freed until the step ends)."""
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def transition(self, new: RequestState) -> None:
+        if new not in _TRANSITIONS[self.state]:
+            raise RuntimeError(f"request {self.request_id}: illegal transition "
+                               f"{self.state.name} -> {new.name}")
+        self.state = new
+
+    @property
+    def is_done(self) -> bool:
+        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+
+    # -- tokens -------------------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_computed_tokens
+
+    def hashes(self, hasher: BlockHasher, num_tokens: int | None = None) -> list[BlockHash]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens (memoized)."""
+        limit = len(self.all_token_ids) if num_tokens is None else num_tokens
+        want = limit // hasher.block_size
+        have = len(self.block_hashes)
+        if want > have:
+            bs = hasher.block_size
+            parent = self.block_hashes[-1] if have else None
+            self.block_hashes.extend(hasher.hash_blocks(self.all_token_ids[have * bs:want * bs], parent))
+        return self.block_hashes[:want]
+
+    def append_token(self, token: int) -> FinishReason | None:
+        """Record a sampled token; returns why the request ends with it, if it does."""
+        self.all_token_ids.append(token)
+        if token in self.stop_ids:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.sampling.max_tokens or len(self.all_token_ids) >= self.max_context:
+            return FinishReason.LENGTH
+        return None
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: no blocks, nothing computed; generated tokens are kept and recomputed."""
+        self.block_ids = []
+        self.num_computed_tokens = 0
+        self.num_committed_blocks = 0
+        self.num_preemptions += 1

@@ -1,0 +1,140 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+Every step starts from the requests' state, so requests join and leave between any two steps.
+
+1. Running requests that need one token (decodes) go first, then running requests in the middle
+   of their prompt (chunked prefill), in admission order, each taking at most what is left of
+   the step's token budget (``max_num_batched_tokens``).
+2. A running request that needs a new block and finds the pool empty preempts the most recently
+   admitted running request (possibly itself): its blocks are freed and it goes back to the head
+   of the waiting queue, to be recomputed later (its full blocks usually survive as prefix-cache
+   hits). Nothing crashes for lack of blocks.
+3. If nothing was preempted, waiting requests are admitted first come first served while the
+   budget, ``max_num_seqs`` and the pool allow; each reuses its longest cached prefix (at most
+   ``len - 1`` tokens, since the last token must be computed to sample from) and gets blocks only
+   for the chunk it computes now.
+
+The scheduler only decides and does the block bookkeeping; the engine runs the model.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.engine.block_manager import BlockManager
+from pdrouter.engine.request import Request, RequestState
+
+
+@dataclass(frozen=True)
+class ScheduledWork:
+    """``request`` computes ``num_tokens`` tokens from position ``start`` on."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    samples: bool
+    """True when this work reaches the request's last token, so a new token is sampled."""
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, hasher: BlockHasher, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.blocks = blocks
+        self.hasher = hasher
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # -- membership ---------------------------------------------------------------------------
+    def add_waiting(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request that already holds its blocks and computed tokens (KV written from outside)."""
+        self.running.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Forget a request (it keeps its blocks; the caller frees or holds them)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    def release_blocks(self, request: Request) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledWork]:
+        budget = self.max_num_batched_tokens
+        scheduled: dict[Request, int] = {}
+        preempted = False
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.state is not RequestState.RUNNING:
+                continue
+            n = min(req.num_uncomputed_tokens, budget)
+            while not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
+                victim = self.running[-1]
+                budget += scheduled.pop(victim, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                scheduled[req] = n
+                budget -= n
+        if not preempted:
+            budget = self._admit(budget, scheduled)
+        return [ScheduledWork(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.all_token_ids))
+                for r, n in scheduled.items()]
+
+    def _admit(self, budget: int, scheduled: dict[Request, int]) -> int:
+        bs = self.blocks.block_size
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            total = len(req.all_token_ids)
+            hashes = req.hashes(self.hasher)
+            hits = len(self.blocks.match_prefix(hashes[:(total - 1) // bs]))
+            cached = hits * bs
+            n = min(total - cached, budget)
+            alloc = self.blocks.allocate(hashes[:hits], cached + n)
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            req.block_ids = alloc.block_ids
+            req.num_computed_tokens = cached
+            req.num_committed_blocks = alloc.num_cached_blocks
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            req.transition(RequestState.RUNNING)
+            self.running.append(req)
+            scheduled[req] = n
+            budget -= n
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.release_blocks(req)
+        req.reset_for_recompute()
+        req.transition(RequestState.WAITING)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # -- after the model ran ------------------------------------------------------------------
+    def advance(self, work: ScheduledWork) -> None:
+        """Count the computed tokens and register newly completed blocks in the prefix cache."""
+        req = work.request
+        req.num_computed_tokens += work.num_tokens
+        full = req.num_computed_tokens // self.blocks.block_size
+        if full > req.num_committed_blocks:
+            hashes = req.hashes(self.hasher, req.num_computed_tokens)
+            self.blocks.commit(req.block_ids, hashes, start=req.num_committed_blocks)
+            req.num_committed_blocks = full

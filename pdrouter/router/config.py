@@ -1,0 +1,54 @@
+"""The router's configuration: one frozen object, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pdrouter.core.errors import ConfigError
+from pdrouter.router.admission.admission import AdmissionConfig
+from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.placement.policy import CacheAwareConfig
+from pdrouter.router.served_models import FrontdoorConfig
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything one router process needs."""
+
+    model_dir: Path
+    """A model folder with config.json and the tokenizer (weights are not read)."""
+    model_name: str | None = None
+    redis_url: str | None = None
+    static_workers: tuple[str, ...] = ()
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+    block_size: int = 16
+    hash_seed: int = 0
+    cache_aware: bool = True
+    admission: bool = True
+    refresh_interval_s: float = 1.0
+    worker_transport: Literal["lane", "grpc"] = "lane"
+    """How requests reach the workers: the worker lane where a worker serves one (the fast path),
+    else gRPC; or always gRPC."""
+    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    placement: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
+    frontdoor: FrontdoorConfig = field(default_factory=FrontdoorConfig)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if not self.redis_url and not self.static_workers:
+            raise ConfigError("the router needs --redis (worker registry) or --workers (a static list)")
+        for port in (self.http_port, self.grpc_port):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"ports must be in [0, 65535], got {port}")
+        if self.mode not in ("disaggregated", "colocated"):
+            raise ConfigError(f"mode must be disaggregated or colocated, got {self.mode!r}")
+        if self.worker_transport not in ("lane", "grpc"):
+            raise ConfigError(f"worker transport must be lane or grpc, got {self.worker_transport!r}")
+        if self.block_size <= 0:
+            raise ConfigError(f"block size must be > 0, got {self.block_size}")

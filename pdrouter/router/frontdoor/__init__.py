@@ -1,0 +1,1 @@
+"""The router's front doors: the OpenAI HTTP API and the ``pdrouter.v1.Router`` gRPC service."""

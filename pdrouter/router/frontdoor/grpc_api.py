@@ -1,0 +1,148 @@
+"""The gRPC front door: ``pdrouter.v1.Router`` (``Generate`` stream, ``ListModels``).
+
+Protobuf stops here: :func:`to_router_request` and :func:`to_response` are the only places that
+convert between ``router_pb2`` messages and the router's dataclasses. Errors are
+``pdrouter.core.errors`` types mapped to status codes by ``pdrouter.wire.grpc_util.grpc_errors``
+(INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE…); anything else is INTERNAL.
+
+``Generate`` writes its messages with ``context.write`` from the handler's own coroutine rather
+than being an async generator: when the client cancels, gRPC cancels that coroutine wherever it
+waits (for a token or for flow control), so the orchestrator's iterator is closed at once and the
+request is cancelled on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from contextlib import aclosing
+
+import grpc
+
+from pdrouter.core.errors import InvalidRequestError, PdRouterError
+from pdrouter.core.ids import RequestId, new_request_id
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.router.frontdoor.detokenize import TextStream
+from pdrouter.router.generation import Piece, stream_pieces
+from pdrouter.router.metrics import RouterMetrics
+from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
+from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pdrouter.v1.Router"
+MAX_REQUEST_ID_LEN = 128
+
+_FINISH_TO_PB = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+                 FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+                 FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT}
+
+
+def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, config: FrontdoorConfig,
+                      deadline: float | None) -> RouterRequest:
+    """A validated ``RouterRequest`` from a ``GenerateRequest`` for ``served``.
+
+    Unset proto3 scalars read as: ``max_tokens`` 0 → the context left after the prompt capped at
+    ``config.default_max_tokens`` (as over HTTP); ``top_p`` 0 → 1; ``temperature`` 0 → greedy.
+    An empty ``request_id`` gets a fresh one.
+    """
+    if len(msg.request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+    which = msg.WhichOneof("prompt")
+    ids: Sequence[int]
+    if which == "text":
+        ids = served.tokenizer.encode(msg.text)
+    elif which == "token_ids":
+        ids = tuple(msg.token_ids.ids)
+        served.check_token_ids(ids, "token_ids")
+    else:
+        raise InvalidRequestError("prompt is required: set text or token_ids")
+    s = msg.sampling
+    stop_ids = tuple(s.stop_token_ids)
+    served.check_token_ids(stop_ids, "sampling.stop_token_ids")
+    max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=round(s.temperature, 6),  # float32 on the wire: 0.7 arrives as 0.69999998…
+        top_p=round(s.top_p, 6) or 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else None,
+        stop_token_ids=stop_ids,
+        ignore_eos=s.ignore_eos,
+    )
+    request_id = RequestId(msg.request_id) if msg.request_id else new_request_id()
+    return RouterRequest(request_id, served.name, tuple(ids), sampling, deadline)
+
+
+def to_response(request_id: str, piece: Piece) -> router_pb2.GenerateResponse:
+    """One ``GenerateResponse`` for ``piece``; the finished one carries finish_reason and usage."""
+    msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=piece.token_ids, text=piece.text)
+    if piece.finish_reason is not None:
+        msg.finish_reason = _FINISH_TO_PB[piece.finish_reason]
+        if piece.usage is not None:
+            msg.usage.prompt_tokens = piece.usage.prompt_tokens
+            msg.usage.completion_tokens = piece.usage.completion_tokens
+            msg.usage.cached_tokens = piece.usage.cached_tokens
+    return msg
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    """``pdrouter.v1.Router`` over an orchestrator; register with ``router_pb2_grpc.add_RouterServicer_to_server``.
+
+    ``tokenizers`` maps each served model name to its tokenizer, as for the HTTP door; pass the
+    same ``metrics`` to both doors to export them on one registry.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.models = ModelRegistry(orchestrator, tokenizers)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.config = config if config is not None else FrontdoorConfig()
+        self.door_metrics = self.metrics.frontdoor("grpc")
+
+    @grpc_errors
+    async def Generate(self, request: router_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> None:
+        arrival = time.perf_counter()
+        metrics = self.door_metrics
+        metrics.in_flight.inc()
+        error: BaseException | None = None
+        try:
+            if not request.model:
+                raise InvalidRequestError("model is required")
+            served = self.models.get(request.model)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            router_request = to_router_request(request, served, self.config, deadline)
+            rid = router_request.request_id
+            text = TextStream(served.tokenizer.stream_decoder())
+            async with aclosing(stream_pieces(self.orchestrator, router_request, text, metrics,
+                                              arrival)) as pieces:
+                async for piece in pieces:
+                    await context.write(to_response(rid, piece))
+        except (PdRouterError, asyncio.CancelledError) as exc:
+            error = exc
+            raise
+        except Exception as exc:
+            log.error("Generate failed", exc_info=exc)
+            error = exc
+            raise PdRouterError(f"internal error ({type(exc).__name__})") from exc
+        finally:
+            metrics.in_flight.dec()
+            metrics.finished(error, time.perf_counter() - arrival)
+
+    @grpc_errors
+    async def ListModels(self, request: router_pb2.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+        cards = [router_pb2.ModelCard(
+            id=m.name, block_size=m.info.block_size,
+            geometry=common_pb2.ModelGeometry(name=m.name, vocab_size=m.info.vocab_size,
+                                              max_context=m.info.max_context))
+            for m in self.models.refresh()]
+        return router_pb2.ListModelsResponse(models=cards)

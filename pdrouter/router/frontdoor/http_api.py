@@ -1,0 +1,531 @@
+"""The OpenAI-compatible HTTP front door: an ASGI app served by uvicorn (httptools).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
+``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404
+(a known path with another method, a JSON 405). The two generation POSTs go straight to their
+handler; everything else is routed by Starlette.
+
+A generation request is validated and tokenized in the endpoint; the response object then drives
+the orchestrator's stream itself, so that:
+
+* the status line waits for the first token: an error raised before it (capacity, unknown
+  model, unavailable…) is an ordinary HTTP error reply; one raised after it is an SSE event
+  ``data: {"error": {...}}`` that ends the stream;
+* a client disconnect (seen by a small task reading the ASGI ``receive`` channel) cancels the
+  request's task, which closes the orchestrator's iterator and so cancels the request on the
+  workers, whether it is queued, prefilling or streaming, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from contextlib import aclosing
+from typing import Any, cast
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from pdrouter.core.errors import CancelledError, InvalidRequestError, PdRouterError
+from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.router.frontdoor.detokenize import TextStream
+from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
+from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
+from pdrouter.router.generation import Piece, stream_pieces
+from pdrouter.router.http_server import FastCycle, Handler, whole_request
+from pdrouter.router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
+from pdrouter.router.request import Orchestrator, RouterRequest, Usage
+from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+
+log = logging.getLogger(__name__)
+
+_JSON = "application/json"
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
+
+
+def _json_headers(body: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+
+
+def _json_response(status: int, body: bytes, headers: Mapping[str, str] | None = None) -> Response:
+    return Response(body, status_code=status, headers=headers, media_type=_JSON)
+
+
+class HttpFrontdoor:
+    """The OpenAI HTTP API over an orchestrator; :attr:`app` is the ASGI application to serve.
+
+    ``tokenizers`` maps each served model name to its tokenizer; models the orchestrator lists
+    without a tokenizer are not served. Each front door owns its state: no module globals.
+    """
+
+    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
+        self.orchestrator = orchestrator
+        self.models = ModelRegistry(orchestrator, tokenizers)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
+        self.config = config if config is not None else FrontdoorConfig()
+        self.door_metrics = self.metrics.frontdoor("http")
+        completions, chat_completions = _GenerationEndpoint(self, chat=False), _GenerationEndpoint(self, chat=True)
+        routes = Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/v1/models", self._list_models, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+                Route("/healthz", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
+            ],
+            exception_handlers={404: self._no_route, 405: self._no_route},
+        )
+        self.app = HttpApp(routes, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+
+    async def generation(self, receive: Receive, send: Send, chat: bool,
+                         on_disconnect: OnDisconnect | None = None) -> None:
+        """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request.
+
+        ``on_disconnect`` (the server's :data:`DISCONNECT_EXTENSION`, when it has it) replaces the
+        task that otherwise watches ``receive`` for the client going away.
+        """
+        arrival = time.perf_counter()
+        self.door_metrics.in_flight.inc()
+        try:
+            body = await self._read_body(receive)
+            parsed = parse_openai_request(body, chat, self.config)
+            served = self.models.get(parsed.model)
+            timeout = self.config.request_timeout_s
+            deadline = None if timeout is None else time.monotonic() + timeout
+            router_request = to_router_request(parsed, served, self.config, deadline)
+        except Exception as exc:
+            self.finish(exc, arrival)
+            reply = error_reply(exc, self.config.retry_after_s)
+            payload = reply.body()
+            headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
+            headers += [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+            await send({"type": "http.response.body", "body": payload, "more_body": False})
+            return
+        await _Generation(self, parsed, served, router_request, arrival).run(receive, send, on_disconnect)
+
+    async def _read_body(self, receive: Receive) -> bytes:
+        limit = self.config.max_body_bytes
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect
+                raise CancelledError("the client disconnected while sending the request")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise InvalidRequestError(f"request body is larger than {limit} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    def finish(self, error: BaseException | None, arrival: float) -> None:
+        """Account one finished generation request (outcome, latency, in-flight gauge)."""
+        self.door_metrics.in_flight.dec()
+        self.door_metrics.finished(error, time.perf_counter() - arrival)
+        if isinstance(error, PdRouterError):
+            if error.http_status >= 500:
+                log.warning("request failed: %s: %s", type(error).__name__, error.message)
+        elif error is not None and not isinstance(error, asyncio.CancelledError):
+            log.error("request failed", exc_info=error)
+
+    async def _list_models(self, request: Request) -> Response:
+        data = [{"id": m.name, "object": "model", "created": m.info.created, "owned_by": "pd-router",
+                 "max_model_len": m.info.max_context} for m in self.models.refresh()]
+        return _json_response(200, json.dumps({"object": "list", "data": data}).encode())
+
+    async def _health(self, request: Request) -> Response:
+        return _json_response(200, b'{"status":"ok"}')
+
+    async def _metrics(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+    async def _no_route(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 404
+        headers = exc.headers if isinstance(exc, HTTPException) else None  # "Allow" with a 405
+        what = "no such route" if status == 404 else "method not allowed"
+        error = {"message": f"{what}: {request.method} {request.url.path}", "type": "invalid_request_error",
+                 "param": None, "code": "not_found" if status == 404 else "method_not_allowed"}
+        return _json_response(status, json.dumps({"error": error}, separators=(",", ":")).encode(), headers)
+
+
+class HttpApp:
+    """The ASGI application of an :class:`HttpFrontdoor`.
+
+    ``POST`` requests to the generation paths go straight to their endpoint, skipping routing;
+    every other request (other routes, other methods, unknown paths, any scope with a root path)
+    goes through the Starlette ``routes``, which hold the same endpoints, so both ways answer alike.
+    """
+
+    __slots__ = ("_posts", "_routes", "state")
+
+    def __init__(self, routes: Starlette, posts: Mapping[str, ASGIApp]) -> None:
+        self._routes = routes
+        self._posts = dict(posts)
+        self.state = routes.state
+
+    def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
+        """Per generation path: ``handler(receive, send)`` and the body limit, for the router's own
+        request cycle (``pdrouter.router.http_server``)."""
+        out: dict[bytes, tuple[Handler, int]] = {}
+        for path, endpoint in self._posts.items():
+            if isinstance(endpoint, _GenerationEndpoint):
+                out[path.encode()] = (endpoint.handler(on_disconnect), endpoint.body_limit)
+        return out
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
+            endpoint = self._posts.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self._routes(scope, receive, send)
+
+
+class _GenerationEndpoint:
+    """The ASGI app of ``/v1/completions`` or ``/v1/chat/completions``.
+
+    An object rather than a function, so that Starlette serves it as a plain ASGI app (no
+    ``Request`` / ``Response`` objects) when it routes to it.
+    """
+
+    __slots__ = ("_chat", "_door")
+
+    def __init__(self, door: HttpFrontdoor, chat: bool) -> None:
+        self._door = door
+        self._chat = chat
+
+    @property
+    def body_limit(self) -> int:
+        return self._door.config.max_body_bytes
+
+    def handler(self, on_disconnect: OnDisconnect) -> Handler:
+        door, chat = self._door, self._chat
+
+        def handle(receive: Receive, send: Send) -> Awaitable[None]:
+            return door.generation(receive, send, chat, on_disconnect)
+        return handle
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
+        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None)
+
+
+class _Generation:
+    """The response to one completion request: runs the stream, answers, watches for disconnect."""
+
+    __slots__ = ("_arrival", "_client_gone", "_complete", "_door", "_parsed", "_request", "_served")
+
+    def __init__(self, door: HttpFrontdoor, parsed: OpenAIRequest, served: ServedModel,
+                 request: RouterRequest, arrival: float) -> None:
+        self._door = door
+        self._parsed = parsed
+        self._served = served
+        self._request = request
+        self._arrival = arrival
+        self._complete = False      # the last byte of the response is (being) sent
+        self._client_gone = False
+
+    async def run(self, receive: Receive, send: Send, on_disconnect: OnDisconnect | None = None) -> None:
+        """Answer the request on the ASGI channels; account it with the door when it ends."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher: asyncio.Task[None] | None = None
+        forget: Callable[[], None] | None = None
+        if on_disconnect is not None:  # no task per request: the connection calls back
+            forget = on_disconnect(lambda: self._client_lost(task))
+        else:
+            watcher = task.get_loop().create_task(self._watch_disconnect(receive, task))
+        error: BaseException | None = None
+        try:
+            error = await (self._stream(send) if self._parsed.stream else self._unary(send))
+        except asyncio.CancelledError as exc:
+            error = exc
+            if not self._client_gone:
+                raise
+            task.uncancel()
+        finally:
+            if forget is not None:
+                forget()
+            if watcher is not None:
+                watcher.cancel()
+            self._door.finish(error, self._arrival)
+
+    def _client_lost(self, task: asyncio.Task[Any]) -> None:
+        if not self._complete:
+            self._client_gone = True
+            task.cancel()
+
+    async def _watch_disconnect(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_lost(task)
+
+    def _pieces(self) -> aclosing[AsyncGenerator[Piece, None]]:
+        text = TextStream(self._served.tokenizer.stream_decoder(), self._parsed.stop)
+        door = self._door
+        return aclosing(stream_pieces(door.orchestrator, self._request, text, door.door_metrics,
+                                      self._arrival))
+
+    def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        return [*base, (b"x-request-id", self._request.request_id.encode())]
+
+    async def _unary(self, send: Send) -> BaseException | None:
+        texts: list[str] = []
+        try:
+            async with self._pieces() as pieces:
+                async for piece in pieces:
+                    texts.append(piece.text)
+                    if piece.finish_reason is not None:
+                        body = completion_body(self._parsed.chat, response_id(self._request, self._parsed.chat),
+                                               int(time.time()), self._served.name, "".join(texts),
+                                               piece.finish_reason, _usage(piece))
+                        self._complete = True
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": self._headers(_json_headers(body))})
+                        await send({"type": "http.response.body", "body": body, "more_body": False})
+        except Exception as exc:
+            return await self._fail(send, exc, started=False)
+        return None
+
+    async def _stream(self, send: Send) -> BaseException | None:
+        parsed = self._parsed
+        writer = SseWriter(parsed.chat, response_id(self._request, parsed.chat), int(time.time()),
+                           self._served.name, parsed.include_usage)
+        started = False
+        try:
+            async with self._pieces() as pieces:
+                async for piece in pieces:
+                    if not started:
+                        started = True
+                        await send({"type": "http.response.start", "status": 200,
+                                    "headers": self._headers(_SSE_HEADERS)})
+                    if piece.finish_reason is not None:
+                        self._complete = True
+                        await send({"type": "http.response.body", "more_body": False,
+                                    "body": writer.final(piece.text, piece.finish_reason, _usage(piece))})
+                    elif piece.text:
+                        await send({"type": "http.response.body", "body": writer.text(piece.text),
+                                    "more_body": True})
+        except Exception as exc:
+            return await self._fail(send, exc, started)
+        return None
+
+    async def _fail(self, send: Send, exc: Exception, started: bool) -> BaseException | None:
+        if self._complete:  # the client has its answer; only the stream's tail failed
+            log.warning("request %s: error after the response was sent: %s", self._request.request_id, exc)
+            return None
+        self._complete = True
+        reply = error_reply(exc, self._door.config.retry_after_s)
+        if started:
+            await send({"type": "http.response.body", "body": reply.sse_event(), "more_body": False})
+        else:
+            body = reply.body()
+            headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
+            await send({"type": "http.response.start", "status": reply.status,
+                        "headers": self._headers([*_json_headers(body), *headers])})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        return exc
+
+
+def _usage(piece: Piece) -> Usage:
+    assert piece.usage is not None  # stream_pieces puts usage on every finished piece
+    return piece.usage
+
+
+def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> HttpApp:
+    """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
+    door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config)
+    door.app.state.frontdoor = door
+    return door.app
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound TCP socket for ``server.serve(sockets=[sock])`` (port 0: any free port).
+
+    Created with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on connections of such
+    sockets, and without it a response written in two parts waits ~40 ms for a delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+READ_SIZE = 64 * 1024
+"""Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
+
+
+OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+"""``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
+DISCONNECT_EXTENSION = "pdrouter.disconnect"
+"""The ASGI scope extension by which the router's HTTP server offers ``{"register": OnDisconnect}``."""
+
+_RESPONSE_HEAD = b"HTTP/1.1 "
+
+
+class _CorkedTransport:
+    """A transport that holds a response's head back until its first body bytes, then writes both.
+
+    uvicorn writes a response's status line and headers, then its body, each at once: two
+    system calls (and two wake-ups of the client) for every unary response. Here the head waits,
+    and the body that follows in the same event-loop iteration leaves with it in one ``send``; a
+    head with no body in that iteration leaves on its own at the next one. Body bytes are never
+    held back. Everything but writing and closing is the wrapped transport's.
+    """
+
+    __slots__ = ("_loop", "_out", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._out: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        elif data.startswith(_RESPONSE_HEAD):
+            self._out.append(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def writelines(self, lines: list[bytes]) -> None:
+        for data in lines:
+            self.write(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self._transport.is_closing():
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` (a whole response, or the rest of one) at once, after anything held."""
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        else:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._out = []
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class _HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools HTTP/1.1 protocol, reading at most :data:`READ_SIZE` bytes at a time,
+    writing through a :class:`_CorkedTransport`.
+
+    asyncio's socket transport receives into a fresh buffer of its ``max_size`` (256 KiB) per
+    read. An allocation that large is at glibc's mmap threshold, and depending on the process's
+    allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
+    page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
+    """
+
+    _lost_callbacks: set[Callable[[], None]] | None = None
+    _fast: dict[bytes, tuple[Handler, int]] | None = None
+    _in_message = False  # the parser has begun a message it has not completed
+
+    def data_received(self, data: bytes) -> None:
+        if (self._fast is not None and not self._in_message and not self.pipeline
+                and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
+            whole = whole_request(data, self._fast)
+            if whole is not None:  # one plain generation request, whole: no parser callbacks
+                (handler, body_limit), keep_alive, body = whole
+                self._unset_keepalive_if_required()
+                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body)  # type: ignore[assignment]
+                return
+        super().data_received(data)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+
+    def on_headers_complete(self) -> None:
+        fast = self._fast_handler()
+        if fast is None:
+            super().on_headers_complete()
+            return
+        handler, body_limit = fast
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self.cycle = FastCycle(self, handler, keep_alive, body_limit)  # type: ignore[assignment]
+
+    def _fast_handler(self) -> tuple[Handler, int] | None:
+        """The generation endpoint's own cycle applies (see ``pdrouter.router.http_server``), or None."""
+        if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
+            return None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return None  # pipelined behind a response in progress: uvicorn queues it
+        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        return self._fast.get(bytes(self.url))
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        super().on_message_begin()
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
+
+    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        if self._lost_callbacks is None:
+            self._lost_callbacks = set()
+        callbacks = self._lost_callbacks
+        callbacks.add(callback)
+        return lambda: callbacks.discard(callback)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        callbacks, self._lost_callbacks = self._lost_callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
+            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
+        corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
+        super().connection_made(cast(asyncio.Transport, corked))
+        app = self.app
+        if isinstance(app, HttpApp) and not self.root_path:
+            self._fast = app.fast_handlers(self._on_disconnect)
+
+
+def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for ``app`` tuned for the router: httptools with small reads (see
+    :class:`_HttpProtocol`), no lifespan, no access log.
+
+    uvicorn leaves the process's logging configuration alone (``log_config=None``); the CLI
+    configures logging once for every component.
+
+    Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
+    to serve on a free port; stop it with ``server.should_exit = True``.
+    """
+    config = uvicorn.Config(app, host=host, port=port, http=_HttpProtocol, ws="none", lifespan="off",
+                            access_log=False, log_config=None, log_level=log_level,
+                            server_header=False, proxy_headers=False)
+    return uvicorn.Server(config)

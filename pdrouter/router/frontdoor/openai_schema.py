@@ -1,0 +1,281 @@
+"""OpenAI request bodies: parsed and validated into :class:`OpenAIRequest`, then a ``RouterRequest``.
+
+Accepted (``/v1/completions`` and ``/v1/chat/completions``):
+
+* ``model`` (required), ``stream``, ``stream_options.include_usage``, ``temperature`` (default 1),
+  ``top_p`` (default 1), ``seed``, ``stop`` (a string or a list of strings, applied to the
+  decoded text by the front door), ``user`` (ignored);
+* ``max_tokens`` (chat also ``max_completion_tokens``, which wins). When absent: the context
+  left after the prompt, capped at ``FrontdoorConfig.default_max_tokens`` (256 by default);
+* extensions: ``stop_token_ids``, ``top_k``, ``ignore_eos``;
+* completions: ``prompt`` as a string, a list of token ids, or a list holding exactly one of
+  those; chat: ``messages`` with roles system / developer (read as system) / user / assistant and
+  ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts (joined by newlines).
+
+Features this server does not implement (``n`` > 1, ``logprobs``, ``echo``, penalties, tools…)
+are refused with 400 when set to anything but their neutral value; unrecognised fields are
+ignored. Every refusal is an ``InvalidRequestError`` (a :class:`FieldError` when one field is to
+blame), which the HTTP door turns into OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.ids import new_request_id
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.router.request import RouterRequest
+from pdrouter.router.served_models import FrontdoorConfig, ServedModel
+
+
+class FieldError(InvalidRequestError):
+    """An invalid request with the offending field named (OpenAI's ``error.param``)."""
+
+    def __init__(self, param: str | None, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(slots=True)
+class OpenAIRequest:
+    """A syntactically valid completion or chat request (not yet checked against a model).
+
+    Read-only by convention; not frozen, because a frozen dataclass sets each of its fields through
+    ``object.__setattr__`` (five times the cost, once per request)."""
+
+    chat: bool
+    model: str
+    prompt: str | tuple[int, ...]
+    """Completions: text or token ids. Chat: ``""`` (see ``messages``)."""
+    messages: tuple[tuple[str, str], ...]
+    """Chat: ``(role, content)`` pairs, roles normalised to system / user / assistant."""
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    stream: bool
+    include_usage: bool
+
+
+# Fields of features this server does not implement, with the values that mean "not used".
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
+    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+}
+_NEUTRAL_KEYS = frozenset(_NEUTRAL)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"})
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else {bool: "a boolean", int: "an integer", float: "a number",
+                                         str: "a string", list: "an array", dict: "an object"
+                                         }.get(type(value), type(value).__name__)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
+"""What ``json.loads(text, parse_constant=_no_constant)`` uses, built once rather than per call."""
+
+
+def load_json_object(body: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; InvalidRequestError for bad UTF-8, bad JSON, non-objects."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"request body is not valid UTF-8 (bad byte at offset {exc.start})"
+                                  ) from None
+    try:
+        # json.loads refuses a leading BOM before decoding; let it, for the same message.
+        data = json.loads(text, parse_constant=_no_constant) if text.startswith("\ufeff") else _DECODER.decode(text)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"request body must be a JSON object, got {_kind(data)}")
+    return data
+
+
+def _int(body: dict[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is None or type(value) is int:
+        return value
+    raise FieldError(key, f"{key} must be an integer, got {_kind(value)}")
+
+
+def _number(body: dict[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if type(value) is float or type(value) is int:
+        try:
+            return float(value)
+        except OverflowError:
+            pass
+    raise FieldError(key, f"{key} must be a number, got {_kind(value)}")
+
+
+def _bool(body: dict[str, Any], key: str) -> bool:
+    value = body.get(key)
+    if value is None or type(value) is bool:
+        return bool(value)
+    raise FieldError(key, f"{key} must be a boolean, got {_kind(value)}")
+
+
+def _token_ids(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and value and all(type(t) is int for t in value):
+        return tuple(value)
+    return None
+
+
+def _prompt(body: dict[str, Any]) -> str | tuple[int, ...]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise FieldError("prompt", "prompt is required")
+    if isinstance(prompt, str):
+        return prompt
+    ids = _token_ids(prompt)
+    if ids is not None:
+        return ids
+    if isinstance(prompt, list) and len(prompt) == 1:
+        only = prompt[0]
+        if isinstance(only, str):
+            return only
+        ids = _token_ids(only)
+        if ids is not None:
+            return ids
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise FieldError("prompt", f"a batch of {len(prompt)} prompts is not supported; send one "
+                                   f"prompt per request")
+    raise FieldError("prompt", "prompt must be a string, a non-empty list of token ids, or a list "
+                               "holding exactly one of those")
+
+
+def _content(content: Any, where: str, role: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None and role == "assistant":
+        return ""
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                    part.get("text"), str):
+                raise FieldError(f"{where}.content[{i}]", "only text content parts "
+                                 '({"type": "text", "text": "..."}) are supported')
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise FieldError(f"{where}.content", f"content must be a string or a list of text parts, "
+                                         f"got {_kind(content)}")
+
+
+def _messages(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise FieldError("messages", f"messages must be a non-empty array, got {_kind(messages)}")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise FieldError(where, f"each message must be an object, got {_kind(message)}")
+        role = message.get("role")
+        if not isinstance(role, str) or role not in _ROLES:
+            raise FieldError(f"{where}.role", f"role must be one of {sorted(_ROLES)}, got {role!r}")
+        if message.get("tool_calls"):
+            raise FieldError(f"{where}.tool_calls", "tool calls are not supported")
+        out.append((_ROLES[role], _content(message.get("content"), where, role)))
+    return tuple(out)
+
+
+def _stop(body: dict[str, Any], limit: int) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > limit:
+            raise FieldError("stop", f"at most {limit} stop strings are supported, got {len(stop)}")
+        return tuple(stop)
+    raise FieldError("stop", f"stop must be a string or an array of strings, got {_kind(stop)}")
+
+
+def _check_unsupported(body: dict[str, Any]) -> None:
+    if _NEUTRAL_KEYS.isdisjoint(body):  # the common case: none of those fields is sent
+        return
+    for key, neutral in _NEUTRAL.items():
+        value = body.get(key)
+        if value is not None and value not in neutral:
+            if key == "n":
+                raise FieldError("n", f"n must be 1 (one choice per request), got {value!r}")
+            raise FieldError(key, f"{key}={value!r} is not supported by this server")
+
+
+def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> OpenAIRequest:
+    """Validate a ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` body."""
+    data = load_json_object(body)
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise FieldError("model", f"model must be a non-empty string, got {_kind(model)}")
+    _check_unsupported(data)
+    max_tokens = _int(data, "max_tokens")
+    if chat and data.get("max_completion_tokens") is not None:
+        max_tokens = _int(data, "max_completion_tokens")
+    stop_ids = data.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids)):
+        raise FieldError("stop_token_ids", f"stop_token_ids must be an array of integers, got {_kind(stop_ids)}")
+    options = data.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise FieldError("stream_options", f"stream_options must be an object, got {_kind(options)}")
+    return OpenAIRequest(
+        chat=chat, model=model,
+        prompt="" if chat else _prompt(data),
+        messages=_messages(data) if chat else (),
+        max_tokens=max_tokens,
+        temperature=_number(data, "temperature", 1.0),
+        top_p=_number(data, "top_p", 1.0),
+        top_k=_int(data, "top_k") or 0,
+        seed=_int(data, "seed"),
+        stop=_stop(data, config.max_stop_strings),
+        stop_token_ids=tuple(stop_ids or ()),
+        ignore_eos=_bool(data, "ignore_eos"),
+        stream=_bool(data, "stream"),
+        include_usage=_bool(options, "include_usage") if options else False,
+    )
+
+
+def to_router_request(req: OpenAIRequest, served: ServedModel, config: FrontdoorConfig,
+                      deadline: float | None = None) -> RouterRequest:
+    """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling."""
+    tokenizer = served.tokenizer
+    if req.chat:
+        ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in req.messages])
+    elif isinstance(req.prompt, str):
+        ids = tokenizer.encode(req.prompt)
+    else:
+        served.check_token_ids(req.prompt, "prompt")
+        ids = list(req.prompt)
+    served.check_token_ids(req.stop_token_ids, "stop_token_ids")
+    try:
+        max_tokens = served.max_tokens_for(len(ids), req.max_tokens, config.default_max_tokens)
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, seed=req.seed, stop_token_ids=req.stop_token_ids,
+                                  ignore_eos=req.ignore_eos)
+    except FieldError:
+        raise
+    except InvalidRequestError as exc:
+        if type(exc) is not InvalidRequestError:
+            raise
+        field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
+        raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline)

@@ -1,0 +1,250 @@
+"""The router's Prometheus metrics, on a registry owned by one router (never the process default).
+
+Front doors record what a client sees (time to first token, inter-token latency, end-to-end
+latency, outcome, tokens); the orchestrator records what happens behind them (queue time, worker
+load, KV transfers, prefix-cache hits) through the small ``observe_*`` / ``set_*`` methods below.
+
+Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);
+counters end in ``_total``. Label sets are small and bounded: ``frontdoor`` (``http`` | ``grpc``),
+``outcome`` (see :func:`outcome_of`), ``worker`` and ``role`` for per-worker gauges, ``backend``
+for KV transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.values import MutexValue
+
+from pdrouter.core.errors import (
+    CancelledError,
+    CapacityError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+)
+
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+OUTCOMES = ("ok", "invalid", "not_found", "capacity", "unavailable", "deadline", "cancelled", "error")
+
+# Latency buckets: the router's own overhead is sub-millisecond, generation runs to minutes.
+_TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0,
+                600.0)
+_QUEUE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  30.0, 60.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+def outcome_of(exc: BaseException | None) -> str:
+    """The ``outcome`` label for a request that ended with ``exc`` (None: it succeeded)."""
+    if exc is None:
+        return "ok"
+    if isinstance(exc, InvalidRequestError | FailedPreconditionError):
+        return "invalid"
+    if isinstance(exc, NotFoundError):
+        return "not_found"
+    if isinstance(exc, CapacityError):
+        return "capacity"
+    if isinstance(exc, UnavailableError):
+        return "unavailable"
+    if isinstance(exc, DeadlineExceededError):
+        return "deadline"
+    if isinstance(exc, CancelledError | asyncio.CancelledError):
+        return "cancelled"
+    return "error"
+
+
+class _PlainValue:
+    """A metric value without a lock. prometheus_client guards every value with a mutex; the
+    router updates and scrapes its per-request metrics on its event loop's thread alone, where
+    the lock is pure cost (about ten acquisitions per request)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: float = 0.0) -> None:
+        self._value = value
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        pass
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> None:
+        return None
+
+
+def _unlocked(child: Any) -> Any:
+    """``child`` (a labelled counter, gauge or histogram) with plain values, when it has the
+    values this prometheus_client version is known to have; else unchanged."""
+    for attr in ("_value", "_sum"):
+        value = getattr(child, attr, None)
+        if type(value) is MutexValue:
+            setattr(child, attr, _PlainValue(value.get()))
+    buckets = getattr(child, "_buckets", None)
+    if buckets and all(type(b) is MutexValue for b in buckets):
+        child._buckets = [_PlainValue(b.get()) for b in buckets]
+    return child
+
+
+class _FastHistogram:
+    """``observe`` for a labelled histogram: a binary search for the bucket instead of a scan."""
+
+    __slots__ = ("_bounds", "_buckets", "_sum", "observe")
+
+    def __init__(self, child: Any) -> None:
+        self._bounds: list[float] = list(getattr(child, "_upper_bounds", ()))
+        self._buckets: Any = getattr(child, "_buckets", None)
+        self._sum: Any = getattr(child, "_sum", None)
+        plain = isinstance(self._sum, _PlainValue) and self._buckets is not None and \
+            len(self._buckets) == len(self._bounds) and self._bounds and self._bounds[-1] == float("inf")
+        self.observe: Callable[[float], None] = self._observe if plain else child.observe
+
+    def _observe(self, amount: float) -> None:
+        self._sum.inc(amount)
+        self._buckets[bisect.bisect_left(self._bounds, amount)].inc(1)
+
+
+class FrontdoorMetrics:
+    """The children of one front door's metrics, resolved once so the hot path skips label lookups."""
+
+    def __init__(self, metrics: RouterMetrics, frontdoor: str) -> None:
+        self.ttft = _FastHistogram(_unlocked(metrics.ttft_seconds.labels(frontdoor)))
+        self.itl = _FastHistogram(_unlocked(metrics.inter_token_latency_seconds.labels(frontdoor)))
+        self.e2e = _FastHistogram(_unlocked(metrics.request_duration_seconds.labels(frontdoor)))
+        self.in_flight = _unlocked(metrics.requests_in_flight.labels(frontdoor))
+        self.prompt_tokens = _unlocked(metrics.prompt_tokens_total.labels(frontdoor))
+        self.generation_tokens = _unlocked(metrics.generation_tokens_total.labels(frontdoor))
+        self._outcomes = {o: _unlocked(metrics.requests_total.labels(frontdoor, o)) for o in OUTCOMES}
+
+    def finished(self, exc: BaseException | None, duration_s: float) -> None:
+        """Count one finished request by outcome and, when it succeeded, observe its latency."""
+        self._outcomes[outcome_of(exc)].inc()
+        if exc is None:
+            self.e2e.observe(duration_s)
+
+
+class RouterMetrics:
+    """All of one router's metrics on its own ``CollectorRegistry``."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft_seconds = Histogram(
+            "pdrouter_time_to_first_token_seconds",
+            "From request arrival at the front door to the first generated token leaving it.",
+            ["frontdoor"], buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency_seconds = Histogram(
+            "pdrouter_inter_token_latency_seconds",
+            "Gap between consecutive stream deltas divided by the tokens the later one carries.",
+            ["frontdoor"], buckets=_ITL_BUCKETS, registry=r)
+        self.request_duration_seconds = Histogram(
+            "pdrouter_request_duration_seconds",
+            "End-to-end latency of successful requests, arrival to last token.",
+            ["frontdoor"], buckets=_E2E_BUCKETS, registry=r)
+        self.requests_total = Counter(
+            "pdrouter_requests_total", "Finished requests by front door and outcome.",
+            ["frontdoor", "outcome"], registry=r)
+        self.requests_in_flight = Gauge(
+            "pdrouter_requests_in_flight", "Requests accepted by a front door and not finished yet.",
+            ["frontdoor"], registry=r)
+        self.prompt_tokens_total = Counter(
+            "pdrouter_prompt_tokens_total", "Prompt tokens of requests sent to the orchestrator.",
+            ["frontdoor"], registry=r)
+        self.generation_tokens_total = Counter(
+            "pdrouter_generation_tokens_total", "Tokens generated and streamed to clients.",
+            ["frontdoor"], registry=r)
+        self.queue_time_seconds = Histogram(
+            "pdrouter_queue_time_seconds", "Time a request waited for KV admission on a decode worker.",
+            buckets=_QUEUE_BUCKETS, registry=r)
+        self.worker_running_requests = Gauge(
+            "pdrouter_worker_running_requests", "Requests running on a worker (last heartbeat).",
+            ["worker", "role"], registry=r)
+        self.worker_queued_prefill_tokens = Gauge(
+            "pdrouter_worker_queued_prefill_tokens", "Uncached prompt tokens queued on a worker.",
+            ["worker", "role"], registry=r)
+        self.worker_free_kv_blocks = Gauge(
+            "pdrouter_worker_free_kv_blocks", "Allocatable KV blocks on a worker (free + evictable).",
+            ["worker", "role"], registry=r)
+        self.kv_transfer_bytes_total = Counter(
+            "pdrouter_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode workers.",
+            ["backend"], registry=r)
+        self.kv_transfer_duration_seconds = Histogram(
+            "pdrouter_kv_transfer_duration_seconds", "Duration of one request's KV transfer.",
+            ["backend"], buckets=_TRANSFER_BUCKETS, registry=r)
+        self._transfer_children: dict[str, tuple[Any, _FastHistogram]] = {}
+        self.prefix_query_tokens_total = Counter(
+            "pdrouter_prefix_cache_query_tokens_total",
+            "Prompt tokens looked up in the prefix index for placement.", registry=r)
+        self.prefix_hit_tokens_total = Counter(
+            "pdrouter_prefix_cache_hit_tokens_total",
+            "Prompt tokens found cached on the chosen prefill worker.", registry=r)
+        self._frontdoors: dict[str, FrontdoorMetrics] = {}
+        # Recorded once per request or placement: no locks (see _PlainValue), binary-search buckets.
+        self._queue_time = _FastHistogram(_unlocked(self.queue_time_seconds))
+        _unlocked(self.prefix_query_tokens_total)
+        _unlocked(self.prefix_hit_tokens_total)
+
+    def frontdoor(self, name: str) -> FrontdoorMetrics:
+        """The pre-resolved metrics of front door ``name`` (``http`` or ``grpc``)."""
+        found = self._frontdoors.get(name)
+        if found is None:
+            found = self._frontdoors[name] = FrontdoorMetrics(self, name)
+        return found
+
+    # -- recorded by the orchestrator -------------------------------------------------------
+
+    def observe_queue_time(self, seconds: float) -> None:
+        self._queue_time.observe(seconds)
+
+    def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
+                        free_blocks: int) -> None:
+        """Publish a worker's latest load (from its heartbeat)."""
+        self.worker_running_requests.labels(worker, role).set(running)
+        self.worker_queued_prefill_tokens.labels(worker, role).set(queued_prefill_tokens)
+        self.worker_free_kv_blocks.labels(worker, role).set(free_blocks)
+
+    def remove_worker(self, worker: str, role: str) -> None:
+        """Drop a departed worker's gauges so they stop being exported."""
+        for gauge in (self.worker_running_requests, self.worker_queued_prefill_tokens,
+                      self.worker_free_kv_blocks):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker, role)
+
+    def observe_kv_transfer(self, nbytes: int, seconds: float, backend: str = "tcp") -> None:
+        """One request's KV transfer: its size and how long it took."""
+        children = self._transfer_children.get(backend)
+        if children is None:
+            children = self._transfer_children[backend] = (
+                _unlocked(self.kv_transfer_bytes_total.labels(backend)),
+                _FastHistogram(_unlocked(self.kv_transfer_duration_seconds.labels(backend))))
+        children[0].inc(nbytes)
+        children[1].observe(seconds)
+
+    def observe_prefix_match(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """A placement decision: ``hit_tokens`` of ``prompt_tokens`` were cached on the chosen worker."""
+        self.prefix_query_tokens_total.inc(prompt_tokens)
+        self.prefix_hit_tokens_total.inc(hit_tokens)
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric on this registry."""
+        return generate_latest(self.registry)

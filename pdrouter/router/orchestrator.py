@@ -1,0 +1,395 @@
+"""PD orchestration: one request's path through the worker pools.
+
+Disaggregated: admission books the decode blocks (Redis), the prefix index ranks the prefill
+workers (looked up while admission runs), then one call does the rest::
+
+    DecodeWorker.Serve(prompt, ranked prefill routes)
+        decode worker: reserve blocks ──▶ PrefillWorker.Prefill(into those blocks) ──▶ first token
+                                                                         └─▶ decode ──▶ the rest
+
+* The router makes one worker call per request (not three), so it adds one hop, not three, and
+  the first token reaches it one hop after the prefill worker produced it.
+* Conditional disaggregation: when the prompt's part not already cached on the decode worker is
+  at most ``local_prefill_tokens``, the decode worker computes it itself (no KV transfer); a prompt
+  that short costs no index lookup and names no prefill worker.
+* A prefill that fails before the first token (worker gone, transfer broken) is retried by the
+  decode worker on the next ranked prefill worker, up to ``max_prefill_attempts`` in all; the
+  report on the first chunk names the failures, and their circuit breakers count them.
+* Whatever ends the request (finish, error, client gone, deadline) cancels the call: the decode
+  worker frees its blocks and cancels the prefill in flight. The booking is released in Redis.
+
+Colocated: the request goes to one colocated worker, which streams every token.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+from redis.exceptions import RedisError
+
+from pdrouter.core.errors import DeadlineExceededError, UnavailableError
+from pdrouter.core.hashing import BlockHasher
+from pdrouter.core.ids import WorkerId
+from pdrouter.core.workers import WorkerRole
+from pdrouter.router.admission.admission import Admission
+from pdrouter.router.metrics import RouterMetrics
+from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
+from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
+from pdrouter.router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
+from pdrouter.state.prefix_index import PrefixIndex
+from pdrouter.state.reservations import DecodeCapacity, Reservation
+from pdrouter.wire.convert import sampling_to_pb
+from pdrouter.wire.grpc_util import from_rpc_error
+from pdrouter.wire.v1 import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+
+_GRPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)  # UsageError: the channel closed under us
+
+_FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+           common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+           common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    local_prefill_tokens: int = 32
+    """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
+    max_prefill_attempts: int = 3
+    """Prefill workers a request may try (the decode worker moves on after a retryable failure)."""
+    kv_backend: str = ""
+    """KV transport to ask decode workers for ("" = each worker's default)."""
+    rpc_timeout_s: float = 600.0
+    """Per-call limit when the request has no deadline of its own."""
+
+
+class TransferStats:
+    """Counters the orchestrator keeps about KV hand-offs (exported as metrics by the server)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.seconds = 0.0
+        self.transfers = 0
+        self.local_prefills = 0
+        self.prefill_retries = 0
+        self.lookups = 0
+        self.lookup_seconds = 0.0
+        self.index_errors = 0
+        self.admission_errors = 0
+        self.match_tokens: dict[str, int] = {}
+        """Per prefill worker: prompt tokens its cache held when it was chosen (index view)."""
+        self.placed_tokens: dict[str, int] = {}
+        """Per prefill worker: prompt tokens placed on it."""
+        self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
+
+
+class PdOrchestrator:
+    """Implements ``pdrouter.router.request.Orchestrator`` over a ``WorkerPool``."""
+
+    def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
+                 policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
+                 admission: Admission | None = None, hash_seed: int | str | bytes = 0,
+                 metrics: RouterMetrics | None = None) -> None:
+        self.pool = pool
+        self.model = model
+        self.config = config or OrchestratorConfig()
+        self.prefix_index = prefix_index
+        self.admission = admission
+        self.metrics = metrics
+        self.policy = policy or (CacheAware() if prefix_index is not None else LeastLoaded())
+        self.hasher = BlockHasher(model.block_size, hash_seed)
+        self.index_ok = prefix_index is not None
+        self.admission_ok = admission is not None
+        self.stats = TransferStats()
+        self._background: set[asyncio.Task[Any]] = set()
+
+    def models(self) -> list[ModelInfo]:
+        return [self.model]
+
+    def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        if self.config.mode == "colocated":
+            return self._colocated(request)
+        return self._disaggregated(request)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _timeout(self, request: RouterRequest) -> float:
+        if request.deadline is None:
+            return self.config.rpc_timeout_s
+        left = request.deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceededError(f"request {request.request_id} passed its deadline")
+        return left
+
+    def _blocks_needed(self, request: RouterRequest) -> int:
+        total = len(request.prompt_token_ids) + request.sampling.max_tokens
+        return -(-total // self.model.block_size)
+
+    def _unbook(self, reservation: Reservation) -> None:
+        """Give a request's KV booking back; one that needs Redis goes on in the background."""
+        assert self.admission is not None
+        task = self.admission.release_soon(reservation)
+        if task is not None:
+            task.set_name(f"unbook-{reservation.request_id}")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _background_task(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
+        """Run ``coro`` to completion even if the request's own task is cancelled."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout: float = 15.0) -> None:
+        """Wait for outstanding releases (shutdown); cancel what is still running after ``timeout``.
+
+        A cancelled release is not lost: the decode worker's lease and the Redis booking's lease
+        both expire on their own.
+        """
+        if not self._background:
+            return
+        _, pending = await asyncio.wait(set(self._background), timeout=timeout)
+        if pending:
+            log.warning("shutdown: %d background release(s) still running after %.1fs; cancelled: %s",
+                        len(pending), timeout, sorted(t.get_name() for t in pending))
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=1.0)
+
+    async def _relay(self, call: Any, request: RouterRequest,
+                     on_report: Callable[[common_pb2.PrefillReport], None] | None = None,
+                     ) -> AsyncIterator[TokenDelta]:
+        """Turn a worker's TokenChunk stream into TokenDeltas; the last one carries usage.
+
+        ``on_report`` gets the ``PrefillReport`` of a ``Serve`` stream (once) when it comes.
+        """
+        produced = 0
+        try:
+            async for chunk in call:
+                if on_report is not None and chunk.HasField("prefill"):
+                    on_report(chunk.prefill)
+                    on_report = None
+                produced += len(chunk.token_ids)
+                reason = _FINISH.get(chunk.finish_reason)
+                if reason is None:
+                    if chunk.token_ids:
+                        yield TokenDelta(tuple(chunk.token_ids))
+                    continue
+                yield TokenDelta(tuple(chunk.token_ids), reason,
+                                 Usage(len(request.prompt_token_ids), produced, chunk.usage.cached_tokens))
+                return
+        except _GRPC_ERRORS as exc:
+            raise from_rpc_error(exc) from None
+        raise UnavailableError(f"request {request.request_id}: the worker ended the stream without finishing")
+
+    async def _cached_tokens(self, request: RouterRequest,
+                             candidates: Sequence[WorkerHandle]) -> dict[WorkerId, int]:
+        """Per candidate, the prompt tokens its prefix cache holds (empty without an index).
+
+        A prompt shorter than one block cannot hit, so it costs no lookup.
+        """
+        if self.prefix_index is None or not candidates or len(request.prompt_token_ids) < self.model.block_size:
+            return {}
+        start = time.perf_counter()
+        hashes = self.hasher.hash_blocks(request.prompt_token_ids)
+        try:
+            matches = await self.prefix_index.lookup(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
+        except (RedisError, OSError) as exc:
+            if self.index_ok:
+                log.warning("prefix index unreachable (%s): placing by load alone", exc)
+            self.index_ok = False
+            self.stats.index_errors += 1
+            return {}
+        if not self.index_ok:
+            log.info("prefix index reachable again")
+        self.index_ok = True
+        self.stats.lookup_seconds += time.perf_counter() - start
+        self.stats.lookups += 1
+        return {m.worker_id: m.blocks * self.model.block_size for m in matches}
+
+    def _early_lookup(self, request: RouterRequest) -> asyncio.Task[dict[WorkerId, int]] | None:
+        """Start the prefill placement's index lookup now, to run while admission does.
+
+        Only for prompts that may need the prefill pool (longer than ``local_prefill_tokens``) and
+        can hit (one block or more). The task never raises (``_cached_tokens`` degrades to {}); it
+        is left to finish when the request does not use it (a local prefill, an early error).
+        """
+        n = len(request.prompt_token_ids)
+        if self.prefix_index is None or n < self.model.block_size or n <= self.config.local_prefill_tokens:
+            return None
+        candidates = self.pool.available(WorkerRole.PREFILL)
+        if not candidates:
+            return None
+        task = asyncio.ensure_future(self._cached_tokens(request, candidates))
+        task.set_name(f"prefix-lookup-{request.request_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # -- colocated ----------------------------------------------------------------------------
+    async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        handle, reservation = await self._admit(request, WorkerRole.COLOCATED)
+        msg = worker_pb2.WorkerGenerateRequest(request_id=request.request_id,
+                                               prompt_token_ids=request.prompt_token_ids,
+                                               sampling=sampling_to_pb(request.sampling))
+        handle.inflight += 1
+        handle.breaker.on_attempt()
+        call = None
+        try:
+            try:
+                call = handle.colocated.Generate(msg, timeout=self._timeout(request))
+            except _GRPC_ERRORS as exc:
+                raise from_rpc_error(exc) from None
+            async for delta in self._relay(call, request):
+                yield delta
+            handle.breaker.on_success()
+        except UnavailableError:
+            handle.breaker.on_failure()
+            raise
+        finally:
+            handle.inflight -= 1
+            if call is not None:
+                call.cancel()
+            if reservation is not None and self.admission is not None:
+                self._unbook(reservation)
+
+    # -- disaggregated ------------------------------------------------------------------------
+    async def _admit(self, request: RouterRequest, role: WorkerRole) -> tuple[WorkerHandle, Reservation | None]:
+        """Pick the decode (or colocated) worker; with admission, book its KV first."""
+        candidates = self.pool.available(role)
+        blocks = self._blocks_needed(request)
+        if self.admission is None:
+            return self.policy.pick_decode(request, candidates, blocks), None
+        if not candidates:
+            raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
+        by_id = {h.worker_id: h for h in candidates}
+        caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
+        start = time.perf_counter()
+        try:
+            reservation = await self.admission.admit(request.request_id, blocks, caps, priority=request.priority,
+                                                     deadline=request.deadline)
+        except (RedisError, OSError) as exc:
+            # Redis is the only shared state: without it keep serving, each decode worker still
+            # guards its own pool (Allocate answers RESOURCE_EXHAUSTED when it is full).
+            if self.admission_ok:
+                log.warning("KV admission unavailable (%s): placing decode by load alone", exc)
+            self.admission_ok = False
+            self.stats.admission_errors += 1
+            return self.policy.pick_decode(request, candidates, blocks), None
+        if not self.admission_ok:
+            log.info("KV admission available again")
+        self.admission_ok = True
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(time.perf_counter() - start)
+        return by_id[reservation.worker_id], reservation
+
+    def _prefill_routes(self, request: RouterRequest,
+                        cached_tokens: dict[WorkerId, int]) -> list[tuple[WorkerHandle, int]]:
+        """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens."""
+        candidates = list(self.pool.available(WorkerRole.PREFILL))
+        if len(candidates) == 1:
+            return [(candidates[0], cached_tokens.get(candidates[0].worker_id, 0))]
+        ranked: list[tuple[WorkerHandle, int]] = []
+        while candidates and len(ranked) < self.config.max_prefill_attempts:
+            handle = self.policy.pick_prefill(request, candidates, cached_tokens)
+            candidates.remove(handle)
+            ranked.append((handle, cached_tokens.get(handle.worker_id, 0)))
+        return ranked
+
+    def _on_report(self, report: common_pb2.PrefillReport, request: RouterRequest) -> None:
+        """What the decode worker says of the prompt's computation: breakers, stats, metrics."""
+        for failure in report.failures:
+            self.stats.prefill_retries += 1
+            failed = self.pool.get(WorkerId(failure.worker_id))
+            if failed is not None and failure.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
+                failed.breaker.on_failure()
+            log.warning("prefill of %s on %s failed (%s: %s)", request.request_id, failure.worker_id,
+                        failure.code, failure.message)
+        if report.local:
+            self.stats.local_prefills += 1
+            return
+        if not report.worker_id:
+            return  # every attempt failed; the error follows
+        served = self.pool.get(WorkerId(report.worker_id))
+        if served is not None:
+            served.breaker.on_success()
+        self.stats.prompt_tokens += report.prompt_tokens
+        self.stats.cached_prompt_tokens += report.cached_tokens
+        self.stats.transfers += 1
+        self.stats.bytes += report.bytes_sent
+        self.stats.seconds += report.transfer_ms / 1e3
+        if self.metrics is not None:
+            self.metrics.observe_prefix_match(report.prompt_tokens, report.cached_tokens)
+            self.metrics.observe_kv_transfer(report.bytes_sent, report.transfer_ms / 1e3,
+                                             self.config.kv_backend or "tcp")
+
+    async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        """One ``DecodeWorker.Serve`` call: the decode worker reserves, has the ranked prefill workers
+        compute the prompt (or computes it itself), and streams every token."""
+        lookup = self._early_lookup(request)  # runs while admission books the decode blocks
+        decode, reservation = await self._admit(request, WorkerRole.DECODE)
+        handles: list[tuple[WorkerHandle, int]] = []
+        accounted: WorkerHandle | None = None
+        call = None
+        tokens = len(request.prompt_token_ids)
+        decode.inflight += 1
+        try:
+            if tokens > self.config.local_prefill_tokens:
+                cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
+                handles = self._prefill_routes(request, cached_tokens)
+            msg = worker_pb2.ServeRequest(
+                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling_to_pb(request.sampling), model_compat_hash=self.pool.model_compat_hash,
+                backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
+                prefill=[worker_pb2.PrefillRoute(worker_id=h.worker_id, address=h.record.address,
+                                                 lane_address=h.record.lane_address if h.lane is not None else "",
+                                                 cached_tokens=cached)
+                         for h, cached in handles])
+            if handles:
+                # The best candidate is charged with the prompt until its report arrives.
+                accounted, cached = handles[0]
+                wid = accounted.worker_id
+                self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached
+                self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + tokens
+                accounted.inflight += 1
+                accounted.inflight_prefill_tokens += tokens
+                accounted.assigned_tokens += tokens - cached
+                for h, _ in handles:
+                    h.breaker.on_attempt()
+            decode.breaker.on_attempt()
+            reported = False
+
+            def on_report(report: common_pb2.PrefillReport) -> None:
+                nonlocal reported, accounted
+                reported = True
+                if accounted is not None:
+                    accounted.inflight -= 1
+                    accounted.inflight_prefill_tokens -= tokens
+                    accounted = None
+                self._on_report(report, request)
+
+            try:
+                call = decode.decode.Serve(msg, timeout=self._timeout(request))
+                async for delta in self._relay(call, request, on_report):
+                    yield delta
+            except UnavailableError:
+                if not reported:
+                    decode.breaker.on_failure()  # a report would say the prefill side failed
+                raise
+            decode.breaker.on_success()
+        finally:
+            decode.inflight -= 1
+            if accounted is not None:
+                accounted.inflight -= 1
+                accounted.inflight_prefill_tokens -= tokens
+            if call is not None:
+                call.cancel()
+            if reservation is not None and self.admission is not None:
+                self._unbook(reservation)

@@ -1,0 +1,1 @@
+"""Where a request goes: the live worker pool, placement policies, per-worker circuit breakers."""

@@ -1,0 +1,222 @@
+"""The workers one router knows: discovered from the Redis registry and/or a static address list.
+
+Each ``WorkerHandle`` holds the channel and stubs to one worker (its worker lane where it serves
+one, see ``pdrouter.wire.lane``, else gRPC), its last reported load,
+the requests this router has in flight on it, and its circuit breaker. ``refresh`` re-reads the
+registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
+info; a worker that disappears from both is dropped after ``missing_grace_s`` (long enough for every
+worker to re-register after a Redis restart) and its channel closed once no request uses it. With Redis down, the
+last known set is kept and ``registry_ok`` turns false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from redis.exceptions import RedisError
+
+from pdrouter.core.aio import cancel_and_wait
+from pdrouter.core.ids import WorkerId
+from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.router.placement.circuit_breaker import CircuitBreaker
+from pdrouter.state.registry import WorkerRegistry
+from pdrouter.wire.convert import load_from_pb, record_from_pb
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.wire.lane import LaneChannel, request_stubs
+from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    """A connection to one worker incarnation and this router's view of it."""
+
+    record: WorkerRecord
+    load: WorkerLoad
+    channel: grpc.aio.Channel
+    breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+    assigned_tokens: int = 0
+    lane: LaneChannel | None = None
+    """The worker lane, when the worker serves one and the router uses it: request RPCs go there."""
+
+    def __post_init__(self) -> None:
+        self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
+        self.prefill, self.decode, self.colocated = request_stubs(self.channel, self.lane)
+
+    async def close(self) -> None:
+        await self.channel.close()
+        if self.lane is not None:
+            await self.lane.close()
+
+    @property
+    def worker_id(self) -> WorkerId:
+        return self.record.worker_id
+
+    @property
+    def role(self) -> WorkerRole:
+        return self.record.role
+
+
+class WorkerPool:
+    """The set of workers serving one model."""
+
+    def __init__(self, model: str, registry: WorkerRegistry | None = None,
+                 static_addresses: Sequence[str] = (), refresh_interval_s: float = 1.0,
+                 breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
+                 missing_grace_s: float = 2.0,
+                 on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None,
+                 use_lane: bool = True) -> None:
+        """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries).
+
+        ``use_lane``: send requests over a worker's lane when its record names one (else gRPC).
+        """
+        self.use_lane = use_lane
+        self.model = model
+        self.registry = registry
+        self.static_addresses = list(static_addresses)
+        self.refresh_interval_s = refresh_interval_s
+        self._breaker_args = (breaker_threshold, breaker_cooldown_s)
+        self._handles: dict[WorkerId, WorkerHandle] = {}
+        self._missing: dict[WorkerId, float] = {}
+        self._closing: set[asyncio.Task[None]] = set()
+        self.missing_grace_s = missing_grace_s
+        self.on_leave = on_leave
+        self._task: asyncio.Task[None] | None = None
+        self.registry_ok = registry is not None
+        self.model_compat_hash = ""
+
+    def workers(self, role: WorkerRole | None = None) -> list[WorkerHandle]:
+        return [h for h in self._handles.values() if role is None or h.role is role]
+
+    def get(self, worker_id: WorkerId) -> WorkerHandle | None:
+        """The handle of a worker in the pool now, or None."""
+        return self._handles.get(worker_id)
+
+    def available(self, role: WorkerRole) -> list[WorkerHandle]:
+        """Workers of ``role`` whose circuit breaker lets a request through now.
+
+        A worker missing from the registry stops counting at once, unless every worker of the role
+        is missing (Redis restarted or is unreachable: better the last known workers than none).
+        """
+        allowed = [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+        if not self._missing:
+            return allowed
+        present = [h for h in allowed if h.worker_id not in self._missing]
+        return present or allowed
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name=f"worker-pool-{self.model}")
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        for task in list(self._closing):  # departed workers: cancelling closes their channels
+            await cancel_and_wait(task)
+        for handle in self._handles.values():
+            await handle.close()
+        self._handles.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep refreshing whatever one round hit
+                log.exception("worker pool refresh failed")
+
+    async def refresh(self) -> None:
+        seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]] = {}
+        if self.registry is not None:
+            try:
+                for live in await self.registry.live_workers():
+                    seen[live.record.worker_id] = (live.record, live.load)
+                if not self.registry_ok:
+                    log.info("worker registry reachable again")
+                self.registry_ok = True
+            except (RedisError, OSError) as exc:
+                if self.registry_ok:
+                    log.warning("worker registry unreachable (%s); keeping the last known workers", exc)
+                self.registry_ok = False
+                seen.update({h.worker_id: (h.record, h.load) for h in self._handles.values()
+                             if h.record.address not in self.static_addresses})
+        for address in self.static_addresses:
+            found = await self._probe_static(address)
+            if found is not None:
+                seen[found[0].worker_id] = found
+        self._apply(seen)
+
+    async def _probe_static(self, address: str) -> tuple[WorkerRecord, WorkerLoad] | None:
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            stub = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+            try:
+                info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=2.0)
+                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
+            except grpc.RpcError as exc:
+                log.warning("static worker %s unreachable: %s", address, exc.code())
+                return None
+        return record_from_pb(info), load_from_pb(load)
+
+    def _apply(self, seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]]) -> None:
+        now = time.monotonic()
+        for worker_id in list(self._handles):
+            handle = self._handles[worker_id]
+            found = seen.get(worker_id)
+            if found is not None and (found[0].epoch, found[0].address) == (handle.record.epoch,
+                                                                             handle.record.address):
+                self._missing.pop(worker_id, None)
+                continue
+            if found is None:
+                # Missing from the registry: gone, or Redis restarted and it has not re-registered
+                # yet. Keep it a moment; a dead one fails fast and its breaker opens meanwhile.
+                first = self._missing.setdefault(worker_id, now)
+                if now - first < self.missing_grace_s:
+                    continue
+            self._missing.pop(worker_id, None)
+            log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
+            del self._handles[worker_id]
+            if self.on_leave is not None:
+                self._track(self.on_leave(handle.record))
+            self._track(self._close_when_idle(handle))
+        for worker_id, (record, load) in seen.items():
+            if record.model != self.model:
+                continue
+            if self.model_compat_hash and record.model_compat_hash != self.model_compat_hash:
+                log.warning("worker %s serves %s with compat hash %s, not %s: ignored", worker_id,
+                            record.model, record.model_compat_hash, self.model_compat_hash)
+                continue
+            existing = self._handles.get(worker_id)
+            if existing is not None:
+                existing.load = load
+                continue
+            channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
+            breaker = CircuitBreaker(*self._breaker_args)
+            lane = LaneChannel(record.lane_address) if self.use_lane and record.lane_address else None
+            self._handles[worker_id] = WorkerHandle(record, load, channel, breaker, lane=lane)
+            self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
+            log.info("worker %s (%s, epoch %s) joined at %s%s", worker_id, record.role.value,
+                     record.epoch, record.address, f" (lane {lane.address})" if lane is not None else "")
+
+    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    @staticmethod
+    async def _close_when_idle(handle: WorkerHandle, limit_s: float = 60.0) -> None:
+        """Close a departed worker's channel once no request of this router uses it any more."""
+        deadline = time.monotonic() + limit_s
+        try:
+            while handle.inflight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:  # also when the pool stops: the channel closes either way
+            await handle.close()

@@ -1,0 +1,180 @@
+"""One router process: worker pool, orchestrator, HTTP and gRPC front doors, metrics.
+
+Start-up: Redis (registry, prefix index, reservations) → worker pool (first refresh) → front
+doors. Without Redis the router runs on its static worker list, placing by load alone and without
+shared admission. Shutdown: stop accepting, drain in-flight requests, release every reservation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pdrouter.core.aio import cancel_and_wait
+from pdrouter.core.model_spec import ModelSpec
+from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.core.workers import WorkerRecord, WorkerRole
+from pdrouter.router.admission.admission import Admission
+from pdrouter.router.config import RouterConfig
+from pdrouter.router.frontdoor.grpc_api import RouterServicer
+from pdrouter.router.frontdoor.http_api import bind_socket, create_app, make_server
+from pdrouter.router.metrics import RouterMetrics
+from pdrouter.router.orchestrator import PdOrchestrator
+from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
+from pdrouter.router.placement.worker_pool import WorkerPool
+from pdrouter.router.request import ModelInfo
+from pdrouter.router.state_metrics import StateMetrics
+from pdrouter.state.prefix_index import PrefixIndex
+from pdrouter.state.registry import WorkerRegistry
+from pdrouter.state.reservations import KvReservations
+from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.v1 import router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RouterProcess:
+    """Owns every part of one router; ``start`` then ``stop``."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        spec = ModelSpec.from_pretrained_dir(config.model_dir)
+        self.model_name = config.model_name or spec.name
+        self.model = ModelInfo(name=self.model_name, max_context=spec.max_context, vocab_size=spec.vocab_size,
+                               block_size=config.block_size)
+        self.tokenizer = load_tokenizer(config.model_dir)
+        self.metrics = RouterMetrics()
+        self.redis: aioredis.Redis | None = None
+        self.pool: WorkerPool | None = None
+        self.admission: Admission | None = None
+        self.orchestrator: PdOrchestrator | None = None
+        self.grpc: GrpcServer | None = None
+        self._http_server: object | None = None
+        self._http_task: asyncio.Task[None] | None = None
+        self._metrics_task: asyncio.Task[None] | None = None
+        self.http_port = 0
+
+    async def start(self) -> None:
+        cfg = self.config
+        registry = index = None
+        if cfg.redis_url:
+            self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+            try:
+                await self.redis.ping()
+            except (RedisError, OSError) as exc:
+                if not cfg.static_workers:
+                    raise
+                log.warning("Redis at %s unreachable (%s): serving the static workers by load alone",
+                            cfg.redis_url, exc)
+            registry = WorkerRegistry(self.redis, self.model_name)
+            if cfg.cache_aware:
+                index = PrefixIndex(self.redis, self.model_name)
+            if cfg.admission:
+                self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
+                self.admission.start()
+        self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
+                               use_lane=cfg.worker_transport == "lane",
+                               on_leave=self._forget_worker if index is not None else None)
+        self._index = index
+        await self.pool.start()
+        policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
+        self.orchestrator = PdOrchestrator(self.pool, self.model, cfg.orchestrator, policy, index,
+                                           self.admission, cfg.hash_seed, metrics=self.metrics)
+        self.state_metrics = StateMetrics(self.orchestrator)
+        self.metrics.registry.register(self.state_metrics)
+        tokenizers = {self.model_name: self.tokenizer}
+        self.grpc = GrpcServer(cfg.host, cfg.grpc_port)
+        self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
+                      RouterServicer(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor),
+                      "pdrouter.v1.Router")
+        await self.grpc.start()
+        app = create_app(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
+        sock = bind_socket(cfg.host, cfg.http_port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
+        sock.listen(1024)
+        sock.setblocking(False)
+        self.http_port = sock.getsockname()[1]
+        server = make_server(app, cfg.host, self.http_port)
+        self._http_server = server
+        self._http_task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
+        while not server.started:
+            if self._http_task.done():
+                await self._http_task
+            await asyncio.sleep(0.01)
+        self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
+        log.info("router for %s (%s) on http://%s:%d and grpc %s", self.model_name, cfg.mode, cfg.host,
+                 self.http_port, self.grpc.address)
+
+    async def _forget_worker(self, record: WorkerRecord) -> None:
+        """A worker incarnation left the pool: its prefix index entries go with it."""
+        if self._index is not None and record.role is WorkerRole.PREFILL:
+            try:
+                await self._index.clear(record.worker_id, record.epoch)
+            except (RedisError, OSError) as exc:  # they expire on their own anyway
+                log.debug("could not clear index entries of %s: %s", record.worker_id, exc)
+
+    @property
+    def grpc_address(self) -> str:
+        assert self.grpc is not None
+        return self.grpc.address
+
+    async def _publish_metrics(self) -> None:
+        known: set[tuple[str, str]] = set()
+        while True:
+            await asyncio.sleep(1.0)
+            assert self.pool is not None
+            seen: set[tuple[str, str]] = set()
+            for h in self.pool.workers():
+                key = (h.worker_id, h.role.value)
+                seen.add(key)
+                self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
+                                             queued_prefill_tokens=h.load.queued_prefill_tokens,
+                                             free_blocks=h.load.free_blocks)
+            for worker, role in known - seen:
+                self.metrics.remove_worker(worker, role)
+            known = seen
+            await self.state_metrics.refresh()
+
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish within ``grace``, then release everything.
+
+        Every step is bounded: a step that overruns is abandoned with a warning naming it, so a
+        stuck dependency can delay shutdown but never hang it.
+        """
+        if self._http_server is not None:
+            # Open HTTP connections get ``grace`` to finish, then uvicorn closes them.
+            self._http_server.config.timeout_graceful_shutdown = grace  # type: ignore[attr-defined]
+            self._http_server.should_exit = True  # type: ignore[attr-defined]
+        bound = grace + 5.0
+        if self.grpc is not None:
+            await _bounded("gRPC front door stop", self.grpc.stop(grace), bound)
+        if self._http_task is not None:
+            await _bounded("HTTP front door stop", asyncio.shield(self._http_task), bound)
+            await cancel_and_wait(self._http_task)
+        await cancel_and_wait(self._metrics_task)
+        if self.orchestrator is not None:
+            await self.orchestrator.drain(bound)
+        if self.admission is not None:
+            await _bounded("admission stop", self.admission.stop(), bound)
+        if self.pool is not None:
+            await _bounded("worker pool stop", self.pool.stop(), bound)
+        if self.redis is not None:
+            await _bounded("Redis client close", self.redis.aclose(), bound)
+
+
+async def _bounded(what: str, aw: Awaitable[object], timeout: float) -> None:
+    """Await ``aw`` for at most ``timeout`` seconds; log (never raise) an overrun or a failure.
+
+    An overrunning step is cancelled but not waited for, so even one that ignores cancellation
+    cannot hold shutdown up.
+    """
+    task = asyncio.ensure_future(aw)
+    done, _ = await asyncio.wait({task}, timeout=timeout)
+    if not done:
+        log.warning("shutdown: %s did not finish within %.1fs; abandoned", what, timeout)
+        task.cancel()
+    elif not task.cancelled() and task.exception() is not None:
+        log.warning("shutdown: %s failed: %s", what, task.exception())

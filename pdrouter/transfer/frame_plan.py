@@ -1,0 +1,94 @@
+"""Cutting a request's blocks into frames: pure arithmetic, no I/O.
+
+A frame's payload is, in this order, for each layer of its layer range, for K then V, for each run
+of consecutive blocks, the bytes of those blocks: with the pool laid out as
+``[layer, K|V, block, ...]`` every (layer, K|V, run) is one contiguous range, so both ends move it
+straight from and into the pool. Frames stay under ``max_frame_bytes`` and ``max_runs`` runs;
+small requests pack several layers into one frame, large ones split a layer across frames.
+Frames come out layer-major, so layer i is complete before layer i + 1 starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from pdrouter.transfer.target import BlockSegment
+
+Run = tuple[int, int]
+"""(first block id, number of consecutive blocks)."""
+
+
+class FrameSpan(NamedTuple):
+    """The pool ranges one frame covers on one side: layers × (K, V) × runs."""
+
+    layer_start: int
+    layer_end: int
+    runs: tuple[Run, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(count for _, count in self.runs)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    def nbytes(self, half_block_bytes: int) -> int:
+        """Payload bytes, where ``half_block_bytes`` is one block's K (or V) in one layer."""
+        return self.num_layers * 2 * self.num_blocks * half_block_bytes
+
+    def pieces(self, half_block_bytes: int, num_blocks_in_pool: int) -> Iterator[tuple[int, int]]:
+        """(byte offset in the pool, byte length) of each contiguous range, in payload order."""
+        for layer in range(self.layer_start, self.layer_end):
+            for kv in (0, 1):
+                base = (layer * 2 + kv) * num_blocks_in_pool
+                for start, count in self.runs:
+                    yield (base + start) * half_block_bytes, count * half_block_bytes
+
+
+@dataclass(frozen=True)
+class PlannedFrame:
+    """One frame of a transfer: what the sender reads and where the receiver writes it."""
+
+    src: FrameSpan
+    dst: FrameSpan
+    nbytes: int
+
+
+def plan_frames(segments: Sequence[BlockSegment], layers: range, half_block_bytes: int,
+                max_frame_bytes: int, max_runs: int) -> list[PlannedFrame]:
+    """Frames moving ``segments`` for every layer in ``layers`` (see the module docstring)."""
+    if not segments or not layers:
+        return []
+    per_block_layer = 2 * half_block_bytes
+    cap = max(1, max_frame_bytes // per_block_layer)
+    pieces = [piece for seg in segments for piece in _split(seg, cap)]
+
+    groups: list[list[BlockSegment]] = [[]]
+    group_blocks = 0
+    for seg in pieces:
+        if groups[-1] and (len(groups[-1]) >= max_runs or (group_blocks + seg.length) > cap):
+            groups.append([])
+            group_blocks = 0
+        groups[-1].append(seg)
+        group_blocks += seg.length
+
+    if len(groups) == 1:
+        layers_per_frame = max(1, max_frame_bytes // (group_blocks * per_block_layer))
+    else:
+        layers_per_frame = 1
+    frames = []
+    for first in range(layers.start, layers.stop, layers_per_frame):
+        last = min(first + layers_per_frame, layers.stop)
+        for group in groups:
+            src = FrameSpan(first, last, tuple((s.src_start, s.length) for s in group))
+            dst = FrameSpan(first, last, tuple((s.dst_start, s.length) for s in group))
+            frames.append(PlannedFrame(src, dst, src.nbytes(half_block_bytes)))
+    return frames
+
+
+def _split(seg: BlockSegment, cap: int) -> Iterator[BlockSegment]:
+    for offset in range(0, seg.length, cap):
+        yield BlockSegment(seg.src_start + offset, seg.dst_start + offset, min(cap, seg.length - offset))

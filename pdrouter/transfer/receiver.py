@@ -1,0 +1,135 @@
+"""The decode side: ``KvReceiver`` accepts senders and lands their blocks where it was told to."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.transfer import wire
+from pdrouter.transfer.config import TransferConfig
+from pdrouter.transfer.dist_plane import StoreHost, check_backend
+from pdrouter.transfer.expectations import ExpectationBook
+from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.receiver_connection import ReceiverConnection
+
+
+@dataclass(frozen=True)
+class ReceiverStats:
+    expectations: int
+    connections: int
+    deadlines: int = 0
+    """Expectations' deadlines still pending (a finished transfer's is cancelled at once)."""
+
+
+class KvReceiver:
+    """Listens for senders and writes their payloads into the blocks named by ``expect``.
+
+    One per decode worker (thread-safe). Nothing lands anywhere an expectation did not name: a
+    sender's frames are checked against the expectation's blocks and layers before a byte is read
+    into the pool. The receiver owns expectations, never the blocks: when a transfer fails or is
+    aborted, the caller frees its blocks.
+    """
+
+    def __init__(self, pool: torch.Tensor, layout: KvLayout, config: TransferConfig, *,
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        self._view = PoolView(pool, layout)
+        check_backend(config.backend, self._view)
+        self._config = config
+        self._compat = layout.compat_hash()
+        self._lock = threading.Lock()
+        self._connections: set[ReceiverConnection] = set()
+        self._closed = False
+        self._listener = socket.create_server((host, port), backlog=128)
+        try:
+            self._store = (StoreHost(host, advertise_host or host, config.connect_timeout_s)
+                           if config.backend.is_distributed else None)
+        except Exception:
+            self._listener.close()
+            raise
+        self.address = f"{advertise_host or host}:{self._listener.getsockname()[1]}"
+        self._book = ExpectationBook(layout, address=self.address, epoch=config.epoch,
+                                     backend=config.backend.value, abort_grace_s=config.abort_grace_s)
+        self._acceptor = threading.Thread(target=self._accept_loop, name=f"kvt-accept-{self.address}",
+                                          daemon=True)
+        self._acceptor.start()
+
+    @property
+    def epoch(self) -> int:
+        return self._config.epoch
+
+    @property
+    def compat_hash(self) -> str:
+        return self._compat
+
+    def expect(self, transfer_id: str, dst_block_ids: Sequence[int], *, skip_blocks: int = 0,
+               layers: range | None = None, sender_epoch: int = 0,
+               timeout_s: float | None = None) -> IncomingTransfer:
+        """Invite one transfer into ``dst_block_ids``; send ``handle.target`` to the sender.
+
+        ``dst_block_ids`` are the prompt's blocks in order, of which the first ``skip_blocks`` are
+        already filled here (prefix cache) and will not be sent. ``layers`` defaults to every
+        layer of the pool; ``sender_epoch`` (0: any) is the epoch the sender must have; after
+        ``timeout_s`` the transfer fails with ``DeadlineExceededError``.
+        """
+        return self._book.expect(transfer_id, dst_block_ids, skip_blocks=skip_blocks, layers=layers,
+                                 sender_epoch=sender_epoch, timeout_s=timeout_s)
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines())
+
+    def close(self) -> None:
+        """Abort every expectation (telling the senders), close every connection, stop the threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._acceptor.join()
+        self._book.close("the receiver is shutting down")
+        with self._lock:
+            conns = list(self._connections)
+        for conn in conns:
+            conn.close()
+        if self._store is not None:
+            self._store.close()
+
+    def __enter__(self) -> KvReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # the listener closed
+            with self._lock:
+                if self._closed:
+                    sock.close()
+                    return
+                try:
+                    conn = ReceiverConnection(sock, self._view, self._config, self._compat, self._book,
+                                              self._rendezvous, self._connection_closed)
+                except OSError:  # the peer hung up before we got to it
+                    sock.close()
+                    continue
+                self._connections.add(conn)
+
+    def _rendezvous(self) -> wire.Ready:
+        return self._store.new_rendezvous() if self._store is not None else wire.Ready()
+
+    def _connection_closed(self, conn: ReceiverConnection) -> None:
+        with self._lock:
+            self._connections.discard(conn)

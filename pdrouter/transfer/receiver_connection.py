@@ -1,0 +1,216 @@
+"""One receiver-side connection: handshake, then BEGIN / DATA / END / ERROR from one sender.
+
+A single thread reads the connection. DATA lands only in blocks that the bound expectation
+invited (checked before a byte is read into the pool) and counts only once its checksum
+verifies. Every DATA, landed or dropped, counts toward the credit returned to the sender (in ACKs
+every quarter of its window, and whenever the connection goes idle). When the connection
+breaks, every transfer bound to it fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from pdrouter.core.errors import PdRouterError
+from pdrouter.transfer import wire
+from pdrouter.transfer.config import TransferConfig
+from pdrouter.transfer.data_plane import DataPlane, SocketPlane
+from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group
+from pdrouter.transfer.errors import PeerLostError, ProtocolError, code_for_error, error_for_code
+from pdrouter.transfer.framed_socket import FramedSocket
+from pdrouter.transfer.handshake import PeerInfo, server_handshake
+from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.state import TransferState
+
+log = logging.getLogger(__name__)
+
+
+class Expectations(Protocol):
+    """The receiver's registry, as a connection sees it."""
+
+    def lookup(self, transfer_id: str) -> IncomingTransfer | None: ...
+
+    def why_gone(self, transfer_id: str) -> PdRouterError: ...
+
+
+@contextmanager
+def _refused() -> Iterator[bool]:
+    yield False
+
+
+class ReceiverConnection:
+    """Serves one accepted socket on its own thread until it closes."""
+
+    def __init__(self, sock: socket.socket, view: PoolView, config: TransferConfig, compat_hash: str,
+                 expectations: Expectations, make_ready: Callable[[], wire.Ready],
+                 on_closed: Callable[[ReceiverConnection], None]) -> None:
+        self.fs = FramedSocket(sock, config.connect_timeout_s, config.socket_buffer_bytes)
+        self._view = view
+        self._config = config
+        self._compat = compat_hash
+        self._expectations = expectations
+        self._make_ready = make_ready
+        self._on_closed = on_closed
+        self._bound: dict[str, IncomingTransfer] = {}
+        self._unacked = 0
+        self._plane: DataPlane | None = None
+        self._peer: PeerInfo | None = None
+        self._thread = threading.Thread(target=self._run, name=f"kvt-recv-{self.fs.peer}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.fs.close()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=self._config.progress_timeout_s + 1)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        failure: PdRouterError = PeerLostError("connection closed")
+        try:
+            self._serve()
+        except PdRouterError as exc:
+            failure = exc.with_traceback(None)  # no frames (and what they hold) kept alive by the error
+            if self._plane is not None and not isinstance(exc, PeerLostError):
+                self._send(wire.encode_control(wire.ErrorMsg("", int(code_for_error(exc)), exc.message)))
+        except Exception as exc:  # a bug must not leave the bound transfers hanging
+            log.exception("kvtransfer receiver connection from %s crashed", self.fs.peer)
+            failure = ProtocolError(f"receiver crashed: {exc!r}")
+        finally:
+            self._shutdown(failure)
+
+    def _serve(self) -> None:
+        cfg = self._config
+        self._peer = server_handshake(self.fs, cfg, self._compat, self._make_ready)
+        self._plane = self._open_plane(self._peer)
+        self.fs.set_timeout(cfg.progress_timeout_s)
+        while True:
+            if self._unacked and not self.fs.has_data():
+                self._acknowledge(0, flush=True)  # going idle: return all credit now
+            self._handle(self.fs.recv_header())
+
+    def _open_plane(self, peer: PeerInfo) -> DataPlane:
+        cfg = self._config
+        if not cfg.backend.is_distributed:
+            return SocketPlane(self.fs, self._view, cfg.checksums)
+        group = join_pair_group(cfg.backend, peer.ready, RECEIVER_RANK, self.fs.local_host,
+                                cfg.connect_timeout_s, self._view.pool.device)
+        return DistPlane(self.fs, self._view, group, 1 - RECEIVER_RANK, cfg.checksums, cfg.progress_timeout_s)
+
+    def _handle(self, header: wire.Header) -> None:
+        if header.kind is wire.Kind.DATA:
+            self._on_data(header)
+            return
+        msg = wire.decode_control(header)
+        if isinstance(msg, wire.Begin):
+            self._on_begin(msg)
+        elif isinstance(msg, wire.End):
+            incoming = self._bound.get(msg.transfer_id)
+            if incoming is not None:
+                incoming.end_of_stream()
+        elif isinstance(msg, wire.ErrorMsg) and msg.transfer_id:
+            self._on_sender_error(msg)
+        elif isinstance(msg, wire.ErrorMsg):
+            raise PeerLostError(f"sender at {self.fs.peer} closed the connection: {msg.message}")
+        else:
+            raise ProtocolError(f"unexpected {header.kind.name} from sender at {self.fs.peer}")
+
+    def _on_begin(self, msg: wire.Begin) -> None:
+        assert self._peer is not None and self._plane is not None
+        self._bound = {tid: t for tid, t in self._bound.items() if not t.state.terminal}
+        incoming = self._expectations.lookup(msg.transfer_id)
+        if incoming is None:
+            self._send_error(msg.transfer_id, self._expectations.why_gone(msg.transfer_id))
+            return
+        tid = msg.transfer_id
+        interrupt = self.fs.close if self._plane.can_interrupt else _nothing
+        try:
+            incoming.bind(msg, self._peer.epoch, self._peer.compat_hash, self._compat,
+                          lambda error: self._send_error(tid, error), interrupt)
+        except PdRouterError as exc:
+            self._send_error(tid, exc)
+            return
+        self._bound[tid] = incoming
+
+    def _on_data(self, header: wire.Header) -> None:
+        assert self._plane is not None
+        data = wire.decode_data(header)
+        span = data.span
+        try:
+            self._view.check_span(span)
+        except PdRouterError as exc:
+            raise ProtocolError(f"DATA frame outside the pool: {exc.message}") from None
+        if header.payload_len != self._view.nbytes(span):
+            raise ProtocolError(f"DATA frame says {header.payload_len} bytes, its runs hold "
+                                f"{self._view.nbytes(span)}")
+        if bool(header.flags & wire.Flag.OUT_OF_BAND) != self._plane.out_of_band:
+            raise ProtocolError("DATA frame on the wrong data plane")
+        incoming = self._bound.get(data.transfer_id)
+        positions = None
+        if incoming is not None and incoming.state is TransferState.TRANSFERRING:
+            try:
+                positions = incoming.positions_of(span.layer_start, span.layer_end, data.runs)
+            except ProtocolError as exc:
+                incoming.fail(exc)
+        guard = incoming.write_guard if incoming is not None else _refused
+        verified = self._plane.recv_frame(header, span, positions is not None, guard)
+        self._acknowledge(header.payload_len)
+        if incoming is None or positions is None:
+            return
+        if verified is False:
+            incoming.checksum_failed(data.seq)
+            return
+        incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len)
+        if incoming.state is TransferState.DONE:
+            del self._bound[data.transfer_id]
+            self._send(wire.encode_control(wire.Done(data.transfer_id)))
+
+    def _on_sender_error(self, msg: wire.ErrorMsg) -> None:
+        assert self._peer is not None
+        incoming = self._bound.get(msg.transfer_id)
+        if incoming is None:
+            candidate = self._expectations.lookup(msg.transfer_id)
+            wanted = candidate.target.sender_epoch if candidate is not None else 0
+            if candidate is not None and wanted in (0, self._peer.epoch):
+                incoming = candidate
+        if incoming is not None:
+            incoming.fail(error_for_code(msg.code, f"sender at {self.fs.peer}: {msg.message}"), tell_peer=False)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _acknowledge(self, nbytes: int, *, flush: bool = False) -> None:
+        """Return the sender's credit (landed or dropped alike): once per ``ack_every`` bytes, and
+        whenever the connection goes idle, so that no credit stays stranded."""
+        assert self._peer is not None
+        if self._peer.ack_every:
+            self._unacked += nbytes
+            if self._unacked and (flush or self._unacked >= self._peer.ack_every):
+                self._send(wire.encode_ack(self._unacked))
+                self._unacked = 0
+
+    def _send(self, message: bytes) -> None:
+        with contextlib.suppress(PeerLostError):  # the read loop notices a dead connection itself
+            self.fs.send([message])
+
+    def _send_error(self, transfer_id: str, error: PdRouterError) -> None:
+        self._send(wire.encode_control(wire.ErrorMsg(transfer_id, int(code_for_error(error)), error.message)))
+
+    def _shutdown(self, failure: PdRouterError) -> None:
+        if self._plane is not None:
+            self._plane.close()
+        self.fs.close()
+        for tid, incoming in self._bound.items():
+            cls = type(failure) if isinstance(failure, PdRouterError) else PeerLostError
+            incoming.fail(cls(f"transfer {tid}: connection from sender {self.fs.peer} failed: "
+                              f"{failure.message}"), tell_peer=False)
+        self._bound.clear()
+        self._on_closed(self)
+
+
+def _nothing() -> None:
+    return None

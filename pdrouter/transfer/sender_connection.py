@@ -1,0 +1,210 @@
+"""One sender-side connection to a receiver: a fair send queue, bounded bytes in flight, and a reader.
+
+Transfers to the same receiver share the connection. The writer thread takes one message at a
+time, round-robin across transfers (a one-block request does not wait behind a 512 MiB one), and
+keeps at most ``max_inflight_bytes`` of payload unacknowledged. The reader thread turns ACK,
+DONE and ERROR messages into credit and transfer outcomes. Any connection failure fails every
+transfer on it with ``PeerLostError`` (or the error that broke it) and closes the socket.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+from pdrouter.core.errors import InvalidRequestError, PdRouterError
+from pdrouter.transfer import wire
+from pdrouter.transfer.config import TransferConfig
+from pdrouter.transfer.data_plane import DataPlane
+from pdrouter.transfer.errors import PeerLostError, code_for_error, error_for_code
+from pdrouter.transfer.framed_socket import FramedSocket
+from pdrouter.transfer.handshake import PeerInfo
+from pdrouter.transfer.outgoing import BeginItem, DataItem, EndItem, OutgoingTransfer, OutItem
+
+
+class SenderConnection:
+    """A live, authenticated connection to one receiver, shared by the transfers going there."""
+
+    def __init__(self, fs: FramedSocket, peer: PeerInfo, plane: DataPlane, config: TransferConfig,
+                 compat_hash: str, on_dead: Callable[[SenderConnection], None]) -> None:
+        self.fs = fs
+        self.peer = peer
+        self._plane = plane
+        self._config = config
+        self._compat = compat_hash
+        self._on_dead = on_dead
+        self._cv = threading.Condition()
+        self._queues: OrderedDict[str, deque[OutItem]] = OrderedDict()
+        self._urgent: deque[bytes] = deque()
+        self._transfers: dict[str, OutgoingTransfer] = {}
+        self._inflight = 0
+        self._dead: PdRouterError | None = None
+        self._writer = threading.Thread(target=self._write_loop, name=f"kvt-send-{fs.peer}", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"kvt-acks-{fs.peer}", daemon=True)
+        self._writer.start()
+        self._reader.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._dead is None
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self._inflight
+
+    def counts(self) -> tuple[int, int]:
+        """(transfers, queued messages) on this connection."""
+        with self._cv:
+            return len(self._transfers), sum(len(q) for q in self._queues.values())
+
+    def register(self, transfer: OutgoingTransfer) -> None:
+        with self._cv:
+            if self._dead is not None:
+                raise PeerLostError(f"connection to {self.peer.address} is gone: {self._dead}")
+            if transfer.transfer_id in self._transfers:
+                raise InvalidRequestError(f"transfer {transfer.transfer_id} is already being sent")
+            self._transfers[transfer.transfer_id] = transfer
+
+    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem]) -> None:
+        with self._cv:
+            if self._dead is not None or transfer.transfer_id not in self._transfers:
+                return  # the transfer already failed (the caller learns it from the handle)
+            self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
+            self._cv.notify_all()
+
+    def cancel(self, transfer: OutgoingTransfer, error: PdRouterError | None) -> None:
+        with self._cv:
+            self._queues.pop(transfer.transfer_id, None)
+            self._transfers.pop(transfer.transfer_id, None)
+            if error is not None and self._dead is None:
+                self._urgent.append(_error(transfer.transfer_id, error))
+            self._cv.notify_all()
+
+    def forget(self, transfer: OutgoingTransfer) -> None:
+        """The transfer ended: drop it and whatever it still had queued (at most its END)."""
+        with self._cv:
+            self._transfers.pop(transfer.transfer_id, None)
+            self._queues.pop(transfer.transfer_id, None)
+
+    def send_refusal(self, transfer_id: str, error: PdRouterError) -> None:
+        """Tell the receiver a transfer will not happen (before any BEGIN for it)."""
+        with self._cv:
+            if self._dead is None:
+                self._urgent.append(_error(transfer_id, error))
+                self._cv.notify_all()
+
+    def close(self, reason: str = "the sender closed the connection") -> None:
+        self._die(PeerLostError(reason))
+        for thread in (self._writer, self._reader):
+            if thread is not threading.current_thread():
+                thread.join(timeout=self._config.progress_timeout_s + 1)
+
+    # -- threads ----------------------------------------------------------------------------------
+    def _next(self) -> bytes | OutItem | None:
+        """The next message to write, round-robin across transfers; None once the connection died."""
+        with self._cv:
+            while True:
+                if self._dead is not None:
+                    return None
+                if self._urgent:
+                    return self._urgent.popleft()
+                if self._queues:
+                    tid, queue = next(iter(self._queues.items()))
+                    item = queue.popleft()
+                    if queue:
+                        self._queues.move_to_end(tid)
+                    else:
+                        del self._queues[tid]
+                    return item
+                self._cv.wait()
+
+    def _write_loop(self) -> None:
+        try:
+            while (item := self._next()) is not None:
+                if isinstance(item, bytes):
+                    self.fs.send([item])
+                elif isinstance(item, DataItem):
+                    self._send_data(item)
+                elif item.transfer.state.terminal:
+                    continue
+                elif isinstance(item, BeginItem):
+                    self.fs.send([wire.encode_control(_begin(item.transfer, self._compat))])
+                elif isinstance(item, EndItem):
+                    self.fs.send([wire.encode_control(wire.End(item.transfer.transfer_id, item.frames,
+                                                               item.nbytes))])
+        except PdRouterError as exc:
+            self._die(exc)
+
+    def _send_data(self, item: DataItem) -> None:
+        nbytes = item.frame.nbytes
+        limit = self._config.max_inflight_bytes or float("inf")
+        with self._cv:
+            fits = self._cv.wait_for(lambda: self._dead is not None or self._inflight == 0
+                                     or self._inflight + nbytes <= limit, self._config.progress_timeout_s)
+            if not fits:
+                raise PeerLostError(f"receiver at {self.peer.address} acknowledged nothing for "
+                                    f"{self._config.progress_timeout_s}s")
+            if self._dead is not None or item.transfer.state.terminal:
+                return
+            if self._config.max_inflight_bytes:
+                self._inflight += nbytes
+        self._plane.send_frame(item.transfer.transfer_id, item.seq, item.frame)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self.fs.recv_header()
+                if header.kind is wire.Kind.ACK:
+                    with self._cv:
+                        self._inflight -= wire.decode_ack(header)
+                        self._cv.notify_all()
+                    continue
+                msg = wire.decode_control(header)
+                if isinstance(msg, wire.Done):
+                    if (transfer := self._transfer(msg.transfer_id)) is not None:
+                        transfer.complete()
+                elif isinstance(msg, wire.ErrorMsg) and msg.transfer_id:
+                    if (transfer := self._transfer(msg.transfer_id)) is not None:
+                        transfer.fail(error_for_code(msg.code, f"receiver at {self.peer.address}: {msg.message}"),
+                                      tell_peer=False)
+                elif isinstance(msg, wire.ErrorMsg):
+                    raise error_for_code(msg.code, f"receiver at {self.peer.address} dropped the "
+                                                   f"connection: {msg.message}")
+                else:
+                    raise PeerLostError(f"receiver at {self.peer.address} sent an unexpected {header.kind.name}")
+        except PdRouterError as exc:
+            self._die(exc)
+
+    def _transfer(self, transfer_id: str) -> OutgoingTransfer | None:
+        with self._cv:
+            return self._transfers.get(transfer_id)
+
+    def _die(self, exc: PdRouterError) -> None:
+        exc = exc.with_traceback(None)  # keep no frames (and what they hold) alive through the error
+        with self._cv:
+            if self._dead is not None:
+                return
+            self._dead = exc
+            victims = list(self._transfers.values())
+            self._transfers.clear()
+            self._queues.clear()
+            self._urgent.clear()
+            self._cv.notify_all()
+        self._plane.close()
+        self.fs.close()
+        for transfer in victims:
+            err = exc if not isinstance(exc, PeerLostError) else PeerLostError(
+                f"transfer {transfer.transfer_id}: {exc.message}")
+            transfer.fail(err, tell_peer=False)
+        self._on_dead(self)
+
+
+def _begin(transfer: OutgoingTransfer, compat_hash: str) -> wire.Begin:
+    t = transfer.target
+    return wire.Begin(t.transfer_id, t.epoch, compat_hash, t.dst_block_ids, t.skip_blocks,
+                      t.layer_start, t.layer_end)
+
+
+def _error(transfer_id: str, error: PdRouterError) -> bytes:
+    return wire.encode_control(wire.ErrorMsg(transfer_id, int(code_for_error(error)), error.message))

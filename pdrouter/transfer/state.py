@@ -1,0 +1,135 @@
+"""The transfer lifecycle: states, the allowed transitions (all here), and thread-safe waiting.
+
+::
+
+    WAITING ──▶ TRANSFERRING ──▶ DONE
+       │  │           │
+       │  └───────────┴────────▶ FAILED
+       └──▶ DONE  (nothing to send: every block was already cached on the decode side)
+
+Both ends of a transfer keep one ``Lifecycle``. The first terminal state wins: a late error after
+DONE, or a second failure, changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from enum import Enum
+
+from pdrouter.core.errors import PdRouterError
+
+
+class TransferState(Enum):
+    WAITING = "waiting"
+    """Created; no payload has moved yet."""
+    TRANSFERRING = "transferring"
+    """The sender is bound and blocks are landing."""
+    DONE = "done"
+    """Every expected block of every expected layer arrived and verified."""
+    FAILED = "failed"
+    """Stopped for good; ``error`` says why. The destination blocks will not be written again."""
+
+    @property
+    def terminal(self) -> bool:
+        return self in (TransferState.DONE, TransferState.FAILED)
+
+
+_ALLOWED: dict[TransferState, frozenset[TransferState]] = {
+    TransferState.WAITING: frozenset({TransferState.TRANSFERRING, TransferState.DONE, TransferState.FAILED}),
+    TransferState.TRANSFERRING: frozenset({TransferState.DONE, TransferState.FAILED}),
+    TransferState.DONE: frozenset(),
+    TransferState.FAILED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A programming error: a transition the diagram above does not have."""
+
+
+class Lifecycle:
+    """A state, the error that ended it, and a condition to wait on; safe across threads and loops.
+
+    ``cond`` also guards whatever progress the owner tracks next to the state (e.g. layers done),
+    so a waiter's predicate sees both consistently. Listeners run after every ``notify`` and every
+    transition, outside the lock; they must be quick (they only wake asyncio waiters).
+    """
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self._state = TransferState.WAITING
+        self._error: PdRouterError | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def error(self) -> PdRouterError | None:
+        return self._error
+
+    def advance(self, to: TransferState, error: PdRouterError | None = None) -> bool:
+        """Move to ``to``; False (and no change) when already terminal. FAILED needs an error."""
+        if (to is TransferState.FAILED) != (error is not None):
+            raise IllegalTransitionError(f"FAILED needs an error and only FAILED takes one ({to}, {error!r})")
+        with self.cond:
+            if self._state.terminal:
+                return False
+            if to not in _ALLOWED[self._state]:
+                raise IllegalTransitionError(f"transfer cannot go from {self._state.name} to {to.name}")
+            self._state = to
+            self._error = None if error is None else error.with_traceback(None)
+            self.cond.notify_all()
+        self._call_listeners()
+        return True
+
+    def notify(self) -> None:
+        """Wake waiters after progress changed (call with ``cond`` released)."""
+        with self.cond:
+            self.cond.notify_all()
+        self._call_listeners()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """Block until ``predicate()`` (evaluated under ``cond``) holds; False on timeout."""
+        with self.cond:
+            return self.cond.wait_for(predicate, timeout)
+
+    async def wait_for_async(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
+        """``wait_for`` for asyncio code: never blocks the event loop."""
+        loop = asyncio.get_running_loop()
+        woken = asyncio.Event()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+                loop.call_soon_threadsafe(woken.set)
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            self._listeners.append(wake)
+        try:
+            while True:
+                woken.clear()
+                with self.cond:
+                    if predicate():
+                        return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(woken.wait(), remaining)
+                except TimeoutError:
+                    with self.cond:
+                        return predicate()
+        finally:
+            with self.cond:
+                self._listeners.remove(wake)
+
+    def _call_listeners(self) -> None:
+        with self.cond:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()

@@ -1,0 +1,112 @@
+"""Publishes a worker's block-stored / block-removed events to the Redis prefix index.
+
+The engine calls the sink under its lock, often on the step thread; the sink only appends to a
+thread-safe buffer and keeps a mirror of the hashes currently stored. An asyncio task flushes the
+buffer in one pipeline per round. If Redis is unreachable the buffer is dropped and the index is
+marked dirty; once Redis answers again (or after it restarted empty) the whole mirror is
+republished, so hit rates come back without the engine's help.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+
+from redis.exceptions import RedisError
+
+from pdrouter.core.aio import cancel_and_wait
+from pdrouter.core.ids import BlockHash
+from pdrouter.state.prefix_index import PrefixIndex
+
+log = logging.getLogger(__name__)
+
+
+class RedisBlockPublisher:
+    """A ``BlockEventSink`` that feeds one worker incarnation's entries in the prefix index."""
+
+    def __init__(self, index: PrefixIndex, worker_id: str, epoch: int,
+                 flush_interval_s: float = 0.01) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.epoch = epoch
+        self.flush_interval_s = flush_interval_s
+        self._lock = threading.Lock()
+        self._pending: list[tuple[bool, tuple[BlockHash, ...]]] = []
+        self._live: set[BlockHash] = set()
+        self._dirty = True  # publish everything on the first flush
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        self.published_events = 0
+
+    # -- BlockEventSink (any thread) --------------------------------------------------------
+    def blocks_stored(self, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            self._pending.append((True, tuple(hashes)))
+            self._live.update(hashes)
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            self._pending.append((False, tuple(hashes)))
+            self._live.difference_update(hashes)
+        self._loop.call_soon_threadsafe(self._wake.set)
+
+    # -- publishing (event loop) ------------------------------------------------------------
+    @property
+    def num_live(self) -> int:
+        with self._lock:
+            return len(self._live)
+
+    def mark_dirty(self) -> None:
+        """Republish the whole mirror at the next flush (e.g. Redis came back empty)."""
+        with self._lock:
+            self._dirty = True
+        self._wake.set()
+
+    async def flush(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, False
+            if dirty:
+                events: list[tuple[bool, Sequence[bytes]]] = [(True, list(self._live))]
+                self._pending.clear()
+            else:
+                events = list(self._pending)
+                self._pending.clear()
+        if not events:
+            return
+        try:
+            if dirty:
+                await self.index.clear(self.worker_id, self.epoch)
+            await self.index.apply(self.worker_id, self.epoch, events)
+            self.published_events += len(events)
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s: prefix index update failed (%s); will republish", self.worker_id, exc)
+            self.mark_dirty()
+            raise
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            try:
+                await self.flush()
+            except (RedisError, OSError):
+                await asyncio.sleep(0.5)
+                self._wake.set()
+                continue
+            await asyncio.sleep(self.flush_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"block-publisher-{self.worker_id}")
+        self._wake.set()
+
+    async def stop(self, clear: bool = True) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        if clear:
+            with contextlib.suppress(RedisError, OSError):
+                await self.index.clear(self.worker_id, self.epoch)

@@ -1,0 +1,62 @@
+"""One frozen configuration per worker process, built once by the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdrouter.core.errors import ConfigError
+from pdrouter.core.workers import WorkerRole
+from pdrouter.engine.config import EngineConfig
+
+KV_BACKENDS = ("tcp", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How to run one prefill, decode or colocated worker."""
+
+    role: WorkerRole
+    worker_id: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    """The host others dial (default: ``host``, or 127.0.0.1 when binding 0.0.0.0)."""
+    redis_url: str | None = None
+    """Registry, heartbeats and the prefix index; None runs standalone (static router lists)."""
+    model_name: str | None = None
+    """The name the model is served under; default: the model folder's name."""
+    pool: str | None = None
+    """The model pool name in Redis; default: the served model name."""
+    kv_backend: str = "tcp"
+    kv_port: int = 0
+    kv_auth_token: str = field(default="", repr=False)
+    heartbeat_interval_s: float = 1.0
+    heartbeat_ttl_ms: int = 3000
+    lease_ms: int = 30_000
+    """An allocation nobody follows up within this long is freed (decode workers)."""
+    kv_wait_s: float = 60.0
+    """How long a decode request waits for its KV to land."""
+    drain_grace_s: float = 10.0
+    lane_port: int | None = 0
+    """Port of the worker lane, the router's fast path (0: any free port; None: gRPC only)."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_id or any(c in self.worker_id for c in " :{}"):
+            raise ConfigError("worker id must be non-empty without spaces, ':' or braces, "
+                              f"got {self.worker_id!r}")
+        if self.kv_backend not in KV_BACKENDS:
+            raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):
+            if not 0 <= port < 65536:
+                raise ConfigError(f"the {name} must be in [0, 65535], got {port}")
+        if self.heartbeat_interval_s * 1000 >= self.heartbeat_ttl_ms:
+            raise ConfigError("the heartbeat interval must be shorter than the heartbeat TTL")
+        if self.lease_ms <= 0 or self.kv_wait_s <= 0:
+            raise ConfigError("lease_ms and kv_wait_s must be > 0")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host

@@ -1,0 +1,178 @@
+"""Drives a synchronous ``pdrouter.engine.engine.Engine`` from asyncio: one step thread, per-request async streams.
+
+The step thread loops ``wait_for_work → step`` and hands each ``RequestOutput`` to the event
+loop with ``call_soon_threadsafe``; coroutines consume them through a per-request queue. Leaving
+a stream early (client cancelled, error) aborts the request in the engine, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncGenerator, Sequence
+
+from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.workers import WorkerLoad
+from pdrouter.engine.engine import Engine
+from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_ENGINE_FAILED = object()
+_ABORTED = object()
+
+
+class EngineDriver:
+    """The asyncio face of one engine. Create and use it inside the worker's event loop."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._loop = asyncio.get_running_loop()
+        self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
+        self._thread.start()
+
+    # -- step thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self.engine.wait_for_work(timeout=0.05):
+                    continue
+                outputs = self.engine.step()
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as exc:  # the engine is broken: fail every waiter, refuse new work
+            log.exception("engine step failed")
+            self._error = exc
+            if not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    def _fail_all(self) -> None:
+        for queue in self._queues.values():
+            queue.put_nowait(_ENGINE_FAILED)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise UnavailableError(f"the engine failed and serves no more requests: {self._error!r}")
+
+    async def close(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    # -- requests ---------------------------------------------------------------------------
+    def _open(self, request_id: RequestId) -> asyncio.Queue[RequestOutput | object]:
+        self._check()
+        queue: asyncio.Queue[RequestOutput | object] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    async def _next(self, queue: asyncio.Queue[RequestOutput | object]) -> RequestOutput:
+        item = await queue.get()
+        if item is _ENGINE_FAILED:
+            self._check()
+            raise UnavailableError("the engine failed")
+        if item is _ABORTED:
+            raise CancelledError("the request was released")
+        assert isinstance(item, RequestOutput)
+        return item
+
+    async def _stream(self, request_id: RequestId,
+                      queue: asyncio.Queue[RequestOutput | object]) -> AsyncGenerator[RequestOutput, None]:
+        finished = False
+        try:
+            while not finished:
+                out = await self._next(queue)
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+
+    def generate(self, request_id: RequestId, prompt: Sequence[int],
+                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+        """Prefill and decode here; outputs until the finished one. Validation errors raise now."""
+        queue = self._open(request_id)
+        try:
+            self.engine.add_request(request_id, prompt, sampling)
+        except PdRouterError:
+            self._queues.pop(request_id, None)
+            raise
+        return self._stream(request_id, queue)
+
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int],
+                      sampling: SamplingParams) -> PrefillResult:
+        """Run the prompt; the blocks stay held until ``release`` / ``abort``."""
+        queue = self._open(request_id)
+        try:
+            self.engine.add_prefill_request(request_id, prompt, sampling)
+        except PdRouterError:
+            self._queues.pop(request_id, None)
+            raise
+        try:
+            out = await self._next(queue)
+        except BaseException:
+            self.engine.abort(request_id)
+            raise
+        finally:
+            self._queues.pop(request_id, None)
+        assert out.prefill is not None
+        return out.prefill
+
+    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int],
+                       sampling: SamplingParams) -> KvReservation:
+        self._check()
+        return self.engine.reserve_remote(request_id, prompt, sampling)
+
+    def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncGenerator[RequestOutput, None]:
+        """After the KV landed: decode from ``first_token``; yields outputs from the second token on.
+
+        When ``first_token`` alone finishes the request, the stream yields one finished output
+        with no new tokens.
+        """
+        queue = self._open(request_id)
+        try:
+            reason = self.engine.commit_remote(request_id, first_token)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            self.engine.abort(request_id)
+            raise
+        if reason is not None:
+            self._queues.pop(request_id, None)
+            return _finished_now(request_id, reason)
+        return self._stream(request_id, queue)
+
+    def release(self, request_id: RequestId) -> None:
+        self.engine.release(request_id)
+
+    def abort(self, request_id: RequestId) -> bool:
+        """Abort in the engine (freeing its blocks) and end the request's stream, if one is open."""
+        queue = self._queues.get(request_id)
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
+        return self.engine.abort(request_id)
+
+    def load(self) -> WorkerLoad:
+        s = self.engine.stats()
+        return WorkerLoad(running=s.num_running + s.num_held + s.num_awaiting_kv, waiting=s.num_waiting,
+                          queued_prefill_tokens=self.engine.queued_prefill_tokens(),
+                          free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
+                          allocated_blocks=s.num_blocks - s.num_free_blocks)
+
+
+async def _finished_now(request_id: RequestId, reason: object) -> AsyncGenerator[RequestOutput, None]:
+    from pdrouter.engine.outputs import FinishReason
+
+    assert isinstance(reason, FinishReason)
+    yield RequestOutput(request_id, (), True, reason, 0, 1, 0)

@@ -1,0 +1,92 @@
+"""A worker's presence in the registry: register at start, heartbeat its load, deregister at stop.
+
+If Redis restarts (the record vanished) the next heartbeat re-registers. If a newer incarnation of
+the same worker id registered, this one stops heartbeating and reports itself superseded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from pdrouter.core.aio import cancel_and_wait
+from pdrouter.core.errors import StaleEpochError
+from pdrouter.core.workers import WorkerLoad, WorkerRecord
+from pdrouter.state.registry import WorkerRegistry
+
+log = logging.getLogger(__name__)
+
+
+class Presence:
+    """Keeps one worker record live in Redis while the worker runs."""
+
+    def __init__(self, registry: WorkerRegistry, record: WorkerRecord, load: Callable[[], WorkerLoad],
+                 interval_s: float = 1.0,
+                 on_beat: Callable[[bool], Awaitable[None]] | None = None) -> None:
+        """``on_beat(reregistered)`` runs after each successful heartbeat (e.g. refresh index TTLs)."""
+        if interval_s * 1000 >= registry.heartbeat_ttl_ms:
+            raise ValueError("heartbeat interval must be shorter than the heartbeat TTL")
+        self.registry = registry
+        self.record = record
+        self._load = load
+        self.interval_s = interval_s
+        self._on_beat = on_beat
+        self._task: asyncio.Task[None] | None = None
+        self.superseded = False
+        self.redis_ok = False
+
+    async def start(self) -> None:
+        await self.registry.register(self.record)
+        self.redis_ok = True
+        self._task = asyncio.create_task(self._run(), name=f"presence-{self.record.worker_id}")
+
+    async def beat(self) -> None:
+        """One heartbeat now (re-registering after a Redis restart)."""
+        reregistered = False
+        try:
+            await self.registry.heartbeat(self.record.worker_id, self.record.epoch, self._load())
+        except StaleEpochError as exc:
+            if "not registered" not in exc.message:
+                raise
+            log.warning("worker %s: registration lost (Redis restarted?); registering again",
+                        self.record.worker_id)
+            await self.registry.register(self.record)
+            reregistered = True
+        if self._on_beat is not None:
+            await self._on_beat(reregistered or not self.redis_ok)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.beat()
+                if not self.redis_ok:
+                    log.info("worker %s: Redis reachable again", self.record.worker_id)
+                self.redis_ok = True
+            except StaleEpochError as exc:
+                log.error("worker %s: %s; stopping heartbeats", self.record.worker_id, exc.message)
+                self.superseded = True
+                return
+            except (RedisError, OSError) as exc:
+                if self.redis_ok:
+                    log.warning("worker %s: heartbeat failed: %s", self.record.worker_id, exc)
+                self.redis_ok = False
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+        self._task = None
+        try:
+            await self.registry.deregister(self.record.worker_id, self.record.epoch)
+        except (RedisError, OSError) as exc:
+            log.warning("worker %s: could not deregister: %s", self.record.worker_id, exc)
+
+
+async def connect_redis(url: str) -> aioredis.Redis:
+    """An asyncio Redis client for ``url`` (connection checked with PING)."""
+    client = aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    await client.ping()
+    return client

@@ -1,0 +1,196 @@
+"""One worker process: engine + driver + gRPC services + presence in Redis, with a clean shutdown.
+
+Start-up order: Redis (epoch, index) → engine (loads weights, sizes the KV pool) → KV transport →
+gRPC server and worker lane → registration (only now can the router route to it) → heartbeats.
+Shutdown runs the other way and lets in-flight requests finish within ``drain_grace_s``.
+
+Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
+lane (``pdrouter.wire.lane``, the same messages; the router's fast path) unless ``lane_port`` is None.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.core.kv_layout import model_compat_hash
+from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.engine.engine import Engine
+from pdrouter.state.prefix_index import PrefixIndex
+from pdrouter.state.registry import WorkerRegistry
+from pdrouter.transfer.config import Backend, TransferConfig
+from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.lane import LaneServer, serve_servicer
+from pdrouter.wire.v1 import common_pb2, worker_pb2_grpc
+from pdrouter.worker.block_publisher import RedisBlockPublisher
+from pdrouter.worker.config import WorkerConfig
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.presence import Presence, connect_redis
+from pdrouter.worker.streaming import WorkerInfoServicer
+
+log = logging.getLogger(__name__)
+
+
+def _time_epoch() -> Epoch:
+    import time
+
+    return Epoch(time.time_ns())
+
+
+class WorkerProcess:
+    """Owns every part of one worker; ``start`` then ``serve_forever`` or ``stop``."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.redis: aioredis.Redis | None = None
+        self.registry: WorkerRegistry | None = None
+        self.index: PrefixIndex | None = None
+        self.publisher: RedisBlockPublisher | None = None
+        self.presence: Presence | None = None
+        self.engine: Engine | None = None
+        self.driver: EngineDriver | None = None
+        self.server: GrpcServer | None = None
+        self.lane: LaneServer | None = None
+        self.role_parts: Any = None
+        self.epoch = Epoch(0)
+        self.model_compat_hash = ""
+        self.record: WorkerRecord | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None
+        return f"{self.config.public_host}:{self.server.port}"
+
+    def transfer_config(self) -> TransferConfig:
+        """The KV transport's identity for this incarnation: shared token, this epoch, the backend."""
+        cfg = self.config
+        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend))
+
+    def load(self) -> WorkerLoad:
+        assert self.driver is not None
+        return self.driver.load()
+
+    async def start(self) -> None:
+        cfg = self.config
+        spec_name = cfg.model_name or _model_name(cfg)
+        pool_name = cfg.pool or spec_name
+        if cfg.redis_url:
+            self.redis = await connect_redis(cfg.redis_url)
+            self.registry = WorkerRegistry(self.redis, pool_name, heartbeat_ttl_ms=cfg.heartbeat_ttl_ms)
+            self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms))
+            self.epoch = await self.registry.new_epoch()
+            self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch)
+        else:
+            self.epoch = _time_epoch()
+        self.engine = await asyncio.to_thread(Engine, cfg.engine, event_sink=self.publisher)
+        self.driver = EngineDriver(self.engine)
+        self.server = GrpcServer(cfg.host, cfg.port)
+        if cfg.lane_port is not None:
+            self.lane = LaneServer(cfg.host, cfg.lane_port)
+        spec = self.engine.spec
+        layout = self.engine.kv_layout
+        compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
+        self.role_parts = await self._add_role_services()
+        self.record = WorkerRecord(
+            worker_id=WorkerId(cfg.worker_id), role=cfg.role, address="", epoch=self.epoch,
+            model=spec_name, model_compat_hash=compat, kv_compat_hash=layout.compat_hash(),
+            block_size=layout.block_size, capacity_blocks=layout.num_blocks,
+            kv_address=getattr(self.role_parts, "kv_address", ""),
+            kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else ())
+        if self.lane is not None:
+            await self.lane.start()
+        geometry = common_pb2.ModelGeometry(
+            name=spec_name, num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            intermediate_size=spec.intermediate_size, vocab_size=spec.vocab_size,
+            max_context=spec.max_context, dtype=spec.dtype)
+        kv_pb = common_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                                    head_dim=layout.head_dim, block_size=layout.block_size,
+                                    num_blocks=layout.num_blocks, dtype=layout.dtype,
+                                    compat_hash=layout.compat_hash())
+        self.server.add(worker_pb2_grpc.add_WorkerInfoServiceServicer_to_server,
+                        WorkerInfoServicer(lambda: self._record(), self.load, geometry, kv_pb),
+                        "pdrouter.v1.WorkerInfoService")
+        await self.server.start()
+        self.record = self._record()
+        if self.registry is not None:
+            self.presence = Presence(self.registry, self.record, self.load, cfg.heartbeat_interval_s,
+                                     on_beat=self._on_beat)
+            await self.presence.start()
+        if self.publisher is not None:
+            self.publisher.start()
+        log.info("%s worker %s (epoch %s) serving %s at %s", cfg.role.value, cfg.worker_id, self.epoch,
+                 spec_name, self.address)
+
+    def _record(self) -> WorkerRecord:
+        assert self.record is not None
+        if self.record.address:
+            return self.record
+        from dataclasses import replace
+
+        lane = f"{self.config.public_host}:{self.lane.port}" if self.lane is not None else ""
+        return replace(self.record, address=self.address, lane_address=lane)
+
+    def serve(self, add_fn: Any, servicer: Any, service_name: str) -> None:
+        """Serve ``servicer`` over gRPC (``add_XServicer_to_server``) and over the worker lane."""
+        assert self.server is not None
+        self.server.add(add_fn, servicer, service_name)
+        if self.lane is not None:
+            serve_servicer(self.lane, servicer)
+
+    async def _on_beat(self, reregistered: bool) -> None:
+        if self.index is None:
+            return
+        if reregistered and self.publisher is not None:
+            self.publisher.mark_dirty()
+        await self.index.touch(self.config.worker_id, self.epoch)
+
+    async def _add_role_services(self) -> Any:
+        from pdrouter.worker.roles.colocated import ColocatedServicer
+
+        assert self.server is not None and self.driver is not None
+        role = self.config.role
+        if role is WorkerRole.COLOCATED:
+            self.serve(worker_pb2_grpc.add_ColocatedWorkerServicer_to_server, ColocatedServicer(self.driver),
+                       "pdrouter.v1.ColocatedWorker")
+            return None
+        if role is WorkerRole.DECODE:
+            from pdrouter.worker.roles.decode import build_decode_services
+
+            return await build_decode_services(self)
+        from pdrouter.worker.roles.prefill import build_prefill_services
+
+        return await build_prefill_services(self)
+
+    async def serve_forever(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Deregister, drain in-flight requests, then tear everything down."""
+        cfg = self.config
+        if self.presence is not None:
+            await self.presence.stop()
+        drains = [part.stop(cfg.drain_grace_s) for part in (self.server, self.lane) if part is not None]
+        await asyncio.gather(*drains)
+        if self.role_parts is not None and hasattr(self.role_parts, "close"):
+            await self.role_parts.close()
+        if self.publisher is not None:
+            await self.publisher.stop(clear=True)
+        if self.driver is not None:
+            await self.driver.close()
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                await self.redis.aclose()
+        self._stopped.set()
+
+
+def _model_name(cfg: WorkerConfig) -> str:
+    from pdrouter.core.model_spec import ModelSpec
+
+    return ModelSpec.from_pretrained_dir(cfg.engine.model_dir).name

@@ -1,0 +1,33 @@
+"""``ColocatedWorker.Generate``: the same engine runs prefill (chunked) and decode."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.ids import RequestId
+from pdrouter.wire.convert import sampling_from_pb
+from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.streaming import token_chunks
+
+
+class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
+    def __init__(self, driver: EngineDriver) -> None:
+        self.driver = driver
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        if not request.request_id:
+            raise InvalidRequestError("request_id is required")
+        sampling = sampling_from_pb(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
+        async with aclosing(self.driver.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
+            async for chunk in token_chunks(request.request_id, outputs):
+                yield chunk

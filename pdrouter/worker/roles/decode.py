@@ -1,0 +1,342 @@
+"""``DecodeWorker``: reserve blocks for a request, receive its KV, decode it in the continuous batch.
+
+Per request: ``Allocate`` reserves the prompt's blocks in the engine (reusing this worker's own
+prefix cache) and invites the KV into them (``KvReceiver.expect``); the reply's target goes to a
+prefill worker. The allocation is a lease: if no ``Generate`` follows within ``lease_ms`` it is
+freed. ``Generate`` waits for the KV to land, then decodes from the prefill worker's first token.
+``Release``, a cancelled call, a failed transfer or an expired lease free everything: the
+expectation is aborted first (so nothing writes into the blocks any more), then the blocks.
+
+``Serve`` is the same request driven from here in one call (the router's path): reserve, then
+compute the prompt here when little of it is uncached, else call the prefill workers the router
+ranked (the next one on a retryable failure) into the reserved blocks, then decode. The router
+makes one call per request instead of three, and the first token reaches it one hop after the
+prefill worker produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdrouter.core.errors import (
+    IncompatibleError,
+    InvalidRequestError,
+    NotFoundError,
+    UnavailableError,
+    error_from_grpc_code,
+)
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.engine.outputs import KvReservation
+from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.receiver import KvReceiver
+from pdrouter.wire.convert import sampling_from_pb
+from pdrouter.wire.grpc_util import from_rpc_error, grpc_errors, status_code
+from pdrouter.wire.kv_convert import target_to_pb
+from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.roles.prefill_links import PrefillLinks, RegisteredPrefillWorkers
+from pdrouter.worker.streaming import check_request, token_chunks
+
+if TYPE_CHECKING:
+    from pdrouter.worker.process import WorkerProcess
+
+log = logging.getLogger(__name__)
+
+REFUSED = "PERMISSION_DENIED"
+"""The failure code ``Serve`` reports for a prefill route it refused to call (not registered)."""
+
+
+@dataclass
+class _Allocation:
+    reservation: KvReservation
+    incoming: IncomingTransfer
+    response: worker_pb2.AllocateResponse
+    lease: asyncio.TimerHandle | None = None
+    decoding: bool = field(default=False)
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
+                 backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
+                 prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none)."""
+        self.driver = driver
+        self.links = links or PrefillLinks()
+        self.registered = registered
+        self.prefill_timeout_s = prefill_timeout_s
+        """Limit of one prefill call when the Serve call has no deadline of its own."""
+        self.receiver = receiver
+        self.worker_id = worker_id
+        self.model_compat_hash = model_compat_hash
+        self.backend = backend
+        self.lease_ms = lease_ms
+        self.kv_wait_s = kv_wait_s
+        self._allocs: dict[str, _Allocation] = {}
+        self._serving: set[str] = set()
+
+    @property
+    def allocations(self) -> int:
+        return len(self._allocs)
+
+    # -- lifecycle helpers ------------------------------------------------------------------
+    def _drop(self, request_id: str, reason: str) -> tuple[bool, int]:
+        """Abort the expectation, then free the blocks; (anything held?, blocks of the allocation)."""
+        alloc = self._allocs.pop(request_id, None)
+        if alloc is None:
+            return self.driver.abort(RequestId(request_id)), 0
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        alloc.incoming.abort(reason)
+        self.driver.abort(RequestId(request_id))
+        return True, len(alloc.reservation.block_ids)
+
+    def _expire(self, request_id: str) -> None:
+        alloc = self._allocs.get(request_id)
+        if alloc is not None and not alloc.decoding:
+            log.warning("allocation %s: lease expired with no Generate; freeing its blocks", request_id)
+            self._drop(request_id, "the allocation's lease expired")
+
+    def _arm_lease(self, request_id: str, alloc: _Allocation, lease_ms: int) -> None:
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        alloc.lease = asyncio.get_running_loop().call_later(lease_ms / 1000, self._expire, request_id)
+
+    # -- RPCs -------------------------------------------------------------------------------
+    @grpc_errors
+    async def Allocate(self, request: worker_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
+        rid = request.request_id
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
+        if request.backend and request.backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
+                                    f"not {request.backend!r}")
+        lease_ms = request.lease_ms or self.lease_ms
+        existing = self._allocs.get(rid)
+        if existing is not None:
+            self._arm_lease(rid, existing, lease_ms)
+            return existing.response
+        if request.HasField("sampling"):
+            sampling = sampling_from_pb(request.sampling)
+            if request.max_tokens and request.max_tokens != sampling.max_tokens:
+                raise InvalidRequestError("max_tokens and sampling.max_tokens disagree")
+        else:
+            sampling = SamplingParams(max_tokens=int(request.max_tokens))
+        reservation = self.driver.reserve_remote(RequestId(rid), list(request.prompt_token_ids), sampling)
+        try:
+            incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
+                                            timeout_s=self.kv_wait_s + lease_ms / 1000)
+        except BaseException:
+            self.driver.abort(RequestId(rid))
+            raise
+        response = worker_pb2.AllocateResponse(target=target_to_pb(incoming.target, self.worker_id),
+                                               cached_blocks=reservation.num_cached_blocks,
+                                               num_blocks=len(reservation.block_ids))
+        alloc = _Allocation(reservation, incoming, response)
+        self._allocs[rid] = alloc
+        self._arm_lease(rid, alloc, lease_ms)
+        return response
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        if not rid:
+            raise InvalidRequestError("request_id is required")
+        if request.local_prefill:
+            # Conditional disaggregation: compute the prompt here; an allocation, if any, is dropped
+            # (its cached prefix blocks stay in this worker's prefix cache and are reused at once).
+            if rid in self._allocs:
+                self._drop(rid, "prefilled locally instead")
+            sampling = sampling_from_pb(request.sampling)
+            async with aclosing(self.driver.generate(RequestId(rid), list(request.prompt_token_ids),
+                                                     sampling)) as outputs:
+                async for chunk in token_chunks(rid, outputs):
+                    yield chunk
+            return
+        alloc = self._allocs.get(rid)
+        if alloc is None:
+            raise NotFoundError(f"no allocation for request {rid!r} (Allocate first; it may have expired)")
+        if alloc.decoding:
+            raise InvalidRequestError(f"request {rid!r} is already decoding")
+        if not request.HasField("first_token_id"):
+            raise InvalidRequestError("first_token_id is required unless local_prefill is set")
+        alloc.decoding = True
+        if alloc.lease is not None:
+            alloc.lease.cancel()
+        finished = False
+        try:
+            await alloc.incoming.wait_all_async(timeout=self.kv_wait_s)
+            async with aclosing(self.driver.decode_remote(RequestId(rid), request.first_token_id)) as outputs:
+                async for chunk in token_chunks(rid, outputs, cached_tokens=alloc.reservation.num_cached_tokens):
+                    yield chunk
+            finished = True
+        finally:
+            if self._allocs.get(rid) is alloc:
+                del self._allocs[rid]
+                if not finished:
+                    alloc.incoming.abort("decode ended early")
+                    self.driver.abort(RequestId(rid))
+
+    @grpc_errors
+    async def Serve(self, request: worker_pb2.ServeRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
+        if request.backend and request.backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
+                                    f"not {request.backend!r}")
+        if not request.HasField("sampling"):
+            raise InvalidRequestError("sampling is required (max_tokens at least)")
+        if rid in self._serving or rid in self._allocs:
+            raise InvalidRequestError(f"request {rid!r} is already on this worker")
+        sampling = sampling_from_pb(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        routes = list(request.prefill)
+        for route in routes:
+            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
+        report = common_pb2.PrefillReport(prompt_tokens=len(prompt))
+        self._serving.add(rid)
+        try:
+            while not (report.failures and not routes):
+                reservation = self.driver.reserve_remote(RequestId(rid), prompt, sampling)
+                report.decode_cached_tokens = reservation.num_cached_tokens
+                if routes and len(prompt) - reservation.num_cached_tokens > request.local_prefill_tokens:
+                    route = routes.pop(0)
+                    first = await self._remote_prefill(rid, prompt, request, reservation, route, report, context)
+                    if first is None:
+                        continue  # that worker failed (and the blocks were freed): the next one
+                    async with aclosing(self._decode_after(rid, first, reservation.num_cached_tokens,
+                                                           report)) as chunks:
+                        async for chunk in chunks:
+                            yield chunk
+                    return
+                # Computed here (little is uncached, or no prefill worker was named): the
+                # reservation's cached prefix stays in the prefix cache, and the local request
+                # reuses it at once.
+                self.driver.abort(RequestId(rid))
+                report.local = True
+                pending: common_pb2.PrefillReport | None = report
+                async with aclosing(self.driver.generate(RequestId(rid), prompt, sampling)) as outputs:
+                    async for chunk in token_chunks(rid, outputs):
+                        if pending is not None:
+                            chunk.prefill.CopyFrom(pending)
+                            pending = None
+                        yield chunk
+                return
+            # Every prefill worker failed: the report names them all, then the last failure ends the call.
+            yield common_pb2.TokenChunk(request_id=rid, prefill=report)
+            last = report.failures[-1]
+            if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
+                raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
+            raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
+        finally:
+            self._serving.discard(rid)
+
+    async def _remote_prefill(self, rid: str, prompt: list[int], request: worker_pb2.ServeRequest,
+                              reservation: KvReservation, route: worker_pb2.PrefillRoute,
+                              report: common_pb2.PrefillReport, context: grpc.aio.ServicerContext) -> int | None:
+        """One prefill attempt into ``reservation``: the first token, or None (recorded in ``report``).
+
+        A failed attempt frees the blocks (the caller reserves afresh); a cancelled one also
+        cancels the prefill call, so the prefill worker drops its share.
+        """
+        remaining = context.time_remaining()
+        timeout = self.prefill_timeout_s if remaining is None else remaining
+        landed = False
+        incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
+                                        timeout_s=timeout + self.kv_wait_s)
+        try:
+            refusal = await self.registered.refusal(route) if self.registered is not None else None
+            if refusal is not None:
+                report.failures.add(worker_id=route.worker_id, code=REFUSED, message=refusal)
+                log.warning("Serve %s: prefill route refused: %s", rid, refusal)
+                return None
+            msg = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
+                                            target=target_to_pb(incoming.target, self.worker_id),
+                                            model_compat_hash=request.model_compat_hash)
+            call = self.links.stub(route).Prefill(msg, timeout=timeout)
+            try:
+                resp = await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except (grpc.RpcError, grpc.aio.UsageError) as exc:
+                err = from_rpc_error(exc)
+                report.failures.add(worker_id=route.worker_id, code=status_code(err).name, message=err.message)
+                log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
+                if not err.retryable:
+                    raise err from None
+                return None
+            await incoming.wait_all_async(timeout=self.kv_wait_s)
+            landed = True
+        finally:
+            if not landed:
+                incoming.abort("the prefill attempt ended early")
+                self.driver.abort(RequestId(rid))
+        report.worker_id = route.worker_id
+        report.cached_tokens = resp.stats.cached_tokens
+        report.compute_ms = resp.stats.compute_ms
+        report.transfer_ms = resp.stats.transfer_ms
+        report.bytes_sent = resp.stats.bytes_sent
+        return resp.first_token_id
+
+    async def _decode_after(self, rid: str, first: int, decode_cached: int,
+                            report: common_pb2.PrefillReport) -> AsyncGenerator[common_pb2.TokenChunk, None]:
+        """The first token at once (with the report), then the decode stream from the landed KV."""
+        finished = False
+        try:
+            yield common_pb2.TokenChunk(request_id=rid, token_ids=[first], prefill=report)
+            cached = max(decode_cached, report.cached_tokens)
+            async with aclosing(self.driver.decode_remote(RequestId(rid), first)) as outputs:
+                async for chunk in token_chunks(rid, outputs, cached_tokens=cached):
+                    yield chunk
+            finished = True
+        finally:
+            if not finished:
+                self.driver.abort(RequestId(rid))
+
+    @grpc_errors
+    async def Release(self, request: worker_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
+        if not request.request_id:
+            raise InvalidRequestError("request_id is required")
+        released, freed = self._drop(request.request_id, request.reason or "released")
+        return worker_pb2.ReleaseResponse(released=released, freed_blocks=freed)
+
+
+class DecodeParts:
+    """What a decode worker adds to the common worker process."""
+
+    def __init__(self, receiver: KvReceiver, servicer: DecodeServicer) -> None:
+        self.receiver = receiver
+        self.servicer = servicer
+        self.kv_address = receiver.address
+
+    async def close(self) -> None:
+        await self.servicer.links.close()
+        await asyncio.to_thread(self.receiver.close)
+
+
+async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
+    cfg = proc.config
+    assert proc.engine is not None and proc.driver is not None and proc.server is not None
+    transfer = proc.transfer_config()
+    receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
+                                       host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
+    registered = RegisteredPrefillWorkers(proc.registry) if proc.registry is not None else None
+    if registered is None:
+        log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
+    servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
+                              cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s),
+                              registered=registered)
+    proc.serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
+    return DecodeParts(receiver, servicer)
+

@@ -1,0 +1,106 @@
+"""``PrefillWorker.Prefill``: compute a prompt, push its KV into a decode worker's blocks.
+
+The engine runs the prompt (reusing this worker's prefix cache) and holds its blocks; the KV
+sender streams every layer of the blocks after ``target.skip_blocks`` into the decode worker's
+blocks; once the receiver confirmed them, the blocks are released (they stay in the prefix cache)
+and the first token goes back. A failure or a cancelled call aborts the transfer and frees the
+blocks; the decode side learns of it from the transfer itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.ids import RequestId
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.transfer.outgoing import OutgoingTransfer
+from pdrouter.transfer.sender import KvSender
+from pdrouter.wire.convert import sampling_from_pb
+from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.kv_convert import target_from_pb
+from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.streaming import check_request
+
+if TYPE_CHECKING:
+    from pdrouter.worker.process import WorkerProcess
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, driver: EngineDriver, sender: KvSender, layout: KvLayout, model_compat_hash: str,
+                 transfer_timeout_s: float = 60.0) -> None:
+        self.driver = driver
+        self.sender = sender
+        self.layout = layout
+        self.model_compat_hash = model_compat_hash
+        self.transfer_timeout_s = transfer_timeout_s
+
+    @grpc_errors
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        rid = request.request_id
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
+        if not request.HasField("target"):
+            raise InvalidRequestError("target is required (the reply of DecodeWorker.Allocate)")
+        target = target_from_pb(request.target)
+        sampling = sampling_from_pb(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        blocks_needed = -(-len(prompt) // self.layout.block_size)
+        if len(target.dst_block_ids) != blocks_needed:
+            raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
+                                      f"{blocks_needed}")
+        start = time.perf_counter()
+        result = await self.driver.prefill(RequestId(rid), prompt, sampling)
+        computed = time.perf_counter()
+        outgoing: OutgoingTransfer | None = None
+        done = False
+        try:
+            # Connected already (the usual case): no thread hop; else dial in a thread.
+            outgoing = self.sender.open_transfer_if_connected(target)
+            if outgoing is None:
+                outgoing = await asyncio.to_thread(self.sender.open_transfer, target)
+            outgoing.send_layers(result.block_ids)
+            await outgoing.finish_async(timeout=self.transfer_timeout_s)
+            done = True
+        finally:
+            if not done and outgoing is not None:
+                await asyncio.to_thread(outgoing.abort, "the prefill request ended early")
+            if done:
+                self.driver.release(RequestId(rid))
+            else:
+                self.driver.abort(RequestId(rid))
+        finished = time.perf_counter()
+        sent = len(target.dst_block_ids) - target.skip_blocks
+        stats = worker_pb2.PrefillStats(
+            prompt_tokens=len(prompt), cached_tokens=result.num_cached_blocks * self.layout.block_size,
+            compute_ms=(computed - start) * 1e3, transfer_ms=(finished - computed) * 1e3,
+            bytes_sent=sent * self.layout.block_bytes, blocks_sent=sent)
+        return worker_pb2.PrefillResponse(request_id=rid, first_token_id=result.first_token, stats=stats)
+
+
+class PrefillParts:
+    """What a prefill worker adds to the common worker process."""
+
+    kv_address = ""
+
+    def __init__(self, sender: KvSender) -> None:
+        self.sender = sender
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.sender.close)
+
+
+async def build_prefill_services(proc: WorkerProcess) -> PrefillParts:
+    cfg = proc.config
+    assert proc.engine is not None and proc.driver is not None and proc.server is not None
+    transfer = proc.transfer_config()
+    sender = KvSender(proc.engine.kv_tensor, proc.engine.kv_layout, transfer)
+    servicer = PrefillServicer(proc.driver, sender, proc.engine.kv_layout, proc.model_compat_hash,
+                               transfer_timeout_s=cfg.kv_wait_s)
+    proc.serve(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdrouter.v1.PrefillWorker")
+    return PrefillParts(sender)

@@ -1,1 +1,0 @@
-"""Prefill worker: runs prompts through the engine and pushes KV to decode workers."""

@@ -1,0 +1,68 @@
+"""Chained block hashes: deterministic across processes, sensitive to every token and the parent."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pdrouter.core.hashing import BlockHasher, hash_blocks, root_hash
+
+TOKENS = list(range(1000, 1000 + 100))
+
+
+def test_identical_in_two_separate_processes() -> None:
+    code = ("from pdrouter.core.hashing import hash_blocks; "
+            "print(','.join(h.hex() for h in hash_blocks(list(range(1000, 1100)), 16, seed=7)))")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": str(i), "PATH": ""}).stdout.strip() for i in (1, 2)}
+    assert len(outs) == 1
+    assert outs.pop() == ",".join(h.hex() for h in hash_blocks(TOKENS, 16, seed=7))
+
+
+def test_only_full_blocks_are_hashed() -> None:
+    hashes = hash_blocks(TOKENS, 16)
+    assert len(hashes) == 6  # 100 tokens → 6 full blocks, 4 trailing tokens ignored
+    assert hash_blocks(TOKENS[:96], 16) == hashes
+    assert hash_blocks(TOKENS[:15], 16) == []
+    assert all(len(h) == 16 for h in hashes)
+
+
+def test_any_token_change_changes_that_block_and_every_later_one() -> None:
+    base = hash_blocks(TOKENS, 16)
+    changed = list(TOKENS)
+    changed[40] += 1  # block 2
+    other = hash_blocks(changed, 16)
+    assert other[:2] == base[:2]
+    assert all(a != b for a, b in zip(other[2:], base[2:], strict=True))
+
+
+def test_parent_and_seed_matter() -> None:
+    hasher = BlockHasher(16, seed=0)
+    block = TOKENS[:16]
+    assert hasher.hash_block(None, block) == hasher.hash_blocks(block)[0]
+    assert hasher.hash_block(root_hash(1), block) != hasher.hash_block(None, block)
+    assert hash_blocks(TOKENS, 16, seed=1) != hash_blocks(TOKENS, 16, seed=2)
+    assert hash_blocks(TOKENS, 16, seed="model-a") != hash_blocks(TOKENS, 16, seed="model-b")
+
+
+def test_chain_can_be_continued() -> None:
+    hasher = BlockHasher(16)
+    full = hasher.hash_blocks(TOKENS)
+    first = hasher.hash_blocks(TOKENS[:32])
+    rest = hasher.hash_blocks(TOKENS[32:], parent=first[-1])
+    assert first + rest == full
+
+
+def test_block_size_changes_the_blocks() -> None:
+    assert hash_blocks(TOKENS, 32)[0] != hash_blocks(TOKENS, 16)[1]
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=0, max_size=200), st.integers(1, 64))
+def test_prefix_property(tokens: list[int], block_size: int) -> None:
+    hashes = hash_blocks(tokens, block_size)
+    assert len(hashes) == len(tokens) // block_size
+    cut = len(tokens) // 2
+    assert hash_blocks(tokens[:cut], block_size) == hashes[: cut // block_size]

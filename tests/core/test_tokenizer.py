@@ -1,0 +1,73 @@
+"""Tokenizers: the shipped byte-level one, HF tokenizer.json, streaming decode."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdrouter.core.errors import ConfigError, InvalidRequestError
+from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HfTokenizer, load_tokenizer
+
+
+def test_byte_tokenizer_round_trips_text_and_marks_specials(tiny_dir: Path) -> None:
+    tok = load_tokenizer(tiny_dir)
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 512
+    ids = tok.encode("héllo ✓")
+    assert ids[0] == tok.bos_token_id == 257 and tok.eos_token_id == 258
+    assert ids[1:] == list("héllo ✓".encode())
+    assert tok.decode(ids) == "héllo ✓"
+    assert tok.decode([*ids, 258, 300], skip_special_tokens=False) == "<bos>héllo ✓<eos><reserved_300>"
+    assert tok.encode("a", add_bos=False) == [97]
+
+
+def test_chat_template() -> None:
+    tok = ByteTokenizer()
+    ids = tok.apply_chat_template([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    s = SPECIAL_TOKENS
+    assert ids == [s["<bos>"], s["<|system|>"], *b"be brief", s["<|end|>"], s["<|user|>"], *b"hi", s["<|end|>"],
+                   s["<|assistant|>"]]
+    with pytest.raises(InvalidRequestError, match="role"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
+
+
+def test_stream_decoder_holds_back_partial_characters() -> None:
+    dec = ByteTokenizer().stream_decoder()
+    data = list("a✓".encode())  # 'a' then a 3-byte character
+    assert dec.push(data[:2]) == "a"
+    assert dec.push(data[2:3]) == ""
+    assert dec.push([*data[3:], 258]) == "✓"
+    assert dec.push([0xE2]) == "" and dec.flush() == "\ufffd"
+
+
+def test_too_small_vocabulary_is_refused() -> None:
+    with pytest.raises(ConfigError):
+        ByteTokenizer(vocab_size=200)
+
+
+def test_hf_tokenizer_json_is_preferred(tiny_dir: Path, tmp_path: Path) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path / "with-hf"
+    shutil.copytree(tiny_dir, folder)
+    vocab = {"<unk>": 0, "hello": 1, "world": 2}
+    model = tokenizers.models.WordLevel(vocab, unk_token="<unk>")
+    raw = tokenizers.Tokenizer(model)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    raw.decoder = tokenizers.decoders.WordPiece()
+    raw.save(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "config.json").read_text())
+    config["eos_token_id"] = [2, 0]
+    (folder / "config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    assert isinstance(tok, HfTokenizer)
+    assert tok.encode("hello world") == [257, 1, 2] and tok.eos_token_id == 2
+    assert tok.decode([1, 2]) == "hello world"
+    dec = tok.stream_decoder()
+    assert dec.push([1]) + dec.push([2]) + dec.flush() == "hello world"
+
+
+def test_folder_without_tokenizer(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="tokenizer"):
+        load_tokenizer(tmp_path)

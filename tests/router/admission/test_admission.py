@@ -1,0 +1,212 @@
+"""The admission queue against a real Redis: priority then FIFO, deadlines, limits, too-large, credit."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from pdrouter.core.errors import CapacityError, RequestTooLargeError
+from pdrouter.core.ids import Epoch, RequestId, WorkerId
+from pdrouter.router.admission.admission import Admission, AdmissionConfig
+from pdrouter.state.reservations import DecodeCapacity, KvReservations
+
+WORKER = [DecodeCapacity(WorkerId("d0"), Epoch(1), 10)]
+
+
+@pytest.fixture
+async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    c = aioredis.Redis.from_url(redis_url)
+    yield c
+    await c.aclose()
+
+
+async def test_waiters_are_admitted_by_priority_then_fifo(client: aioredis.Redis) -> None:
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(queue_timeout_s=10, poll_interval_s=0.01))
+    holder = await adm.admit(RequestId("holder"), 10, WORKER)
+    order: list[str] = []
+
+    async def wait(name: str, priority: int) -> None:
+        res = await adm.admit(RequestId(name), 10, WORKER, priority=priority)
+        order.append(name)
+        await adm.release(res)
+
+    tasks = []
+    for name, prio in (("first", 0), ("urgent", 5), ("second", 0)):
+        tasks.append(asyncio.create_task(wait(name, prio)))
+        await asyncio.sleep(0.02)
+    assert adm.queue_length == 3
+    await adm.release(holder)
+    await asyncio.gather(*tasks)
+    assert order == ["urgent", "first", "second"]
+    assert adm.queue_length == 0 and adm.active == 0
+    assert adm.stats.admitted == 4
+
+
+async def test_timeout_limit_and_too_large(client: aioredis.Redis) -> None:
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(queue_timeout_s=0.2, queue_limit=1,
+                                                                   poll_interval_s=0.01, retry_after_s=3))
+    holder = await adm.admit(RequestId("holder"), 8, WORKER)
+    with pytest.raises(RequestTooLargeError, match="largest decode worker holds 10"):
+        await adm.admit(RequestId("huge"), 11, WORKER)
+    waiter = asyncio.create_task(adm.admit(RequestId("w1"), 5, WORKER))
+    await asyncio.sleep(0.02)
+    with pytest.raises(CapacityError, match="queue is full") as full:
+        await adm.admit(RequestId("w2"), 5, WORKER)
+    assert full.value.retry_after_s == 3
+    with pytest.raises(CapacityError, match=r"within 0\.2s"):
+        await waiter
+    assert dict(adm.stats.rejections) == {"too_large": 1, "queue_full": 1, "timeout": 1}
+    # A request that fits next to the holder is admitted at once.
+    small = await adm.admit(RequestId("small"), 2, WORKER)
+    await adm.release(small)
+    await adm.release(holder)
+    assert await adm.reservations.used("d0", 1) == 0
+
+
+async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
+    for _ in range(400):
+        if await predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_credit_admits_without_a_round_trip_and_goes_back_when_idle(client: aioredis.Redis) -> None:
+    worker = [DecodeCapacity(WorkerId("d1"), Epoch(1), 100)]
+    res = KvReservations(client, "credit")
+    adm = Admission(res, AdmissionConfig(credit_fraction=0.1, credit_limit=0.5, credit_idle_s=0.2))
+    first = await adm.admit(RequestId("first"), 2, worker)  # no credit yet: booked on its own
+    assert adm.stats.admitted_on_credit == 0
+
+    async def credit_landed() -> bool:
+        return adm.credit_blocks == 10
+
+    await _until(credit_landed, "a 10-block credit chunk")
+    calls = res.script_calls
+    held = [await adm.admit(RequestId(f"r{i}"), 2, worker) for i in range(4)]
+    assert adm.stats.admitted_on_credit == 4
+    assert res.script_calls - calls <= 1  # at most a top-up: 8 of 10 used leaves under half a chunk
+    assert {r.worker_id for r in held} == {"d1"} and adm.active == 5
+    # Redis holds the request booked alone plus the credit: every block in use is booked.
+    assert await res.used("d1", 1) >= 2 + 8
+    for r in held:
+        assert adm.release_soon(r) is None  # credit comes back in memory, at once
+    exact = adm.release_soon(first)  # booked on its own: released in Redis by a task
+    assert exact is not None
+    await exact
+    assert adm.active == 0
+
+    async def all_given_back() -> bool:
+        return adm.credit_blocks == 0 and await res.used("d1", 1) == 0
+
+    await _until(all_given_back, "unused credit given back after credit_idle_s")
+    await adm.stop()
+
+
+async def test_credit_is_booked_only_below_the_limit_and_routers_never_overbook(client: aioredis.Redis) -> None:
+    capacity = 40
+    worker = [DecodeCapacity(WorkerId("d2"), Epoch(1), capacity)]
+    config = AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=0.1, queue_timeout_s=5,
+                             poll_interval_s=0.005)
+    routers = [Admission(KvReservations(client, "limits"), config) for _ in range(2)]
+    probe = KvReservations(client, "limits")
+    peak_used = peak_credit = 0
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak_used, peak_credit
+        while not stop.is_set():
+            peak_used = max(peak_used, int(await client.get(probe.keys.kv_used("d2", 1)) or 0))
+            peak_credit = max(peak_credit, sum(a.credit_blocks for a in routers))
+            await asyncio.sleep(0.001)
+
+    rng = random.Random(7)
+
+    async def request(i: int) -> None:
+        adm = routers[i % 2]
+        r = await adm.admit(RequestId(f"q{i}"), rng.randint(1, 8), worker)
+        await asyncio.sleep(rng.random() * 0.02)
+        await adm.release(r)
+
+    async def lane(start: int, n: int) -> None:
+        for i in range(start, start + n):
+            await request(i)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        # Light load (three at a time: credit) and bursts over capacity (queueing), in turn.
+        for wave, width in enumerate((3, 30, 3, 30)):
+            per = 30 // width
+            await asyncio.gather(*(lane(wave * 30 + k * per, per) for k in range(width)))
+    finally:
+        stop.set()
+        await watcher
+    assert 0 < peak_used <= capacity
+    assert peak_credit <= capacity // 2  # chunks only ever book up to the limit
+    assert sum(a.stats.admitted_on_credit for a in routers) > 0
+    assert sum(a.stats.admitted for a in routers) == 120
+
+    async def drained() -> bool:
+        return await probe.used("d2", 1) == 0
+
+    await _until(drained, "every booking and all credit gone")
+    for adm in routers:
+        await adm.stop()
+
+
+async def test_a_waiting_request_takes_back_spare_credit_and_stop_releases_it(client: aioredis.Redis) -> None:
+    worker = [DecodeCapacity(WorkerId("d3"), Epoch(1), 20)]
+    res = KvReservations(client, "spare")
+    adm = Admission(res, AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=60,
+                                         queue_timeout_s=5, poll_interval_s=0.005))
+    small = await adm.admit(RequestId("small"), 1, worker)
+
+    async def credit_landed() -> bool:
+        return adm.credit_blocks > 0
+
+    await _until(credit_landed, "credit booked")
+    await adm.release(small)
+    # 16 blocks fit next to the 5 of credit only once it (not due back for a minute) is given back.
+    big = await adm.admit(RequestId("big"), 16, worker)
+    assert adm.credit_blocks == 0 and big.blocks == 16
+    await adm.release(big)
+    again = await adm.admit(RequestId("again"), 1, worker)
+    await _until(credit_landed, "credit booked again")
+    await adm.stop()  # gives back the credit with the rest
+    assert await res.used("d3", 1) == 1  # only "again", which its owner never released
+    await adm.reservations.release(again, urgent=True)
+
+
+async def test_a_request_waiting_on_one_router_gets_another_routers_spare_credit(client: aioredis.Redis) -> None:
+    """Router A holds credit it does not use (not due back for a minute); router B's request needs
+    that room. B's waiting request asks, A gives its spare credit back, and B is admitted. (Without
+    the request B would time out after 5 s.)"""
+    worker = [DecodeCapacity(WorkerId("d4"), Epoch(1), 64)]
+    config = AdmissionConfig(credit_fraction=0.25, credit_limit=0.5, credit_idle_s=60, queue_timeout_s=5,
+                             poll_interval_s=0.005)
+    a = Admission(KvReservations(client, "shared"), config)
+    b = Admission(KvReservations(client, "shared"), config)
+    a.start()
+    b.start()
+    await asyncio.sleep(0.1)  # both listen
+    small = await a.admit(RequestId("a-small"), 1, worker)
+
+    async def a_holds_credit() -> bool:
+        return a.credit_blocks >= 16
+
+    await _until(a_holds_credit, "credit booked by router A")
+    await a.release(small)
+    big = await b.admit(RequestId("b-big"), 56, worker)  # fits only once A's credit is back
+    assert big.blocks == 56 and a.credit_blocks == 0 and a.credit_requests_heard >= 1
+    assert b.credit_requests_heard == 0  # a router does not answer its own call
+    again = await a.admit(RequestId("a-again"), 1, worker)  # booked on its own: A books no credit now
+    assert a.stats.admitted_on_credit == 0 and a.credit_blocks == 0
+    await a.release(again)
+    await b.release(big)
+    await a.stop()
+    await b.stop()
+    assert await a.reservations.used("d4", 1) == 0

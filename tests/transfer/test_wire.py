@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pdrouter.core.errors import IncompatibleError, StaleEpochError
+from pdrouter.transfer import wire
+from pdrouter.transfer.errors import ChecksumError, ErrorCode, ProtocolError, code_for_error, error_for_code
+from pdrouter.transfer.frame_plan import FrameSpan
+
+
+def split(message: bytes) -> tuple[bytes, bytes]:
+    return message[:wire.PREFIX.size], message[wire.PREFIX.size:]
+
+
+@pytest.mark.parametrize("msg", [
+    wire.ClientHello(epoch=5, compat_hash="c", backend="tcp", nonce="n1", ack_every=1 << 24),
+    wire.ServerHello(epoch=6, compat_hash="c", backend="gloo", nonce="n2", mac="m"),
+    wire.ClientAuth(mac="m"),
+    wire.Ready("127.0.0.1", 1234, "p/"),
+    wire.Begin("req-1", 9, "c", (4, 5, 6), 1, 0, 32),
+    wire.End("req-1", 3, 4096),
+    wire.Done("req-1"),
+    wire.ErrorMsg("req-1", int(ErrorCode.CHECKSUM), "bad"),
+])
+def test_control_messages_round_trip(msg: wire.Control) -> None:
+    prefix, body = split(wire.encode_control(msg))
+    assert wire.decode_control(wire.verify(prefix, body)) == msg
+
+
+def test_data_header_round_trip() -> None:
+    span = FrameSpan(2, 5, ((7, 3), (40, 1)))
+    message = wire.encode_data("req-9", 17, span, flags=wire.Flag.CHECKSUM_TRAILER, payload_len=12345,
+                               payload_checksum=99)
+    header = wire.verify(*split(message))
+    assert (header.kind, header.flags, header.payload_len, header.payload_checksum) == (
+        wire.Kind.DATA, wire.Flag.CHECKSUM_TRAILER, 12345, 99)
+    data = wire.decode_data(header)
+    assert (data.transfer_id, data.seq, data.span) == ("req-9", 17, span)
+    assert np.array_equal(data.runs, [[7, 3], [40, 1]])
+
+
+def test_ack_round_trip() -> None:
+    assert wire.decode_ack(wire.verify(*split(wire.encode_ack(1 << 40)))) == 1 << 40
+
+
+@pytest.mark.parametrize("offset", [5, 12, 20, 40, 60])
+def test_any_flipped_header_byte_is_caught(offset: int) -> None:
+    message = bytearray(wire.encode_data("req-1", 0, FrameSpan(0, 1, ((3, 4),)), flags=wire.Flag.NONE,
+                                         payload_len=800, payload_checksum=1))
+    message[offset] ^= 0x10
+    with pytest.raises((ChecksumError, ProtocolError, IncompatibleError)):
+        prefix, body = split(bytes(message))
+        wire.verify(prefix, body)
+
+
+def test_header_checksum_mismatch_is_a_checksum_error() -> None:
+    prefix, body = split(wire.encode_control(wire.Done("req-1")))
+    with pytest.raises(ChecksumError, match="corrupted"):
+        wire.verify(prefix, body.replace(b"req-1", b"req-2"))
+
+
+def test_wrong_magic_and_version() -> None:
+    prefix, _ = split(wire.encode_control(wire.Done("x")))
+    with pytest.raises(ProtocolError, match="not a kvtransfer peer"):
+        wire.parse_prefix(b"HTTP" + prefix[4:])
+    with pytest.raises(IncompatibleError, match="wire version 9"):
+        wire.parse_prefix(prefix[:4] + bytes([9]) + prefix[5:])
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[]", b'{"transfer_id": 5}', b'{"transfer_id": "x", "extra": 1}'])
+def test_malformed_control_bodies(body: bytes) -> None:
+    header = wire.verify(*split(wire.encode(wire.Kind.DONE, body)))
+    with pytest.raises(ProtocolError):
+        wire.decode_control(header)
+
+
+def test_begin_block_ids_must_be_ints() -> None:
+    raw = {"transfer_id": "t", "receiver_epoch": 1, "compat_hash": "c", "dst_block_ids": [1, "2"],
+           "skip_blocks": 0, "layer_start": 0, "layer_end": 1}
+    header = wire.verify(*split(wire.encode(wire.Kind.BEGIN, json.dumps(raw).encode())))
+    with pytest.raises(ProtocolError, match="list of ints"):
+        wire.decode_control(header)
+
+
+def test_error_codes_rebuild_the_same_class() -> None:
+    for exc in (ChecksumError("x"), StaleEpochError("y"), IncompatibleError("z")):
+        rebuilt = error_for_code(code_for_error(exc), exc.message)
+        assert type(rebuilt) is type(exc) and rebuilt.message == exc.message
+    assert isinstance(error_for_code(999, "?"), ProtocolError)

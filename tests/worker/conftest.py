@@ -1,0 +1,57 @@
+"""Worker test fixtures: a tiny model folder, worker processes, gRPC stubs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.engine.model_io import make_model
+from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
+
+SpawnWorker = Callable[..., ManagedProcess]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset, seed 0, in a folder named ``tiny`` (so the served model name is ``tiny``)."""
+    return make_model("tiny", 0, tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture
+def spawn_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
+    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end."""
+    procs: list[ManagedProcess] = []
+
+    def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256, kv_backend: str | None = None,
+              extra: tuple[str, ...] = (), model: Path | None = None) -> ManagedProcess:
+        args = worker_args(role, model or tiny_model, redis_url=redis_url, num_blocks=num_blocks,
+                           kv_backend=kv_backend, torch_threads=1, extra=extra)
+        proc = ManagedProcess(f"{role}-{len(procs)}", args)
+        procs.append(proc)
+        proc.wait_ready()
+        return proc
+
+    yield spawn
+    for proc in procs:
+        proc.stop()
+
+
+async def load_of(info: worker_pb2_grpc.WorkerInfoServiceStub) -> tuple[int, int]:
+    """A worker's (free KV blocks, running requests)."""
+    load = await info.GetLoad(worker_pb2.GetLoadRequest())
+    return load.free_blocks, load.running
+
+
+async def settle(info: worker_pb2_grpc.WorkerInfoServiceStub, free: int) -> tuple[int, int]:
+    """Poll until the worker shows ``free`` blocks and nothing running (or give the last reading)."""
+    reading = (-1, -1)
+    for _ in range(200):
+        reading = await load_of(info)
+        if reading == (free, 0):
+            break
+        await asyncio.sleep(0.025)
+    return reading
