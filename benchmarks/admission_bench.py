@@ -26,7 +26,7 @@ from _report import Report, base_parser
 
 from pdrouter.core.errors import CapacityError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
-from pdrouter.router.admission.admission import Admission, AdmissionConfig
+from pdrouter.router.admission import Admission, AdmissionConfig
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.reservations import DecodeCapacity, KvReservations
 

@@ -18,5 +18,7 @@ echo "== ruff"
 ruff check .
 echo "== mypy"
 mypy pdrouter
+echo "== import contract"
+lint-imports --no-cache
 echo "== pytest"
 timeout --signal=INT --kill-after=60 45m python -m pytest -q -p no:cacheprovider "$@"

@@ -47,9 +47,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
-    from pdrouter.router.admission.admission import AdmissionConfig
+    from pdrouter.router.admission import AdmissionConfig
     from pdrouter.router.config import RouterConfig
-    from pdrouter.router.orchestrator import OrchestratorConfig
+    from pdrouter.router.dispatch import DispatchConfig
     from pdrouter.router.served_models import FrontdoorConfig
 
     if not (args.model / "config.json").is_file():
@@ -65,7 +65,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         block_size=args.block_size, worker_transport=args.worker_transport,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
-        orchestrator=OrchestratorConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
+        dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit),
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))

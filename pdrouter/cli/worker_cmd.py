@@ -132,6 +132,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 def run(args: argparse.Namespace) -> int:
     from pdrouter.worker.process import WorkerProcess
+    from pdrouter.worker.roles import build_role
 
     configure_logging(args.log_level)
     config = build_config(args)
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
                 "none" if budget.limit is None else f"{budget.limit:g}")
     if threads:
         torch.set_num_threads(threads)
-    process = WorkerProcess(config)
+    process = WorkerProcess(config, build_role)
     serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
                                         f"ready at {process.address}")
     return 0

@@ -19,25 +19,30 @@ Epoch = NewType("Epoch", int)
 """A worker process incarnation; a restart takes a new, larger epoch."""
 
 
-_id_prefix = ""
-_id_counter = itertools.count()
+class RequestIdSource:
+    """Fresh, globally unique request ids (``req-`` + 32 hex digits) without a system call per id.
 
-
-def _new_id_prefix() -> None:
-    """80 random bits per process (and again in a forked child), then a counter."""
-    global _id_prefix, _id_counter
-    _id_prefix = os.urandom(10).hex()
-    _id_counter = itertools.count()
-
-
-_new_id_prefix()
-os.register_at_fork(after_in_child=_new_id_prefix)
-
-
-def new_request_id() -> RequestId:
-    """A fresh, globally unique request id (``req-`` + 32 hex digits).
-
-    The first 20 digits are random per process, the last 12 count its requests: unique without a
-    system call per id (``uuid4`` reads the kernel's random source for each one).
+    The first 20 digits are random per source (``uuid4`` would read the kernel's random source for
+    every id), the last 12 count its ids. A forked child draws a new random part, so parent and
+    child never hand out the same id.
     """
-    return RequestId(f"req-{_id_prefix}{next(_id_counter) & 0xFFFFFFFFFFFF:012x}")
+
+    __slots__ = ("_counter", "_prefix")
+
+    def __init__(self) -> None:
+        self._prefix = ""
+        self._counter = itertools.count()
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        """80 new random bits, and the counter from 0."""
+        self._prefix = os.urandom(10).hex()
+        self._counter = itertools.count()
+
+    def new(self) -> RequestId:
+        return RequestId(f"req-{self._prefix}{next(self._counter) & 0xFFFFFFFFFFFF:012x}")
+
+
+new_request_id = RequestIdSource().new
+"""A fresh request id from this process's source (see :class:`RequestIdSource`)."""

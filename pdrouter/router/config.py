@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Literal
 
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.admission.admission import AdmissionConfig
-from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.admission import AdmissionConfig
+from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.placement.policy import CacheAwareConfig
 from pdrouter.router.served_models import FrontdoorConfig
 
@@ -34,7 +34,7 @@ class RouterConfig:
     worker_transport: Literal["lane", "grpc"] = "lane"
     """How requests reach the workers: the worker lane where a worker serves one (the fast path),
     else gRPC; or always gRPC."""
-    orchestrator: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     placement: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
     frontdoor: FrontdoorConfig = field(default_factory=FrontdoorConfig)

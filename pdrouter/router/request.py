@@ -6,41 +6,15 @@ orchestrator's ``TokenDelta`` stream and shape it for their protocol. They never
 
 from __future__ import annotations
 
-import enum
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 
-
-class RequestState(enum.Enum):
-    """Lifecycle of one request inside the router."""
-
-    WAITING = "waiting"          # queued for admission (KV room on a decode worker)
-    PREFILLING = "prefilling"    # prefill running on a prefill worker
-    TRANSFERRING = "transferring"  # KV moving prefill → decode
-    DECODING = "decoding"        # tokens streaming from the decode worker
-    FINISHED = "finished"
-    FAILED = "failed"
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"        # eos or a stop token / string
-    LENGTH = "length"    # max_tokens or the context window
-    ABORT = "abort"      # cancelled
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int = 0
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+__all__ = ["FinishReason", "ModelInfo", "Orchestrator", "RouterRequest", "TokenDelta", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -55,15 +29,6 @@ class RouterRequest:
     """``time.monotonic()`` by which the request must finish (None: no deadline)."""
     priority: int = 0
     """Admission order among waiting requests: higher first, FIFO within a priority."""
-
-
-@dataclass(frozen=True)
-class TokenDelta:
-    """New tokens of a stream; the last delta has ``finish_reason`` and ``usage``."""
-
-    token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
 
 
 @dataclass(frozen=True)

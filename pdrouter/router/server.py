@@ -1,4 +1,4 @@
-"""One router process: worker pool, orchestrator, HTTP and gRPC front doors, metrics.
+"""One router process: worker pool, dispatcher, HTTP and gRPC front doors, metrics.
 
 Start-up: Redis (registry, prefix index, reservations) → worker pool (first refresh) → front
 doors. Without Redis the router runs on its static worker list, placing by load alone and without
@@ -18,12 +18,13 @@ from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRecord, WorkerRole
-from pdrouter.router.admission.admission import Admission
+from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
+from pdrouter.router.dispatch import Dispatcher
+from pdrouter.router.frontdoor import grpc_api
 from pdrouter.router.frontdoor.grpc_api import RouterServicer
 from pdrouter.router.frontdoor.http_api import bind_socket, create_app, make_server
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.orchestrator import PdOrchestrator
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool
 from pdrouter.router.request import ModelInfo
@@ -32,7 +33,6 @@ from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
 from pdrouter.wire.grpc_util import GrpcServer
-from pdrouter.wire.v1 import router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class RouterProcess:
         self.redis: aioredis.Redis | None = None
         self.pool: WorkerPool | None = None
         self.admission: Admission | None = None
-        self.orchestrator: PdOrchestrator | None = None
+        self.dispatcher: Dispatcher | None = None
         self.grpc: GrpcServer | None = None
         self._http_server: object | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -82,17 +82,16 @@ class RouterProcess:
         self._index = index
         await self.pool.start()
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
-        self.orchestrator = PdOrchestrator(self.pool, self.model, cfg.orchestrator, policy, index,
+        self.dispatcher = Dispatcher(self.pool, self.model, cfg.dispatch, policy, index,
                                            self.admission, cfg.hash_seed, metrics=self.metrics)
-        self.state_metrics = StateMetrics(self.orchestrator)
+        self.state_metrics = StateMetrics(self.dispatcher)
         self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
         self.grpc = GrpcServer(cfg.host, cfg.grpc_port)
-        self.grpc.add(router_pb2_grpc.add_RouterServicer_to_server,
-                      RouterServicer(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor),
-                      "pdrouter.v1.Router")
+        grpc_api.add_to_server(self.grpc, RouterServicer(self.dispatcher, tokenizers, metrics=self.metrics,
+                                                         config=cfg.frontdoor))
         await self.grpc.start()
-        app = create_app(self.orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
+        app = create_app(self.dispatcher, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
         sock = bind_socket(cfg.host, cfg.http_port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
         sock.listen(1024)
         sock.setblocking(False)
@@ -155,8 +154,8 @@ class RouterProcess:
             await _bounded("HTTP front door stop", asyncio.shield(self._http_task), bound)
             await cancel_and_wait(self._http_task)
         await cancel_and_wait(self._metrics_task)
-        if self.orchestrator is not None:
-            await self.orchestrator.drain(bound)
+        if self.dispatcher is not None:
+            await self.dispatcher.drain(bound)
         if self.admission is not None:
             await _bounded("admission stop", self.admission.stop(), bound)
         if self.pool is not None:

@@ -1,6 +1,6 @@
 """Metrics of the router's shared state: the prefix index, KV admission and Redis itself.
 
-Read at scrape time from the orchestrator's and admission's counters, and from Redis by a
+Read at scrape time from the dispatcher's and admission's counters, and from Redis by a
 periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing for them.
 
 * ``pdrouter_redis_up`` — 1 while the prefix index and admission reach Redis.
@@ -26,23 +26,23 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from pdrouter.core.workers import WorkerRole
-from pdrouter.router.orchestrator import PdOrchestrator
+from pdrouter.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 
 
 class StateMetrics(Collector):
-    """A prometheus_client collector over one router's orchestrator, admission and pool."""
+    """A prometheus_client collector over one router's dispatcher, admission and pool."""
 
-    def __init__(self, orchestrator: PdOrchestrator) -> None:
-        self.orchestrator = orchestrator
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
         self.index_blocks: dict[str, int] = {}
         self.reserved_blocks: dict[str, tuple[int, int]] = {}
-        self.redis_up = 1 if orchestrator.prefix_index is not None or orchestrator.admission is not None else 0
+        self.redis_up = 1 if dispatcher.prefix_index is not None or dispatcher.admission is not None else 0
 
     async def refresh(self) -> None:
         """Read index sizes and booked blocks from Redis (called every few seconds)."""
-        orch = self.orchestrator
+        orch = self.dispatcher
         try:
             if orch.prefix_index is not None:
                 self.index_blocks = {h.worker_id: await orch.prefix_index.size(h.worker_id, h.record.epoch)
@@ -59,7 +59,7 @@ class StateMetrics(Collector):
             self.redis_up = 0
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        orch = self.orchestrator
+        orch = self.dispatcher
         stats = orch.stats
         up = self.redis_up and (orch.index_ok or orch.prefix_index is None) and \
             (orch.admission_ok or orch.admission is None)

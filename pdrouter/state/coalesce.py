@@ -12,6 +12,8 @@ import asyncio
 from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
+from pdrouter.core.aio import BackgroundTasks
+
 K = TypeVar("K", bound=Hashable)
 I = TypeVar("I")  # noqa: E741 - the item type
 R = TypeVar("R")
@@ -37,7 +39,7 @@ class Coalescer(Generic[K, I, R]):
         self._interrupted = interrupted
         self._pending: dict[K, list[tuple[I, asyncio.Future[R]]]] = {}
         self._busy: set[K] = set()  # a batch is scheduled or in flight
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = BackgroundTasks()  # a batch's failure goes to its callers' futures
         self.batches = 0
         self.items = 0
 
@@ -76,9 +78,7 @@ class Coalescer(Generic[K, I, R]):
             self._pending[key] = rest
         else:
             del self._pending[key]
-        task = asyncio.ensure_future(self._run(key, batch))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(self._run(key, batch))
 
     async def _run(self, key: K, batch: list[tuple[I, asyncio.Future[R]]]) -> None:
         try:
@@ -115,4 +115,4 @@ class Coalescer(Generic[K, I, R]):
     async def drain(self) -> None:
         """Wait until every batch submitted so far has been answered."""
         while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.wait()

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError, InvalidRequestError, RequestTooLargeError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
 from pdrouter.state.coalesce import Coalescer
@@ -201,7 +202,7 @@ class KvReservations:
             Coalescer(self._reserve_batch, abandoned=self._abandoned, interrupted=self._interrupted)
         self._resizes: list[tuple[Reservation, int, asyncio.Future[int]]] = []
         self._resize_timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = BackgroundTasks()
         self.script_calls = 0
 
     @property
@@ -300,9 +301,7 @@ class KvReservations:
                                      urgent=True))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks.spawn(coro)
 
     async def shrink(self, reservation: Reservation, blocks: int, urgent: bool = False) -> int:
         """Lower a booking to ``blocks`` (tokens finished early); returns the blocks given back.
@@ -345,7 +344,7 @@ class KvReservations:
         self._flush_resizes()
         await self._reserves.drain()
         while self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._tasks.wait()
 
     async def renew(self, reservation: Reservation, lease_ms: int | None = None) -> bool:
         """Extend the lease; False when the booking already expired or was released."""

@@ -1,7 +1,8 @@
 """One worker process: engine + driver + gRPC services + presence in Redis, with a clean shutdown.
 
-Start-up order: Redis (epoch, index) → engine (loads weights, sizes the KV pool) → KV transport →
-gRPC server and worker lane → registration (only now can the router route to it) → heartbeats.
+Start-up order: Redis (epoch, index) → engine (loads weights, sizes the KV pool) → the role (its
+KV transport and services, see ``pdrouter.worker.role``) → gRPC server and worker lane →
+registration (only now can the router route to it) → heartbeats.
 Shutdown runs the other way and lets in-flight requests finish within ``drain_grace_s``.
 
 Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
@@ -13,17 +14,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
+from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.engine.engine import Engine
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.transfer.config import Backend, TransferConfig
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.lane import LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2_grpc
@@ -31,22 +35,22 @@ from pdrouter.worker.block_publisher import RedisBlockPublisher
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.presence import Presence, connect_redis
+from pdrouter.worker.role import Role, RoleContext, RoleFactory
 from pdrouter.worker.streaming import WorkerInfoServicer
 
 log = logging.getLogger(__name__)
 
 
-def _time_epoch() -> Epoch:
-    import time
-
-    return Epoch(time.time_ns())
-
-
 class WorkerProcess:
-    """Owns every part of one worker; ``start`` then ``serve_forever`` or ``stop``."""
+    """Owns every part of one worker; ``start`` then ``serve_forever`` or ``stop``.
 
-    def __init__(self, config: WorkerConfig) -> None:
+    ``build_role`` makes the role's part once the engine is up (``pdrouter.worker.roles.build_role``
+    picks it from ``config.role``).
+    """
+
+    def __init__(self, config: WorkerConfig, build_role: RoleFactory) -> None:
         self.config = config
+        self.build_role = build_role
         self.redis: aioredis.Redis | None = None
         self.registry: WorkerRegistry | None = None
         self.index: PrefixIndex | None = None
@@ -56,7 +60,7 @@ class WorkerProcess:
         self.driver: EngineDriver | None = None
         self.server: GrpcServer | None = None
         self.lane: LaneServer | None = None
-        self.role_parts: Any = None
+        self.role: Role | None = None
         self.epoch = Epoch(0)
         self.model_compat_hash = ""
         self.record: WorkerRecord | None = None
@@ -66,11 +70,6 @@ class WorkerProcess:
     def address(self) -> str:
         assert self.server is not None
         return f"{self.config.public_host}:{self.server.port}"
-
-    def transfer_config(self) -> TransferConfig:
-        """The KV transport's identity for this incarnation: shared token, this epoch, the backend."""
-        cfg = self.config
-        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend))
 
     def load(self) -> WorkerLoad:
         assert self.driver is not None
@@ -87,7 +86,7 @@ class WorkerProcess:
             self.epoch = await self.registry.new_epoch()
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch)
         else:
-            self.epoch = _time_epoch()
+            self.epoch = Epoch(time.time_ns())
         self.engine = await asyncio.to_thread(Engine, cfg.engine, event_sink=self.publisher)
         self.driver = EngineDriver(self.engine)
         self.server = GrpcServer(cfg.host, cfg.port)
@@ -96,12 +95,16 @@ class WorkerProcess:
         spec = self.engine.spec
         layout = self.engine.kv_layout
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
-        self.role_parts = await self._add_role_services()
+        self.role = await self.build_role(RoleContext(
+            config=cfg, engine=self.engine, driver=self.driver, epoch=self.epoch,
+            model_compat_hash=compat, registry=self.registry))
+        for service in self.role.services():
+            self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(
             worker_id=WorkerId(cfg.worker_id), role=cfg.role, address="", epoch=self.epoch,
             model=spec_name, model_compat_hash=compat, kv_compat_hash=layout.compat_hash(),
             block_size=layout.block_size, capacity_blocks=layout.num_blocks,
-            kv_address=getattr(self.role_parts, "kv_address", ""),
+            kv_address=self.role.kv_address,
             kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else ())
         if self.lane is not None:
             await self.lane.start()
@@ -132,12 +135,10 @@ class WorkerProcess:
         assert self.record is not None
         if self.record.address:
             return self.record
-        from dataclasses import replace
-
         lane = f"{self.config.public_host}:{self.lane.port}" if self.lane is not None else ""
         return replace(self.record, address=self.address, lane_address=lane)
 
-    def serve(self, add_fn: Any, servicer: Any, service_name: str) -> None:
+    def serve(self, add_fn: Callable[[Any, Any], None], servicer: object, service_name: str) -> None:
         """Serve ``servicer`` over gRPC (``add_XServicer_to_server``) and over the worker lane."""
         assert self.server is not None
         self.server.add(add_fn, servicer, service_name)
@@ -151,23 +152,6 @@ class WorkerProcess:
             self.publisher.mark_dirty()
         await self.index.touch(self.config.worker_id, self.epoch)
 
-    async def _add_role_services(self) -> Any:
-        from pdrouter.worker.roles.colocated import ColocatedServicer
-
-        assert self.server is not None and self.driver is not None
-        role = self.config.role
-        if role is WorkerRole.COLOCATED:
-            self.serve(worker_pb2_grpc.add_ColocatedWorkerServicer_to_server, ColocatedServicer(self.driver),
-                       "pdrouter.v1.ColocatedWorker")
-            return None
-        if role is WorkerRole.DECODE:
-            from pdrouter.worker.roles.decode import build_decode_services
-
-            return await build_decode_services(self)
-        from pdrouter.worker.roles.prefill import build_prefill_services
-
-        return await build_prefill_services(self)
-
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
@@ -178,8 +162,8 @@ class WorkerProcess:
             await self.presence.stop()
         drains = [part.stop(cfg.drain_grace_s) for part in (self.server, self.lane) if part is not None]
         await asyncio.gather(*drains)
-        if self.role_parts is not None and hasattr(self.role_parts, "close"):
-            await self.role_parts.close()
+        if self.role is not None:
+            await self.role.close()
         if self.publisher is not None:
             await self.publisher.stop(clear=True)
         if self.driver is not None:
@@ -191,6 +175,4 @@ class WorkerProcess:
 
 
 def _model_name(cfg: WorkerConfig) -> str:
-    from pdrouter.core.model_spec import ModelSpec
-
     return ModelSpec.from_pretrained_dir(cfg.engine.model_dir).name

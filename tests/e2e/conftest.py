@@ -13,9 +13,9 @@ import pytest
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.engine.model_io import make_model
-from pdrouter.router.admission.admission import AdmissionConfig
+from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.config import RouterConfig
-from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
 
 
@@ -41,10 +41,10 @@ class Cluster:
         return proc
 
     async def router(self, mode: str = "disaggregated", **kw: Any) -> RouterProcess:
-        orch = kw.pop("orchestrator", OrchestratorConfig(mode=mode))  # type: ignore[arg-type]
+        orch = kw.pop("dispatch", DispatchConfig(mode=mode))  # type: ignore[arg-type]
         adm = kw.pop("admission_config", AdmissionConfig(queue_timeout_s=2.0))
         config = RouterConfig(model_dir=self.model, redis_url=self.redis_url, mode=mode,  # type: ignore[arg-type]
-                              http_port=0, grpc_port=0, refresh_interval_s=0.2, orchestrator=orch,
+                              http_port=0, grpc_port=0, refresh_interval_s=0.2, dispatch=orch,
                               admission_config=adm, **kw)
         router = RouterProcess(config)
         await router.start()

@@ -10,7 +10,7 @@ import redis.asyncio as aioredis
 from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRole
-from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.prefix_index import PrefixIndex
@@ -46,7 +46,7 @@ async def test_repeated_system_prompts_land_where_they_are_cached(cluster: Clust
     for i in range(3):
         cluster.spawn("prefill", worker_id=f"prefill-{i}")
     cluster.spawn("decode")
-    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0))
     await ready(router, 3, 1)
     system_blocks = [len(load_tokenizer(cluster.model).encode(s)) // 16 for s in SYSTEMS]
     for rnd in range(3):
@@ -55,8 +55,8 @@ async def test_repeated_system_prompts_land_where_they_are_cached(cluster: Clust
             if rnd > 0:
                 assert cached(answer) >= system_blocks[i] * 16, (rnd, i, answer["usage"])
             await asyncio.sleep(0.05)  # block events reach the index
-    assert router.orchestrator is not None
-    stats = router.orchestrator.stats
+    assert router.dispatcher is not None
+    stats = router.dispatcher.stats
     assert sum(stats.match_tokens.values()) > 0
     # The load spread over more than one worker: no collapse onto a single one.
     assert len([w for w, n in stats.placed_tokens.items() if n > 0]) >= 2
@@ -68,7 +68,7 @@ async def test_repeated_system_prompts_land_where_they_are_cached(cluster: Clust
 async def test_eviction_and_a_killed_worker_remove_entries(cluster: Cluster, redis_url: str) -> None:
     small = cluster.spawn("prefill", worker_id="prefill-small", num_blocks=40)  # 640 tokens of KV
     cluster.spawn("decode")
-    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0))
     await ready(router, 1, 1)
     tok = load_tokenizer(cluster.model)
     prompts = [f"Document {i}: " + "lorem ipsum dolor sit amet " * 18 for i in range(3)]
@@ -110,7 +110,7 @@ async def test_redis_restart_and_outage(cluster: Cluster, redis_server: Embedded
     cluster.spawn("prefill", worker_id="prefill-a")
     cluster.spawn("prefill", worker_id="prefill-b")
     cluster.spawn("decode")
-    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0))
+    router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0))
     await ready(router, 2, 1)
     prompt = SYSTEMS[0] + "What now?"
     await complete(router, prompt)
@@ -123,7 +123,7 @@ async def test_redis_restart_and_outage(cluster: Cluster, redis_server: Embedded
     redis_server.stop()
     for i in range(3):
         assert (await complete(router, f"{SYSTEMS[1]} outage {i}"))["choices"]
-    orch = router.orchestrator
+    orch = router.dispatcher
     assert orch is not None and not orch.index_ok and not orch.admission_ok
     async with httpx.AsyncClient() as http:
         assert "pdrouter_redis_up 0.0" in (await http.get(f"http://127.0.0.1:{router.http_port}/metrics")).text

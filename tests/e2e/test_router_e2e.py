@@ -18,7 +18,7 @@ from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.engine import Engine
 from pdrouter.router.config import RouterConfig
-from pdrouter.router.orchestrator import OrchestratorConfig
+from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -107,13 +107,13 @@ def check_transport(router: RouterProcess, transport: str) -> None:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 async def test_disaggregated_mode_both_front_doors(cluster: Cluster, transport: str) -> None:
     spawn_for(cluster, transport, ["prefill", "decode"])
-    router = await cluster.router(orchestrator=OrchestratorConfig(local_prefill_tokens=0),
+    router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0),
                                   worker_transport="grpc" if transport == "grpc" else "lane")
     await wait_workers(router, {WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
     check_transport(router, transport)
     await check_front_doors(router, cluster.model)
-    assert router.orchestrator is not None
-    assert router.orchestrator.stats.transfers > 0  # long prompts went through the prefill pool
+    assert router.dispatcher is not None
+    assert router.dispatcher.stats.transfers > 0  # long prompts went through the prefill pool
 
 
 @pytest.mark.parametrize("transport", ["lane", "grpc"])
@@ -204,7 +204,7 @@ async def test_static_worker_list_without_redis(cluster: Cluster) -> None:
     cluster.procs.append(worker)
     assert worker.wait_ready()
     config = RouterConfig(model_dir=cluster.model, static_workers=(worker.address or "",), mode="colocated",
-                          http_port=0, grpc_port=0, orchestrator=OrchestratorConfig(mode="colocated"))
+                          http_port=0, grpc_port=0, dispatch=DispatchConfig(mode="colocated"))
     router = RouterProcess(config)
     await router.start()
     cluster.routers.append(router)

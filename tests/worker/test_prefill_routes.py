@@ -13,8 +13,9 @@ from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.state.registry import WorkerRegistry
+from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.wire.v1 import worker_pb2
-from pdrouter.worker.roles.prefill_links import PrefillLinks, RegisteredPrefillWorkers
+from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 
 PREFILL = WorkerRecord(worker_id=WorkerId("prefill-0"), role=WorkerRole.PREFILL, address="10.0.0.1:7000",
                        epoch=Epoch(1), model="tiny", model_compat_hash="m", kv_compat_hash="k", block_size=16,

@@ -30,7 +30,7 @@ from pdrouter.router.generation import Piece, stream_pieces
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
-from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -146,3 +146,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                               max_context=m.info.max_context))
             for m in self.models.refresh()]
         return router_pb2.ListModelsResponse(models=cards)
+
+
+def add_to_server(server: GrpcServer, servicer: RouterServicer) -> None:
+    """Serve ``servicer`` as ``pdrouter.v1.Router`` on ``server`` (its health service included)."""
+    server.add(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)

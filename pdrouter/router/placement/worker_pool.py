@@ -1,7 +1,7 @@
 """The workers one router knows: discovered from the Redis registry and/or a static address list.
 
-Each ``WorkerHandle`` holds the channel and stubs to one worker (its worker lane where it serves
-one, see ``pdrouter.wire.lane``, else gRPC), its last reported load,
+Each ``WorkerHandle`` holds the client of one worker (``pdrouter.wire.worker_client``: its worker
+lane where it serves one, else gRPC), its last reported load,
 the requests this router has in flight on it, and its circuit breaker. ``refresh`` re-reads the
 registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
 info; a worker that disappears from both is dropped after ``missing_grace_s`` (long enough for every
@@ -21,15 +21,13 @@ from typing import Any
 import grpc
 from redis.exceptions import RedisError
 
-from pdrouter.core.aio import cancel_and_wait
+from pdrouter.core.aio import BackgroundTasks, cancel_and_wait
 from pdrouter.core.ids import WorkerId
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.router.placement.circuit_breaker import CircuitBreaker
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.wire.convert import load_from_pb, record_from_pb
-from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
-from pdrouter.wire.lane import LaneChannel, request_stubs
-from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
+from pdrouter.wire.lane import LaneChannel
+from pdrouter.wire.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -40,22 +38,19 @@ class WorkerHandle:
 
     record: WorkerRecord
     load: WorkerLoad
-    channel: grpc.aio.Channel
+    client: WorkerClient
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     assigned_tokens: int = 0
-    lane: LaneChannel | None = None
-    """The worker lane, when the worker serves one and the router uses it: request RPCs go there."""
 
-    def __post_init__(self) -> None:
-        self.info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
-        self.prefill, self.decode, self.colocated = request_stubs(self.channel, self.lane)
+    @property
+    def lane(self) -> LaneChannel | None:
+        """The worker lane, when the worker serves one and the router uses it: request RPCs go there."""
+        return self.client.lane
 
     async def close(self) -> None:
-        await self.channel.close()
-        if self.lane is not None:
-            await self.lane.close()
+        await self.client.close()
 
     @property
     def worker_id(self) -> WorkerId:
@@ -87,7 +82,7 @@ class WorkerPool:
         self._breaker_args = (breaker_threshold, breaker_cooldown_s)
         self._handles: dict[WorkerId, WorkerHandle] = {}
         self._missing: dict[WorkerId, float] = {}
-        self._closing: set[asyncio.Task[None]] = set()
+        self._closing = BackgroundTasks(log, "closing a departed worker failed")
         self.missing_grace_s = missing_grace_s
         self.on_leave = on_leave
         self._task: asyncio.Task[None] | None = None
@@ -120,8 +115,7 @@ class WorkerPool:
     async def stop(self) -> None:
         await cancel_and_wait(self._task)
         self._task = None
-        for task in list(self._closing):  # departed workers: cancelling closes their channels
-            await cancel_and_wait(task)
+        await self._closing.cancel_all()  # departed workers: cancelling closes their channels
         for handle in self._handles.values():
             await handle.close()
         self._handles.clear()
@@ -156,15 +150,14 @@ class WorkerPool:
         self._apply(seen)
 
     async def _probe_static(self, address: str) -> tuple[WorkerRecord, WorkerLoad] | None:
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            stub = worker_pb2_grpc.WorkerInfoServiceStub(channel)
-            try:
-                info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=2.0)
-                load = await stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=2.0)
-            except grpc.RpcError as exc:
-                log.warning("static worker %s unreachable: %s", address, exc.code())
-                return None
-        return record_from_pb(info), load_from_pb(load)
+        client = WorkerClient(address)
+        try:
+            return await client.info(timeout=2.0)
+        except grpc.RpcError as exc:
+            log.warning("static worker %s unreachable: %s", address, exc.code())
+            return None
+        finally:
+            await client.close()
 
     def _apply(self, seen: dict[WorkerId, tuple[WorkerRecord, WorkerLoad]]) -> None:
         now = time.monotonic()
@@ -185,8 +178,8 @@ class WorkerPool:
             log.info("worker %s (epoch %s) left the pool", worker_id, handle.record.epoch)
             del self._handles[worker_id]
             if self.on_leave is not None:
-                self._track(self.on_leave(handle.record))
-            self._track(self._close_when_idle(handle))
+                self._closing.spawn(self.on_leave(handle.record))
+            self._closing.spawn(self._close_when_idle(handle))
         for worker_id, (record, load) in seen.items():
             if record.model != self.model:
                 continue
@@ -198,18 +191,12 @@ class WorkerPool:
             if existing is not None:
                 existing.load = load
                 continue
-            channel = grpc.aio.insecure_channel(record.address, options=CHANNEL_OPTIONS)
-            breaker = CircuitBreaker(*self._breaker_args)
-            lane = LaneChannel(record.lane_address) if self.use_lane and record.lane_address else None
-            self._handles[worker_id] = WorkerHandle(record, load, channel, breaker, lane=lane)
+            client = WorkerClient(record.address, record.lane_address if self.use_lane else "")
+            self._handles[worker_id] = WorkerHandle(record, load, client, CircuitBreaker(*self._breaker_args))
             self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
+            lane = client.lane
             log.info("worker %s (%s, epoch %s) joined at %s%s", worker_id, record.role.value,
                      record.epoch, record.address, f" (lane {lane.address})" if lane is not None else "")
-
-    def _track(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
 
     @staticmethod
     async def _close_when_idle(handle: WorkerHandle, limit_s: float = 60.0) -> None:

@@ -13,10 +13,13 @@ from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.streaming import token_chunks
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
+    """``ColocatedWorker.Generate``: prefill and decode on this worker's engine, every token streamed."""
+
     def __init__(self, driver: EngineDriver) -> None:
         self.driver = driver
 
@@ -31,3 +34,23 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         async with aclosing(self.driver.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs):
                 yield chunk
+
+
+class ColocatedRole:
+    """A colocated worker: the ``ColocatedWorker`` service; it holds no KV transport."""
+
+    kv_address = ""
+
+    def __init__(self, servicer: ColocatedServicer) -> None:
+        self.servicer = servicer
+
+    def services(self) -> list[Service]:
+        return [Service(worker_pb2_grpc.add_ColocatedWorkerServicer_to_server, self.servicer,
+                        "pdrouter.v1.ColocatedWorker")]
+
+    async def close(self) -> None:
+        return None
+
+
+async def build_colocated_role(ctx: RoleContext) -> ColocatedRole:
+    return ColocatedRole(ColocatedServicer(ctx.driver))

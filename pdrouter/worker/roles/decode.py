@@ -21,7 +21,6 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -40,13 +39,12 @@ from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import from_rpc_error, grpc_errors, status_code
 from pdrouter.wire.kv_convert import target_to_pb
+from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.worker.driver import EngineDriver
-from pdrouter.worker.roles.prefill_links import PrefillLinks, RegisteredPrefillWorkers
+from pdrouter.worker.role import RoleContext, Service
+from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import check_request, token_chunks
-
-if TYPE_CHECKING:
-    from pdrouter.worker.process import WorkerProcess
 
 log = logging.getLogger(__name__)
 
@@ -109,15 +107,18 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             alloc.lease.cancel()
         alloc.lease = asyncio.get_running_loop().call_later(lease_ms / 1000, self._expire, request_id)
 
+    def _check_backend(self, backend: str) -> None:
+        """A caller asking for a KV transport names this worker's own ("" : whichever it has)."""
+        if backend and backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, not {backend!r}")
+
     # -- RPCs -------------------------------------------------------------------------------
     @grpc_errors
     async def Allocate(self, request: worker_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
         rid = request.request_id
         check_request(rid, request.model_compat_hash, self.model_compat_hash)
-        if request.backend and request.backend != self.backend:
-            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
-                                    f"not {request.backend!r}")
+        self._check_backend(request.backend)
         lease_ms = request.lease_ms or self.lease_ms
         existing = self._allocs.get(rid)
         if existing is not None:
@@ -190,9 +191,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
         rid = request.request_id
         check_request(rid, request.model_compat_hash, self.model_compat_hash)
-        if request.backend and request.backend != self.backend:
-            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, "
-                                    f"not {request.backend!r}")
+        self._check_backend(request.backend)
         if not request.HasField("sampling"):
             raise InvalidRequestError("sampling is required (max_tokens at least)")
         if rid in self._serving or rid in self._allocs:
@@ -312,31 +311,30 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.ReleaseResponse(released=released, freed_blocks=freed)
 
 
-class DecodeParts:
-    """What a decode worker adds to the common worker process."""
+class DecodeRole:
+    """A decode worker: the ``DecodeWorker`` service over a KV receiver."""
 
     def __init__(self, receiver: KvReceiver, servicer: DecodeServicer) -> None:
         self.receiver = receiver
         self.servicer = servicer
         self.kv_address = receiver.address
 
+    def services(self) -> list[Service]:
+        return [Service(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer, "pdrouter.v1.DecodeWorker")]
+
     async def close(self) -> None:
         await self.servicer.links.close()
         await asyncio.to_thread(self.receiver.close)
 
 
-async def build_decode_services(proc: WorkerProcess) -> DecodeParts:
-    cfg = proc.config
-    assert proc.engine is not None and proc.driver is not None and proc.server is not None
-    transfer = proc.transfer_config()
-    receiver = await asyncio.to_thread(KvReceiver, proc.engine.kv_tensor, proc.engine.kv_layout, transfer,
+async def build_decode_role(ctx: RoleContext) -> DecodeRole:
+    cfg = ctx.config
+    receiver = await asyncio.to_thread(KvReceiver, ctx.engine.kv_tensor, ctx.engine.kv_layout, ctx.transfer(),
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
-    registered = RegisteredPrefillWorkers(proc.registry) if proc.registry is not None else None
+    registered = RegisteredPrefillWorkers(ctx.registry) if ctx.registry is not None else None
     if registered is None:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
-    servicer = DecodeServicer(proc.driver, receiver, cfg.worker_id, proc.model_compat_hash, cfg.kv_backend,
+    servicer = DecodeServicer(ctx.driver, receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s),
                               registered=registered)
-    proc.serve(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, servicer, "pdrouter.v1.DecodeWorker")
-    return DecodeParts(receiver, servicer)
-
+    return DecodeRole(receiver, servicer)

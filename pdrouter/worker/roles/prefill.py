@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import grpc
 
+from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
@@ -25,10 +25,8 @@ from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.streaming import check_request
-
-if TYPE_CHECKING:
-    from pdrouter.worker.process import WorkerProcess
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -50,7 +48,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         target = target_from_pb(request.target)
         sampling = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
-        blocks_needed = -(-len(prompt) // self.layout.block_size)
+        blocks_needed = blocks_for_tokens(len(prompt), self.layout.block_size)
         if len(target.dst_block_ids) != blocks_needed:
             raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
                                       f"{blocks_needed}")
@@ -83,24 +81,25 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         return worker_pb2.PrefillResponse(request_id=rid, first_token_id=result.first_token, stats=stats)
 
 
-class PrefillParts:
-    """What a prefill worker adds to the common worker process."""
+class PrefillRole:
+    """A prefill worker: the ``PrefillWorker`` service over a KV sender."""
 
     kv_address = ""
 
-    def __init__(self, sender: KvSender) -> None:
+    def __init__(self, sender: KvSender, servicer: PrefillServicer) -> None:
         self.sender = sender
+        self.servicer = servicer
+
+    def services(self) -> list[Service]:
+        return [Service(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, self.servicer,
+                        "pdrouter.v1.PrefillWorker")]
 
     async def close(self) -> None:
         await asyncio.to_thread(self.sender.close)
 
 
-async def build_prefill_services(proc: WorkerProcess) -> PrefillParts:
-    cfg = proc.config
-    assert proc.engine is not None and proc.driver is not None and proc.server is not None
-    transfer = proc.transfer_config()
-    sender = KvSender(proc.engine.kv_tensor, proc.engine.kv_layout, transfer)
-    servicer = PrefillServicer(proc.driver, sender, proc.engine.kv_layout, proc.model_compat_hash,
-                               transfer_timeout_s=cfg.kv_wait_s)
-    proc.serve(worker_pb2_grpc.add_PrefillWorkerServicer_to_server, servicer, "pdrouter.v1.PrefillWorker")
-    return PrefillParts(sender)
+async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
+    sender = KvSender(ctx.engine.kv_tensor, ctx.engine.kv_layout, ctx.transfer())
+    servicer = PrefillServicer(ctx.driver, sender, ctx.engine.kv_layout, ctx.model_compat_hash,
+                               transfer_timeout_s=ctx.config.kv_wait_s)
+    return PrefillRole(sender, servicer)

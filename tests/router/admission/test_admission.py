@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 
 from pdrouter.core.errors import CapacityError, RequestTooLargeError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
-from pdrouter.router.admission.admission import Admission, AdmissionConfig
+from pdrouter.router.admission import Admission, AdmissionConfig
 from pdrouter.state.reservations import DecodeCapacity, KvReservations
 
 WORKER = [DecodeCapacity(WorkerId("d0"), Epoch(1), 10)]

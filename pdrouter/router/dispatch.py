@@ -1,4 +1,7 @@
-"""PD orchestration: one request's path through the worker pools.
+"""Dispatch: where one request goes, and the one worker call that serves it.
+
+The router does not orchestrate the prefill/decode pair itself: it books the KV, ranks the prefill
+workers, and hands the request to its decode worker, which drives the pair.
 
 Disaggregated: admission books the decode blocks (Redis), the prefix index ranks the prefill
 workers (looked up while admission runs), then one call does the rest::
@@ -25,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
-import grpc
 from redis.exceptions import RedisError
 
+from pdrouter.core.aio import BackgroundTasks
+from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import DeadlineExceededError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
@@ -40,24 +44,16 @@ from pdrouter.router.admission.admission import Admission
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
-from pdrouter.router.request import FinishReason, ModelInfo, RouterRequest, TokenDelta, Usage
+from pdrouter.router.request import ModelInfo, RouterRequest, TokenDelta
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.reservations import DecodeCapacity, Reservation
-from pdrouter.wire.convert import sampling_to_pb
-from pdrouter.wire.grpc_util import from_rpc_error
-from pdrouter.wire.v1 import common_pb2, worker_pb2
+from pdrouter.wire.worker_client import PrefillReport, PrefillRoute, ServeOrder, TokenStream
 
 log = logging.getLogger(__name__)
 
-_GRPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)  # UsageError: the channel closed under us
-
-_FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
-           common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
-           common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
-
 
 @dataclass(frozen=True)
-class OrchestratorConfig:
+class DispatchConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     local_prefill_tokens: int = 32
     """Prompts with at most this many uncached tokens are prefilled on the decode worker."""
@@ -70,7 +66,7 @@ class OrchestratorConfig:
 
 
 class TransferStats:
-    """Counters the orchestrator keeps about KV hand-offs (exported as metrics by the server)."""
+    """Counters the dispatcher keeps about KV hand-offs (exported as metrics by the server)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -90,16 +86,16 @@ class TransferStats:
         self.cached_prompt_tokens = 0
 
 
-class PdOrchestrator:
-    """Implements ``pdrouter.router.request.Orchestrator`` over a ``WorkerPool``."""
+class Dispatcher:
+    """Implements ``pdrouter.router.request.Orchestrator`` (what the front doors call) over a ``WorkerPool``."""
 
-    def __init__(self, pool: WorkerPool, model: ModelInfo, config: OrchestratorConfig | None = None,
+    def __init__(self, pool: WorkerPool, model: ModelInfo, config: DispatchConfig | None = None,
                  policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
                  admission: Admission | None = None, hash_seed: int | str | bytes = 0,
                  metrics: RouterMetrics | None = None) -> None:
         self.pool = pool
         self.model = model
-        self.config = config or OrchestratorConfig()
+        self.config = config or DispatchConfig()
         self.prefix_index = prefix_index
         self.admission = admission
         self.metrics = metrics
@@ -108,7 +104,7 @@ class PdOrchestrator:
         self.index_ok = prefix_index is not None
         self.admission_ok = admission is not None
         self.stats = TransferStats()
-        self._background: set[asyncio.Task[Any]] = set()
+        self._background = BackgroundTasks()  # a release's failure: its lease expires on its own
 
     def models(self) -> list[ModelInfo]:
         return [self.model]
@@ -128,24 +124,14 @@ class PdOrchestrator:
         return left
 
     def _blocks_needed(self, request: RouterRequest) -> int:
-        total = len(request.prompt_token_ids) + request.sampling.max_tokens
-        return -(-total // self.model.block_size)
+        return blocks_for_tokens(len(request.prompt_token_ids) + request.sampling.max_tokens, self.model.block_size)
 
     def _unbook(self, reservation: Reservation) -> None:
         """Give a request's KV booking back; one that needs Redis goes on in the background."""
         assert self.admission is not None
         task = self.admission.release_soon(reservation)
         if task is not None:
-            task.set_name(f"unbook-{reservation.request_id}")
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-
-    def _background_task(self, coro: Coroutine[Any, Any, Any], name: str) -> None:
-        """Run ``coro`` to completion even if the request's own task is cancelled."""
-        task = asyncio.ensure_future(coro)
-        task.set_name(name)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            self._background.spawn(task, name=f"unbook-{reservation.request_id}")
 
     async def drain(self, timeout: float = 15.0) -> None:
         """Wait for outstanding releases (shutdown); cancel what is still running after ``timeout``.
@@ -162,32 +148,6 @@ class PdOrchestrator:
             for task in pending:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
-
-    async def _relay(self, call: Any, request: RouterRequest,
-                     on_report: Callable[[common_pb2.PrefillReport], None] | None = None,
-                     ) -> AsyncIterator[TokenDelta]:
-        """Turn a worker's TokenChunk stream into TokenDeltas; the last one carries usage.
-
-        ``on_report`` gets the ``PrefillReport`` of a ``Serve`` stream (once) when it comes.
-        """
-        produced = 0
-        try:
-            async for chunk in call:
-                if on_report is not None and chunk.HasField("prefill"):
-                    on_report(chunk.prefill)
-                    on_report = None
-                produced += len(chunk.token_ids)
-                reason = _FINISH.get(chunk.finish_reason)
-                if reason is None:
-                    if chunk.token_ids:
-                        yield TokenDelta(tuple(chunk.token_ids))
-                    continue
-                yield TokenDelta(tuple(chunk.token_ids), reason,
-                                 Usage(len(request.prompt_token_ids), produced, chunk.usage.cached_tokens))
-                return
-        except _GRPC_ERRORS as exc:
-            raise from_rpc_error(exc) from None
-        raise UnavailableError(f"request {request.request_id}: the worker ended the stream without finishing")
 
     async def _cached_tokens(self, request: RouterRequest,
                              candidates: Sequence[WorkerHandle]) -> dict[WorkerId, int]:
@@ -227,27 +187,19 @@ class PdOrchestrator:
         candidates = self.pool.available(WorkerRole.PREFILL)
         if not candidates:
             return None
-        task = asyncio.ensure_future(self._cached_tokens(request, candidates))
-        task.set_name(f"prefix-lookup-{request.request_id}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+        return self._background.spawn(self._cached_tokens(request, candidates),
+                                      name=f"prefix-lookup-{request.request_id}")
 
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         handle, reservation = await self._admit(request, WorkerRole.COLOCATED)
-        msg = worker_pb2.WorkerGenerateRequest(request_id=request.request_id,
-                                               prompt_token_ids=request.prompt_token_ids,
-                                               sampling=sampling_to_pb(request.sampling))
         handle.inflight += 1
         handle.breaker.on_attempt()
-        call = None
+        call: TokenStream | None = None
         try:
-            try:
-                call = handle.colocated.Generate(msg, timeout=self._timeout(request))
-            except _GRPC_ERRORS as exc:
-                raise from_rpc_error(exc) from None
-            async for delta in self._relay(call, request):
+            call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
+                                          timeout=self._timeout(request))
+            async for delta in call:
                 yield delta
             handle.breaker.on_success()
         except UnavailableError:
@@ -303,7 +255,7 @@ class PdOrchestrator:
             ranked.append((handle, cached_tokens.get(handle.worker_id, 0)))
         return ranked
 
-    def _on_report(self, report: common_pb2.PrefillReport, request: RouterRequest) -> None:
+    def _on_report(self, report: PrefillReport, request: RouterRequest) -> None:
         """What the decode worker says of the prompt's computation: breakers, stats, metrics."""
         for failure in report.failures:
             self.stats.prefill_retries += 1
@@ -337,21 +289,21 @@ class PdOrchestrator:
         decode, reservation = await self._admit(request, WorkerRole.DECODE)
         handles: list[tuple[WorkerHandle, int]] = []
         accounted: WorkerHandle | None = None
-        call = None
+        call: TokenStream | None = None
         tokens = len(request.prompt_token_ids)
         decode.inflight += 1
         try:
             if tokens > self.config.local_prefill_tokens:
                 cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
                 handles = self._prefill_routes(request, cached_tokens)
-            msg = worker_pb2.ServeRequest(
+            order = ServeOrder(
                 request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling=sampling_to_pb(request.sampling), model_compat_hash=self.pool.model_compat_hash,
+                sampling=request.sampling, model_compat_hash=self.pool.model_compat_hash,
                 backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
-                prefill=[worker_pb2.PrefillRoute(worker_id=h.worker_id, address=h.record.address,
-                                                 lane_address=h.record.lane_address if h.lane is not None else "",
-                                                 cached_tokens=cached)
-                         for h, cached in handles])
+                routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
+                                     lane_address=h.record.lane_address if h.lane is not None else "",
+                                     cached_tokens=cached)
+                        for h, cached in handles])
             if handles:
                 # The best candidate is charged with the prompt until its report arrives.
                 accounted, cached = handles[0]
@@ -366,7 +318,7 @@ class PdOrchestrator:
             decode.breaker.on_attempt()
             reported = False
 
-            def on_report(report: common_pb2.PrefillReport) -> None:
+            def on_report(report: PrefillReport) -> None:
                 nonlocal reported, accounted
                 reported = True
                 if accounted is not None:
@@ -376,8 +328,8 @@ class PdOrchestrator:
                 self._on_report(report, request)
 
             try:
-                call = decode.decode.Serve(msg, timeout=self._timeout(request))
-                async for delta in self._relay(call, request, on_report):
+                call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report)
+                async for delta in call:
                     yield delta
             except UnavailableError:
                 if not reported:

@@ -1,0 +1,47 @@
+"""Admission settings and counters, shared by the parts of ``pdrouter.router.admission``."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from pdrouter.core.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    queue_limit: int = 1024
+    """Requests that may wait for KV room at once; beyond it they are refused immediately."""
+    queue_timeout_s: float = 10.0
+    """Longest wait for room before RESOURCE_EXHAUSTED."""
+    lease_ms: int = 30_000
+    """Bookings expire this long after their last renewal (a crashed router's come back)."""
+    poll_interval_s: float = 0.02
+    """How often a waiting request retries (other routers' releases are not signalled)."""
+    retry_after_s: int = 1
+    credit_fraction: float = 0.05
+    """Size of one credit chunk as a fraction of a decode worker's pool (0: book every request alone)."""
+    credit_limit: float = 0.5
+    """Credit is booked only while a worker's bookings (all routers) stay within this fraction of it."""
+    credit_idle_s: float = 1.0
+    """Unused credit on a worker whose requests all ended this long ago goes back."""
+    credit_yield_s: float = 1.0
+    """After another router asked for room, this router books no credit for this long."""
+
+    def __post_init__(self) -> None:
+        if self.queue_limit < 0 or self.queue_timeout_s < 0 or self.lease_ms <= 0 or self.poll_interval_s <= 0:
+            raise ConfigError("admission: queue_limit and queue_timeout_s must be >= 0, lease and poll > 0")
+        if not (0.0 <= self.credit_fraction <= self.credit_limit <= 1.0) or self.credit_idle_s <= 0 \
+                or self.credit_yield_s < 0:
+            raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1, credit_idle_s > 0 "
+                              "and credit_yield_s >= 0")
+
+
+class AdmissionStats:
+    def __init__(self) -> None:
+        self.admitted = 0
+        self.admitted_on_credit = 0
+        """Of ``admitted``: in memory, from credit this router had booked (no Redis round trip)."""
+        self.rejections: Counter[str] = Counter()
+        self.wait_seconds_total = 0.0
+        self.max_queue = 0

@@ -1,0 +1,72 @@
+"""What a worker role adds to the common worker process, and what the process hands it.
+
+The process (``pdrouter.worker.process``) owns what every worker has: Redis presence, the engine
+and its driver, the gRPC server and the worker lane. A role (prefill, decode, colocated; built by
+``pdrouter.worker.roles.build_role``) is given a ``RoleContext`` once the engine is up and returns
+a ``Role``: the services it serves (the process serves each over gRPC and over the lane), the
+address its KV receiver listens on (decode workers) and ``close``. The process knows nothing else
+of a role, and a role nothing of the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pdrouter.core.ids import Epoch
+from pdrouter.engine.engine import Engine
+from pdrouter.state.registry import WorkerRegistry
+from pdrouter.transfer.config import Backend, TransferConfig
+from pdrouter.worker.config import WorkerConfig
+from pdrouter.worker.driver import EngineDriver
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """The parts of a started worker process that a role builds on."""
+
+    config: WorkerConfig
+    engine: Engine
+    driver: EngineDriver
+    epoch: Epoch
+    model_compat_hash: str
+    registry: WorkerRegistry | None = None
+    """The pool's registry (None without ``--redis``)."""
+
+    def transfer(self) -> TransferConfig:
+        """The KV transport's identity for this incarnation: shared token, this epoch, the backend.
+
+        Raises ``ConfigError`` without a token; only roles that move KV ask for it.
+        """
+        cfg = self.config
+        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend))
+
+
+@dataclass(frozen=True)
+class Service:
+    """One gRPC service of a role: ``add_to_server(servicer, server)`` is the generated ``add_XServicer_to_server``."""
+
+    add_to_server: Callable[[Any, Any], None]
+    servicer: object
+    name: str
+    """The full service name, e.g. ``pdrouter.v1.DecodeWorker`` (health checks and reflection)."""
+
+
+class Role(Protocol):
+    """A started role: the services it serves, its KV address, and how it shuts down."""
+
+    @property
+    def kv_address(self) -> str:
+        """host:port of the KV receiver (decode workers), or empty."""
+        ...
+
+    def services(self) -> Sequence[Service]: ...
+
+    async def close(self) -> None:
+        """Release what the role holds (KV transport, links); called after the servers drained."""
+        ...
+
+
+RoleFactory = Callable[[RoleContext], Awaitable[Role]]
+"""Builds a role for a started process (``pdrouter.worker.roles.build_role``)."""
