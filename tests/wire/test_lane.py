@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from pdrouter.core.errors import NotFoundError
-from pdrouter.wire import lane
 from pdrouter.wire.grpc_util import from_rpc_error, grpc_errors
 from pdrouter.wire.lane import ColocatedLane, DecodeLane, LaneChannel, LaneError, LaneServer, serve_servicer
+from pdrouter.wire.lane.frames import ALLOCATE, CALL, END, HEADER, HELLO, MAX_BODY
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -242,25 +242,25 @@ async def raw(server: LaneServer, payload: bytes) -> bytes:
 async def test_bad_frames_get_a_status_or_a_closed_connection(served: tuple) -> None:
     server, _, stub, _ = served
     # Wrong version: the server answers with what it speaks and hangs up.
-    assert await raw(server, b"PDRL\x09\x00\x00\x00") == lane.HELLO
+    assert await raw(server, b"PDRL\x09\x00\x00\x00") == HELLO
     # A malformed request body: INVALID_ARGUMENT on that call.
     body = b"\xff\xff\xff"
-    reply = await asyncio.wait_for(_one_reply(server, lane.HEADER.pack(len(body), 7, lane.CALL, lane.ALLOCATE.id, 0, 0)
+    reply = await asyncio.wait_for(_one_reply(server, HEADER.pack(len(body), 7, CALL, ALLOCATE.id, 0, 0)
                                               + body), 5)
-    _, stream, kind, code, _, _ = lane.HEADER.unpack_from(reply)
-    assert (stream, kind, code) == (7, lane.END, grpc.StatusCode.INVALID_ARGUMENT.value[0])
+    _, stream, kind, code, _, _ = HEADER.unpack_from(reply)
+    assert (stream, kind, code) == (7, END, grpc.StatusCode.INVALID_ARGUMENT.value[0])
     # A frame over the size limit: the connection is closed.
-    huge = lane.HEADER.pack(lane.MAX_BODY + 1, 1, lane.CALL, 1, 0, 0)
-    assert await raw(server, lane.HELLO + huge) == lane.HELLO
+    huge = HEADER.pack(MAX_BODY + 1, 1, CALL, 1, 0, 0)
+    assert await raw(server, HELLO + huge) == HELLO
     # Everyone else is unaffected.
     assert (await stub.Allocate(worker_pb2.AllocateRequest(request_id="ok", prompt_token_ids=[1]))).num_blocks == 1
 
 
 async def _one_reply(server: LaneServer, frame: bytes) -> bytes:
     reader, writer = await asyncio.open_connection(server.host, server.port)
-    writer.write(lane.HELLO + frame)
-    assert await reader.readexactly(len(lane.HELLO)) == lane.HELLO
-    head = await reader.readexactly(lane.HEADER.size)
+    writer.write(HELLO + frame)
+    assert await reader.readexactly(len(HELLO)) == HELLO
+    head = await reader.readexactly(HEADER.size)
     (length,) = struct.unpack_from("!I", head)
     reply = head + await reader.readexactly(length)
     writer.close()

@@ -1,27 +1,9 @@
-"""The worker lane: the router's hot path to its workers, the same protobuf messages with less machinery.
+"""The router's end of the lane: ``LaneChannel``, its calls and the typed stubs.
 
-Every worker serves its RPCs over gRPC (the contract, used by every other client) and, by default,
-over this lane too: one persistent TCP connection per router and worker, carrying many concurrent
-calls as length-prefixed frames. A call is the gRPC method's request message; the answer is the
-method's response message(s) and a final status with a ``grpc.StatusCode``, so both ends keep the
-gRPC semantics (status codes, deadlines, cancellation) and the servicers serve both unchanged.
-
-Why: on a small CPU budget a ``grpc.aio`` streaming call costs the caller about 600 µs of CPU,
-a lane call a few tens of µs (``benchmarks/router_overhead.py`` shows the end-to-end effect).
-
-Wire format (version 1). The client opens with ``HELLO`` = ``b"PDRL"`` + version (u8) + 3 zero
-bytes; the server answers the same 8 bytes with its version, or closes. Then frames, each a
-16-byte header ``!IIBBHI`` (body length, stream id, kind, arg, reserved, timeout ms) and a body:
-
-* ``CALL`` (client → server): ``arg`` = method id, ``timeout`` = deadline in ms (0: none), body =
-  the serialized request;
-* ``MESSAGE`` (server → client): one response of a streaming method;
-* ``END`` (server → client): ``arg`` = status code; body = the response of a unary method when
-  OK, the status details (UTF-8) otherwise. The stream is over;
-* ``CANCEL`` (client → server): the caller gave up; the server cancels the handler.
-
-A lost connection fails every open call with UNAVAILABLE on the client and cancels every handler
-on the server (what gRPC does when a peer goes away).
+A ``LaneChannel`` is one worker's connection: opened on first use, reopened after a loss. Its calls
+(``UnaryCall``, ``StreamCall``) are sent on first use and cancellable at any time, like grpc.aio
+calls; a non-OK status raises ``LaneError`` (a ``grpc.RpcError``). ``PrefillLane``, ``DecodeLane``
+and ``ColocatedLane`` have the call shapes of the grpc.aio stubs, so ``request_stubs`` hands either.
 """
 
 from __future__ import annotations
@@ -29,55 +11,35 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
-import struct
-import time
-from collections.abc import Callable, Generator
-from dataclasses import dataclass
+from collections.abc import Generator
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
-from google.protobuf.message import DecodeError, Message
+from google.protobuf.message import Message
 
-from pdrouter.core.errors import PdRouterError
+from pdrouter.wire.lane.frames import (
+    ALLOCATE,
+    CALL,
+    CANCEL,
+    COLOCATED,
+    DECODE,
+    END,
+    HELLO,
+    PREFILL,
+    RELEASE,
+    SERVE,
+    VERSION,
+    LaneMethod,
+    _Corked,
+    _frame,
+    _Frames,
+)
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
-MAGIC = b"PDRL"
-HELLO = MAGIC + bytes([VERSION, 0, 0, 0])
-HEADER = struct.Struct("!IIBBHI")
-MAX_BODY = 64 * 1024 * 1024
-"""Largest frame body accepted (the gRPC channels' message limit)."""
-CALL, MESSAGE, END, CANCEL = 1, 2, 3, 4
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
-_WRITE_HIGH_WATER = 1 << 20
-
-@dataclass(frozen=True)
-class LaneMethod:
-    """One worker RPC as the lane knows it: id on the wire, gRPC name, message types."""
-
-    id: int
-    name: str
-    request: type[Message]
-    response: type[Message]
-    streaming: bool
-
-
-PREFILL = LaneMethod(1, "/pdrouter.v1.PrefillWorker/Prefill", worker_pb2.PrefillRequest,
-                     worker_pb2.PrefillResponse, False)
-ALLOCATE = LaneMethod(2, "/pdrouter.v1.DecodeWorker/Allocate", worker_pb2.AllocateRequest,
-                      worker_pb2.AllocateResponse, False)
-DECODE = LaneMethod(3, "/pdrouter.v1.DecodeWorker/Generate", worker_pb2.DecodeRequest,
-                    common_pb2.TokenChunk, True)
-RELEASE = LaneMethod(4, "/pdrouter.v1.DecodeWorker/Release", worker_pb2.ReleaseRequest,
-                     worker_pb2.ReleaseResponse, False)
-COLOCATED = LaneMethod(5, "/pdrouter.v1.ColocatedWorker/Generate", worker_pb2.WorkerGenerateRequest,
-                       common_pb2.TokenChunk, True)
-SERVE = LaneMethod(6, "/pdrouter.v1.DecodeWorker/Serve", worker_pb2.ServeRequest, common_pb2.TokenChunk, True)
-METHODS = {m.id: m for m in (PREFILL, ALLOCATE, DECODE, RELEASE, COLOCATED, SERVE)}
 
 
 class LaneError(grpc.RpcError):
@@ -93,282 +55,6 @@ class LaneError(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
-
-
-class LaneAbort(Exception):
-    """Raised by :meth:`LaneContext.abort`: the handler ends the call with this status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class LaneContext:
-    """The part of ``grpc.aio.ServicerContext`` the worker servicers use (``abort``)."""
-
-    __slots__ = ("deadline",)
-
-    def __init__(self, deadline: float | None) -> None:
-        self.deadline = deadline
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise LaneAbort(code, details)
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-
-def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, LaneAbort):
-        return exc.code, exc.details
-    if isinstance(exc, PdRouterError):
-        return grpc.StatusCode[exc.grpc_code], exc.message
-    return grpc.StatusCode.UNKNOWN, f"Unexpected {type(exc).__name__}: {exc}"
-
-
-class _Frames:
-    """Incremental frame parser shared by both ends."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[tuple[int, int, int, int, bytes]]:
-        """Append ``data``; the complete frames so far as (stream, kind, arg, timeout_ms, body)."""
-        buf = self._buf
-        buf += data
-        frames = []
-        pos, size = 0, len(buf)
-        while size - pos >= HEADER.size:
-            length, stream, kind, arg, _, timeout_ms = HEADER.unpack_from(buf, pos)
-            if length > MAX_BODY:
-                raise ValueError(f"lane frame of {length} bytes exceeds the {MAX_BODY}-byte limit")
-            end = pos + HEADER.size + length
-            if end > size:
-                break
-            frames.append((stream, kind, arg, timeout_ms, bytes(buf[pos + HEADER.size:end])))
-            pos = end
-        if pos:
-            del buf[:pos]
-        return frames
-
-
-def _frame(stream: int, kind: int, arg: int = 0, body: bytes = b"", timeout_ms: int = 0) -> bytes:
-    return HEADER.pack(len(body), stream, kind, arg, 0, timeout_ms) + body
-
-
-class _Corked(asyncio.Protocol):
-    """Frames written during one event-loop iteration leave in one ``send``: under load many calls
-    share a system call (on loopback a send costs as much as the rest of a call)."""
-
-    transport: asyncio.Transport | None
-
-    def __init__(self) -> None:
-        self.transport = None
-        self._out: list[bytes] = []
-        self._loop = asyncio.get_running_loop()
-
-    def _send(self, data: bytes) -> None:
-        if not self._out:
-            self._loop.call_soon(self._flush)
-        self._out.append(data)
-
-    def _flush(self) -> None:
-        out, self._out = self._out, []
-        if out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
-
-
-# -- server ------------------------------------------------------------------------------------
-
-Handler = Callable[[Any, Any], Any]
-"""A servicer method: ``(request, context)`` → response (unary) or an async iterator (streaming)."""
-
-
-class LaneServer:
-    """Serves registered worker methods on one TCP port."""
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host = host
-        self.requested_port = port
-        self.port = 0
-        self._handlers: dict[int, tuple[LaneMethod, Handler]] = {}
-        self._server: asyncio.Server | None = None
-        self._connections: set[_ServerConnection] = set()
-
-    def add(self, method: LaneMethod, handler: Handler) -> None:
-        self._handlers[method.id] = (method, handler)
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    @property
-    def active_calls(self) -> int:
-        return sum(len(c.calls) for c in self._connections)
-
-    async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerConnection(self), self.host, self.requested_port,
-                                                reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self, grace: float = 5.0) -> None:
-        """Refuse new connections, give in-flight calls ``grace`` seconds, then cancel them and close."""
-        if self._server is not None:
-            self._server.close()
-        for conn in self._connections:
-            conn.closing = True
-        calls = [t for c in self._connections for t in c.calls.values()]
-        if calls:
-            await asyncio.wait(calls, timeout=grace)
-        for conn in list(self._connections):
-            conn.abort()
-        if self._server is not None:
-            await self._server.wait_closed()
-            self._server = None
-
-
-class _ServerConnection(_Corked):
-    def __init__(self, server: LaneServer) -> None:
-        super().__init__()
-        self.server = server
-        self.frames = _Frames()
-        self.calls: dict[int, asyncio.Task[None]] = {}
-        self.greeted = False
-        self.closing = False
-        self._writable = asyncio.Event()
-        self._writable.set()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream transport (uvloop's do not subclass asyncio.Transport, hence no isinstance check).
-        transport = cast(asyncio.Transport, transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        self.server._connections.add(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.server._connections.discard(self)
-        for task in self.calls.values():
-            task.cancel()
-        self._writable.set()
-
-    def pause_writing(self) -> None:
-        self._writable.clear()
-
-    def resume_writing(self) -> None:
-        self._writable.set()
-
-    def abort(self) -> None:
-        if self.transport is not None:
-            self.transport.abort()
-
-    def data_received(self, data: bytes) -> None:
-        if self.transport is None or self.transport.is_closing():
-            return  # refused or going away: nothing more is read
-        if not self.greeted:
-            data = self._greet(data)
-            if not data:
-                return
-        try:
-            frames = self.frames.feed(data)
-        except ValueError as exc:
-            log.warning("lane: closing a connection: %s", exc)
-            self.abort()
-            return
-        for stream, kind, arg, timeout_ms, body in frames:
-            if kind == CALL:
-                self._call(stream, arg, timeout_ms, body)
-            elif kind == CANCEL:
-                task = self.calls.get(stream)
-                if task is not None:
-                    task.cancel()
-
-    def _greet(self, data: bytes) -> bytes:
-        pending = bytes(self.frames._buf) + data
-        if len(pending) < len(HELLO):
-            self.frames._buf = bytearray(pending)
-            return b""
-        self.frames._buf = bytearray()
-        hello, rest = pending[:len(HELLO)], pending[len(HELLO):]
-        assert self.transport is not None
-        if hello[:4] != MAGIC or hello[4] != VERSION:
-            log.warning("lane: refusing a peer that speaks %r (this worker speaks lane version %d)",
-                        hello, VERSION)
-            self.transport.write(HELLO)  # tell it what this side speaks, then hang up
-            self.transport.close()
-            return b""
-        self.transport.write(HELLO)
-        self.greeted = True
-        return rest
-
-    def _end(self, stream: int, code: grpc.StatusCode, body: bytes) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self._send(_frame(stream, END, code.value[0], body))
-
-    def _call(self, stream: int, method_id: int, timeout_ms: int, body: bytes) -> None:
-        entry = self.server._handlers.get(method_id)
-        if entry is None:
-            self._end(stream, grpc.StatusCode.UNIMPLEMENTED, f"lane method {method_id} is not served here".encode())
-            return
-        if self.closing:
-            self._end(stream, grpc.StatusCode.UNAVAILABLE, b"the worker is shutting down")
-            return
-        method, handler = entry
-        try:
-            request = method.request.FromString(body)
-        except DecodeError as exc:
-            self._end(stream, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method.name} request: {exc}".encode())
-            return
-        task = asyncio.ensure_future(self._run(stream, method, handler, request, timeout_ms))
-        self.calls[stream] = task
-        # A done callback, not a ``finally``: a call cancelled before it started runs no code at all.
-        task.add_done_callback(functools.partial(self._forget, stream))
-
-    def _forget(self, stream: int, task: asyncio.Task[None]) -> None:
-        if self.calls.get(stream) is task:
-            del self.calls[stream]
-
-    async def _run(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
-                   timeout_ms: int) -> None:
-        scope = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
-        context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None)
-        try:
-            async with scope:
-                await self._serve(stream, method, handler, request, context)
-        except asyncio.CancelledError:
-            pass  # the caller cancelled or went away: nobody to answer
-        except Exception as exc:  # every failure becomes a status, as with grpc
-            if isinstance(exc, TimeoutError) and scope.expired():
-                self._end(stream, grpc.StatusCode.DEADLINE_EXCEEDED, b"Deadline Exceeded")
-                return
-            code, details = _status_of(exc)
-            if code is grpc.StatusCode.UNKNOWN:
-                log.exception("lane: %s failed", method.name)
-            self._end(stream, code, details.encode("utf-8", "replace"))
-
-    async def _serve(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
-                     context: LaneContext) -> None:
-        transport = self.transport
-        assert transport is not None
-        if not method.streaming:
-            response = await handler(request, context)
-            self._end(stream, grpc.StatusCode.OK, response.SerializeToString())
-            return
-        responses = handler(request, context)
-        try:
-            async for msg in responses:
-                if not self._writable.is_set():
-                    await self._writable.wait()
-                if transport.is_closing():
-                    return
-                self._send(_frame(stream, MESSAGE, 0, msg.SerializeToString()))
-        finally:
-            await responses.aclose()
-        self._end(stream, grpc.StatusCode.OK, b"")
-
-
-# -- client ------------------------------------------------------------------------------------
 
 
 class _Inbox:
@@ -697,16 +383,6 @@ class ColocatedLane:
     def Generate(self, request: worker_pb2.WorkerGenerateRequest,
                  timeout: float | None = None) -> StreamCall[common_pb2.TokenChunk]:
         return self._channel.stream(COLOCATED, request, timeout)
-
-
-def serve_servicer(server: LaneServer, servicer: Any) -> None:
-    """Register every lane method ``servicer`` implements (matched by gRPC service and method name)."""
-    service = type(servicer).__mro__
-    for method in METHODS.values():
-        service_name, name = method.name.rsplit("/", 1)
-        base = service_name.rsplit(".", 1)[1] + "Servicer"
-        if any(cls.__name__ == base for cls in service):
-            server.add(method, getattr(servicer, name))
 
 
 def request_stubs(channel: grpc.aio.Channel | None, lane: LaneChannel | None) -> tuple[Any, Any, Any]:
