@@ -22,14 +22,6 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[canonical]
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """Canonical config name of a torch dtype (inverse of :func:`torch_dtype`)."""
-    for name, value in TORCH_DTYPES.items():
-        if value == dtype:
-            return name
-    raise ConfigError(f"dtype {dtype} is not supported by the engine")
-
-
 def resolve_device(name: str) -> torch.device:
     """``cpu``, ``cuda`` or ``cuda:N``; ConfigError when CUDA is asked for but absent."""
     try:

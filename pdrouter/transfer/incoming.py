@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -237,7 +236,3 @@ class IncomingTransfer:
                                             f"(state {self.state.value})"))
         if self.state is TransferState.FAILED:
             raise self.error or ProtocolError(f"transfer {self.transfer_id} failed")
-
-
-def monotonic_deadline(timeout_s: float | None) -> float | None:
-    return None if timeout_s is None else time.monotonic() + timeout_s
