@@ -1,1 +1,1 @@
-"""The front-door router: placement, admission, PD orchestration, OpenAI HTTP and gRPC front doors."""
+"""The front-door router: front doors, placement, admission, dispatch to the workers, metrics."""

@@ -40,7 +40,7 @@ from pdrouter.core.errors import DeadlineExceededError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
 from pdrouter.core.workers import WorkerRole
-from pdrouter.router.admission.admission import Admission
+from pdrouter.router.admission import Admission
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool

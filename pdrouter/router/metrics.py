@@ -1,7 +1,7 @@
 """The router's Prometheus metrics, on a registry owned by one router (never the process default).
 
 Front doors record what a client sees (time to first token, inter-token latency, end-to-end
-latency, outcome, tokens); the orchestrator records what happens behind them (queue time, worker
+latency, outcome, tokens); the dispatcher records what happens behind them (queue time, worker
 load, KV transfers, prefix-cache hits) through the small ``observe_*`` / ``set_*`` methods below.
 
 Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);
@@ -211,7 +211,7 @@ class RouterMetrics:
             found = self._frontdoors[name] = FrontdoorMetrics(self, name)
         return found
 
-    # -- recorded by the orchestrator -------------------------------------------------------
+    # -- recorded by the dispatcher ---------------------------------------------------------
 
     def observe_queue_time(self, seconds: float) -> None:
         self._queue_time.observe(seconds)
