@@ -4,14 +4,21 @@ A child process serves both front doors built as ``pdrouter.router.server.Router
 (``create_app`` / ``make_server`` / ``bind_socket`` for HTTP, ``RouterServicer`` on a
 ``GrpcServer`` for gRPC), over ``EchoOrchestrator`` instead of the real orchestrator, so nothing
 but the doors (parsing, tokenizing, metrics, response shaping, the HTTP and gRPC stacks) costs CPU.
-This process drives load and reads the child's CPU time (user + system, all threads) from
-``/proc/<pid>/stat`` around each measured phase.
+It runs on the event loop the router runs on (``event_loop_factory``: uvloop when installed;
+``PDROUTER_EVENT_LOOP=asyncio`` selects asyncio's). The same HTTP door app is also served, in the same
+process, by two servers used as their documentation shows: uvicorn with ``http="httptools"`` (its
+``Config`` / ``Server``, no subclass) and granian's embedded ASGI server (``granian.server.embed``),
+when granian is installed. This process drives load and reads the child's CPU time (user + system,
+all threads) from ``/proc/<pid>/stat`` around each measured phase.
 
 Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greedy tokens. Kinds:
 
 * ``http``: ``POST /v1/completions`` with ``stream: false`` over keep-alive connections (one per
   concurrent caller), with a minimal HTTP/1.1 client;
 * ``http_stream``: the same request with ``stream: true`` (SSE, chunked);
+* ``http_uvicorn``, ``http_granian``: ``http`` served by plain uvicorn (httptools) / granian instead
+  of the router's server (``pdrouter.router.http_server``); ``http_stream_uvicorn`` and
+  ``http_stream_granian`` likewise, measured only when ``--kinds`` names them;
 * ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
   per token);
 * ``grpc_bare``: the same call to a bare servicer in the same process, on its own ``GrpcServer``,
@@ -24,10 +31,16 @@ drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child C
 and ``_rps``. With both gRPC kinds, ``grpc_own_c{1,32}_cpu`` is the gRPC door's CPU above that
 floor: its own Python (validation, tokenizing, the request's path, metrics, messages).
 
+The HTTP servers are compared last, one figure a line: ``http door cpu per request at c=32, <server>``
+for each server measured, then for each plain server the CPU it adds per request (against the
+250 µs the whole router may spend at c=32) and its CPU and c=1 p50 as ratios to the router's
+server, measured in the same run. Without granian its kinds are skipped with a note (on stderr
+with ``--json``).
+
 ``--profile PATH`` runs the child under cProfile and writes its stats to PATH (the CPU figures
 are then inflated by the profiler); ``--kinds`` measures a subset.
 
-    python benchmarks/frontdoor_bench.py [--quick] [--json] [--kinds http,grpc] [--profile out.pstats]
+    python benchmarks/frontdoor_bench.py [--quick] [--json] [--kinds http,http_uvicorn,grpc] [--profile out.pstats]
 """
 
 from __future__ import annotations
@@ -35,25 +48,29 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
+import uvicorn
 from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
-from pdrouter.cli.serve import freeze_startup_heap, tune_allocator
+from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, tune_allocator
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
-from pdrouter.router.frontdoor.http_api import bind_socket, create_app, make_server
+from pdrouter.router.frontdoor.http_api import create_app
+from pdrouter.router.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig
@@ -65,9 +82,14 @@ MODEL = ECHO.name
 PROMPT = "Hello, world"
 """13 tokens with the byte tokenizer's <bos>."""
 HOST = "127.0.0.1"
-KINDS = ("http", "http_stream", "grpc", "grpc_bare")
+KINDS = ("http", "http_stream", "http_uvicorn", "http_granian", "grpc", "grpc_bare",
+         "http_stream_uvicorn", "http_stream_granian")
+DEFAULT_KINDS = KINDS[:6]
+SERVERS = {"": "hand-tuned server", "_uvicorn": "uvicorn+httptools", "_granian": "granian"}
+"""Kind suffix → the HTTP server it names in the comparison figures."""
 _READY = "frontdoor-bench ready"
 _PROFILE_ENV = "FRONTDOOR_BENCH_PROFILE"
+_START_WAIT_S = 10.0
 T = TypeVar("T")
 
 
@@ -75,8 +97,9 @@ T = TypeVar("T")
 
 
 async def serve() -> None:
-    """Serve both doors and the bare gRPC servicer until SIGTERM; print
-    ``<ready> <http port> <grpc address> <bare grpc address>`` once up."""
+    """Serve both doors, the door app under plain uvicorn and granian too, and the bare gRPC
+    servicer until SIGTERM; print ``<ready> <JSON of addresses>`` once up (granian's address
+    None, with the reason, when it cannot serve)."""
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     profile_path = os.environ.get(_PROFILE_ENV)
     profiler = cProfile.Profile() if profile_path else None
@@ -95,31 +118,86 @@ async def serve() -> None:
     bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, _BareRouter(), SERVICE_NAME)
     await bare_server.start()
     app = create_app(orchestrator, tokenizers, metrics=metrics, config=config)
-    sock = bind_socket(HOST, 0)
-    sock.listen(1024)
-    sock.setblocking(False)
-    http_port = sock.getsockname()[1]
-    server = make_server(app, HOST, http_port)
-    http_task = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        if http_task.done():
-            await http_task
-        await asyncio.sleep(0.01)
+    http_port, server, http_task = await _serve_uvicorn(lambda port: make_server(app, HOST, port))
+    plain_port, plain, plain_task = await _serve_uvicorn(lambda port: _plain_uvicorn(app, port))
+    granian, granian_note = await _serve_granian(app)
     # The fake keeps every request it saw; a long run must not grow the heap without bound.
     orchestrator.requests = _Discard[RouterRequest]()
     orchestrator.completed = _Discard[str]()
     freeze_startup_heap()  # as every pdrouter server process does after start-up
-    print(f"{_READY} {http_port} {grpc_server.address} {bare_server.address}", flush=True)
+    addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
+                 "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,
+                 "event_loop": type(loop).__module__.split(".")[0]}
+    print(f"{_READY} {json.dumps(addresses)}", flush=True)
     if profiler is not None:
         profiler.enable()
     await stop.wait()
     if profiler is not None and profile_path:
         profiler.disable()
         profiler.dump_stats(profile_path)
-    server.should_exit = True
+    server.should_exit = plain.should_exit = True
+    if granian is not None:
+        granian[1].stop()
     await grpc_server.stop(0)
     await bare_server.stop(0)
-    await http_task
+    await asyncio.gather(http_task, plain_task, *([granian[2]] if granian else []))
+
+
+async def _serve_uvicorn(make: Callable[[int], uvicorn.Server]) -> tuple[int, uvicorn.Server, asyncio.Task[None]]:
+    """Serve ``make(port)`` on a free port (a socket from ``bind_socket``); the port, server and its task."""
+    sock = bind_socket(HOST, 0)
+    sock.listen(1024)
+    sock.setblocking(False)
+    port = sock.getsockname()[1]
+    server = make(port)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        if task.done():
+            await task
+        await asyncio.sleep(0.01)
+    return port, server, task
+
+
+def _plain_uvicorn(app: Any, port: int) -> uvicorn.Server:
+    """uvicorn as documented (``Config`` + ``Server``, ``http="httptools"``), with the router's other
+    settings: no lifespan, no access log, no ``server`` header, no proxy headers."""
+    config = uvicorn.Config(app, host=HOST, port=port, http="httptools", ws="none", lifespan="off",
+                            access_log=False, log_config=None, log_level="warning", server_header=False,
+                            proxy_headers=False)
+    return uvicorn.Server(config)
+
+
+async def _serve_granian(app: Any) -> tuple[tuple[int, Any, asyncio.Task[None]] | None, str | None]:
+    """granian's embedded ASGI server for ``app`` on a free port: ((port, server, task), None), or
+    (None, why not) when granian is not installed or does not start."""
+    try:
+        from granian.constants import HTTPModes, Interfaces
+        from granian.server.embed import Server
+    except ImportError as exc:
+        return None, f"granian is not installed ({exc}); pip install granian to measure it"
+    with socket.socket() as probe:  # granian binds its own socket: take a port that is free now
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    try:
+        server = Server(app, address=HOST, port=port, interface=Interfaces.ASGINL, http=HTTPModes.http1,
+                        websockets=False, backlog=1024, log_enabled=False)
+    except Exception as exc:  # a granian whose options differ from these
+        return None, f"granian did not start: {exc!r}"
+    task: asyncio.Task[None] = asyncio.create_task(server.serve())
+    deadline = time.monotonic() + _START_WAIT_S
+    while True:
+        try:
+            _, writer = await asyncio.open_connection(HOST, port)
+        except OSError as exc:
+            if task.done() or time.monotonic() > deadline:
+                server.stop()
+                detail = repr(task.exception()) if task.done() and not task.cancelled() else repr(exc)
+                return None, f"granian did not start: {detail}"
+            await asyncio.sleep(0.02)
+            continue
+        writer.close()
+        await writer.wait_closed()
+        return (port, server, task), None
 
 
 class _BareRouter(router_pb2_grpc.RouterServicer):
@@ -202,8 +280,8 @@ class Plan:
     rounds: int
 
 
-QUICK = Plan(warmup=500, c1=1000, c32=3000, rounds=2)
-FULL = Plan(warmup=1000, c1=2000, c32=6000, rounds=4)
+QUICK = Plan(warmup=300, c1=600, c32=2000, rounds=2)
+FULL = Plan(warmup=600, c1=1500, c32=5000, rounds=4)
 
 
 async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Report) -> None:
@@ -228,7 +306,8 @@ async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Repo
             report.add(f"grpc_own_c{concurrency}_cpu", own * 1e6, "us/req")
 
 
-def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str, str]:
+def start_child(profile: str | None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """The serving child and what it printed once up (its addresses, see :func:`serve`)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if profile:
         env[_PROFILE_ENV] = str(Path(profile).resolve())
@@ -238,35 +317,56 @@ def start_child(profile: str | None) -> tuple[subprocess.Popen[str], int, str, s
     if not line.startswith(_READY):
         child.kill()
         raise RuntimeError(f"front-door child did not start: {line!r}")
-    _, port, address, bare_address = line.rsplit(" ", 3)
-    return child, int(port), address, bare_address.strip()
+    return child, json.loads(line[len(_READY):])
 
 
-async def main_async() -> None:
-    parser = base_parser(__doc__ or "")
-    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per request")
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
-    parser.add_argument("--profile", metavar="PATH", help="run the child under cProfile, stats to PATH")
-    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
-    args = parser.parse_args()
-    if args.serve:
-        tune_allocator()  # as every pdrouter server process does
-        await serve()
-        return
-    kinds = [k for k in args.kinds.split(",") if k]
-    if unknown := set(kinds) - set(KINDS):
-        parser.error(f"unknown kinds {sorted(unknown)}")
+def compare_servers(report: Report) -> None:
+    """Per HTTP server measured: its c=32 CPU per request; per plain server, what that adds to the
+    router's own server, and that CPU and the c=1 p50 as ratios to it (same kind of request, same run)."""
+    figures = {name: value for name, value, _ in report.figures}
+    for stream in ("", "_stream"):
+        what = "streamed " if stream else ""
+        base = f"http{stream}"
+        if stream and not any(f"{base}{suffix}_c32_cpu" in figures for suffix in SERVERS if suffix):
+            continue  # streamed requests through the router's server alone: nothing to compare
+        for suffix, server in SERVERS.items():
+            cpu = figures.get(f"{base}{suffix}_c32_cpu")
+            if isinstance(cpu, float):
+                report.add(f"http door cpu per {what}request at c=32, {server}", cpu, "us")
+        ours = figures.get(f"{base}_c32_cpu")
+        for suffix, server in SERVERS.items():
+            theirs = figures.get(f"{base}{suffix}_c32_cpu")
+            if suffix and isinstance(ours, float) and isinstance(theirs, float):
+                report.add(f"http door cpu per {what}request at c=32, {server} over hand-tuned server",
+                           theirs - ours, "us")
+        for suffix, server in SERVERS.items():
+            for figure, label in (("c32_cpu", f"cpu per {what}request at c=32"), ("c1_p50", f"{what}p50 at c=1")):
+                mine, theirs = figures.get(f"{base}_{figure}"), figures.get(f"{base}{suffix}_{figure}")
+                if suffix and isinstance(mine, float) and isinstance(theirs, float) and mine > 0:
+                    report.add(f"http door {label}, {server} / hand-tuned server", theirs / mine, "x")
+
+
+async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
     ids = ByteTokenizer(ECHO.vocab_size).encode(PROMPT)
     report = Report()
     report.add("prompt_tokens", len(ids), "tokens")
     report.add("max_tokens", args.max_tokens, "tokens")
-    child, port, address, bare_address = start_child(args.profile)
+    child, where = start_child(args.profile)
+    report.add("event_loop", where["event_loop"])
+    if where["http_granian"] is None and (skipped := [k for k in kinds if k.endswith("_granian")]):
+        print(f"note: skipping {', '.join(skipped)}: {where['granian_note']}", file=sys.stderr if args.json else None,
+              flush=True)
+        kinds = [k for k in kinds if k not in skipped]
     try:
+        def http(port_of: str, stream: bool) -> Callable[[], Client]:
+            return lambda: HttpCompletions(HOST, where[port_of], MODEL, ids, args.max_tokens, stream=stream)
+
         make: dict[str, Callable[[], Client]] = {
-            "http": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=False),
-            "http_stream": lambda: HttpCompletions(HOST, port, MODEL, ids, args.max_tokens, stream=True),
-            "grpc": lambda: RouterGenerate(address, MODEL, ids, args.max_tokens),
-            "grpc_bare": lambda: RouterGenerate(bare_address, MODEL, ids, args.max_tokens)}
+            "grpc": lambda: RouterGenerate(where["grpc"], MODEL, ids, args.max_tokens),
+            "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens)}
+        for suffix in SERVERS:
+            make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
+            make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)
         clients: dict[str, Client] = {kind: make[kind]() for kind in kinds}
         await measure(clients, QUICK if args.quick else FULL, child.pid, report)
         for client in clients.values():
@@ -277,8 +377,27 @@ async def main_async() -> None:
             child.wait(30)
         except subprocess.TimeoutExpired:
             child.kill()
+    compare_servers(report)
     report.emit(args.json)
 
 
+def main() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--max-tokens", type=int, default=2, help="tokens per request")
+    parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
+    parser.add_argument("--profile", metavar="PATH", help="run the child under cProfile, stats to PATH")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
+    args = parser.parse_args()
+    if args.serve:
+        tune_allocator()  # as every pdrouter server process does
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:  # the router's event loop
+            runner.run(serve())
+        return
+    kinds = [k for k in args.kinds.split(",") if k]
+    if unknown := set(kinds) - set(KINDS):
+        parser.error(f"unknown kinds {sorted(unknown)}")
+    asyncio.run(drive(args, kinds))
+
+
 if __name__ == "__main__":
-    asyncio.run(main_async())
+    main()

@@ -1,20 +1,65 @@
-"""The generation POSTs' own HTTP/1.1 request cycle, in place of uvicorn's for those two routes.
+"""The router's HTTP/1.1 server: uvicorn's httptools protocol, with the two generation POSTs on a
+request cycle of its own. Everything uvicorn- and httptools-specific lives here; the OpenAI API
+(``pdrouter.router.frontdoor.http_api``) knows only the seam below.
 
-uvicorn's request cycle (scope building, a task through its ASGI runner, header checks on every
-response, two writes per response) is general, and at one request at a time, when every wake-up
-finds the caches cold, it costs about as much as the router's own work. For ``POST
-/v1/completions`` and ``POST /v1/chat/completions`` (no query string, no ``Expect``, nothing
-pipelined ahead), the router's protocol (``pdrouter.router.frontdoor.http_api._HttpProtocol``) hands the
-request to a :class:`FastCycle` instead: the same ASGI ``receive`` / ``send`` contract for the
-endpoint, kept to what it uses, and the response's head leaves with its first body bytes. A request
-that arrives whole in one read and is plain (:func:`whole_request`), the common case for a client
-on a keep-alive connection, skips uvicorn's parser and its per-header callbacks as well.
+Why: uvicorn's request cycle (scope building, a task through its ASGI runner, header checks on every
+response, two writes per response, and with no disconnect callback a task per request watching
+``receive``) is general, and at one request at a time, when every wake-up finds the caches cold,
+it costs about as much as the router's own work. ``benchmarks/frontdoor_bench.py`` serves the same
+door app from this server, from plain uvicorn (``http="httptools"``, no subclass) and from granian's
+embedded server, and prints each one's CPU per request at c=32 and what it adds to this one. On a
+shared 2-core machine (uvloop, five runs) plain uvicorn spent 8–16 % (22–41 µs) more per unary
+request and granian 18–30 % (47–79 µs); streamed requests (two runs), where the work per chunk
+dominates, differed by 1–3 % and 9–16 %. The whole router may spend 250 µs per request at c=32,
+and its disaggregated figure (194–234 µs) is 16–56 µs under that: the unary lead keeps this path.
 
-It keeps uvicorn's connection semantics: keep-alive (``Connection: close`` and HTTP/1.0 close
-after the response), requests pipelined behind it (queued by uvicorn, started when this response
-completes), flow control, a lost connection (no more writes; the disconnect callbacks run),
-graceful shutdown (the task is one of the server's; the connection closes after the response).
-Every other request takes uvicorn's own cycle.
+The seam. What the door gives the server:
+
+* an ASGI application (``make_server(app)``) that answers every request by itself, as under any
+  ASGI server;
+* on that application, optionally, :meth:`FastRoutes.fast_handlers`: per exact request path of a
+  generation POST (``b"/v1/completions"``, ``b"/v1/chat/completions"``), a :data:`Handler`
+  ``handler(receive, send)`` (the endpoint's ASGI work, its scope already decided) and the largest
+  body it accepts. The server builds them once per connection, passing its :data:`OnDisconnect`;
+* in the scopes of requests that reach the application, the server offers the same callback
+  under :data:`DISCONNECT_EXTENSION`, so the endpoint needs no task watching ``receive``.
+
+What the server promises a handler:
+
+* ``receive()`` gives the whole body in one ``http.request`` message (``more_body`` False) or, once
+  the body has outgrown the handler's limit, what came of it with ``more_body`` True (the
+  connection is then not kept); after that it waits, and gives ``http.disconnect`` once the
+  client is gone or the response is complete;
+* ``send()`` takes one ``http.response.start`` and then ``http.response.body`` messages; the head
+  leaves with the first body bytes in one write, with the server's default headers (``date``),
+  chunked framing when the handler gave no ``content-length``, and ``connection: close`` when
+  the connection will not be kept;
+* ``on_disconnect(callback)`` calls ``callback`` once if the connection is lost before it is
+  forgotten (its return value forgets it);
+* a handler that raises before its response started gets a plain 500 (``connection: close``);
+  one that raises mid-response, or returns before its response is complete, has the connection
+  closed;
+* uvicorn's connection semantics: keep-alive (``Connection: close`` and HTTP/1.0 close after the
+  response), requests pipelined behind it (queued by uvicorn, started when this response
+  completes), flow control, a lost connection (no more writes; the disconnect callbacks run),
+  graceful shutdown (the request's task is one of the server's; the connection closes after the
+  response).
+
+Entry points of a request (``tests/router/test_http_server.py`` serves each over a socket):
+
+1. **Whole in one read**: :meth:`HttpProtocol.data_received` finds one plain generation POST
+   (:func:`whole_request`: ``HTTP/1.1``, exact path, one ``Content-Length`` matching the body,
+   nothing pipelined behind it) on a connection with no response in progress, the common case on
+   a keep-alive connection, and starts a :class:`FastCycle` with its body: httptools' parser and
+   its per-header callbacks are skipped.
+2. **httptools callbacks**: any other read goes to uvicorn's parser; at
+   :meth:`HttpProtocol.on_headers_complete` a ``POST`` to a generation path (no query string, no
+   ``Expect``, no upgrade, nothing in progress ahead of it) gets a :class:`FastCycle` too, whose
+   body then arrives through uvicorn's ``on_body`` / ``on_message_complete``.
+3. **uvicorn's own cycle**: every other request (other routes and methods, a query string,
+   ``Expect: 100-continue``, a request pipelined behind one in progress, a ``root_path``, a
+   concurrency limit) takes uvicorn's ``RequestResponseCycle`` into the ASGI application (whose
+   generation POSTs go straight to their endpoint and everything else through Starlette).
 """
 
 from __future__ import annotations
@@ -23,13 +68,38 @@ import asyncio
 import http
 import logging
 import re
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+import socket
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[Any, Any], Awaitable[None]]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+Handler = Callable[[Receive, Send], Awaitable[None]]
 """``handler(receive, send)``: the endpoint's ASGI work for one request (scope already decided)."""
+OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
+"""``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
+DISCONNECT_EXTENSION = "pdrouter.disconnect"
+"""The ASGI scope extension by which the server offers ``{"register": OnDisconnect}``."""
+READ_SIZE = 64 * 1024
+"""Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
+
+
+@runtime_checkable
+class FastRoutes(Protocol):
+    """An ASGI application whose generation POSTs the server may hand to :class:`FastCycle`."""
+
+    def fast_handlers(self, on_disconnect: OnDisconnect) -> Mapping[bytes, tuple[Handler, int]]:
+        """Per exact request path: ``(handler, body_limit)``."""
+        ...
+
 
 _STATUS_LINES: dict[int, bytes] = {}
 
@@ -114,7 +184,7 @@ class _Event:
 
 
 class FastCycle:
-    """One generation request on a connection served by the router's protocol.
+    """One generation request on a connection served by :class:`HttpProtocol` (entry points 1 and 2).
 
     Exposes the attributes uvicorn's protocol reads and writes on its current cycle (``body``,
     ``more_body``, ``message_event``, ``response_complete``, ``disconnected``, ``keep_alive``).
@@ -124,7 +194,7 @@ class FastCycle:
                  "handler", "keep_alive", "message_event", "more_body", "protocol", "response_complete",
                  "response_started")
 
-    def __init__(self, protocol: Any, handler: Handler, keep_alive: bool, body_limit: int,
+    def __init__(self, protocol: HttpToolsProtocol, handler: Handler, keep_alive: bool, body_limit: int,
                  body: bytes | None = None) -> None:
         """``body``: the whole request body, when it has all arrived (the request starts at once);
         None: uvicorn's parser callbacks bring it."""
@@ -160,6 +230,8 @@ class FastCycle:
         if self.more_body:
             self.keep_alive = False  # answered before the body ended: the connection cannot be reused
         self._started = True
+        # Held in uvicorn's own set of request tasks (as its cycle does), the set its graceful
+        # shutdown waits on: a task held anywhere else would be cut off by a shutdown.
         task = asyncio.get_running_loop().create_task(self._run())
         self.protocol.tasks.add(task)
         task.add_done_callback(self.protocol.tasks.discard)
@@ -186,7 +258,7 @@ class FastCycle:
                 self.protocol.transport.close()
 
     # -- the ASGI channels ------------------------------------------------------------------------
-    async def receive(self) -> dict[str, Any]:
+    async def receive(self) -> Message:
         if not self._taken and not self.disconnected:
             self._taken = True  # the body, whole (or, past the endpoint's limit, what came of it)
             body, self.body = bytes(self.body), bytearray()
@@ -196,7 +268,7 @@ class FastCycle:
             await self._closed
         return {"type": "http.disconnect"}
 
-    async def send(self, message: dict[str, Any]) -> None:
+    async def send(self, message: Message) -> None:
         flow = self.protocol.flow
         if flow.write_paused and not self.disconnected:
             await flow.drain()
@@ -250,3 +322,170 @@ class FastCycle:
         transport = self.protocol.transport
         if not transport.is_closing():
             getattr(transport, "write_now", transport.write)(data)  # a head with its body: no corking
+
+
+_RESPONSE_HEAD = b"HTTP/1.1 "
+
+
+class _CorkedTransport:
+    """A transport that holds a response's head back until its first body bytes, then writes both.
+
+    uvicorn writes a response's status line and headers, then its body, each at once: two
+    system calls (and two wake-ups of the client) for every unary response. Here the head waits,
+    and the body that follows in the same event-loop iteration leaves with it in one ``send``; a
+    head with no body in that iteration leaves on its own at the next one. Body bytes are never
+    held back. Everything but writing and closing is the wrapped transport's.
+    """
+
+    __slots__ = ("_loop", "_out", "_transport")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._out: list[bytes] = []
+        self._loop = asyncio.get_running_loop()
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        elif data.startswith(_RESPONSE_HEAD):
+            self._out.append(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def writelines(self, lines: list[bytes]) -> None:
+        for data in lines:
+            self.write(data)
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if out and not self._transport.is_closing():
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def write_now(self, data: bytes) -> None:
+        """Write ``data`` (a whole response, or the rest of one) at once, after anything held."""
+        if self._out:
+            self._out.append(data)
+            self._flush()
+        else:
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._out = []
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools HTTP/1.1 protocol with the entry points of the module docstring, reading
+    at most :data:`READ_SIZE` bytes at a time, writing through a :class:`_CorkedTransport`.
+
+    asyncio's socket transport receives into a fresh buffer of its ``max_size`` (256 KiB) per
+    read. An allocation that large is at glibc's mmap threshold, and depending on the process's
+    allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
+    page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
+    """
+
+    _lost_callbacks: set[Callable[[], None]] | None = None
+    _fast: Mapping[bytes, tuple[Handler, int]] | None = None
+    _in_message = False  # the parser has begun a message it has not completed
+
+    def data_received(self, data: bytes) -> None:
+        if (self._fast is not None and not self._in_message and not self.pipeline
+                and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
+            whole = whole_request(data, self._fast)
+            if whole is not None:  # entry point 1: one plain generation request, whole
+                (handler, body_limit), keep_alive, body = whole
+                self._unset_keepalive_if_required()
+                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body)  # type: ignore[assignment]
+                return
+        super().data_received(data)
+
+    def on_message_complete(self) -> None:
+        self._in_message = False
+        super().on_message_complete()
+
+    def on_headers_complete(self) -> None:
+        fast = self._fast_handler()
+        if fast is None:  # entry point 3: uvicorn's cycle
+            super().on_headers_complete()
+            return
+        handler, body_limit = fast  # entry point 2: parsed by httptools, served by a FastCycle
+        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
+        self.cycle = FastCycle(self, handler, keep_alive, body_limit)  # type: ignore[assignment]
+
+    def _fast_handler(self) -> tuple[Handler, int] | None:
+        """The generation endpoint's own cycle applies (entry point 2), or None."""
+        if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
+            return None
+        if self.cycle is not None and not self.cycle.response_complete:
+            return None  # pipelined behind a response in progress: uvicorn queues it
+        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        return self._fast.get(bytes(self.url))
+
+    def on_message_begin(self) -> None:
+        self._in_message = True
+        super().on_message_begin()
+        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
+
+    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        if self._lost_callbacks is None:
+            self._lost_callbacks = set()
+        callbacks = self._lost_callbacks
+        callbacks.add(callback)
+        return lambda: callbacks.discard(callback)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        callbacks, self._lost_callbacks = self._lost_callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
+            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
+        corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
+        super().connection_made(cast(asyncio.Transport, corked))
+        app = self.app
+        if isinstance(app, FastRoutes) and not self.root_path:
+            self._fast = app.fast_handlers(self._on_disconnect)
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A bound TCP socket for ``server.serve(sockets=[sock])`` (port 0: any free port).
+
+    Created with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on connections of such
+    sockets, and without it a response written in two parts waits ~40 ms for a delayed ACK.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
+                log_level: str = "warning") -> uvicorn.Server:
+    """A uvicorn server for ``app`` tuned for the router: :class:`HttpProtocol`, no lifespan, no
+    access log, no ``server`` header.
+
+    uvicorn leaves the process's logging configuration alone (``log_config=None``); the CLI
+    configures logging once for every component.
+
+    Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
+    to serve on a free port; stop it with ``server.should_exit = True``.
+    """
+    config = uvicorn.Config(app, host=host, port=port, http=HttpProtocol, ws="none", lifespan="off",
+                            access_log=False, log_config=None, log_level=log_level,
+                            server_header=False, proxy_headers=False)
+    return uvicorn.Server(config)

@@ -23,7 +23,8 @@ from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import Dispatcher
 from pdrouter.router.frontdoor import grpc_api
 from pdrouter.router.frontdoor.grpc_api import RouterServicer
-from pdrouter.router.frontdoor.http_api import bind_socket, create_app, make_server
+from pdrouter.router.frontdoor.http_api import create_app
+from pdrouter.router.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool

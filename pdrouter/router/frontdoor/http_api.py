@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front door: an ASGI app served by uvicorn (httptools).
+"""The OpenAI-compatible HTTP front door: an ASGI app (the server is ``pdrouter.router.http_server``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404
@@ -21,20 +21,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
-from typing import Any, cast
+from typing import Any
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.errors import CancelledError, InvalidRequestError, PdRouterError
 from pdrouter.core.tokenizer import Tokenizer
@@ -42,7 +39,9 @@ from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
 from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
 from pdrouter.router.generation import Piece, stream_pieces
-from pdrouter.router.http_server import FastCycle, Handler, whole_request
+from pdrouter.router.http_server import DISCONNECT_EXTENSION, Handler, OnDisconnect
+
+# The server's own, importable from here too by code that builds a door and its server together.
 from pdrouter.router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
 from pdrouter.router.request import Orchestrator, RouterRequest, Usage
 from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
@@ -179,8 +178,8 @@ class HttpApp:
         self.state = routes.state
 
     def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
-        """Per generation path: ``handler(receive, send)`` and the body limit, for the router's own
-        request cycle (``pdrouter.router.http_server``)."""
+        """Per generation path: ``handler(receive, send)`` and the body limit, for the server's own
+        request cycle (``pdrouter.router.http_server.FastRoutes``)."""
         out: dict[bytes, tuple[Handler, int]] = {}
         for path, endpoint in self._posts.items():
             if isinstance(endpoint, _GenerationEndpoint):
@@ -353,179 +352,3 @@ def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], 
     door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config)
     door.app.state.frontdoor = door
     return door.app
-
-
-def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A bound TCP socket for ``server.serve(sockets=[sock])`` (port 0: any free port).
-
-    Created with ``IPPROTO_TCP`` explicitly: asyncio sets TCP_NODELAY only on connections of such
-    sockets, and without it a response written in two parts waits ~40 ms for a delayed ACK.
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    return sock
-
-
-READ_SIZE = 64 * 1024
-"""Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
-
-
-OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
-"""``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
-DISCONNECT_EXTENSION = "pdrouter.disconnect"
-"""The ASGI scope extension by which the router's HTTP server offers ``{"register": OnDisconnect}``."""
-
-_RESPONSE_HEAD = b"HTTP/1.1 "
-
-
-class _CorkedTransport:
-    """A transport that holds a response's head back until its first body bytes, then writes both.
-
-    uvicorn writes a response's status line and headers, then its body, each at once: two
-    system calls (and two wake-ups of the client) for every unary response. Here the head waits,
-    and the body that follows in the same event-loop iteration leaves with it in one ``send``; a
-    head with no body in that iteration leaves on its own at the next one. Body bytes are never
-    held back. Everything but writing and closing is the wrapped transport's.
-    """
-
-    __slots__ = ("_loop", "_out", "_transport")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._out: list[bytes] = []
-        self._loop = asyncio.get_running_loop()
-
-    def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if self._out:
-            self._out.append(data)
-            self._flush()
-        elif data.startswith(_RESPONSE_HEAD):
-            self._out.append(data)
-            self._loop.call_soon(self._flush)
-        else:
-            self._transport.write(data)
-
-    def writelines(self, lines: list[bytes]) -> None:
-        for data in lines:
-            self.write(data)
-
-    def _flush(self) -> None:
-        out, self._out = self._out, []
-        if out and not self._transport.is_closing():
-            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
-
-    def write_now(self, data: bytes) -> None:
-        """Write ``data`` (a whole response, or the rest of one) at once, after anything held."""
-        if self._out:
-            self._out.append(data)
-            self._flush()
-        else:
-            self._transport.write(data)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def abort(self) -> None:
-        self._out = []
-        self._transport.abort()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools HTTP/1.1 protocol, reading at most :data:`READ_SIZE` bytes at a time,
-    writing through a :class:`_CorkedTransport`.
-
-    asyncio's socket transport receives into a fresh buffer of its ``max_size`` (256 KiB) per
-    read. An allocation that large is at glibc's mmap threshold, and depending on the process's
-    allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
-    page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
-    """
-
-    _lost_callbacks: set[Callable[[], None]] | None = None
-    _fast: dict[bytes, tuple[Handler, int]] | None = None
-    _in_message = False  # the parser has begun a message it has not completed
-
-    def data_received(self, data: bytes) -> None:
-        if (self._fast is not None and not self._in_message and not self.pipeline
-                and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
-            whole = whole_request(data, self._fast)
-            if whole is not None:  # one plain generation request, whole: no parser callbacks
-                (handler, body_limit), keep_alive, body = whole
-                self._unset_keepalive_if_required()
-                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body)  # type: ignore[assignment]
-                return
-        super().data_received(data)
-
-    def on_message_complete(self) -> None:
-        self._in_message = False
-        super().on_message_complete()
-
-    def on_headers_complete(self) -> None:
-        fast = self._fast_handler()
-        if fast is None:
-            super().on_headers_complete()
-            return
-        handler, body_limit = fast
-        keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        self.cycle = FastCycle(self, handler, keep_alive, body_limit)  # type: ignore[assignment]
-
-    def _fast_handler(self) -> tuple[Handler, int] | None:
-        """The generation endpoint's own cycle applies (see ``pdrouter.router.http_server``), or None."""
-        if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
-            return None
-        if self.cycle is not None and not self.cycle.response_complete:
-            return None  # pipelined behind a response in progress: uvicorn queues it
-        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
-            return None
-        return self._fast.get(bytes(self.url))
-
-    def on_message_begin(self) -> None:
-        self._in_message = True
-        super().on_message_begin()
-        self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
-
-    def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
-        if self._lost_callbacks is None:
-            self._lost_callbacks = set()
-        callbacks = self._lost_callbacks
-        callbacks.add(callback)
-        return lambda: callbacks.discard(callback)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        super().connection_lost(exc)
-        callbacks, self._lost_callbacks = self._lost_callbacks, None
-        for callback in callbacks or ():
-            callback()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
-            transport.max_size = READ_SIZE  # type: ignore[attr-defined]
-        corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
-        super().connection_made(cast(asyncio.Transport, corked))
-        app = self.app
-        if isinstance(app, HttpApp) and not self.root_path:
-            self._fast = app.fast_handlers(self._on_disconnect)
-
-
-def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
-                log_level: str = "warning") -> uvicorn.Server:
-    """A uvicorn server for ``app`` tuned for the router: httptools with small reads (see
-    :class:`_HttpProtocol`), no lifespan, no access log.
-
-    uvicorn leaves the process's logging configuration alone (``log_config=None``); the CLI
-    configures logging once for every component.
-
-    Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
-    to serve on a free port; stop it with ``server.should_exit = True``.
-    """
-    config = uvicorn.Config(app, host=host, port=port, http=_HttpProtocol, ws="none", lifespan="off",
-                            access_log=False, log_config=None, log_level=log_level,
-                            server_header=False, proxy_headers=False)
-    return uvicorn.Server(config)

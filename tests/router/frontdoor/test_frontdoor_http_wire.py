@@ -11,15 +11,15 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.tokenizer import ByteTokenizer
-from pdrouter.router.frontdoor.http_api import (
+from pdrouter.router.frontdoor.http_api import HttpFrontdoor
+from pdrouter.router.http_server import (
     DISCONNECT_EXTENSION,
     READ_SIZE,
-    HttpFrontdoor,
+    FastCycle,
     _CorkedTransport,
     bind_socket,
     make_server,
 )
-from pdrouter.router.http_server import FastCycle
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing.echo import EchoOrchestrator
 
