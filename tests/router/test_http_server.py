@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import pytest
 import uvicorn
@@ -21,8 +21,9 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import FastCycle, HttpProtocol, bind_socket, make_server, whole_request
+from pdrouter.router.http_server import FastCycle, HttpProtocol, whole_request
 from pdrouter.router.metrics import RouterMetrics
+from pdrouter.testing import http as testing_http
 from pdrouter.testing.echo import EchoOrchestrator
 
 ROUTES = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat"}
@@ -115,22 +116,10 @@ def parsed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Parsed]:
     yield counter
 
 
-@contextlib.asynccontextmanager
-async def serving() -> AsyncIterator[tuple[uvicorn.Server, int]]:
+def serving() -> contextlib.AbstractAsyncContextManager[tuple[uvicorn.Server, int]]:
     """The router's server for an HTTP door over the echo model, on a free port."""
     door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_server(door.app)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not task.done()
-            await asyncio.sleep(0.01)
-        yield server, sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, WAIT_S)
-        sock.close()
+    return testing_http.serving(door.app, WAIT_S)
 
 
 async def read_response(reader: asyncio.StreamReader) -> bytes:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -17,30 +16,17 @@ from pdrouter.router.http_server import (
     READ_SIZE,
     FastCycle,
     _CorkedTransport,
-    bind_socket,
-    make_server,
 )
 from pdrouter.router.metrics import RouterMetrics
+from pdrouter.testing import http as testing_http
 from pdrouter.testing.echo import EchoOrchestrator
 
 WAIT_S = 10.0  # hang guard, not a latency bound
 
 
-@contextlib.asynccontextmanager
-async def serving(door: HttpFrontdoor) -> AsyncIterator[tuple[uvicorn.Server, int]]:
+def serving(door: HttpFrontdoor) -> contextlib.AbstractAsyncContextManager[tuple[uvicorn.Server, int]]:
     """The router's uvicorn server for ``door`` on a free port, until the block ends."""
-    sock = bind_socket("127.0.0.1", 0)
-    server = make_server(door.app)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not task.done()
-            await asyncio.sleep(0.01)
-        yield server, sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, WAIT_S)
-        sock.close()
+    return testing_http.serving(door.app, WAIT_S)
 
 
 async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
