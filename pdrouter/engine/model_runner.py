@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.engine.attention import AttentionMetadata, DecodeBatch, PrefillSegment, causal_prefix_mask
 from pdrouter.engine.kv_cache import KvCache
 from pdrouter.engine.model import LlamaModel
@@ -49,7 +50,7 @@ class ModelRunner:
             n, start = len(it.token_ids), len(ids)
             context = it.start + n
             pos = torch.arange(it.start, context)
-            blocks = torch.tensor(list(it.block_ids[:-(-context // bs)]), dtype=torch.long)
+            blocks = torch.tensor(list(it.block_ids[:blocks_for_tokens(context, bs)]), dtype=torch.long)
             slots.append(blocks[pos // bs] * bs + pos % bs)
             positions.append(pos)
             ids.extend(it.token_ids)
