@@ -1,4 +1,5 @@
-"""Runtime shared by the prefill, decode and colocated workers.
+"""The worker process shared by the prefill, decode and colocated workers, and its ``roles``.
 
-Config, presence in Redis, protobuf conversion and the engine driver.
+``process`` (engine, driver, gRPC server and lane, presence in Redis, shutdown) takes a role
+(``role``: what a role is given and gives back; ``roles``: the three of them).
 """
