@@ -1,4 +1,10 @@
-"""The decode worker's connections to prefill workers, one per address, opened on first use.
+"""The decode worker's calls to prefill workers, in dataclasses, over one connection per address.
+
+``PrefillLinks.prefill(route, …)`` is ``PrefillWorker.Prefill``: it builds the request from plain
+values (``SamplingParams``, the ``TransferTarget`` the decode worker invites the KV with) and gives
+back a ``PrefillOutcome``; a failed call raises the matching ``pdrouter.core.errors`` type, never
+``grpc.RpcError``, and cancelling the awaiting task cancels the call (the prefill worker drops its
+share). The decode role's logic (``pdrouter.worker.roles.decode_serve``) sees no protobuf.
 
 A link goes over the prefill worker's lane when the route names one, else over gRPC, and is kept.
 Links to workers that left are closed once more than ``max_links`` are open (least recently used
@@ -8,20 +14,27 @@ role's decision (``pdrouter.worker.roles.prefill_routes``).
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import InvalidRequestError
-from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.transfer.target import TransferTarget
+from pdrouter.wire.convert import sampling_to_pb
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, from_rpc_error
+from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.lane import LaneChannel, PrefillLane
-from pdrouter.wire.v1 import worker_pb2_grpc
+from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 
 
 class RouteAddress(Protocol):
-    """Where a prefill route points (a ``PrefillRoute`` message has these fields)."""
+    """Where a prefill route points (``pdrouter.wire.worker_client.PrefillRoute`` and its message have these)."""
 
     @property
     def worker_id(self) -> str: ...
@@ -33,6 +46,18 @@ class RouteAddress(Protocol):
     def lane_address(self) -> str: ...
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    """What a prefill worker answered: the prompt's first token, and what computing and sending its KV cost."""
+
+    first_token: int
+    cached_tokens: int
+    """Prompt tokens served from the prefill worker's prefix cache."""
+    compute_ms: float
+    transfer_ms: float
+    bytes_sent: int
+
+
 class _Link:
     __slots__ = ("closable", "stub")
 
@@ -42,7 +67,7 @@ class _Link:
 
 
 class PrefillLinks:
-    """``stub(route)`` → a ``PrefillWorker`` stub (``Prefill(request, timeout=…)``) for that worker."""
+    """``prefill(route, …)``: one ``PrefillWorker.Prefill`` call; ``stub(route)``: that worker's stub."""
 
     def __init__(self, max_links: int = 256, connect_timeout_s: float = 2.0) -> None:
         if max_links <= 0:
@@ -64,7 +89,32 @@ class PrefillLinks:
             return "grpc", route.address
         raise InvalidRequestError(f"prefill route {route.worker_id!r} names neither an address nor a lane")
 
+    async def prefill(self, route: RouteAddress, request_id: str, prompt_token_ids: Sequence[int],
+                      sampling: SamplingParams, target: TransferTarget, decode_worker_id: str,
+                      model_compat_hash: str, timeout: float | None) -> PrefillOutcome:
+        """Have ``route``'s worker compute the prompt and push its KV to ``target`` (on ``decode_worker_id``).
+
+        Raises the ``pdrouter.core.errors`` type of the call's status (``UnavailableError`` when the
+        worker cannot be reached or its connection closed); a cancelled task cancels the call.
+        """
+        msg = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                        sampling=sampling_to_pb(sampling),
+                                        target=target_to_pb(target, decode_worker_id),
+                                        model_compat_hash=model_compat_hash)
+        call = self.stub(route).Prefill(msg, timeout=timeout)
+        try:
+            resp = await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except (grpc.RpcError, grpc.aio.UsageError) as exc:  # UsageError: the channel closed under the call
+            raise from_rpc_error(exc) from None
+        stats = resp.stats
+        return PrefillOutcome(first_token=resp.first_token_id, cached_tokens=stats.cached_tokens,
+                              compute_ms=stats.compute_ms, transfer_ms=stats.transfer_ms, bytes_sent=stats.bytes_sent)
+
     def stub(self, route: RouteAddress) -> Any:
+        """A ``PrefillWorker`` stub for ``route``'s worker (``Prefill(request, timeout=…)``), opened on first use."""
         key = self.key(route)
         link = self._links.get(key)
         if link is None:

@@ -12,6 +12,9 @@ over gRPC. What the router hands it and gets back are plain values:
   delta carries the finish reason and ``Usage``, and ``cancel()``, which cancels the call (the worker
   frees the request's blocks). Failures arrive as ``pdrouter.core.errors`` types, never as
   ``grpc.RpcError``; a stream that ends without finishing is ``UnavailableError``.
+
+The decode worker's ``Serve`` servicer uses the other direction of the same conversions:
+``serve_order_from_pb`` (``ServeRequest`` → ``ServeOrder``) and ``report_to_pb``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pdrouter.core.errors import UnavailableError
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
-from pdrouter.wire.convert import load_from_pb, record_from_pb, sampling_to_pb
+from pdrouter.wire.convert import load_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, from_rpc_error
 from pdrouter.wire.lane import LaneChannel, request_stubs
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -95,6 +98,15 @@ def report_from_pb(msg: common_pb2.PrefillReport) -> PrefillReport:
         failures=tuple(PrefillFailure(f.worker_id, f.code, f.message) for f in msg.failures))
 
 
+def report_to_pb(report: PrefillReport) -> common_pb2.PrefillReport:
+    return common_pb2.PrefillReport(
+        worker_id=report.worker_id, local=report.local, prompt_tokens=report.prompt_tokens,
+        cached_tokens=report.cached_tokens, decode_cached_tokens=report.decode_cached_tokens,
+        compute_ms=report.compute_ms, transfer_ms=report.transfer_ms, bytes_sent=report.bytes_sent,
+        failures=[common_pb2.PrefillFailure(worker_id=f.worker_id, code=f.code, message=f.message)
+                  for f in report.failures])
+
+
 def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
     return worker_pb2.ServeRequest(
         request_id=order.request_id, prompt_token_ids=order.prompt_token_ids,
@@ -102,6 +114,14 @@ def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
                                          cached_tokens=r.cached_tokens) for r in order.routes])
+
+
+def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
+    """The decode worker's side of ``serve_order_to_pb``; InvalidRequestError names a bad sampling field."""
+    return ServeOrder(
+        request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
+        model_compat_hash=msg.model_compat_hash, backend=msg.backend, local_prefill_tokens=msg.local_prefill_tokens,
+        routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]))
 
 
 class TokenStream:

@@ -11,45 +11,40 @@ expectation is aborted first (so nothing writes into the blocks any more), then 
 compute the prompt here when little of it is uncached, else call the prefill workers the router
 ranked (the next one on a retryable failure) into the reserved blocks, then decode. The router
 makes one call per request instead of three, and the first token reaches it one hop after the
-prefill worker produced it.
+prefill worker produced it. Its logic is ``pdrouter.worker.roles.decode_serve`` (dataclasses
+only); the servicer here turns the ``ServeRequest`` into a ``ServeOrder`` and the logic's events
+into ``TokenChunk`` s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 
-from pdrouter.core.errors import (
-    IncompatibleError,
-    InvalidRequestError,
-    NotFoundError,
-    UnavailableError,
-    error_from_grpc_code,
-)
+from pdrouter.core.errors import IncompatibleError, InvalidRequestError, NotFoundError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.outputs import KvReservation
 from pdrouter.transfer.incoming import IncomingTransfer
 from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.wire.convert import sampling_from_pb
-from pdrouter.wire.grpc_util import from_rpc_error, grpc_errors, status_code
+from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdrouter.wire.worker_client import report_to_pb, serve_order_from_pb
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.role import RoleContext, Service
+from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import check_request, token_chunks
 
 log = logging.getLogger(__name__)
-
-REFUSED = "PERMISSION_DENIED"
-"""The failure code ``Serve`` reports for a prefill route it refused to call (not registered)."""
 
 
 @dataclass
@@ -68,9 +63,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """``registered``: the check every prefill route passes before it is called (None: none)."""
         self.driver = driver
         self.links = links or PrefillLinks()
-        self.registered = registered
-        self.prefill_timeout_s = prefill_timeout_s
-        """Limit of one prefill call when the Serve call has no deadline of its own."""
+        self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
+                                   prefill_timeout_s=prefill_timeout_s, registered=registered)
+        """``Serve``'s logic (``prefill_timeout_s``: the limit of one prefill call without a deadline)."""
         self.receiver = receiver
         self.worker_id = worker_id
         self.model_compat_hash = model_compat_hash
@@ -78,7 +73,6 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.lease_ms = lease_ms
         self.kv_wait_s = kv_wait_s
         self._allocs: dict[str, _Allocation] = {}
-        self._serving: set[str] = set()
 
     @property
     def allocations(self) -> int:
@@ -194,113 +188,23 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._check_backend(request.backend)
         if not request.HasField("sampling"):
             raise InvalidRequestError("sampling is required (max_tokens at least)")
-        if rid in self._serving or rid in self._allocs:
-            raise InvalidRequestError(f"request {rid!r} is already on this worker")
-        sampling = sampling_from_pb(request.sampling)
-        prompt = list(request.prompt_token_ids)
-        routes = list(request.prefill)
-        for route in routes:
-            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
-        report = common_pb2.PrefillReport(prompt_tokens=len(prompt))
-        self._serving.add(rid)
-        try:
-            while not (report.failures and not routes):
-                reservation = self.driver.reserve_remote(RequestId(rid), prompt, sampling)
-                report.decode_cached_tokens = reservation.num_cached_tokens
-                if routes and len(prompt) - reservation.num_cached_tokens > request.local_prefill_tokens:
-                    route = routes.pop(0)
-                    first = await self._remote_prefill(rid, prompt, request, reservation, route, report, context)
+        self.serving.check_new(rid, self._allocs)
+        order = serve_order_from_pb(request)
+        async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
+            async for event in events:
+                if isinstance(event, ReportChunk):
+                    yield common_pb2.TokenChunk(request_id=rid, prefill=report_to_pb(event.report),
+                                                token_ids=() if event.first_token is None else (event.first_token,))
+                    continue
+                chunks = token_chunks(rid, event.outputs, cached_tokens=event.cached_tokens)
+                if event.report is not None:  # computed here: the report rides on the first chunk
+                    first = await anext(chunks, None)
                     if first is None:
-                        continue  # that worker failed (and the blocks were freed): the next one
-                    async with aclosing(self._decode_after(rid, first, reservation.num_cached_tokens,
-                                                           report)) as chunks:
-                        async for chunk in chunks:
-                            yield chunk
-                    return
-                # Computed here (little is uncached, or no prefill worker was named): the
-                # reservation's cached prefix stays in the prefix cache, and the local request
-                # reuses it at once.
-                self.driver.abort(RequestId(rid))
-                report.local = True
-                pending: common_pb2.PrefillReport | None = report
-                async with aclosing(self.driver.generate(RequestId(rid), prompt, sampling)) as outputs:
-                    async for chunk in token_chunks(rid, outputs):
-                        if pending is not None:
-                            chunk.prefill.CopyFrom(pending)
-                            pending = None
-                        yield chunk
-                return
-            # Every prefill worker failed: the report names them all, then the last failure ends the call.
-            yield common_pb2.TokenChunk(request_id=rid, prefill=report)
-            last = report.failures[-1]
-            if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
-                raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
-            raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
-        finally:
-            self._serving.discard(rid)
-
-    async def _remote_prefill(self, rid: str, prompt: list[int], request: worker_pb2.ServeRequest,
-                              reservation: KvReservation, route: worker_pb2.PrefillRoute,
-                              report: common_pb2.PrefillReport, context: grpc.aio.ServicerContext) -> int | None:
-        """One prefill attempt into ``reservation``: the first token, or None (recorded in ``report``).
-
-        A failed attempt frees the blocks (the caller reserves afresh); a cancelled one also
-        cancels the prefill call, so the prefill worker drops its share.
-        """
-        remaining = context.time_remaining()
-        timeout = self.prefill_timeout_s if remaining is None else remaining
-        landed = False
-        incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
-                                        timeout_s=timeout + self.kv_wait_s)
-        try:
-            refusal = await self.registered.refusal(route) if self.registered is not None else None
-            if refusal is not None:
-                report.failures.add(worker_id=route.worker_id, code=REFUSED, message=refusal)
-                log.warning("Serve %s: prefill route refused: %s", rid, refusal)
-                return None
-            msg = worker_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=request.sampling,
-                                            target=target_to_pb(incoming.target, self.worker_id),
-                                            model_compat_hash=request.model_compat_hash)
-            call = self.links.stub(route).Prefill(msg, timeout=timeout)
-            try:
-                resp = await call
-            except asyncio.CancelledError:
-                call.cancel()
-                raise
-            except (grpc.RpcError, grpc.aio.UsageError) as exc:
-                err = from_rpc_error(exc)
-                report.failures.add(worker_id=route.worker_id, code=status_code(err).name, message=err.message)
-                log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
-                if not err.retryable:
-                    raise err from None
-                return None
-            await incoming.wait_all_async(timeout=self.kv_wait_s)
-            landed = True
-        finally:
-            if not landed:
-                incoming.abort("the prefill attempt ended early")
-                self.driver.abort(RequestId(rid))
-        report.worker_id = route.worker_id
-        report.cached_tokens = resp.stats.cached_tokens
-        report.compute_ms = resp.stats.compute_ms
-        report.transfer_ms = resp.stats.transfer_ms
-        report.bytes_sent = resp.stats.bytes_sent
-        return resp.first_token_id
-
-    async def _decode_after(self, rid: str, first: int, decode_cached: int,
-                            report: common_pb2.PrefillReport) -> AsyncGenerator[common_pb2.TokenChunk, None]:
-        """The first token at once (with the report), then the decode stream from the landed KV."""
-        finished = False
-        try:
-            yield common_pb2.TokenChunk(request_id=rid, token_ids=[first], prefill=report)
-            cached = max(decode_cached, report.cached_tokens)
-            async with aclosing(self.driver.decode_remote(RequestId(rid), first)) as outputs:
-                async for chunk in token_chunks(rid, outputs, cached_tokens=cached):
+                        continue
+                    first.prefill.CopyFrom(report_to_pb(event.report))
+                    yield first
+                async for chunk in chunks:
                     yield chunk
-            finished = True
-        finally:
-            if not finished:
-                self.driver.abort(RequestId(rid))
 
     @grpc_errors
     async def Release(self, request: worker_pb2.ReleaseRequest,

@@ -1,0 +1,184 @@
+"""``DecodeWorker.Serve``'s logic: one disaggregated request driven from the decode worker, in dataclasses.
+
+Reserve the prompt's blocks in the engine (reusing this worker's prefix cache), then compute the
+prompt here when little of it is uncached (or no prefill route was named), else invite the KV into
+the blocks and call the prefill workers the router ranked (the next one on a retryable failure),
+then decode from the first token. A route is called only when it passes the registry check
+(``prefill_routes``); a refused route is a ``PERMISSION_DENIED`` failure in the report.
+
+``DecodeServe.serve(order)`` yields what the servicer (``pdrouter.worker.roles.decode``) streams:
+
+* ``ReportChunk``: a chunk of its own with the ``PrefillReport`` and the prefill worker's first token
+  (no token when every route failed; the call then ends with the last failure);
+* ``EngineStream``: the engine's outputs for the request, one chunk each (``report``, when set,
+  goes on the first one: the prompt was computed here).
+
+The report is attached once. Leaving the stream early (a cancelled call) frees everything: the
+expectation is aborted, the blocks freed, a prefill call in flight cancelled.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from pdrouter.core.errors import InvalidRequestError, PdRouterError, UnavailableError, error_from_grpc_code
+from pdrouter.core.ids import RequestId
+from pdrouter.engine.outputs import KvReservation, RequestOutput
+from pdrouter.transfer.receiver import KvReceiver
+from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome
+from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
+
+log = logging.getLogger(__name__)
+
+REFUSED = "PERMISSION_DENIED"
+"""The failure code ``Serve`` reports for a prefill route it refused to call (not registered)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReportChunk:
+    """A chunk with the report and the prefill worker's first token (None: every route failed)."""
+
+    report: PrefillReport
+    first_token: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStream:
+    """The engine's outputs, one chunk each; ``report`` goes on the first (None: it went already)."""
+
+    outputs: AsyncIterator[RequestOutput]
+    report: PrefillReport | None = None
+    cached_tokens: int | None = None
+    """The usage's cached tokens on the finished chunk (None: the engine's count)."""
+
+
+ServeEvent = ReportChunk | EngineStream
+
+
+def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[PrefillFailure], *, local: bool = False,
+            worker_id: str = "", outcome: PrefillOutcome | None = None) -> PrefillReport:
+    return PrefillReport(
+        worker_id=worker_id, local=local, prompt_tokens=prompt_tokens,
+        cached_tokens=outcome.cached_tokens if outcome is not None else 0, decode_cached_tokens=decode_cached_tokens,
+        compute_ms=outcome.compute_ms if outcome is not None else 0.0,
+        transfer_ms=outcome.transfer_ms if outcome is not None else 0.0,
+        bytes_sent=outcome.bytes_sent if outcome is not None else 0, failures=tuple(failures))
+
+
+class DecodeServe:
+    """``Serve`` on one decode worker: its engine, its KV receiver and its links to prefill workers."""
+
+    def __init__(self, driver: EngineDriver, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
+                 kv_wait_s: float, prefill_timeout_s: float = 600.0,
+                 registered: RegisteredPrefillWorkers | None = None) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none)."""
+        self.driver = driver
+        self.receiver = receiver
+        self.links = links
+        self.worker_id = worker_id
+        self.kv_wait_s = kv_wait_s
+        self.prefill_timeout_s = prefill_timeout_s
+        """Limit of one prefill call when the Serve call has no deadline of its own."""
+        self.registered = registered
+        self._serving: set[str] = set()
+
+    def check_new(self, request_id: str, held: Container[str] = ()) -> None:
+        """InvalidRequestError when ``request_id`` is being served here or is in ``held``."""
+        if request_id in self._serving or request_id in held:
+            raise InvalidRequestError(f"request {request_id!r} is already on this worker")
+
+    async def serve(self, order: ServeOrder,
+                    time_remaining: Callable[[], float | None]) -> AsyncGenerator[ServeEvent, None]:
+        """The request's events (see the module docstring); ``time_remaining``: the call's deadline."""
+        rid = order.request_id
+        self.check_new(rid)
+        prompt = order.prompt_token_ids
+        routes = list(order.routes)
+        for route in routes:
+            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
+        failures: list[PrefillFailure] = []
+        decode_cached = 0
+        self._serving.add(rid)
+        try:
+            while not (failures and not routes):
+                reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling)
+                decode_cached = reservation.num_cached_tokens
+                if routes and len(prompt) - decode_cached > order.local_prefill_tokens:
+                    route = routes.pop(0)
+                    outcome = await self._remote_prefill(order, reservation, route, failures, time_remaining)
+                    if outcome is None:
+                        continue  # that worker failed (and the blocks were freed): the next one
+                    report = _report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
+                                     outcome=outcome)
+                    finished = False
+                    try:
+                        # The first token at once (with the report), then the decode stream from the landed KV.
+                        yield ReportChunk(report, outcome.first_token)
+                        cached = max(decode_cached, outcome.cached_tokens)
+                        async with aclosing(self.driver.decode_remote(RequestId(rid), outcome.first_token)) as outputs:
+                            yield EngineStream(outputs, cached_tokens=cached)
+                        finished = True
+                    finally:
+                        if not finished:
+                            self.driver.abort(RequestId(rid))
+                    return
+                # Computed here (little is uncached, or no prefill worker was named): the
+                # reservation's cached prefix stays in the prefix cache, and the local request
+                # reuses it at once.
+                self.driver.abort(RequestId(rid))
+                report = _report(len(prompt), decode_cached, failures, local=True)
+                async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling)) as outputs:
+                    yield EngineStream(outputs, report=report)
+                return
+            # Every prefill worker failed: the report names them all, then the last failure ends the call.
+            yield ReportChunk(_report(len(prompt), decode_cached, failures), None)
+            last = failures[-1]
+            if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
+                raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
+            raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
+        finally:
+            self._serving.discard(rid)
+
+    async def _remote_prefill(self, order: ServeOrder, reservation: KvReservation, route: PrefillRoute,
+                              failures: list[PrefillFailure],
+                              time_remaining: Callable[[], float | None]) -> PrefillOutcome | None:
+        """One prefill attempt into ``reservation``: its outcome, or None (the failure added to ``failures``).
+
+        A failed attempt frees the blocks (the caller reserves afresh); a cancelled one also
+        cancels the prefill call, so the prefill worker drops its share. A failure that is not
+        retryable ends the request.
+        """
+        rid = order.request_id
+        remaining = time_remaining()
+        timeout = self.prefill_timeout_s if remaining is None else remaining
+        landed = False
+        incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
+                                        timeout_s=timeout + self.kv_wait_s)
+        try:
+            refusal = await self.registered.refusal(route) if self.registered is not None else None
+            if refusal is not None:
+                failures.append(PrefillFailure(route.worker_id, REFUSED, refusal))
+                log.warning("Serve %s: prefill route refused: %s", rid, refusal)
+                return None
+            try:
+                outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling,
+                                                   incoming.target, self.worker_id, order.model_compat_hash,
+                                                   timeout)
+            except PdRouterError as err:
+                failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
+                log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
+                if not err.retryable:
+                    raise
+                return None
+            await incoming.wait_all_async(timeout=self.kv_wait_s)
+            landed = True
+        finally:
+            if not landed:
+                incoming.abort("the prefill attempt ended early")
+                self.driver.abort(RequestId(rid))
+        return outcome
