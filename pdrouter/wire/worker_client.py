@@ -41,7 +41,10 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
            common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
 
 
-@dataclass(frozen=True, slots=True)
+# The records below are built once or twice per request on the router's path: plain slotted
+# dataclasses, since a frozen one sets each field through object.__setattr__ (a ServeOrder with
+# its route and a PrefillReport from its message: 13 µs frozen, 8 µs plain). Treat them as values.
+@dataclass(slots=True)
 class PrefillRoute:
     """How the decode worker reaches one prefill worker, and what the router expects it to hold."""
 
@@ -52,7 +55,7 @@ class PrefillRoute:
     cached_tokens: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ServeOrder:
     """One disaggregated request, as the router hands it to its decode worker."""
 
@@ -66,7 +69,7 @@ class ServeOrder:
     """Prefill workers to try, best first (none: the decode worker computes the prompt)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillFailure:
     worker_id: str
     code: str
@@ -74,7 +77,7 @@ class PrefillFailure:
     message: str
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PrefillReport:
     """How ``Serve`` got the prompt's KV: who computed it, what was cached, what the transfer cost."""
 
