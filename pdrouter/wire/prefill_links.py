@@ -46,7 +46,7 @@ class RouteAddress(Protocol):
     def lane_address(self) -> str: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # once per request on the decode worker's path: plain, not frozen (see worker_client)
 class PrefillOutcome:
     """What a prefill worker answered: the prompt's first token, and what computing and sending its KV cost."""
 

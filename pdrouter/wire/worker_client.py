@@ -98,7 +98,7 @@ def report_from_pb(msg: common_pb2.PrefillReport) -> PrefillReport:
         worker_id=msg.worker_id, local=msg.local, prompt_tokens=msg.prompt_tokens,
         cached_tokens=msg.cached_tokens, decode_cached_tokens=msg.decode_cached_tokens,
         compute_ms=msg.compute_ms, transfer_ms=msg.transfer_ms, bytes_sent=msg.bytes_sent,
-        failures=tuple(PrefillFailure(f.worker_id, f.code, f.message) for f in msg.failures))
+        failures=tuple(PrefillFailure(f.worker_id, f.code, f.message) for f in msg.failures) if msg.failures else ())
 
 
 def report_to_pb(report: PrefillReport) -> common_pb2.PrefillReport:
@@ -107,7 +107,7 @@ def report_to_pb(report: PrefillReport) -> common_pb2.PrefillReport:
         cached_tokens=report.cached_tokens, decode_cached_tokens=report.decode_cached_tokens,
         compute_ms=report.compute_ms, transfer_ms=report.transfer_ms, bytes_sent=report.bytes_sent,
         failures=[common_pb2.PrefillFailure(worker_id=f.worker_id, code=f.code, message=f.message)
-                  for f in report.failures])
+                  for f in report.failures] if report.failures else None)
 
 
 def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:

@@ -39,7 +39,9 @@ REFUSED = "PERMISSION_DENIED"
 """The failure code ``Serve`` reports for a prefill route it refused to call (not registered)."""
 
 
-@dataclass(frozen=True, slots=True)
+# Events of one request's path: plain slotted dataclasses (a frozen one sets each field through
+# object.__setattr__); treat them as values.
+@dataclass(slots=True)
 class ReportChunk:
     """A chunk with the report and the prefill worker's first token (None: every route failed)."""
 
@@ -47,7 +49,7 @@ class ReportChunk:
     first_token: int | None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineStream:
     """The engine's outputs, one chunk each; ``report`` goes on the first (None: it went already)."""
 
