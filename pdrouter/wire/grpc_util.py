@@ -44,6 +44,10 @@ def status_code(exc: PdRouterError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.grpc_code]
 
 
+RPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)
+"""What a failed call raises, over gRPC or the lane (``UsageError``: the channel closed under the call)."""
+
+
 def from_rpc_error(err: grpc.RpcError | grpc.aio.UsageError) -> PdRouterError:
     """The ``PdRouterError`` matching a failed call's status (UNAVAILABLE for transport errors)."""
     if isinstance(err, grpc.aio.UsageError):  # the channel was closed under the call

@@ -27,7 +27,7 @@ from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import sampling_to_pb
-from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, from_rpc_error
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
 from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.lane import LaneChannel, PrefillLane
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
@@ -107,7 +107,7 @@ class PrefillLinks:
         except asyncio.CancelledError:
             call.cancel()
             raise
-        except (grpc.RpcError, grpc.aio.UsageError) as exc:  # UsageError: the channel closed under the call
+        except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         stats = resp.stats
         return PrefillOutcome(first_token=resp.first_token_id, cached_tokens=stats.cached_tokens,

@@ -30,11 +30,9 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
 from pdrouter.wire.convert import load_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
-from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, from_rpc_error
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
 from pdrouter.wire.lane import LaneChannel, request_stubs
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-
-_GRPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)  # UsageError: the channel closed under us
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
            common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
@@ -160,7 +158,7 @@ class TokenStream:
                 yield TokenDelta(tuple(chunk.token_ids), reason,
                                  Usage(self._prompt_tokens, produced, chunk.usage.cached_tokens))
                 return
-        except _GRPC_ERRORS as exc:
+        except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         raise UnavailableError(f"request {self._request_id}: the worker ended the stream without finishing")
 
@@ -180,7 +178,7 @@ class WorkerClient:
         """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once."""
         try:
             call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout)
-        except _GRPC_ERRORS as exc:
+        except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report)
 
@@ -191,7 +189,7 @@ class WorkerClient:
                                                sampling=sampling_to_pb(sampling))
         try:
             call = self._colocated.Generate(msg, timeout=timeout)
-        except _GRPC_ERRORS as exc:
+        except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, request_id, len(prompt_token_ids))
 

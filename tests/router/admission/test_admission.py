@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -14,14 +13,9 @@ from pdrouter.core.ids import Epoch, RequestId, WorkerId
 from pdrouter.router.admission import Admission, AdmissionConfig
 from pdrouter.state.reservations import DecodeCapacity, KvReservations
 
+from .conftest import until
+
 WORKER = [DecodeCapacity(WorkerId("d0"), Epoch(1), 10)]
-
-
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.Redis.from_url(redis_url)
-    yield c
-    await c.aclose()
 
 
 async def test_waiters_are_admitted_by_priority_then_fifo(client: aioredis.Redis) -> None:
@@ -67,14 +61,6 @@ async def test_timeout_limit_and_too_large(client: aioredis.Redis) -> None:
     assert await adm.reservations.used("d0", 1) == 0
 
 
-async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
-    for _ in range(400):
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
-
-
 async def test_credit_admits_without_a_round_trip_and_goes_back_when_idle(client: aioredis.Redis) -> None:
     worker = [DecodeCapacity(WorkerId("d1"), Epoch(1), 100)]
     res = KvReservations(client, "credit")
@@ -85,7 +71,7 @@ async def test_credit_admits_without_a_round_trip_and_goes_back_when_idle(client
     async def credit_landed() -> bool:
         return adm.credit_blocks == 10
 
-    await _until(credit_landed, "a 10-block credit chunk")
+    await until(credit_landed, "a 10-block credit chunk")
     calls = res.script_calls
     held = [await adm.admit(RequestId(f"r{i}"), 2, worker) for i in range(4)]
     assert adm.stats.admitted_on_credit == 4
@@ -103,7 +89,7 @@ async def test_credit_admits_without_a_round_trip_and_goes_back_when_idle(client
     async def all_given_back() -> bool:
         return adm.credit_blocks == 0 and await res.used("d1", 1) == 0
 
-    await _until(all_given_back, "unused credit given back after credit_idle_s")
+    await until(all_given_back, "unused credit given back after credit_idle_s")
     await adm.stop()
 
 
@@ -153,7 +139,7 @@ async def test_credit_is_booked_only_below_the_limit_and_routers_never_overbook(
     async def drained() -> bool:
         return await probe.used("d2", 1) == 0
 
-    await _until(drained, "every booking and all credit gone")
+    await until(drained, "every booking and all credit gone")
     for adm in routers:
         await adm.stop()
 
@@ -168,14 +154,14 @@ async def test_a_waiting_request_takes_back_spare_credit_and_stop_releases_it(cl
     async def credit_landed() -> bool:
         return adm.credit_blocks > 0
 
-    await _until(credit_landed, "credit booked")
+    await until(credit_landed, "credit booked")
     await adm.release(small)
     # 16 blocks fit next to the 5 of credit only once it (not due back for a minute) is given back.
     big = await adm.admit(RequestId("big"), 16, worker)
     assert adm.credit_blocks == 0 and big.blocks == 16
     await adm.release(big)
     again = await adm.admit(RequestId("again"), 1, worker)
-    await _until(credit_landed, "credit booked again")
+    await until(credit_landed, "credit booked again")
     await adm.stop()  # gives back the credit with the rest
     assert await res.used("d3", 1) == 1  # only "again", which its owner never released
     await adm.reservations.release(again, urgent=True)
@@ -198,7 +184,7 @@ async def test_a_request_waiting_on_one_router_gets_another_routers_spare_credit
     async def a_holds_credit() -> bool:
         return a.credit_blocks >= 16
 
-    await _until(a_holds_credit, "credit booked by router A")
+    await until(a_holds_credit, "credit booked by router A")
     await a.release(small)
     big = await b.admit(RequestId("b-big"), 56, worker)  # fits only once A's credit is back
     assert big.blocks == 56 and a.credit_blocks == 0 and a.credit_requests_heard >= 1

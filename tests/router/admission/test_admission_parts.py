@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -18,20 +17,7 @@ from pdrouter.router.admission.queue import WaitQueue
 from pdrouter.router.admission.signals import CreditWanted
 from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
 
-
-@pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    c = aioredis.Redis.from_url(redis_url)
-    yield c
-    await c.aclose()
-
-
-async def _until(predicate: Callable[[], Awaitable[bool]], what: str) -> None:
-    for _ in range(400):
-        if await predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"never happened: {what}")
+from .conftest import until
 
 
 def _res(name: str, blocks: int = 1) -> Reservation:
@@ -134,7 +120,7 @@ async def test_credit_is_booked_ahead_lent_in_memory_and_goes_back_when_idle(cli
         await tasks.wait()
         return book.held_blocks == 0 and await res.used("c0", 1) == 0
 
-    await _until(given_back, "idle credit given back")
+    await until(given_back, "idle credit given back")
     await res.flush()
 
 
@@ -195,7 +181,7 @@ async def test_a_router_hears_the_others_asking_but_not_itself(client: aioredis.
     async def both_listen() -> bool:
         return dict(await client.pubsub_numsub(channel)).get(channel.encode(), 0) == 2
 
-    await _until(both_listen, "both routers subscribed")
+    await until(both_listen, "both routers subscribed")
     b.ask()
     b.ask()  # within ask_every_s: not sent again
     off.ask()  # without credit nothing is sent
@@ -204,7 +190,7 @@ async def test_a_router_hears_the_others_asking_but_not_itself(client: aioredis.
     async def a_heard() -> bool:
         return a.heard == 1
 
-    await _until(a_heard, "router A heard router B")
+    await until(a_heard, "router A heard router B")
     await asyncio.sleep(0.05)
     assert wanted == ["a"] and b.heard == 0 and off.heard == 0
     for signals in (a, b, off):
