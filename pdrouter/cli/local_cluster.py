@@ -110,15 +110,18 @@ def cores_each(processes: int) -> int:
 
 def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = None, num_blocks: int | None = None,
                 kv_backend: str | None = None, torch_threads: int | None = None,
-                extra: Sequence[str] = ()) -> list[str]:
+                sim: Sequence[str] | None = None, extra: Sequence[str] = ()) -> list[str]:
     """Command-line arguments of ``pdrouter worker|prefill|decode``.
 
     ``torch_threads``: the worker's torch intra-op threads (None: the worker's default). Workers
     sharing a machine should split its cores (:func:`cores_each`): torch's default gives each of
-    them one thread per core, and the extra threads spin on cores the others need.
+    them one thread per core, and the extra threads spin on cores the others need. ``sim``: run a
+    simulated GPU (``--backend sim``) with these further arguments (``--gpu h100``, ``--time-scale 1``…).
     """
     args = [role, "--model", str(model_dir), "--port", "0", "--log-level", "WARNING"]
-    if torch_threads is not None:
+    if sim is not None:
+        args += ["--backend", "sim", *sim]
+    elif torch_threads is not None:
         args += ["--torch-threads", str(torch_threads)]
     if redis_url:
         args += ["--redis", redis_url]

@@ -1,8 +1,10 @@
 """``pdrouter up``: an embedded Redis, workers and a router on a small model, in one command.
 
-It makes the model if the folder is missing, starts every part as a child process, prints the
-endpoints and a sample request, and stops everything on Ctrl-C (``--once`` instead sends the
-sample request itself, prints the answer and stops).
+With ``--backend sim`` the workers are simulated GPUs (``--gpu``, ``--model-preset``, ``--tp``,
+``--time-scale``): a fleet of H100s serving Llama-3-8B fits on a laptop. It makes the model
+folder if it is missing (for a simulated fleet: only ``config.json`` and the tokenizer), starts
+every part as a child process, prints the endpoints and a sample request, and stops everything
+on Ctrl-C (``--once`` instead sends the sample request itself, prints the answer and stops).
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--workers", type=int, default=1, help="colocated workers (colocated)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV blocks per worker")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks per worker (default 512; --backend sim: the GPU's capacity math)")
+    p.add_argument("--backend", choices=["torch", "sim"], default="torch",
+                   help="torch: the small model on the CPU; sim: simulated GPUs (docs/simulation.md)")
+    p.add_argument("--model-preset", default="llama-3-8b", help="--backend sim: the model's geometry")
+    p.add_argument("--gpu", default="h100", help="--backend sim: the simulated GPU preset")
+    p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs per worker")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="--backend sim: simulated time runs this many times slower than the wall clock")
+    p.add_argument("--calibration", type=Path, default=None, help="--backend sim: calibration file")
     p.add_argument("--kv-backend", choices=["tcp", "gloo"], default="tcp")
     p.add_argument("--once", action="store_true", help="answer one sample request, print it, and stop")
     p.add_argument("--log-dir", type=Path, default=None, help="write each child's output to a file here")
@@ -55,16 +66,47 @@ def sample_request(host: str, port: int, model: str) -> dict[str, object]:
         return dict(json.loads(resp.read()))
 
 
+def _sim_args(args: argparse.Namespace) -> list[str]:
+    """The simulated workers' arguments, checked here so that a typo fails before anything starts."""
+    from pdrouter.core.gpu import get_gpu_preset
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.sim.calibration import Calibration
+
+    get_gpu_preset(args.gpu)
+    get_model_preset(args.model_preset)
+    if args.time_scale < 0:
+        raise ConfigError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if args.kv_backend != "tcp":
+        raise ConfigError("simulated workers move their KV stand-in over tcp only")
+    out = ["--gpu", args.gpu, "--tp", str(args.tp), "--time-scale", str(args.time_scale)]
+    if args.calibration is not None:
+        Calibration.from_file(args.calibration)
+        out += ["--calibration", str(args.calibration)]
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
-    from pdrouter.engine.model_io import make_model
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.model_folder import write_config_folder
     from pdrouter.state.embedded_redis import EmbeddedRedis
 
     counts = [args.prefill, args.decode] if args.mode == "disaggregated" else [args.workers]
-    if any(n < 1 for n in counts) or args.num_blocks < 1:
+    if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
-    if not (args.model / "config.json").is_file():
+    sim: list[str] | None = None
+    if args.backend == "sim":
+        sim = _sim_args(args)
+        if args.model == DEFAULT_MODEL_DIR:
+            args.model = Path(".pdrouter") / "models" / f"sim-{args.model_preset}"
+        if not (args.model / "config.json").is_file():
+            print(f"writing the {args.model_preset} geometry (no weights) to {args.model}", flush=True)
+            write_config_folder(get_model_preset(args.model_preset), args.model)
+    elif not (args.model / "config.json").is_file():
+        from pdrouter.engine.model_io import make_model  # torch: only for the torch backend
+
         print(f"creating the {args.preset} model in {args.model}", flush=True)
         make_model(args.preset, args.seed, args.model)
+    num_blocks = args.num_blocks if args.num_blocks is not None or sim is not None else 512
     model_name = args.model.name
     env = {"PDROUTER_KV_TOKEN": os.environ.get("PDROUTER_KV_TOKEN") or secrets.token_hex(16)}
     if args.log_dir:
@@ -87,8 +129,8 @@ def run(args: argparse.Namespace) -> int:
             # The workers split the cores, the router counting as one (unless the environment says).
             threads = None if os.environ.get(TORCH_THREADS_ENV) else cores_each(1 + sum(n for _, n in roles))
             workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
-                                                        num_blocks=args.num_blocks, kv_backend=args.kv_backend,
-                                                        torch_threads=threads,
+                                                        num_blocks=num_blocks, kv_backend=args.kv_backend,
+                                                        torch_threads=threads, sim=sim,
                                                         extra=("--worker-id", f"{role}-{i}")))
                        for role, n in roles for i in range(n)]
             for w in workers:

@@ -15,11 +15,18 @@ from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.workers import WorkerRole
 
 if TYPE_CHECKING:
+    from pdrouter.engine.config import EngineConfig
+    from pdrouter.engine.sim.config import SimEngineConfig
     from pdrouter.worker.config import WorkerConfig
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
 TORCH_THREADS_ENV = "PDROUTER_TORCH_THREADS"
 DEV_KV_TOKEN = "pdrouter-dev-token"
+TORCH_BATCHING = (64, 512)
+"""Running requests and step tokens of the torch engine on a small CPU model."""
+SIM_BATCHING = (256, 8192)
+"""The same for a simulated GPU: vLLM's ``max_num_seqs`` default (256) and its chunked-prefill
+token budget for online serving on large GPUs (8192)."""
 
 _HELP = {
     "worker": "run a colocated worker (prefill and decode in one engine, chunked prefill)",
@@ -32,7 +39,26 @@ _ROLE = {"worker": WorkerRole.COLOCATED, "prefill": WorkerRole.PREFILL, "decode"
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name in ("worker", "prefill", "decode"):
         p = sub.add_parser(name, help=_HELP[name], description=_HELP[name] + ".")
-        p.add_argument("--model", type=Path, required=True, help="HF-format model folder (pdrouter make-model)")
+        p.add_argument("--model", type=Path, default=None,
+                       help="HF-format model folder (pdrouter make-model); with --backend sim only its "
+                            "config.json is read")
+        p.add_argument("--backend", choices=["torch", "sim"], default="torch",
+                       help="torch: the model on --device; sim: a simulated GPU (roofline timing, the real "
+                            "geometry's KV pool, no weights; see docs/simulation.md)")
+        p.add_argument("--model-preset", default=None,
+                       help="--backend sim: the geometry of a model preset instead of --model (see "
+                            "`pdrouter capacity --list`)")
+        p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs of the worker")
+        p.add_argument("--calibration", type=Path, default=None,
+                       help="--backend sim: JSON/YAML file overriding MFU, MBU and overheads")
+        p.add_argument("--time-scale", type=float, default=1.0,
+                       help="--backend sim: simulated time runs this many times slower than the wall clock "
+                            "(0: answer without sleeping)")
+        p.add_argument("--link", default="rdma-400g",
+                       help="--backend sim: the prefill worker's KV link preset (nvlink | rdma-400g | "
+                            "tcp-100g | tcp-25g)")
+        p.add_argument("--link-unshared", action="store_true",
+                       help="--backend sim: each concurrent KV transfer gets the link's whole bandwidth")
         p.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
         p.add_argument("--worker-id", default=None, help=f"registry id (default: {name}-<port>)")
         p.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
@@ -52,11 +78,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="fraction of --gpu/--kv-memory-gb memory the engine may use (default 0.9, or "
                             "quota ÷ physical with --quota-gb)")
         p.add_argument("--gpu", default=None,
-                       help="GPU preset whose memory sizes the pool (e.g. h100); see `pdrouter capacity --list`")
+                       help="GPU preset whose memory sizes the pool (e.g. h100; --backend sim: the simulated "
+                            "GPU, default h100); see `pdrouter capacity --list`")
         p.add_argument("--quota-gb", type=float, default=None,
                        help="memory quota in GiB (HAMi nvidia.com/gpumem); refuses a utilization above it")
-        p.add_argument("--max-num-seqs", type=int, default=64)
-        p.add_argument("--max-batched-tokens", type=int, default=512, help="per-step token budget (chunk size)")
+        p.add_argument("--max-num-seqs", type=int, default=None,
+                       help=f"most requests in the running batch (default {TORCH_BATCHING[0]}; --backend sim "
+                            f"{SIM_BATCHING[0]})")
+        p.add_argument("--max-batched-tokens", type=int, default=None,
+                       help=f"per-step token budget, the prefill chunk (default {TORCH_BATCHING[1]}; "
+                            f"--backend sim {SIM_BATCHING[1]})")
         p.add_argument("--torch-threads", type=int, default=None,
                        help="torch intra-op threads on the CPU (0: torch's default of one per core, capped "
                             "by the CPUs this process may use: its affinity and cgroup CPU limit; env "
@@ -85,14 +116,77 @@ def torch_threads(args: argparse.Namespace) -> int:
     return int(threads)
 
 
+def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.batch_engine import SchedulingConfig
+    from pdrouter.engine.model_folder import read_model_folder
+    from pdrouter.engine.sim.calibration import Calibration
+    from pdrouter.engine.sim.config import SimEngineConfig
+    from pdrouter.engine.sim.link import get_link_preset
+
+    if (args.model is None) == (args.model_preset is None):
+        raise ConfigError("--backend sim needs exactly one of --model FOLDER (its config.json) and "
+                          "--model-preset NAME")
+    if args.model is not None:
+        if not (args.model / "config.json").is_file():
+            raise ConfigError(f"--model {args.model} has no config.json")
+        folder = read_model_folder(args.model)
+        spec, eos = folder.spec, folder.eos_token_ids
+    else:
+        from pdrouter.core.tokenizer import SPECIAL_TOKENS
+
+        spec, eos = get_model_preset(args.model_preset), (SPECIAL_TOKENS["<eos>"],)
+    if args.dtype:
+        spec = spec.with_dtype(args.dtype)
+    quota = None if args.quota_gb is None else int(args.quota_gb * GiB)
+    seqs, tokens = args.max_num_seqs or SIM_BATCHING[0], args.max_batched_tokens or SIM_BATCHING[1]
+    return SimEngineConfig(
+        spec=spec, gpu=get_gpu_preset(args.gpu or "h100"), eos_token_ids=eos, model_dir=args.model, tp=args.tp,
+        calibration=Calibration.from_file(args.calibration) if args.calibration else Calibration(),
+        time_scale=args.time_scale, block_size=args.block_size, num_blocks=args.num_blocks,
+        memory_utilization=args.utilization, memory_quota_bytes=quota,
+        scheduling=SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens),
+        link=get_link_preset(args.link), link_shared=not args.link_unshared)
+
+
+def _check_sim_only(args: argparse.Namespace) -> None:
+    given = [flag for flag, on in (("--model-preset", args.model_preset is not None), ("--tp", args.tp != 1),
+                                   ("--calibration", args.calibration is not None),
+                                   ("--time-scale", args.time_scale != 1.0), ("--link", args.link != "rdma-400g"),
+                                   ("--link-unshared", args.link_unshared)) if on]
+    if given:
+        raise ConfigError(f"{', '.join(given)} only apply to --backend sim")
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
-    from pdrouter.engine.config import EngineConfig
     from pdrouter.worker.config import WorkerConfig
 
-    torch_threads(args)  # checked with the rest, before anything starts
     if args.port and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
-    if not args.model.is_dir():
+    if args.backend == "sim":
+        engine: EngineConfig | SimEngineConfig = _sim_config(args)
+    else:
+        engine = _torch_config(args)
+    token = os.environ.get(KV_TOKEN_ENV, "")
+    if not token and args.role_name != "worker":
+        logging.getLogger(__name__).warning("%s is not set: using the development KV token; set it to a "
+                                            "shared secret in any real deployment", KV_TOKEN_ENV)
+        token = DEV_KV_TOKEN
+    return WorkerConfig(
+        role=_ROLE[args.role_name], worker_id=args.worker_id or f"{args.role_name}-{os.getpid()}",
+        engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
+        redis_url=args.redis, model_name=args.served_model_name,
+        kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
+        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
+        lane_port=None if args.lane_port == -1 else args.lane_port)
+
+
+def _torch_config(args: argparse.Namespace) -> EngineConfig:
+    from pdrouter.engine.config import EngineConfig
+
+    _check_sim_only(args)
+    torch_threads(args)  # checked with the rest, before anything starts
+    if args.model is None or not args.model.is_dir():
         raise ConfigError(f"--model {args.model} is not a folder (create one with `pdrouter make-model`)")
     physical = None
     if args.gpu:
@@ -111,23 +205,12 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     budget = None
     if not args.num_blocks:
         budget = physical or (int(1.0 * GiB) if args.device == "cpu" else None)
-    engine = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                          block_size=args.block_size, num_blocks=args.num_blocks,
-                          memory_budget_bytes=budget, memory_utilization=utilization,
-                          overhead_bytes=DEFAULT_OVERHEAD_BYTES if args.gpu else None,
-                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens)
-    token = os.environ.get(KV_TOKEN_ENV, "")
-    if not token and args.role_name != "worker":
-        logging.getLogger(__name__).warning("%s is not set: using the development KV token; set it to a "
-                                            "shared secret in any real deployment", KV_TOKEN_ENV)
-        token = DEV_KV_TOKEN
-    return WorkerConfig(
-        role=_ROLE[args.role_name], worker_id=args.worker_id or f"{args.role_name}-{os.getpid()}",
-        engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
-        redis_url=args.redis, model_name=args.served_model_name,
-        kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
-        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
-        lane_port=None if args.lane_port == -1 else args.lane_port)
+    return EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                        block_size=args.block_size, num_blocks=args.num_blocks,
+                        memory_budget_bytes=budget, memory_utilization=utilization,
+                        overhead_bytes=DEFAULT_OVERHEAD_BYTES if args.gpu else None,
+                        max_num_seqs=args.max_num_seqs or TORCH_BATCHING[0],
+                        max_num_batched_tokens=args.max_batched_tokens or TORCH_BATCHING[1])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,6 +219,15 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     config = build_config(args)
+    if args.backend == "torch":
+        _set_torch_threads(args)
+    process = WorkerProcess(config, build_role)
+    serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
+                                        f"ready at {process.address}")
+    return 0
+
+
+def _set_torch_threads(args: argparse.Namespace) -> None:
     threads = torch_threads(args)
     import torch
 
@@ -151,7 +243,3 @@ def run(args: argparse.Namespace) -> int:
                 "none" if budget.limit is None else f"{budget.limit:g}")
     if threads:
         torch.set_num_threads(threads)
-    process = WorkerProcess(config, build_role)
-    serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
-                                        f"ready at {process.address}")
-    return 0

@@ -1,8 +1,12 @@
-"""Accelerator presets: memory, memory bandwidth and dense BF16 throughput.
+"""Accelerator presets: memory, memory bandwidth, dense BF16 throughput and GPU-to-GPU interconnect.
 
 Figures are the vendors' public datasheet numbers (SXM parts where both exist; dense, not
-sparse, FLOP/s). Memory is the nominal size taken as GiB: an "80 GB" H100 exposes about 80 GiB
-(81,559 MiB in nvidia-smi), which is also the unit HAMi's ``nvidia.com/gpumem`` quota is in (MiB).
+sparse, FLOP/s). The interconnect is the datasheet's per-GPU NVLink figure, both directions
+together (A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s); the L40S has no NVLink, so its
+figure is PCIe Gen4 x16, 64 GB/s both directions. One direction carries half.
+
+Memory is the nominal size taken as GiB: an "80 GB" H100 exposes about 80 GiB (81,559 MiB in
+nvidia-smi), which is also the unit HAMi's ``nvidia.com/gpumem`` quota is in (MiB).
 """
 
 from __future__ import annotations
@@ -22,10 +26,15 @@ class GpuSpec:
     memory_bytes: int
     bandwidth_bytes_per_s: float
     bf16_flops: float
+    interconnect_bytes_per_s: float = 0.0
+    """GPU-to-GPU link per GPU, both directions together (what tensor parallelism all-reduces over);
+    0: unknown."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.bandwidth_bytes_per_s <= 0 or self.bf16_flops <= 0:
             raise ConfigError(f"gpu {self.name!r}: memory, bandwidth and flops must be > 0")
+        if self.interconnect_bytes_per_s < 0:
+            raise ConfigError(f"gpu {self.name!r}: interconnect bandwidth must be >= 0")
 
     @property
     def memory_gib(self) -> float:
@@ -40,11 +49,11 @@ class GpuSpec:
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
-        GpuSpec("a100-80g", 80 * GiB, 2.039e12, 312e12),
-        GpuSpec("h100-80g", 80 * GiB, 3.35e12, 989e12),
-        GpuSpec("h200", 141 * GiB, 4.8e12, 989e12),
-        GpuSpec("l40s", 48 * GiB, 0.864e12, 362e12),
-        GpuSpec("b200", 180 * GiB, 8.0e12, 2250e12),
+        GpuSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 600e9),
+        GpuSpec("h100-80g", 80 * GiB, 3.35e12, 989e12, 900e9),
+        GpuSpec("h200", 141 * GiB, 4.8e12, 989e12, 900e9),
+        GpuSpec("l40s", 48 * GiB, 0.864e12, 362e12, 64e9),
+        GpuSpec("b200", 180 * GiB, 8.0e12, 2250e12, 1.8e12),
     )
 }
 _ALIASES = {"a100": "a100-80g", "h100": "h100-80g", "h100-sxm": "h100-80g", "h200-141g": "h200",

@@ -45,6 +45,8 @@ class WorkerRecord:
     kv_backends: tuple[str, ...] = field(default_factory=tuple)
     lane_address: str = ""
     """host:port of the worker lane (``pdrouter.wire.lane``), or empty when it serves gRPC only."""
+    device: str = ""
+    """What the engine runs on: ``cpu``, ``cuda:0``, or a simulated GPU such as ``sim:h100-80g``."""
 
     @property
     def capacity_tokens(self) -> int:

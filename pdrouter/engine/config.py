@@ -8,6 +8,7 @@ from pathlib import Path
 from pdrouter.core.capacity import DEFAULT_BLOCK_SIZE, DEFAULT_OVERHEAD_BYTES, pool_blocks_for_budget
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.model_spec import ModelSpec
+from pdrouter.engine.batch_engine import SchedulingConfig
 
 
 @dataclass(frozen=True)
@@ -66,3 +67,8 @@ class EngineConfig:
         if blocks <= 0:
             raise ConfigError(f"a memory budget of {budget} bytes leaves no room for one KV block")
         return blocks
+
+    @property
+    def scheduling(self) -> SchedulingConfig:
+        return SchedulingConfig(self.max_num_seqs, self.max_num_batched_tokens, self.enable_prefix_caching,
+                                self.hash_seed)

@@ -7,12 +7,9 @@ writes such a folder from a ``pdrouter.core`` preset; same preset + seed + dtype
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -20,8 +17,11 @@ from safetensors.torch import save_file
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.model_spec import ModelSpec, get_model_preset
-from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 from pdrouter.engine.device import torch_dtype
+from pdrouter.engine.model_folder import ModelFolder, read_model_folder, write_config_folder
+
+__all__ = ["MAX_RANDOM_PARAMS", "WEIGHTS_FILE", "ModelFolder", "load_weights", "make_model", "random_weights",
+           "read_model_folder", "write_random_model"]
 
 WEIGHTS_FILE = "model.safetensors"
 MAX_RANDOM_PARAMS = 300_000_000
@@ -94,52 +94,7 @@ def write_random_model(spec: ModelSpec, seed: int, out: Path, dtype: str | None 
     tensors = {k: v.to(tdtype).contiguous() for k, v in random_weights(spec, seed).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    tokenizer = ByteTokenizer(spec.vocab_size)
-    config = spec.to_hf_config()
-    config.update(bos_token_id=SPECIAL_TOKENS["<bos>"], eos_token_id=SPECIAL_TOKENS["<eos>"],
-                  pad_token_id=SPECIAL_TOKENS["<pad>"], initializer_range=0.02, pretraining_tp=1,
-                  rope_scaling=None, attention_dropout=0.0)
-    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    tokenizer.save(out)
-    return out
-
-
-@dataclass(frozen=True)
-class ModelFolder:
-    """What the engine reads from a model folder, apart from the weights."""
-
-    path: Path
-    spec: ModelSpec
-    eos_token_ids: tuple[int, ...]
-
-    def weight_files(self) -> list[Path]:
-        files = sorted(self.path.glob("*.safetensors"))
-        if not files:
-            raise ConfigError(f"{self.path} holds no *.safetensors weights")
-        return files
-
-
-def _check_rope_scaling(config: dict[str, Any]) -> None:
-    scaling = config.get("rope_scaling") or {}
-    params = config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type")) or params.get("rope_type") or "default"
-    if kind != "default":
-        raise ConfigError(f"rope scaling {kind!r} is not supported by the engine (only plain RoPE)")
-
-
-def read_model_folder(path: str | Path) -> ModelFolder:
-    """Parse ``config.json`` (geometry, eos ids); ConfigError for missing or unsupported configs."""
-    folder = Path(path)
-    spec = ModelSpec.from_pretrained_dir(folder)
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"activation {config['hidden_act']!r} is not supported (Llama-family: silu)")
-    if config.get("mlp_bias"):
-        raise ConfigError("mlp_bias=true is not supported")
-    _check_rope_scaling(config)
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return ModelFolder(path=folder, spec=spec, eos_token_ids=eos_ids)
+    return write_config_folder(spec, out)
 
 
 def load_weights(folder: ModelFolder, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -17,8 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-import torch
-
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import BlockHash, RequestId
 from pdrouter.core.sampling import SamplingParams
@@ -64,7 +62,9 @@ class Request:
     stop_ids: frozenset[int]
     """Token ids that end the request (eos unless ignored, plus ``stop_token_ids``)."""
     max_context: int
-    generator: torch.Generator | None = None
+    sampler_state: object | None = None
+    """The model step's own per-request sampling state, made at the first sample (the torch step: a
+    ``torch.Generator`` for random sampling; the simulated step: the key of its token stream)."""
     state: RequestState = RequestState.WAITING
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

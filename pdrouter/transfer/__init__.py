@@ -20,6 +20,8 @@ Prefill worker::
 guarantees, the wire protocol and the module map are in ``README.md`` next to this file.
 """
 
+from typing import TYPE_CHECKING
+
 from pdrouter.transfer.config import Backend, TransferConfig, new_epoch
 from pdrouter.transfer.contract import IncomingHandle, OutgoingHandle, TransferReceiver, TransferSender
 from pdrouter.transfer.errors import (
@@ -31,12 +33,26 @@ from pdrouter.transfer.errors import (
     UnknownTransferError,
 )
 from pdrouter.transfer.incoming import IncomingTransfer
-from pdrouter.transfer.local import LocalFabric, LocalReceiver, LocalSender
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.receiver import KvReceiver, ReceiverStats
 from pdrouter.transfer.sender import KvSender, SenderStats
 from pdrouter.transfer.state import TransferState
 from pdrouter.transfer.target import TransferTarget
+
+if TYPE_CHECKING:
+    from pdrouter.transfer.local import LocalFabric, LocalReceiver, LocalSender
+
+_TORCH_ONLY = ("LocalFabric", "LocalReceiver", "LocalSender")
+
+
+def __getattr__(name: str) -> object:
+    """The in-process fake copies tensors: it is imported on first use, so the TCP path never loads torch."""
+    if name in _TORCH_ONLY:
+        from pdrouter.transfer import local
+
+        return getattr(local, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AuthError",

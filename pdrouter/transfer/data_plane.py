@@ -17,7 +17,7 @@ import xxhash
 from pdrouter.transfer import wire
 from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
 from pdrouter.transfer.framed_socket import FramedSocket
-from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.pool_bytes import PoolBytes
 
 WriteGuard = Callable[[], AbstractContextManager[bool]]
 """Entered around each frame's writes into destination blocks; yields False once the transfer has
@@ -59,7 +59,7 @@ class SocketPlane:
     out_of_band = False
     can_interrupt = True
 
-    def __init__(self, fs: FramedSocket, view: PoolView, checksums: bool) -> None:
+    def __init__(self, fs: FramedSocket, view: PoolBytes, checksums: bool) -> None:
         self._fs = fs
         self._view = view
         self._hash = checksums

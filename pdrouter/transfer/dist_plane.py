@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdrouter.core.errors import ConfigError
 from pdrouter.transfer import wire
 from pdrouter.transfer.config import Backend
 from pdrouter.transfer.data_plane import WriteGuard
@@ -45,16 +44,6 @@ class StoreHost:
     def close(self) -> None:
         """Stop serving the store (its sockets close with the last reference)."""
         self._store = None
-
-
-def check_backend(backend: Backend, view: PoolView) -> None:
-    """ConfigError when ``backend`` cannot move this pool's memory."""
-    if backend is Backend.NCCL and not view.is_cuda:
-        raise ConfigError("the NCCL backend needs the KV pool on a CUDA device")
-    if backend in (Backend.TCP, Backend.GLOO) and view.is_cuda:
-        raise ConfigError(f"the {backend.value} backend needs a CPU KV pool; use nccl for a CUDA pool")
-    if backend is Backend.NCCL and not dist.is_nccl_available():
-        raise ConfigError("this torch build has no NCCL")
 
 
 def join_pair_group(backend: Backend, ready: wire.Ready, rank: int, local_host: str,

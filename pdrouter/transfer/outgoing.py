@@ -9,7 +9,7 @@ from typing import Protocol
 
 from pdrouter.core.errors import CancelledError, DeadlineExceededError, InvalidRequestError, PdRouterError
 from pdrouter.transfer.frame_plan import PlannedFrame, plan_frames
-from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.transfer.state import Lifecycle, TransferState
 from pdrouter.transfer.target import BlockSegment, TransferTarget, check_block_ids, pair_segments
 
@@ -57,7 +57,7 @@ class OutgoingTransfer:
     and verified, or raises the transfer's error; ``abort`` gives up and tells the receiver.
     """
 
-    def __init__(self, target: TransferTarget, view: PoolView, sink: FrameSink, *, max_frame_bytes: int,
+    def __init__(self, target: TransferTarget, view: PoolBytes, sink: FrameSink, *, max_frame_bytes: int,
                  max_runs: int, on_finished: Callable[[OutgoingTransfer], None]) -> None:
         self.target = target
         self.transfer_id = target.transfer_id

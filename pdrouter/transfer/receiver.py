@@ -7,17 +7,20 @@ import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.transfer import wire
 from pdrouter.transfer.config import TransferConfig
-from pdrouter.transfer.dist_plane import StoreHost, check_backend
 from pdrouter.transfer.expectations import ExpectationBook
 from pdrouter.transfer.incoming import IncomingTransfer
-from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.pool_bytes import PoolBytes, check_backend, open_pool
 from pdrouter.transfer.receiver_connection import ReceiverConnection
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdrouter.transfer.dist_plane import StoreHost
 
 
 @dataclass(frozen=True)
@@ -37,9 +40,9 @@ class KvReceiver:
     aborted, the caller frees its blocks.
     """
 
-    def __init__(self, pool: torch.Tensor, layout: KvLayout, config: TransferConfig, *,
+    def __init__(self, pool: PoolBytes | torch.Tensor, layout: KvLayout, config: TransferConfig, *,
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
-        self._view = PoolView(pool, layout)
+        self._view = open_pool(pool, layout)
         check_backend(config.backend, self._view)
         self._config = config
         self._compat = layout.compat_hash()
@@ -48,7 +51,7 @@ class KvReceiver:
         self._closed = False
         self._listener = socket.create_server((host, port), backlog=128)
         try:
-            self._store = (StoreHost(host, advertise_host or host, config.connect_timeout_s)
+            self._store = (_store_host(host, advertise_host or host, config.connect_timeout_s)
                            if config.backend.is_distributed else None)
         except Exception:
             self._listener.close()
@@ -133,3 +136,10 @@ class KvReceiver:
     def _connection_closed(self, conn: ReceiverConnection) -> None:
         with self._lock:
             self._connections.discard(conn)
+
+
+def _store_host(host: str, advertise_host: str, timeout_s: float) -> StoreHost:
+    """The rendezvous store of gloo/NCCL connections (torch is loaded only for those backends)."""
+    from pdrouter.transfer.dist_plane import StoreHost
+
+    return StoreHost(host, advertise_host, timeout_s)

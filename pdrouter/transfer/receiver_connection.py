@@ -21,12 +21,11 @@ from pdrouter.core.errors import PdRouterError
 from pdrouter.transfer import wire
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane, SocketPlane
-from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group
 from pdrouter.transfer.errors import PeerLostError, ProtocolError, code_for_error, error_for_code
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo, server_handshake
 from pdrouter.transfer.incoming import IncomingTransfer
-from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ def _refused() -> Iterator[bool]:
 class ReceiverConnection:
     """Serves one accepted socket on its own thread until it closes."""
 
-    def __init__(self, sock: socket.socket, view: PoolView, config: TransferConfig, compat_hash: str,
+    def __init__(self, sock: socket.socket, view: PoolBytes, config: TransferConfig, compat_hash: str,
                  expectations: Expectations, make_ready: Callable[[], wire.Ready],
                  on_closed: Callable[[ReceiverConnection], None]) -> None:
         self.fs = FramedSocket(sock, config.connect_timeout_s, config.socket_buffer_bytes)
@@ -99,6 +98,10 @@ class ReceiverConnection:
         cfg = self._config
         if not cfg.backend.is_distributed:
             return SocketPlane(self.fs, self._view, cfg.checksums)
+        from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group  # torch: gloo/NCCL only
+        from pdrouter.transfer.pool_view import PoolView
+
+        assert isinstance(self._view, PoolView)  # the receiver's check_backend made sure
         group = join_pair_group(cfg.backend, peer.ready, RECEIVER_RANK, self.fs.local_host,
                                 cfg.connect_timeout_s, self._view.pool.device)
         return DistPlane(self.fs, self._view, group, 1 - RECEIVER_RANK, cfg.checksums, cfg.progress_timeout_s)

@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdrouter.core.errors import IncompatibleError, PdRouterError, StaleEpochError
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane, SocketPlane
-from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, check_backend, join_pair_group
 from pdrouter.transfer.errors import PeerLostError
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo, client_handshake
 from pdrouter.transfer.outgoing import OutgoingTransfer
-from pdrouter.transfer.pool_view import PoolView
+from pdrouter.transfer.pool_bytes import PoolBytes, check_backend, open_pool
 from pdrouter.transfer.sender_connection import SenderConnection
 from pdrouter.transfer.target import TransferTarget
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class KvSender:
     and only reads the source blocks it is given.
     """
 
-    def __init__(self, pool: torch.Tensor, layout: KvLayout, config: TransferConfig) -> None:
-        self._view = PoolView(pool, layout)
+    def __init__(self, pool: PoolBytes | torch.Tensor, layout: KvLayout, config: TransferConfig) -> None:
+        self._view = open_pool(pool, layout)
         check_backend(config.backend, self._view)
         self._config = config
         self._compat = layout.compat_hash()
@@ -149,7 +150,11 @@ class KvSender:
         try:
             info = client_handshake(fs, cfg, self._compat)
             plane: DataPlane
-            if cfg.backend.is_distributed:
+            if cfg.backend.is_distributed:  # torch is loaded only for these backends
+                from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group
+                from pdrouter.transfer.pool_view import PoolView
+
+                assert isinstance(self._view, PoolView)  # check_backend made sure
                 group = join_pair_group(cfg.backend, info.ready, 1 - RECEIVER_RANK, fs.local_host,
                                         cfg.connect_timeout_s, self._view.pool.device)
                 plane = DistPlane(fs, self._view, group, RECEIVER_RANK, cfg.checksums, cfg.progress_timeout_s)

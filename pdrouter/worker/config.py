@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.sim.config import SimEngineConfig
 
 KV_BACKENDS = ("tcp", "gloo", "nccl")
 
@@ -17,7 +18,8 @@ class WorkerConfig:
 
     role: WorkerRole
     worker_id: str
-    engine: EngineConfig
+    engine: EngineConfig | SimEngineConfig
+    """The torch engine's configuration, or a simulated GPU's (``pdrouter.worker.backend``)."""
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None

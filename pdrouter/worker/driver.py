@@ -1,4 +1,4 @@
-"""Drives a synchronous ``pdrouter.engine.engine.Engine`` from asyncio: one step thread, per-request async streams.
+"""Drives a synchronous ``BatchEngine`` (torch or simulated) from asyncio: one step thread, per-request streams.
 
 The step thread loops ``wait_for_work → step`` and hands each ``RequestOutput`` to the event
 loop with ``call_soon_threadsafe``; coroutines consume them through a per-request queue. Leaving
@@ -16,7 +16,7 @@ from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerLoad
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ _ABORTED = object()
 class EngineDriver:
     """The asyncio face of one engine. Create and use it inside the worker's event loop."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: BatchEngine) -> None:
         self.engine = engine
         self._loop = asyncio.get_running_loop()
         self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}

@@ -25,12 +25,14 @@ from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.batch_engine import BatchEngine
+from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.lane import LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2_grpc
+from pdrouter.worker.backend import TransferPacing, build_engine, device_name
 from pdrouter.worker.block_publisher import RedisBlockPublisher
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
@@ -56,7 +58,7 @@ class WorkerProcess:
         self.index: PrefixIndex | None = None
         self.publisher: RedisBlockPublisher | None = None
         self.presence: Presence | None = None
-        self.engine: Engine | None = None
+        self.engine: BatchEngine | None = None
         self.driver: EngineDriver | None = None
         self.server: GrpcServer | None = None
         self.lane: LaneServer | None = None
@@ -87,7 +89,7 @@ class WorkerProcess:
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch)
         else:
             self.epoch = Epoch(time.time_ns())
-        self.engine = await asyncio.to_thread(Engine, cfg.engine, event_sink=self.publisher)
+        self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher)
         self.driver = EngineDriver(self.engine)
         self.server = GrpcServer(cfg.host, cfg.port)
         if cfg.lane_port is not None:
@@ -97,14 +99,14 @@ class WorkerProcess:
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
         self.role = await self.build_role(RoleContext(
             config=cfg, engine=self.engine, driver=self.driver, epoch=self.epoch,
-            model_compat_hash=compat, registry=self.registry))
+            model_compat_hash=compat, registry=self.registry, pacing=TransferPacing.for_engine(self.engine)))
         for service in self.role.services():
             self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(
             worker_id=WorkerId(cfg.worker_id), role=cfg.role, address="", epoch=self.epoch,
             model=spec_name, model_compat_hash=compat, kv_compat_hash=layout.compat_hash(),
             block_size=layout.block_size, capacity_blocks=layout.num_blocks,
-            kv_address=self.role.kv_address,
+            kv_address=self.role.kv_address, device=device_name(self.engine),
             kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else ())
         if self.lane is not None:
             await self.lane.start()
@@ -175,4 +177,8 @@ class WorkerProcess:
 
 
 def _model_name(cfg: WorkerConfig) -> str:
-    return ModelSpec.from_pretrained_dir(cfg.engine.model_dir).name
+    folder = cfg.engine.model_dir
+    if folder is None:  # a simulated worker on a preset's geometry
+        assert isinstance(cfg.engine, SimEngineConfig)
+        return cfg.engine.spec.name
+    return ModelSpec.from_pretrained_dir(folder).name

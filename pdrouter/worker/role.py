@@ -15,9 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pdrouter.core.ids import Epoch
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.config import Backend, TransferConfig
+from pdrouter.transfer.pool_bytes import PoolBytes
+from pdrouter.worker.backend import TransferPacing, kv_pool
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 
@@ -27,12 +29,18 @@ class RoleContext:
     """The parts of a started worker process that a role builds on."""
 
     config: WorkerConfig
-    engine: Engine
+    engine: BatchEngine
     driver: EngineDriver
     epoch: Epoch
     model_compat_hash: str
     registry: WorkerRegistry | None = None
     """The pool's registry (None without ``--redis``)."""
+    pacing: TransferPacing | None = None
+    """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
+
+    def kv_pool(self) -> PoolBytes:
+        """The pool the role's KV transport moves (``pdrouter.worker.backend.kv_pool``); one per role."""
+        return kv_pool(self.engine)
 
     def transfer(self) -> TransferConfig:
         """The KV transport's identity for this incarnation: shared token, this epoch, the backend.

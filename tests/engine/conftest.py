@@ -1,4 +1,8 @@
-"""Engine fixtures: small random model folders (built once per session) and leak-checked engines."""
+"""Engine fixtures: small random model folders (built once per session) and leak-checked engines.
+
+``make_engine`` builds torch engines; ``make_any_engine`` is parametrised over both backends (the
+torch engine and the simulated GPU, instant mode, on the same geometry): the engine contract suite.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +14,15 @@ from typing import Any
 import pytest
 import torch
 
+from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
+from pdrouter.engine.batch_engine import BatchEngine, SchedulingConfig
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.engine import Engine
+from pdrouter.engine.model_folder import read_model_folder
 from pdrouter.engine.model_io import make_model, write_random_model
+from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.engine.sim.engine import SimEngine
 
 from .engine_testing import EngineFactory, assert_no_leak
 
@@ -52,6 +61,37 @@ def make_engine(tiny_dir: Path) -> Iterator[EngineFactory]:
     def factory(model_dir: Path | None = None, *, event_sink: Any = None, **overrides: Any) -> Engine:
         overrides.setdefault("num_blocks", 64)
         engine = Engine(EngineConfig(model_dir or tiny_dir, **overrides), event_sink=event_sink)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        assert_no_leak(engine)
+
+
+def sim_engine(model_dir: Path, *, event_sink: Any = None, block_size: int = 16, num_blocks: int = 64,
+               max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
+               time_scale: float = 0.0) -> SimEngine:
+    """A simulated H100 on the folder's geometry, configured like ``EngineConfig`` would configure a torch one."""
+    folder = read_model_folder(model_dir)
+    scheduling = SchedulingConfig(max_num_seqs, max_num_batched_tokens, enable_prefix_caching)
+    return SimEngine(SimEngineConfig(spec=folder.spec, gpu=get_gpu_preset("h100"), eos_token_ids=folder.eos_token_ids,
+                                     model_dir=model_dir, time_scale=time_scale, block_size=block_size,
+                                     num_blocks=num_blocks, scheduling=scheduling), event_sink=event_sink)
+
+
+@pytest.fixture(params=["torch", "sim"])
+def make_any_engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[EngineFactory]:
+    """Like ``make_engine``, once with the torch engine and once with the simulated one."""
+    engines: list[BatchEngine] = []
+
+    def factory(model_dir: Path | None = None, *, event_sink: Any = None, **overrides: Any) -> BatchEngine:
+        overrides.setdefault("num_blocks", 64)
+        engine: BatchEngine
+        if request.param == "sim":
+            engine = sim_engine(model_dir or tiny_dir, event_sink=event_sink, **overrides)
+        else:
+            engine = Engine(EngineConfig(model_dir or tiny_dir, **overrides), event_sink=event_sink)
         engines.append(engine)
         return engine
 

@@ -7,9 +7,9 @@ import random
 from collections.abc import Callable
 
 from pdrouter.core.ids import RequestId
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.batch_engine import BatchEngine
 
-EngineFactory = Callable[..., Engine]
+EngineFactory = Callable[..., BatchEngine]
 
 _ids = itertools.count()
 
@@ -24,7 +24,7 @@ def random_prompt(rng: random.Random, length: int, vocab: int = 256) -> list[int
     return [rng.randrange(vocab) for _ in range(length)]
 
 
-def assert_no_leak(engine: Engine) -> None:
+def assert_no_leak(engine: BatchEngine) -> None:
     """Every block back in the pool, no request left, nothing in flight."""
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks

@@ -1,4 +1,5 @@
-"""Bad input is refused with a pdcommon error at every entry point, before anything is allocated."""
+"""Bad input is refused with a ``pdrouter.core.errors`` error at every entry point, before anything is
+allocated: by the torch engine and by the simulated one alike."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pdrouter.core.errors import (
 )
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.batch_engine import BatchEngine
 
 from .engine_testing import EngineFactory, assert_no_leak, rid
 
@@ -47,7 +48,7 @@ CASES: list[tuple[str, object, object, type[PdRouterError], str]] = [
     ("more KV than the pool", [1] * 130, SamplingParams(max_tokens=1), RequestTooLargeError, "whole pool"),
 ]
 
-ENTRY_POINTS: dict[str, Callable[[Engine, RequestId, Any, Any], object]] = {
+ENTRY_POINTS: dict[str, Callable[[BatchEngine, RequestId, Any, Any], object]] = {
     "add_request": lambda e, r, p, s: e.add_request(r, p, s),
     "add_prefill_request": lambda e, r, p, s: e.add_prefill_request(r, p, s),
     "reserve_remote": lambda e, r, p, s: e.reserve_remote(r, p, s),
@@ -57,10 +58,10 @@ ENTRY_POINTS: dict[str, Callable[[Engine, RequestId, Any, Any], object]] = {
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 @pytest.mark.parametrize(("prompt", "sampling", "error", "match"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_and_nothing_allocated(make_engine: EngineFactory, entry: str, prompt: object,
+def test_bad_input_is_refused_and_nothing_allocated(make_any_engine: EngineFactory, entry: str, prompt: object,
                                                     sampling: object, error: type[PdRouterError],
                                                     match: str) -> None:
-    engine = make_engine(num_blocks=8)
+    engine = make_any_engine(num_blocks=8)
     with pytest.raises(error, match=match):
         ENTRY_POINTS[entry](engine, rid(), prompt, sampling)
     assert_no_leak(engine)
@@ -75,8 +76,8 @@ def test_sampling_params_themselves_refuse_bad_values() -> None:
         SamplingParams(top_p=1.01)
 
 
-def test_duplicate_and_empty_request_ids(make_engine: EngineFactory) -> None:
-    engine = make_engine()
+def test_duplicate_and_empty_request_ids(make_any_engine: EngineFactory) -> None:
+    engine = make_any_engine()
     r = rid()
     engine.add_request(r, [1, 2], SamplingParams(max_tokens=2))
     for entry in ENTRY_POINTS.values():
@@ -88,8 +89,8 @@ def test_duplicate_and_empty_request_ids(make_engine: EngineFactory) -> None:
     engine.abort(r)
 
 
-def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_engine: EngineFactory) -> None:
-    engine = make_engine()
+def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_any_engine: EngineFactory) -> None:
+    engine = make_any_engine()
     r = rid()
     engine.reserve_remote(r, [1, 2, 3], SamplingParams())
     with pytest.raises(InvalidRequestError, match="first_token"):
@@ -98,8 +99,8 @@ def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_engine: Engin
     engine.abort(r)
 
 
-def test_prefill_side_holds_only_the_prompt(make_engine: EngineFactory) -> None:
-    engine = make_engine(num_blocks=8)
+def test_prefill_side_holds_only_the_prompt(make_any_engine: EngineFactory) -> None:
+    engine = make_any_engine(num_blocks=8)
     r = rid()
     engine.add_prefill_request(r, [1] * 100, SamplingParams(max_tokens=60))  # 7 blocks: fits
     with pytest.raises(RequestTooLargeError):

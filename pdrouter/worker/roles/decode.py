@@ -233,7 +233,8 @@ class DecodeRole:
 
 async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     cfg = ctx.config
-    receiver = await asyncio.to_thread(KvReceiver, ctx.engine.kv_tensor, ctx.engine.kv_layout, ctx.transfer(),
+    pool = ctx.kv_pool()
+    receiver = await asyncio.to_thread(KvReceiver, pool, pool.layout, ctx.transfer(),
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     registered = RegisteredPrefillWorkers(ctx.registry) if ctx.registry is not None else None
     if registered is None:

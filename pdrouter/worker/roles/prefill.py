@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 
 import grpc
 
@@ -24,6 +25,7 @@ from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
+from pdrouter.worker.backend import TransferPacing
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.streaming import check_request
@@ -31,7 +33,9 @@ from pdrouter.worker.streaming import check_request
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, driver: EngineDriver, sender: KvSender, layout: KvLayout, model_compat_hash: str,
-                 transfer_timeout_s: float = 60.0) -> None:
+                 transfer_timeout_s: float = 60.0, pacing: TransferPacing | None = None) -> None:
+        """``layout``: the engine's (real geometry, for the stats); ``pacing``: a simulated worker's link."""
+        self.pacing = pacing
         self.driver = driver
         self.sender = sender
         self.layout = layout
@@ -62,7 +66,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             outgoing = self.sender.open_transfer_if_connected(target)
             if outgoing is None:
                 outgoing = await asyncio.to_thread(self.sender.open_transfer, target)
-            outgoing.send_layers(result.block_ids)
+            await self._send(outgoing, result.block_ids, len(target.dst_block_ids) - target.skip_blocks)
             await outgoing.finish_async(timeout=self.transfer_timeout_s)
             done = True
         finally:
@@ -79,6 +83,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             compute_ms=(computed - start) * 1e3, transfer_ms=(finished - computed) * 1e3,
             bytes_sent=sent * self.layout.block_bytes, blocks_sent=sent)
         return worker_pb2.PrefillResponse(request_id=rid, first_token_id=result.first_token, stats=stats)
+
+    async def _send(self, outgoing: OutgoingTransfer, block_ids: Sequence[int], blocks_sent: int) -> None:
+        """Queue every layer; a simulated worker holds the last one back until the real bytes' modeled time."""
+        if self.pacing is None:
+            outgoing.send_layers(block_ids)
+            return
+        layers = self.layout.num_layers
+        deadline = self.pacing.deadline(blocks_sent)
+        if layers > 1:
+            outgoing.send_layers(block_ids, range(0, layers - 1))
+        delay = deadline - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        outgoing.send_layers(block_ids, layers - 1)
 
 
 class PrefillRole:
@@ -99,7 +117,8 @@ class PrefillRole:
 
 
 async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
-    sender = KvSender(ctx.engine.kv_tensor, ctx.engine.kv_layout, ctx.transfer())
+    pool = ctx.kv_pool()
+    sender = KvSender(pool, pool.layout, ctx.transfer())
     servicer = PrefillServicer(ctx.driver, sender, ctx.engine.kv_layout, ctx.model_compat_hash,
-                               transfer_timeout_s=ctx.config.kv_wait_s)
+                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing)
     return PrefillRole(sender, servicer)

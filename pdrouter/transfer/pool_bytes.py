@@ -1,0 +1,129 @@
+"""Byte-level, copy-free access to a KV pool laid out as ``KvLayout`` says, without torch.
+
+``PoolBytes`` is what the TCP path needs of a pool: the byte ranges of a frame's blocks and layers
+as writable memoryviews (or none, for a CUDA pool, which moves through NCCL). Two pools have it:
+
+* ``pdrouter.transfer.pool_view.PoolView``: the engine's torch tensor (CPU or CUDA);
+* ``PoolBytes.allocate(layout)``: a plain byte buffer, for a simulated worker, whose blocks carry
+  a small stand-in payload over the real transfer path (``standin_layout``).
+
+:func:`open_pool` takes either a ``PoolBytes`` or a tensor; only the tensor case loads torch, so a
+simulated worker's sender and receiver never do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import xxhash
+
+from pdrouter.core.errors import ConfigError, InvalidRequestError
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.transfer.config import Backend
+from pdrouter.transfer.frame_plan import FrameSpan
+
+if TYPE_CHECKING:
+    import torch
+
+
+def checksum(buffers: Iterable[memoryview]) -> int:
+    """xxh3-64 of the buffers' bytes taken in order (equal to hashing their concatenation)."""
+    hasher = xxhash.xxh3_64()
+    for buf in buffers:
+        hasher.update(buf)
+    return hasher.intdigest()
+
+
+def standin_layout(layout: KvLayout) -> KvLayout:
+    """The layout of a simulated pool: the same blocks and layers, one byte per block, layer and K|V.
+
+    A transfer then runs every control step of the real one (frames per layer, block runs,
+    ``skip_blocks``, checks) while moving ``2 × layers`` bytes per block instead of the geometry's
+    ``block_bytes``; the simulated workers model the real bytes' time themselves.
+    """
+    return KvLayout(num_layers=layout.num_layers, num_kv_heads=1, head_dim=1, block_size=1,
+                    num_blocks=layout.num_blocks, dtype="float8")
+
+
+class PoolBytes:
+    """Views of one KV pool as byte ranges.
+
+    Never allocates or copies pool memory (except ``allocate``, which makes a pool), and has no
+    opinion on which blocks are in use: callers pass block ids they own (sender) or were given
+    (receiver).
+    """
+
+    def __init__(self, layout: KvLayout, memory: memoryview | None, *, is_cuda: bool = False) -> None:
+        if memory is not None and len(memory) != layout.pool_bytes:
+            raise ConfigError(f"KV pool buffer has {len(memory)} bytes, the layout says {layout.pool_bytes}")
+        self.layout = layout
+        self.half_block_bytes = layout.block_elems * layout.dtype_bytes
+        self.is_cuda = is_cuda
+        self._memory = memory
+
+    @classmethod
+    def allocate(cls, layout: KvLayout) -> PoolBytes:
+        """A zeroed pool of ``layout.pool_bytes`` bytes in ordinary memory (untouched pages cost nothing)."""
+        return cls(layout, memoryview(bytearray(layout.pool_bytes)))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.layout.num_blocks
+
+    def nbytes(self, span: FrameSpan) -> int:
+        return span.nbytes(self.half_block_bytes)
+
+    def check_span(self, span: FrameSpan) -> None:
+        """InvalidRequestError unless every layer and block of ``span`` is inside this pool."""
+        if not 0 <= span.layer_start < span.layer_end <= self.layout.num_layers:
+            raise InvalidRequestError(f"layers [{span.layer_start}, {span.layer_end}) outside the pool's "
+                                      f"{self.layout.num_layers} layers")
+        for start, count in span.runs:
+            if count <= 0 or start < 0 or start + count > self.num_blocks:
+                raise InvalidRequestError(f"blocks {start}..{start + count - 1} outside the pool's "
+                                          f"{self.num_blocks} blocks")
+
+    def buffers(self, span: FrameSpan) -> list[memoryview]:
+        """Writable memoryviews of the span's ranges in payload order (CPU pools only)."""
+        if self._memory is None:
+            raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
+        mem = self._memory
+        return [mem[off:off + n] for off, n in span.pieces(self.half_block_bytes, self.num_blocks)]
+
+    def chunks(self, span: FrameSpan, limit: int) -> list[memoryview]:
+        """``buffers`` with each range cut into pieces of at most ``limit`` bytes."""
+        return [buf[start:start + limit] for buf in self.buffers(span) for start in range(0, len(buf), limit)]
+
+    def checksum(self, span: FrameSpan) -> int:
+        """xxh3-64 of the span's payload (CPU pools only)."""
+        return checksum(self.buffers(span))
+
+
+def open_pool(pool: PoolBytes | torch.Tensor, layout: KvLayout) -> PoolBytes:
+    """``pool`` itself (its layout must be ``layout``), or a ``PoolView`` of a tensor."""
+    if isinstance(pool, PoolBytes):
+        if pool.layout != layout:
+            raise ConfigError(f"the pool's layout {pool.layout} is not {layout}")
+        return pool
+    from pdrouter.transfer.pool_view import PoolView  # torch: only for a tensor pool
+
+    return PoolView(pool, layout)
+
+
+def check_backend(backend: Backend, view: PoolBytes) -> None:
+    """ConfigError when ``backend`` cannot move this pool's memory."""
+    if backend is Backend.NCCL and not view.is_cuda:
+        raise ConfigError("the NCCL backend needs the KV pool on a CUDA device")
+    if backend in (Backend.TCP, Backend.GLOO) and view.is_cuda:
+        raise ConfigError(f"the {backend.value} backend needs a CPU KV pool; use nccl for a CUDA pool")
+    if backend.is_distributed:
+        from pdrouter.transfer.pool_view import PoolView
+
+        if not isinstance(view, PoolView):
+            raise ConfigError(f"the {backend.value} backend moves tensors; this pool is a byte buffer (use tcp)")
+    if backend is Backend.NCCL:
+        import torch.distributed as dist
+
+        if not dist.is_nccl_available():
+            raise ConfigError("this torch build has no NCCL")

@@ -1,0 +1,91 @@
+"""Which engine a worker runs, and what its KV transport moves: the torch engine or a simulated GPU.
+
+* ``EngineConfig`` → ``pdrouter.engine.engine.Engine`` (torch; the transport moves its pool tensor);
+* ``SimEngineConfig`` → ``pdrouter.engine.sim.engine.SimEngine`` (no torch; the transport moves a
+  one-byte-per-block-and-layer stand-in pool, ``pdrouter.transfer.pool_bytes.standin_layout``, and
+  the prefill side paces each transfer to the modeled time of the real bytes, ``TransferPacing``).
+
+The torch engine's module is imported only when a torch engine is built, so a simulated worker
+process never loads torch (tens of them fit on one machine).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pdrouter.engine.batch_engine import BatchEngine
+from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.events import BlockEventSink
+from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.engine.sim.engine import SimEngine
+from pdrouter.engine.sim.link import SharedLink
+from pdrouter.transfer.pool_bytes import PoolBytes, standin_layout
+
+EngineSettings = EngineConfig | SimEngineConfig
+"""A worker's engine configuration: real or simulated."""
+
+
+def build_engine(config: EngineSettings, event_sink: BlockEventSink | None = None) -> BatchEngine:
+    """The engine ``config`` describes (blocking: the torch engine loads its weights)."""
+    if isinstance(config, SimEngineConfig):
+        return SimEngine(config, event_sink=event_sink)
+    from pdrouter.engine.engine import Engine  # torch, for the real engine only
+
+    return Engine(config, event_sink=event_sink)
+
+
+def kv_pool(engine: BatchEngine) -> PoolBytes:
+    """What the worker's KV sender or receiver moves: a view of the pool tensor, or a simulated
+    worker's stand-in pool (``pool.layout`` is the layout the transport sees)."""
+    if isinstance(engine, SimEngine):
+        return PoolBytes.allocate(standin_layout(engine.kv_layout))
+    from pdrouter.engine.engine import Engine
+    from pdrouter.transfer.pool_view import PoolView
+
+    assert isinstance(engine, Engine)
+    return PoolView(engine.kv_tensor, engine.kv_layout)
+
+
+def device_name(engine: BatchEngine) -> str:
+    """What the worker runs on, as its registry record names it: ``cpu``, ``cuda:0``, ``sim:h100-80g``…"""
+    if isinstance(engine, SimEngine):
+        return engine.device_name
+    from pdrouter.engine.engine import Engine
+
+    assert isinstance(engine, Engine)
+    return str(engine.device)
+
+
+class TransferPacing:
+    """When a simulated prefill worker may let a transfer finish: the real bytes' time on its link.
+
+    The link's queue runs in simulated seconds (wall seconds ÷ the time scale); ``deadline``
+    answers on the wall clock. Time scale 0 never waits.
+    """
+
+    def __init__(self, link: SharedLink, block_bytes: int, time_scale: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.link = link
+        self.block_bytes = block_bytes
+        self.time_scale = time_scale
+        self._clock = clock
+
+    def modeled_s(self, blocks: int) -> float:
+        """Simulated seconds one transfer of ``blocks`` blocks takes on an idle link."""
+        return self.link.spec.transfer_s(blocks * self.block_bytes)
+
+    def deadline(self, blocks: int) -> float:
+        """Wall-clock time at which a transfer of ``blocks`` blocks starting now completes."""
+        now = self._clock()
+        if self.time_scale <= 0:
+            return now
+        done = self.link.reserve(blocks * self.block_bytes, now / self.time_scale)
+        return done * self.time_scale
+
+    @classmethod
+    def for_engine(cls, engine: BatchEngine) -> TransferPacing | None:
+        if not isinstance(engine, SimEngine):
+            return None
+        cfg = engine.config
+        return cls(SharedLink(cfg.link, shared=cfg.link_shared), engine.kv_layout.block_bytes, cfg.time_scale)
