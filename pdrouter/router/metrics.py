@@ -185,6 +185,10 @@ class RouterMetrics:
         self.worker_free_kv_blocks = Gauge(
             "pdrouter_worker_free_kv_blocks", "Allocatable KV blocks on a worker (free + evictable).",
             ["worker", "role"], registry=r)
+        self.worker_info = Gauge(
+            "pdrouter_worker_info", "1 for every worker in the pool; what it runs on (cpu, cuda:0, sim:h100-80g…).",
+            ["worker", "role", "device"], registry=r)
+        self._worker_devices: dict[tuple[str, str], str] = {}
         self.kv_transfer_bytes_total = Counter(
             "pdrouter_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode workers.",
             ["backend"], registry=r)
@@ -217,8 +221,15 @@ class RouterMetrics:
         self._queue_time.observe(seconds)
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
-                        free_blocks: int) -> None:
-        """Publish a worker's latest load (from its heartbeat)."""
+                        free_blocks: int, device: str = "") -> None:
+        """Publish a worker's latest load (from its heartbeat) and what it runs on."""
+        if self._worker_devices.get((worker, role)) != device:
+            old = self._worker_devices.pop((worker, role), None)
+            if old is not None:
+                with contextlib.suppress(KeyError):
+                    self.worker_info.remove(worker, role, old)
+            self._worker_devices[(worker, role)] = device
+            self.worker_info.labels(worker, role, device).set(1)
         self.worker_running_requests.labels(worker, role).set(running)
         self.worker_queued_prefill_tokens.labels(worker, role).set(queued_prefill_tokens)
         self.worker_free_kv_blocks.labels(worker, role).set(free_blocks)
@@ -229,6 +240,10 @@ class RouterMetrics:
                       self.worker_free_kv_blocks):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker, role)
+        device = self._worker_devices.pop((worker, role), None)
+        if device is not None:
+            with contextlib.suppress(KeyError):
+                self.worker_info.remove(worker, role, device)
 
     def observe_kv_transfer(self, nbytes: int, seconds: float, backend: str = "tcp") -> None:
         """One request's KV transfer: its size and how long it took."""

@@ -132,7 +132,7 @@ class RouterProcess:
                 seen.add(key)
                 self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
                                              queued_prefill_tokens=h.load.queued_prefill_tokens,
-                                             free_blocks=h.load.free_blocks)
+                                             free_blocks=h.load.free_blocks, device=h.record.device)
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen

@@ -1,0 +1,54 @@
+"""``--backend sim`` refuses bad input in one line with exit code 2, before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdrouter.cli.main import main
+
+
+def run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    return err
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    (["--model-preset", "llama-9"], "presets: llama-3-8b, llama-3-70b"),
+    (["--model-preset", "llama-3-8b", "--gpu", "h900"], "presets: a100-80g, h100-80g"),
+    (["--model-preset", "llama-3-8b", "--tp", "3"], "does not divide"),
+    (["--model-preset", "llama-3-70b"], "raise tensor parallelism"),
+    (["--model-preset", "llama-3-8b", "--time-scale", "-2"], "--time-scale must be >= 0"),
+    (["--model-preset", "llama-3-8b", "--link", "carrier-pigeon"], "presets: nvlink, rdma-400g"),
+    ([], "exactly one of --model"),
+])
+def test_bad_simulated_workers_are_one_line_errors(extra: list[str], expected: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert expected in run_error(["decode", "--backend", "sim", *extra], capsys)
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ({"mbu": -0.5}, "mbu"),
+    ({"mfu": 0.5, "step_overhead_s": None}, "step_overhead_s"),
+    ({"mbu_typo": 0.5}, "mbu_typo"),
+])
+def test_a_bad_calibration_file_names_the_field(tmp_path: Path, content: dict[str, object], field: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(content))
+    err = run_error(["prefill", "--backend", "sim", "--model-preset", "llama-3-8b", "--calibration", str(path)],
+                    capsys)
+    assert field in err and str(path) in err
+
+
+def test_sim_options_are_refused_for_the_torch_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = run_error(["worker", "--model", str(tmp_path), "--time-scale", "3"], capsys)
+    assert "--time-scale only apply to --backend sim" in err
+
+
+def test_up_checks_the_simulated_fleet_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "presets" in run_error(["up", "--backend", "sim", "--gpu", "h900"], capsys)
