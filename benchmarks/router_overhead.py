@@ -28,8 +28,12 @@ stall would show as tens of milliseconds. ``target_met_*`` compare with the targ
 concurrency 1 ≤ 0.4 ms colocated and ≤ 0.5 ms disaggregated, router CPU ≤ 250 µs per request at
 concurrency 32; first-chunk extra ≤ 1 ms).
 
+``--backend sim`` runs the workers as simulated GPUs in instant mode (``--time-scale 0``: no
+sleeping, no model compute), so the figures are the router's and the transport's own, without the
+tiny model's compute (on the tiny model's geometry; tokens are the simulator's).
+
     python benchmarks/router_overhead.py [--quick] [--json] [--max-tokens N] [--prompt TEXT]
-                                         [--worker-transport lane|grpc]
+                                         [--worker-transport lane|grpc] [--backend torch|sim]
 """
 
 from __future__ import annotations
@@ -226,6 +230,7 @@ class Bench:
     max_tokens: int
     plan: Plan
     transport: str = "lane"
+    backend: str = "torch"
     report: Report = field(default_factory=Report)
 
     @property
@@ -244,7 +249,8 @@ class Bench:
     def worker_args(self, role: str) -> list[str]:
         # One torch thread per worker: the workers, the router and this load generator share the
         # machine's cores, and torch's default (a thread per core) spins on the cores the others need.
-        return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048, torch_threads=1)
+        sim = ["--gpu", "h100", "--time-scale", "0"] if self.backend == "sim" else None
+        return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048, torch_threads=1, sim=sim)
 
 
 async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples], router_pid: int) -> None:
@@ -392,15 +398,18 @@ async def main_async() -> None:
     parser.add_argument("--prompt", default=PROMPT, help="prompt text of the short requests")
     parser.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
                         help="how the router (and the direct client) reach the workers")
+    parser.add_argument("--backend", choices=["torch", "sim"], default="torch",
+                        help="the workers' engine: the tiny torch model, or simulated GPUs in instant mode")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp, EmbeddedRedis() as redis_server:
         model = make_model(MODEL, 0, Path(tmp) / MODEL)
         tokenizer = load_tokenizer(model)
         bench = Bench(model, redis_server.url, tokenizer.encode(args.prompt), tokenizer.encode(STREAM_PROMPT),
-                      args.max_tokens, QUICK if args.quick else FULL, args.worker_transport)
+                      args.max_tokens, QUICK if args.quick else FULL, args.worker_transport, args.backend)
         bench.report.add("prompt_tokens", len(bench.ids), "tokens")
         bench.report.add("max_tokens", args.max_tokens, "tokens")
         bench.report.add("worker_transport_lane", int(args.worker_transport == "lane"), "bool")
+        bench.report.add("backend_sim", int(args.backend == "sim"), "bool")
         await colocated(bench)
         await disaggregated(bench)
     add_targets(bench)

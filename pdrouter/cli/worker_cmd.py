@@ -118,23 +118,25 @@ def torch_threads(args: argparse.Namespace) -> int:
 
 def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
     from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, load_tokenizer
     from pdrouter.engine.batch_engine import SchedulingConfig
     from pdrouter.engine.model_folder import read_model_folder
     from pdrouter.engine.sim.calibration import Calibration
-    from pdrouter.engine.sim.config import SimEngineConfig
+    from pdrouter.engine.sim.config import BYTE_TEXT_TOKENS, SimEngineConfig
     from pdrouter.engine.sim.link import get_link_preset
 
     if (args.model is None) == (args.model_preset is None):
         raise ConfigError("--backend sim needs exactly one of --model FOLDER (its config.json) and "
                           "--model-preset NAME")
+    token_range: tuple[int, int] | None = BYTE_TEXT_TOKENS
     if args.model is not None:
         if not (args.model / "config.json").is_file():
             raise ConfigError(f"--model {args.model} has no config.json")
         folder = read_model_folder(args.model)
         spec, eos = folder.spec, folder.eos_token_ids
+        if not isinstance(load_tokenizer(args.model), ByteTokenizer):
+            token_range = None  # a real tokenizer: every id of the vocabulary is text
     else:
-        from pdrouter.core.tokenizer import SPECIAL_TOKENS
-
         spec, eos = get_model_preset(args.model_preset), (SPECIAL_TOKENS["<eos>"],)
     if args.dtype:
         spec = spec.with_dtype(args.dtype)
@@ -146,7 +148,7 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
         time_scale=args.time_scale, block_size=args.block_size, num_blocks=args.num_blocks,
         memory_utilization=args.utilization, memory_quota_bytes=quota,
         scheduling=SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens),
-        link=get_link_preset(args.link), link_shared=not args.link_unshared)
+        link=get_link_preset(args.link), link_shared=not args.link_unshared, token_range=token_range)
 
 
 def _check_sim_only(args: argparse.Namespace) -> None:

@@ -98,7 +98,7 @@ class FakeClock:
 def test_back_to_back_steps_chain_on_the_modeled_clock() -> None:
     timing = TimingModel(LLAMA_8B, H100)
     clock = FakeClock()
-    step = SimModelStep(timing, LLAMA_8B.vocab_size, time_scale=2.0, clock=clock, sleep=clock.sleep)
+    step = SimModelStep(timing, (0, LLAMA_8B.vocab_size), time_scale=2.0, clock=clock, sleep=clock.sleep)
     cost = timing.decode_step(1, 100).seconds
     engine = sim()
     engine.add_request(rid(), list(range(100)), SamplingParams(max_tokens=5, ignore_eos=True))
@@ -125,7 +125,7 @@ def test_back_to_back_steps_chain_on_the_modeled_clock() -> None:
 
 def test_time_scale_zero_never_sleeps() -> None:
     clock = FakeClock()
-    step = SimModelStep(TimingModel(LLAMA_8B, H100), LLAMA_8B.vocab_size, time_scale=0.0, clock=clock,
+    step = SimModelStep(TimingModel(LLAMA_8B, H100), (0, LLAMA_8B.vocab_size), time_scale=0.0, clock=clock,
                         sleep=clock.sleep)
     engine = sim()
     engine.model_step = step

@@ -19,6 +19,11 @@ from pdrouter.engine.batch_engine import SchedulingConfig
 from pdrouter.engine.sim.calibration import Calibration
 from pdrouter.engine.sim.link import LinkSpec, get_link_preset
 
+BYTE_TEXT_TOKENS = (32, 127)
+"""Printable ASCII in the byte-level tokenizer: simulated tokens drawn from here each decode to one
+character, so a streaming client sees one text delta per token (ids past the byte range decode to
+nothing in that tokenizer)."""
+
 
 @dataclass(frozen=True)
 class SimEngineConfig:
@@ -49,6 +54,8 @@ class SimEngineConfig:
     """The prefill worker's link for KV transfers (the modeled transfer time)."""
     link_shared: bool = True
     """Concurrent transfers share the link's bandwidth (else each gets all of it)."""
+    token_range: tuple[int, int] | None = None
+    """The ``[low, high)`` ids the simulated tokens are drawn from (None: the whole vocabulary)."""
 
     def __post_init__(self) -> None:
         if self.tp <= 0:
@@ -67,6 +74,9 @@ class SimEngineConfig:
             raise ConfigError(f"--num-blocks must be > 0, got {self.num_blocks}")
         if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
             raise ConfigError(f"--utilization must be in (0, 1], got {self.memory_utilization}")
+        vocab = self.spec.vocab_size
+        if self.token_range is not None and not 0 <= self.token_range[0] < self.token_range[1] <= vocab:
+            raise ConfigError(f"token range {self.token_range} is not inside the vocabulary [0, {vocab})")
         if self.scheduling.max_num_seqs <= 0 or self.scheduling.max_num_batched_tokens <= 0:
             raise ConfigError("--max-num-seqs and --max-batched-tokens must be > 0")
 

@@ -28,7 +28,7 @@ class SimEngine(BatchEngine):
         spec = config.spec
         layout = KvLayout.for_model(spec, config.pool_blocks(), config.block_size, spec.dtype, tp=config.tp)
         self.timing = TimingModel(spec, config.gpu, tp=config.tp, calibration=config.calibration)
-        self.sim_step = SimModelStep(self.timing, spec.vocab_size, config.time_scale)
+        self.sim_step = SimModelStep(self.timing, config.token_range or (0, spec.vocab_size), config.time_scale)
         super().__init__(spec, config.eos_token_ids, layout, config.scheduling, self.sim_step,
                          event_sink=event_sink)
 

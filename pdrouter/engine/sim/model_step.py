@@ -9,9 +9,11 @@ engine idled, the next step starts at the wall clock's now. Time scale 0 never s
 
 Tokens: a request's stream is keyed once, at its first sample: greedy requests by their prompt
 (the same prompt gives the same tokens, as with a real model), seeded ones by prompt and seed,
-others at random. The token at position p is ``xxh3_64(key, p) mod vocab_size``: deterministic,
-spread over the whole vocabulary (so an eos or stop id comes up as often as any other id, and
-``ignore_eos`` / ``max_tokens`` / ``stop_token_ids`` are honoured by the shared request logic).
+others at random. The token at position p is ``low + xxh3_64(key, p) mod (high − low)`` for the
+id range ``[low, high)``: the whole vocabulary by default (an eos or stop id then comes up as often
+as any other id; ``ignore_eos`` / ``max_tokens`` / ``stop_token_ids`` are honoured by the shared
+request logic), or a range whose ids each decode to text (``SimEngineConfig.token_range``: with
+the byte-level tokenizer, printable ASCII, so that every token is a streamed text delta).
 """
 
 from __future__ import annotations
@@ -61,17 +63,18 @@ def stream_key(request: Request) -> int:
     return digest.intdigest()
 
 
-def token_at(key: int, position: int, vocab_size: int) -> int:
-    return xxhash.xxh3_64_intdigest(_KEY.pack(key, position)) % vocab_size
+def token_at(key: int, position: int, low: int, high: int) -> int:
+    return low + xxhash.xxh3_64_intdigest(_KEY.pack(key, position)) % (high - low)
 
 
 class SimModelStep:
     """A ``ModelStep`` over a ``TimingModel``: no tensors, the modeled time slept (× ``time_scale``)."""
 
-    def __init__(self, timing: TimingModel, vocab_size: int, time_scale: float = 1.0, *,
+    def __init__(self, timing: TimingModel, token_range: tuple[int, int], time_scale: float = 1.0, *,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        """``token_range``: the ``[low, high)`` ids tokens are drawn from."""
         self.timing = timing
-        self.vocab_size = vocab_size
+        self.low, self.high = token_range
         self.time_scale = time_scale
         self._clock = clock
         self._sleep = sleep
@@ -99,7 +102,7 @@ class SimModelStep:
             if req.sampler_state is None:
                 req.sampler_state = stream_key(req)
             assert isinstance(req.sampler_state, int)
-            tokens.append(token_at(req.sampler_state, w.start + len(w.token_ids), self.vocab_size))
+            tokens.append(token_at(req.sampler_state, w.start + len(w.token_ids), self.low, self.high))
         self._wait(cost.seconds)
         with self._lock:
             self.last_cost = cost
