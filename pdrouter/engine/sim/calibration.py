@@ -45,14 +45,15 @@ class Calibration:
     mbu: float = 0.66
     """Fraction of peak memory bandwidth a bandwidth-bound step reaches, before the fixed costs
     below. Fitted so that Llama-2-70B FP16 at batch 1 on 2×H100 (TP 2) shows the end-to-end MBU
-    of 60% that Databricks measured with TensorRT-LLM ("LLM Inference Performance Engineering:
-    Best Practices", 2023)."""
+    of 60% that Databricks measured on its TensorRT-LLM-based server ("LLM Inference Performance
+    Engineering: Best Practices", 2023)."""
     step_overhead_s: float = 0.0017
     """Fixed cost of one engine step (scheduling, input preparation, sampling, launch gaps) that
     no roofline term covers. Fitted to vLLM's nightly latency test on one H200: Llama-3.1-8B,
     8 prompts of 32 tokens, 128 tokens each, 833 ms (Buildkite ``performance-benchmark`` build
-    9515). Engine-specific: vLLM's own profile of v0.5.3 found the GPU busy only 38% of the time
-    for Llama-3-8B on an H100 (vLLM blog, "vLLM v0.6.0: 2.7x Throughput Improvement", 2024)."""
+    9515). Engine-specific: vLLM's own profile of v0.5.3 serving Llama-3-8B on an H100 found the
+    API server and the scheduler taking 33% and 29% of the time (vLLM blog, "vLLM v0.6.0: 2.7x
+    Throughput Improvement and 5x Latency Reduction", 2024)."""
     per_seq_overhead_s: float = 0.0
     """Additional cost per sequence in the step. No published figure isolates it from the step
     overhead; 0 by default, set it from a profile of the engine being modeled."""
@@ -92,7 +93,7 @@ class Calibration:
                 _check_value(str(key), value)
             except ConfigError as exc:
                 raise ConfigError(f"{source}: {exc.message}") from None
-        return cls(**data)
+        return cls(**{key: float(value) for key, value in data.items()})
 
     @classmethod
     def from_file(cls, path: str | Path) -> Calibration:

@@ -1,0 +1,85 @@
+"""Calibration files: JSON and YAML, every field optional, every bad value a one-line ConfigError."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from pdrouter.core.errors import ConfigError
+from pdrouter.engine.sim.calibration import Calibration
+
+
+def _write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _refused(path: Path, *words: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        Calibration.from_file(path)
+    message = info.value.message
+    assert "\n" not in message
+    assert str(path) in message
+    for word in words:
+        assert word in message
+    return message
+
+
+def test_the_defaults_are_valid_and_a_file_overrides_a_subset(tmp_path: Path) -> None:
+    default = Calibration()
+    assert 0 < default.mfu <= 1 and 0 < default.mbu <= 1
+    path = _write(tmp_path, "cal.json", json.dumps({"mbu": 0.8, "step_overhead_s": 0.002}))
+    assert Calibration.from_file(path) == dataclasses.replace(default, mbu=0.8, step_overhead_s=0.002)
+    assert Calibration.from_file(_write(tmp_path, "empty.json", "{}")) == default
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml"])
+def test_yaml_files(tmp_path: Path, suffix: str) -> None:
+    path = _write(tmp_path, f"cal{suffix}", "mfu: 0.5\nallreduce_latency_s: 1.0e-5\nper_seq_overhead_s: 0\n")
+    assert Calibration.from_file(path) == Calibration(mfu=0.5, allreduce_latency_s=1e-5, per_seq_overhead_s=0.0)
+    assert Calibration.from_file(_write(tmp_path, f"blank{suffix}", "")) == Calibration()
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ({"mfu": 0.5, "bogus": 1}, "bogus"),
+    ({"step_overhead_s": -0.001}, "step_overhead_s"),
+    ({"mfu": 0}, "mfu"),
+    ({"mbu": 1.2}, "mbu"),
+    ({"mbu": "fast"}, "mbu"),
+    ({"allreduce_latency_s": None}, "allreduce_latency_s"),
+    ({"per_seq_overhead_s": True}, "per_seq_overhead_s"),
+    ({"fp8_speedup": 0}, "fp8_speedup"),
+    ({"mfu": [0.5]}, "mfu"),
+])
+def test_a_bad_value_names_the_field_and_the_file(tmp_path: Path, content: dict[str, object], field: str) -> None:
+    _refused(_write(tmp_path, "cal.json", json.dumps(content)), repr(field))
+
+
+def test_a_bad_yaml_value_names_the_field(tmp_path: Path) -> None:
+    _refused(_write(tmp_path, "cal.yaml", "mbu: ~\n"), "'mbu'", "null")
+    _refused(_write(tmp_path, "cal.yml", "mfu: 1.5\n"), "'mfu'", "(0, 1]")
+
+
+def test_unreadable_and_malformed_files(tmp_path: Path) -> None:
+    _refused(tmp_path / "missing.json", "cannot read")
+    _refused(_write(tmp_path, "bad.json", '{"mfu": 0.5,'), "JSON")
+    _refused(_write(tmp_path, "bad.yaml", "mfu: [0.5\n"), "YAML")
+    _refused(_write(tmp_path, "list.json", "[0.5]"), "mapping")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00")
+    _refused(tmp_path / "binary.json", "cannot read")
+
+
+def test_overrides_in_code_are_validated_like_files() -> None:
+    assert Calibration().with_overrides(mbu=0.7).mbu == 0.7
+    with pytest.raises(ConfigError, match="'speed'"):
+        Calibration().with_overrides(speed=2.0)
+    with pytest.raises(ConfigError, match="'mbu'"):
+        Calibration().with_overrides(mbu=0.0)
+    with pytest.raises(ConfigError, match="'mfu'"):
+        Calibration(mfu=2.0)
+    with pytest.raises(ConfigError, match="'step_overhead_s'"):
+        dataclasses.replace(Calibration(), step_overhead_s=float("nan"))
