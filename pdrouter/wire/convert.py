@@ -57,7 +57,7 @@ def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:
                                                num_blocks=record.capacity_blocks),
                          capacity_blocks=record.capacity_blocks, capacity_tokens=record.capacity_tokens,
                          kv_address=record.kv_address, kv_backends=list(record.kv_backends),
-                         lane_address=record.lane_address)
+                         lane_address=record.lane_address, device=record.device)
 
 
 def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
@@ -68,4 +68,4 @@ def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
                         model_compat_hash=msg.model_compat_hash, kv_compat_hash=msg.kv_layout.compat_hash,
                         block_size=msg.kv_layout.block_size, capacity_blocks=msg.capacity_blocks,
                         kv_address=msg.kv_address, kv_backends=tuple(msg.kv_backends),
-                        lane_address=msg.lane_address)
+                        lane_address=msg.lane_address, device=msg.device)

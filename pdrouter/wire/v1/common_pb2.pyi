@@ -118,7 +118,7 @@ class TransferTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sender_epoch: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends", "lane_address")
+    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends", "lane_address", "device")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class WorkerInfo(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -143,7 +144,8 @@ class WorkerInfo(_message.Message):
     kv_address: str
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
     lane_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ...) -> None: ...
+    device: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
     __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks")
