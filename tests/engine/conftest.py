@@ -7,7 +7,7 @@ torch engine and the simulated GPU, instant mode, on the same geometry): the eng
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from pdrouter.engine.model_io import make_model, write_random_model
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
 
-from .engine_testing import EngineFactory, assert_no_leak
+from .engine_testing import AnyEngineFactory, EngineFactory, assert_no_leak
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,22 +53,6 @@ def mha_bias_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_random_model(spec, 7, tmp_path_factory.mktemp("mha-bias"))
 
 
-@pytest.fixture
-def make_engine(tiny_dir: Path) -> Iterator[EngineFactory]:
-    """Build engines (default: the tiny model, 64 blocks); each must end the test with no leak."""
-    engines: list[Engine] = []
-
-    def factory(model_dir: Path | None = None, *, event_sink: Any = None, **overrides: Any) -> Engine:
-        overrides.setdefault("num_blocks", 64)
-        engine = Engine(EngineConfig(model_dir or tiny_dir, **overrides), event_sink=event_sink)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        assert_no_leak(engine)
-
-
 def sim_engine(model_dir: Path, *, event_sink: Any = None, block_size: int = 16, num_blocks: int = 64,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 512, enable_prefix_caching: bool = True,
                time_scale: float = 0.0) -> SimEngine:
@@ -80,21 +64,32 @@ def sim_engine(model_dir: Path, *, event_sink: Any = None, block_size: int = 16,
                                      num_blocks=num_blocks, scheduling=scheduling), event_sink=event_sink)
 
 
-@pytest.fixture(params=["torch", "sim"])
-def make_any_engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[EngineFactory]:
-    """Like ``make_engine``, once with the torch engine and once with the simulated one."""
+def _engines(kind: str, default_dir: Path) -> Iterator[Callable[..., Any]]:
+    """A factory of ``kind`` engines (default: the tiny model, 64 blocks); each must end the test with no leak."""
     engines: list[BatchEngine] = []
 
     def factory(model_dir: Path | None = None, *, event_sink: Any = None, **overrides: Any) -> BatchEngine:
         overrides.setdefault("num_blocks", 64)
         engine: BatchEngine
-        if request.param == "sim":
-            engine = sim_engine(model_dir or tiny_dir, event_sink=event_sink, **overrides)
+        if kind == "sim":
+            engine = sim_engine(model_dir or default_dir, event_sink=event_sink, **overrides)
         else:
-            engine = Engine(EngineConfig(model_dir or tiny_dir, **overrides), event_sink=event_sink)
+            engine = Engine(EngineConfig(model_dir or default_dir, **overrides), event_sink=event_sink)
         engines.append(engine)
         return engine
 
     yield factory
     for engine in engines:
         assert_no_leak(engine)
+
+
+@pytest.fixture
+def make_engine(tiny_dir: Path) -> Iterator[EngineFactory]:
+    """Build torch engines."""
+    yield from _engines("torch", tiny_dir)
+
+
+@pytest.fixture(params=["torch", "sim"])
+def make_any_engine(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[AnyEngineFactory]:
+    """Like ``make_engine``, once with the torch engine and once with the simulated one."""
+    yield from _engines(request.param, tiny_dir)

@@ -8,8 +8,12 @@ from collections.abc import Callable
 
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.batch_engine import BatchEngine
+from pdrouter.engine.engine import Engine
 
-EngineFactory = Callable[..., BatchEngine]
+EngineFactory = Callable[..., Engine]
+"""Builds torch engines (``make_engine``)."""
+AnyEngineFactory = Callable[..., BatchEngine]
+"""Builds the torch or the simulated engine (``make_any_engine``: the contract suite)."""
 
 _ids = itertools.count()
 

@@ -18,7 +18,7 @@ from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.batch_engine import BatchEngine
 
-from .engine_testing import EngineFactory, assert_no_leak, rid
+from .engine_testing import AnyEngineFactory, assert_no_leak, rid
 
 
 def bypass(**fields: Any) -> SamplingParams:
@@ -58,7 +58,7 @@ ENTRY_POINTS: dict[str, Callable[[BatchEngine, RequestId, Any, Any], object]] = 
 @pytest.mark.parametrize("entry", list(ENTRY_POINTS))
 @pytest.mark.parametrize(("prompt", "sampling", "error", "match"), [c[1:] for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_bad_input_is_refused_and_nothing_allocated(make_any_engine: EngineFactory, entry: str, prompt: object,
+def test_bad_input_is_refused_and_nothing_allocated(make_any_engine: AnyEngineFactory, entry: str, prompt: object,
                                                     sampling: object, error: type[PdRouterError],
                                                     match: str) -> None:
     engine = make_any_engine(num_blocks=8)
@@ -76,7 +76,7 @@ def test_sampling_params_themselves_refuse_bad_values() -> None:
         SamplingParams(top_p=1.01)
 
 
-def test_duplicate_and_empty_request_ids(make_any_engine: EngineFactory) -> None:
+def test_duplicate_and_empty_request_ids(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     r = rid()
     engine.add_request(r, [1, 2], SamplingParams(max_tokens=2))
@@ -89,7 +89,7 @@ def test_duplicate_and_empty_request_ids(make_any_engine: EngineFactory) -> None
     engine.abort(r)
 
 
-def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_any_engine: EngineFactory) -> None:
+def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     r = rid()
     engine.reserve_remote(r, [1, 2, 3], SamplingParams())
@@ -99,7 +99,7 @@ def test_commit_remote_refuses_a_token_outside_the_vocabulary(make_any_engine: E
     engine.abort(r)
 
 
-def test_prefill_side_holds_only_the_prompt(make_any_engine: EngineFactory) -> None:
+def test_prefill_side_holds_only_the_prompt(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine(num_blocks=8)
     r = rid()
     engine.add_prefill_request(r, [1] * 100, SamplingParams(max_tokens=60))  # 7 blocks: fits

@@ -25,7 +25,7 @@ from pdrouter.engine.events import RecordingBlockEventSink
 from pdrouter.engine.outputs import FinishReason, PrefillResult, RequestOutput
 
 from .dense_reference import dense_greedy
-from .engine_testing import EngineFactory, assert_no_leak, random_prompt, rid
+from .engine_testing import AnyEngineFactory, EngineFactory, assert_no_leak, random_prompt, rid
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -66,7 +66,7 @@ def test_kv_tensor_has_the_shared_layout(make_engine: EngineFactory) -> None:
     assert engine.kv_tensor.dtype == torch.float32 and engine.kv_tensor.is_contiguous()
 
 
-def test_prefill_only_holds_blocks_until_release(make_any_engine: EngineFactory) -> None:
+def test_prefill_only_holds_blocks_until_release(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     prompt = random_prompt(random.Random(0), 37)
     result = prefill(engine, prompt)
@@ -87,7 +87,7 @@ def test_prefill_only_holds_blocks_until_release(make_any_engine: EngineFactory)
     assert_no_leak(engine)
 
 
-def test_prefill_reports_when_the_first_token_ends_the_request(make_any_engine: EngineFactory) -> None:
+def test_prefill_reports_when_the_first_token_ends_the_request(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     result = prefill(engine, [1, 2, 3], SamplingParams(max_tokens=1, temperature=0.0))
     assert result.finish_after_first_token is FinishReason.LENGTH
@@ -118,7 +118,7 @@ def test_disaggregated_round_trip_equals_colocated_greedy(make_engine: EngineFac
         assert outs[0].num_cached_tokens == reservation.num_cached_tokens
 
 
-def test_commit_remote_when_the_first_token_ends_it(make_any_engine: EngineFactory) -> None:
+def test_commit_remote_when_the_first_token_ends_it(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     eos = engine.eos_token_ids[0]
     a, b = rid(), rid()
@@ -131,7 +131,7 @@ def test_commit_remote_when_the_first_token_ends_it(make_any_engine: EngineFacto
         engine.commit_remote(a, 65)
 
 
-def test_commit_remote_requires_a_reservation(make_any_engine: EngineFactory) -> None:
+def test_commit_remote_requires_a_reservation(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine()
     r = rid()
     engine.add_request(r, [1, 2, 3], GREEDY)
@@ -144,7 +144,7 @@ def test_commit_remote_requires_a_reservation(make_any_engine: EngineFactory) ->
     engine.abort(r)
 
 
-def test_reserve_remote_refuses_when_short_and_allocates_nothing(make_any_engine: EngineFactory) -> None:
+def test_reserve_remote_refuses_when_short_and_allocates_nothing(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine(num_blocks=6)
     held = engine.reserve_remote(rid(), list(range(60)), SamplingParams(max_tokens=4))
     assert len(held.block_ids) == 4
@@ -155,7 +155,7 @@ def test_reserve_remote_refuses_when_short_and_allocates_nothing(make_any_engine
     engine.abort(held.request_id)
 
 
-def test_abort_in_every_state_frees_everything(make_any_engine: EngineFactory) -> None:
+def test_abort_in_every_state_frees_everything(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine(max_num_batched_tokens=16)
     rng = random.Random(6)
     waiting, prefilling, decoding, held, awaiting = (rid() for _ in range(5))
@@ -179,7 +179,7 @@ def test_abort_in_every_state_frees_everything(make_any_engine: EngineFactory) -
     assert_no_leak(engine)
 
 
-def test_abort_during_the_model_step_frees_after_it(make_any_engine: EngineFactory,
+def test_abort_during_the_model_step_frees_after_it(make_any_engine: AnyEngineFactory,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_any_engine()
     victim, other = rid(), rid()
@@ -202,7 +202,7 @@ def test_abort_during_the_model_step_frees_after_it(make_any_engine: EngineFacto
     drain(engine)
 
 
-def test_preempted_requests_do_not_leak_and_abort_cleanly(make_any_engine: EngineFactory) -> None:
+def test_preempted_requests_do_not_leak_and_abort_cleanly(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine(num_blocks=8)
     rng = random.Random(7)
     ids = [rid() for _ in range(4)]
@@ -217,7 +217,7 @@ def test_preempted_requests_do_not_leak_and_abort_cleanly(make_any_engine: Engin
     assert_no_leak(engine)
 
 
-def test_block_events_follow_the_prefix_cache(make_any_engine: EngineFactory) -> None:
+def test_block_events_follow_the_prefix_cache(make_any_engine: AnyEngineFactory) -> None:
     sink = RecordingBlockEventSink()
     engine = make_any_engine(num_blocks=6, event_sink=sink)
     hasher = BlockHasher(16)
@@ -272,7 +272,7 @@ def test_request_threads_and_a_driver_thread(make_engine: EngineFactory) -> None
         assert got[r] == dense_greedy(engine.model, prompt, GREEDY.max_tokens)
 
 
-def test_wait_for_work_and_backlog(make_any_engine: EngineFactory) -> None:
+def test_wait_for_work_and_backlog(make_any_engine: AnyEngineFactory) -> None:
     engine = make_any_engine(num_blocks=4, max_num_batched_tokens=16)
     assert not engine.wait_for_work(timeout=0)
     held = prefill(engine, list(range(60)))  # holds all 4 blocks
@@ -288,7 +288,7 @@ def test_wait_for_work_and_backlog(make_any_engine: EngineFactory) -> None:
     assert engine.queued_prefill_tokens() == 0
 
 
-def test_a_failed_model_step_can_be_retried(make_any_engine: EngineFactory,
+def test_a_failed_model_step_can_be_retried(make_any_engine: AnyEngineFactory,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_any_engine()
     r = rid()
