@@ -130,8 +130,9 @@ class WorkerProcess:
             await self.presence.start()
         if self.publisher is not None:
             self.publisher.start()
-        log.info("%s worker %s (epoch %s) serving %s at %s", cfg.role.value, cfg.worker_id, self.epoch,
-                 spec_name, self.address)
+        sim = f", time scale {cfg.engine.time_scale:g}" if isinstance(cfg.engine, SimEngineConfig) else ""
+        log.info("%s worker %s (epoch %s) serving %s at %s on %s%s", cfg.role.value, cfg.worker_id, self.epoch,
+                 spec_name, self.address, self.record.device, sim)
 
     def _record(self) -> WorkerRecord:
         assert self.record is not None

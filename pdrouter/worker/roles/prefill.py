@@ -80,9 +80,14 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         sent = len(target.dst_block_ids) - target.skip_blocks
         stats = worker_pb2.PrefillStats(
             prompt_tokens=len(prompt), cached_tokens=result.num_cached_blocks * self.layout.block_size,
-            compute_ms=(computed - start) * 1e3, transfer_ms=(finished - computed) * 1e3,
+            compute_ms=self._ms(computed - start), transfer_ms=self._ms(finished - computed),
             bytes_sent=sent * self.layout.block_bytes, blocks_sent=sent)
         return worker_pb2.PrefillResponse(request_id=rid, first_token_id=result.first_token, stats=stats)
+
+    def _ms(self, wall_s: float) -> float:
+        """Milliseconds as reported: a simulated worker reports simulated time (wall ÷ its time scale)."""
+        scale = self.pacing.time_scale if self.pacing is not None else 1.0
+        return wall_s * 1e3 / (scale if scale > 0 else 1.0)
 
     async def _send(self, outgoing: OutgoingTransfer, block_ids: Sequence[int], blocks_sent: int) -> None:
         """Queue every layer; a simulated worker holds the last one back until the real bytes' modeled time."""
