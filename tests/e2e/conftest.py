@@ -1,4 +1,4 @@
-"""End-to-end fixtures: worker processes, Redis, and a router running in the test's event loop."""
+"""End-to-end fixtures: worker processes (torch or simulated), Redis, and a router running in the test's event loop."""
 
 from __future__ import annotations
 
@@ -24,18 +24,32 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model("tiny", 0, tmp_path_factory.mktemp("models") / "tiny")
 
 
+BACKENDS = ["torch", "sim"]
+"""The workers' engines: the torch model on the CPU, or a simulated H100 (``--backend sim``) over the
+same model folder's geometry, with pseudo-random tokens. A test that needs no real logits runs on
+both with ``@pytest.mark.parametrize("backend", BACKENDS)``, which overrides the ``backend`` fixture."""
+
+
 @dataclass
 class Cluster:
     model: Path
     redis_url: str
+    backend: str = "torch"
+    """The engine of the workers ``spawn`` starts: torch or sim."""
     procs: list[ManagedProcess] = field(default_factory=list)
     routers: list[RouterProcess] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        assert self.backend in BACKENDS, self.backend
+
     def spawn(self, role: str, *, num_blocks: int = 256, worker_id: str | None = None,
-              extra: tuple[str, ...] = ()) -> ManagedProcess:
+              extra: tuple[str, ...] = (), time_scale: float = 0.0) -> ManagedProcess:
+        """Start a worker. ``time_scale``: a simulated worker's (0: no sleeping; a step of the tiny
+        model costs about 1.7 ms of modeled time); torch workers ignore it."""
         ident = worker_id or f"{role}-{len(self.procs)}"
+        sim = ["--gpu", "h100", "--time-scale", f"{time_scale:g}"] if self.backend == "sim" else None
         proc = ManagedProcess(ident, worker_args(role, self.model, redis_url=self.redis_url, num_blocks=num_blocks,
-                                                 torch_threads=1, extra=("--worker-id", ident, *extra)))
+                                                 torch_threads=1, sim=sim, extra=("--worker-id", ident, *extra)))
         self.procs.append(proc)
         proc.wait_ready()
         return proc
@@ -53,8 +67,14 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(tiny_model: Path, redis_url: str) -> AsyncIterator[Cluster]:
-    c = Cluster(tiny_model, redis_url)
+def backend() -> str:
+    """The engine of the ``cluster``'s workers: torch, or the test's parameter."""
+    return "torch"
+
+
+@pytest.fixture
+async def cluster(tiny_model: Path, redis_url: str, backend: str) -> AsyncIterator[Cluster]:
+    c = Cluster(tiny_model, redis_url, backend)
     yield c
     try:
         for r in c.routers:

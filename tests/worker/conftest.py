@@ -1,4 +1,4 @@
-"""Worker test fixtures: a tiny model folder, worker processes, gRPC stubs."""
+"""Worker test fixtures: a tiny model folder, worker processes (torch or simulated), gRPC stubs."""
 
 from __future__ import annotations
 
@@ -14,6 +14,17 @@ from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 
 SpawnWorker = Callable[..., ManagedProcess]
 
+BACKENDS = ["torch", "sim"]
+"""The worker engines: the torch model on the CPU, or a simulated H100 (``--backend sim``) over the
+same model folder's geometry. A test that needs no real logits runs on both with
+``@pytest.mark.parametrize("backend", BACKENDS)``, which overrides the ``backend`` fixture."""
+
+
+def sim_args(time_scale: float = 0.0) -> list[str]:
+    """The further arguments of a simulated worker: an H100, ``time_scale`` × the modeled time
+    (0: answer without sleeping; a step of the tiny model costs about 1.7 ms of modeled time)."""
+    return ["--gpu", "h100", "--time-scale", f"{time_scale:g}"]
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -22,14 +33,29 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def spawn_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
-    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end."""
-    procs: list[ManagedProcess] = []
+def backend() -> str:
+    """The engine ``spawn_worker`` starts unless told otherwise: torch, or the test's parameter."""
+    return "torch"
 
-    def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256, kv_backend: str | None = None,
-              extra: tuple[str, ...] = (), model: Path | None = None) -> ManagedProcess:
+
+@pytest.fixture
+def spawn_worker(tiny_model: Path, backend: str) -> Iterator[SpawnWorker]:
+    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end.
+
+    ``backend``: torch or sim (default: the ``backend`` fixture's); ``time_scale``: a simulated
+    worker's (ignored by torch workers).
+    """
+    procs: list[ManagedProcess] = []
+    default_backend = backend
+
+    def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256,
+              kv_backend: str | None = None, extra: tuple[str, ...] = (), model: Path | None = None,
+              backend: str | None = None, time_scale: float = 0.0) -> ManagedProcess:
+        engine = backend or default_backend
+        assert engine in BACKENDS, engine
         args = worker_args(role, model or tiny_model, redis_url=redis_url, num_blocks=num_blocks,
-                           kv_backend=kv_backend, torch_threads=1, extra=extra)
+                           kv_backend=kv_backend, torch_threads=1,
+                           sim=sim_args(time_scale) if engine == "sim" else None, extra=extra)
         proc = ManagedProcess(f"{role}-{len(procs)}", args)
         procs.append(proc)
         proc.wait_ready()

@@ -1,4 +1,8 @@
-"""The colocated worker as a real process: outputs, registration, bad input, cancellation."""
+"""The colocated worker as a real process: outputs, registration, bad input, cancellation.
+
+Each test runs on both engines: the torch model, and a simulated GPU (whose tokens are pseudo-random,
+so only the torch worker's are compared with the reference engine's).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 
+from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
@@ -19,10 +24,13 @@ from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import check_health
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import SpawnWorker
+from .conftest import BACKENDS, SpawnWorker
 
 PROMPTS = [[257, *b"hello world"], [257, *b"the quick brown fox jumps over the lazy dog" * 3], [257, 65]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+SIM_TIME_SCALE = 10.0
+"""A simulated worker's time scale here: about 17 ms a step, so a 500-token stream would run for
+8 s, longer than the test waits for its blocks to come back, if cancelling it did not abort it."""
 
 
 def reference(model: Path) -> list[list[int]]:
@@ -42,16 +50,24 @@ async def collect(stub: worker_pb2_grpc.ColocatedWorkerStub, request_id: str, pr
     return tokens, last
 
 
-async def test_outputs_registration_and_errors(spawn_worker: SpawnWorker, redis_url: str, tiny_model: Path) -> None:
-    worker = spawn_worker("worker", redis_url=redis_url)
-    expected = reference(tiny_model)
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_outputs_registration_and_errors(spawn_worker: SpawnWorker, redis_url: str, tiny_model: Path,
+                                               backend: str) -> None:
+    worker = spawn_worker("worker", redis_url=redis_url, time_scale=SIM_TIME_SCALE)
     assert await check_health(worker.address)
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = worker_pb2_grpc.ColocatedWorkerStub(channel)
         info_stub = worker_pb2_grpc.WorkerInfoServiceStub(channel)
         start_free = (await info_stub.GetLoad(worker_pb2.GetLoadRequest())).free_blocks
         results = await asyncio.gather(*(collect(stub, f"r{i}", p) for i, p in enumerate(PROMPTS)))
-        assert [tokens for tokens, _ in results] == expected
+        if backend == "torch":
+            expected = reference(tiny_model)
+            assert [tokens for tokens, _ in results] == expected
+        else:  # pseudo-random tokens: the right number, in the vocabulary, the same for the same greedy prompt
+            expected = [tokens for tokens, _ in results]
+            assert [len(tokens) for tokens in expected] == [GREEDY.max_tokens] * len(PROMPTS)
+            vocab = ModelSpec.from_pretrained_dir(tiny_model).vocab_size
+            assert all(0 <= t < vocab for tokens in expected for t in tokens)
         last = results[1][1]
         assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
         assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPTS[1]), 12)
@@ -98,10 +114,12 @@ async def test_outputs_registration_and_errors(spawn_worker: SpawnWorker, redis_
     live = await WorkerRegistry(client, "tiny").live_workers()
     await client.aclose()
     assert [(w.record.role, w.record.address) for w in live] == [(WorkerRole.COLOCATED, worker.address)]
+    assert live[0].record.device == ("cpu" if backend == "torch" else "sim:h100-80g")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_sigterm_drains_in_flight_requests(spawn_worker: SpawnWorker) -> None:
-    worker = spawn_worker("worker")
+    worker = spawn_worker("worker", time_scale=2.0)  # simulated: about 1 s for the 300 tokens
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = worker_pb2_grpc.ColocatedWorkerStub(channel)
         params = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)

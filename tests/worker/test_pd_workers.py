@@ -29,7 +29,7 @@ from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.lane import DecodeLane, LaneChannel, PrefillLane
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
-from .conftest import SpawnWorker, load_of, settle
+from .conftest import BACKENDS, SpawnWorker, load_of, settle
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[257, *b"hello world"], [257, *(b"the quick brown fox jumps over the lazy dog " * 4)],
@@ -84,12 +84,23 @@ async def connect(prefill: ManagedProcess, decode: ManagedProcess) -> Stubs:
                  info.model_compat_hash)
 
 
+PREFILL_TIME_SCALE = 200.0
+"""A simulated prefill worker's time scale in ``pd``: a prefill step of the tiny model takes about
+0.34 s, so a Prefill call is still running when a test cancels it or kills the worker (as the
+torch worker's is)."""
+DECODE_TIME_SCALE = 30.0
+"""A simulated decode worker's in ``pd``: about 50 ms a token, so a stream of 200 tokens would run
+for 10 s, longer than ``settle`` waits, if cancelling it did not abort it."""
+
+
 @pytest.fixture
 async def pd(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Stubs]:
-    # "BACKEND" or "BACKEND+lane": the request RPCs go over the workers' lanes instead of gRPC.
-    backend, _, via = getattr(request, "param", "tcp").partition("+")
-    prefill = spawn_worker("prefill", redis_url=redis_url, kv_backend=backend)
-    decode = spawn_worker("decode", redis_url=redis_url, kv_backend=backend, extra=("--lease-ms", "1500"))
+    # "KV_BACKEND" or "KV_BACKEND+lane": the request RPCs go over the workers' lanes instead of gRPC.
+    # The engine is the ``backend`` fixture's (torch unless the test is parametrized over BACKENDS).
+    kv_backend, _, via = getattr(request, "param", "tcp").partition("+")
+    prefill = spawn_worker("prefill", redis_url=redis_url, kv_backend=kv_backend, time_scale=PREFILL_TIME_SCALE)
+    decode = spawn_worker("decode", redis_url=redis_url, kv_backend=kv_backend, extra=("--lease-ms", "1500"),
+                          time_scale=DECODE_TIME_SCALE)
     stubs = await connect(prefill, decode)
     stubs.procs = (prefill, decode)  # type: ignore[attr-defined]
     lanes = []
@@ -97,7 +108,7 @@ async def pd(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureR
         p_info = await stubs.prefill_info.GetInfo(worker_pb2.GetInfoRequest())
         d_info = await stubs.decode_info.GetInfo(worker_pb2.GetInfoRequest())
         lanes = [LaneChannel(p_info.lane_address), LaneChannel(d_info.lane_address)]
-        stubs.prefill, stubs.decode = PrefillLane(lanes[0]), DecodeLane(lanes[1])  # type: ignore[assignment]
+        stubs.prefill, stubs.decode = PrefillLane(lanes[0]), DecodeLane(lanes[1])
     yield stubs
     for ch in stubs.channels:
         await ch.close()
@@ -124,6 +135,7 @@ async def test_disaggregated_outputs_equal_colocated(pd: Stubs, tiny_model: Path
 
 
 @pytest.mark.parametrize("pd", ["tcp", "tcp+lane"], indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_cancel_at_every_stage_frees_everything(pd: Stubs) -> None:
     d_free = (await pd.free(pd.decode_info))[0]
     p_free = (await pd.free(pd.prefill_info))[0]
@@ -157,6 +169,7 @@ async def test_cancel_at_every_stage_frees_everything(pd: Stubs) -> None:
     assert await pd.settle(pd.prefill_info, p_free) == (p_free, 0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_unclaimed_allocation_expires(pd: Stubs) -> None:
     d_free = (await pd.free(pd.decode_info))[0]
     await pd.allocate("lonely", [257, *range(100)])
@@ -169,6 +182,7 @@ async def test_unclaimed_allocation_expires(pd: Stubs) -> None:
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_killed_prefill_worker_strands_nothing(pd: Stubs) -> None:
     prefill, _decode = pd.procs  # type: ignore[attr-defined]
     d_free = (await pd.free(pd.decode_info))[0]
@@ -192,12 +206,13 @@ async def test_killed_prefill_worker_strands_nothing(pd: Stubs) -> None:
 
 
 @pytest.mark.parametrize("pd", ["tcp", "tcp+lane"], indirect=True)
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
     async def code_of(coro: object) -> grpc.StatusCode:
         with pytest.raises(grpc.RpcError) as err:  # grpc.aio.AioRpcError, or LaneError over a lane
             await coro  # type: ignore[misc]
-        assert err.value.details()  # type: ignore[attr-defined]
-        return err.value.code()  # type: ignore[attr-defined,no-any-return]
+        assert err.value.details()
+        return err.value.code()
 
     async def stream_code(msg: worker_pb2.DecodeRequest) -> grpc.StatusCode:
         async def drain() -> None:
@@ -233,6 +248,7 @@ async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
     assert len(await pd.generate("ok", PROMPTS[0])) == GREEDY.max_tokens
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 async def test_allocation_larger_than_the_pool_is_resource_exhausted(spawn_worker: SpawnWorker) -> None:
     small = spawn_worker("decode", num_blocks=16)  # 256 tokens in all
     prefill = spawn_worker("prefill")
