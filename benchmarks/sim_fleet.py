@@ -1,10 +1,10 @@
 """A simulated fleet on this machine: memory per worker, CPU headroom, and the time scale the router keeps up with.
 
-Starts an embedded Redis, ``--prefill`` + ``--decode`` simulated workers (Llama-3-8B geometry on
-H100s, ``pdrouter prefill|decode --backend sim``) and a ``pdrouter router``, all as separate
-processes, then drives a steady closed-loop load through the OpenAI door (``--concurrency``
-requests in flight, a ``--prompt-tokens`` prompt and ``--output-tokens`` tokens each, ignore_eos)
-once per time scale in ``--scales``. For each scale it reports, in simulated time (wall ÷ scale):
+Runs ``pdrouter up --backend sim --prefill N --decode M`` (Llama-3-8B on H100s: an embedded
+Redis, the simulated workers and the router, each its own process) once per time scale in
+``--scales``, and drives a steady closed-loop load through its OpenAI door (``--concurrency``
+requests in flight, a ``--prompt-tokens`` prompt and ``--output-tokens`` tokens each, ignore_eos).
+For each scale it reports, in simulated time (wall ÷ scale):
 
 * ``tpot_ms_s<S>``: the mean time per output token measured at the door;
 * ``tpot_model_ms_s<S>``: what the timing model says a decode step of that batch costs (the
@@ -27,20 +27,23 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
 
-from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.engine.sim.timing import SeqWork, TimingModel
-from pdrouter.state.embedded_redis import EmbeddedRedis
 
 MODEL, GPU = "llama-3-8b", "h100"
 
@@ -58,19 +61,50 @@ def machine_busy_s() -> float:
     return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid: int) -> list[int]:
+    """The direct child processes of ``pid`` (Linux: every thread's ``children`` list)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _drain(stream: IO[str]) -> None:
+    """Keep reading a child's output so that it never blocks on a full pipe."""
+    for _ in stream:
+        pass
+
+
 @contextlib.contextmanager
-def fleet(folder: Path, redis_url: str, prefill: int, decode: int, scale: float) -> Iterator[list[ManagedProcess]]:
-    sim = ["--gpu", GPU, "--time-scale", str(scale)]
-    procs = [ManagedProcess(f"{role}-{i}", worker_args(role, folder, redis_url=redis_url, sim=sim,
-                                                       extra=("--worker-id", f"{role}-{i}")))
-             for role, n in (("prefill", prefill), ("decode", decode)) for i in range(n)]
+def cluster(folder: Path, prefill: int, decode: int, scale: float) -> Iterator[tuple[str, int, int, list[int]]]:
+    """``pdrouter up --backend sim``: (host, HTTP port, router pid, worker pids) once it is up."""
+    argv = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--model", str(folder), "--gpu", GPU,
+            "--prefill", str(prefill), "--decode", str(decode), "--time-scale", str(scale),
+            "--http-port", "0", "--grpc-port", "0"]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        for p in procs:
-            p.wait_ready()
-        yield procs
+        assert up.stdout is not None
+        lines = []
+        for line in up.stdout:
+            lines.append(line)
+            if line.startswith("router "):
+                break
+        else:
+            raise RuntimeError("pdrouter up exited:\n" + "".join(lines[-30:]))
+        host, port = line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+        threading.Thread(target=_drain, args=(up.stdout,), daemon=True).start()
+        procs = children(up.pid)
+        argvs = {pid: Path(f"/proc/{pid}/cmdline").read_text().split("\0") for pid in procs}
+        router = next(pid for pid, a in argvs.items() if a[3:4] == ["router"])  # python -m pdrouter router
+        workers = [pid for pid, a in argvs.items() if "--backend" in a]
+        yield host, int(port), router, workers
     finally:
-        for p in procs:
-            p.stop()
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
 
 
 async def drive(client: HttpCompletions, concurrency: int, seconds: float) -> list[tuple[float, float]]:
@@ -86,40 +120,40 @@ async def drive(client: HttpCompletions, concurrency: int, seconds: float) -> li
     return results
 
 
-async def measure(bench: argparse.Namespace, folder: Path, redis_url: str, scale: float, report: Report,
+def tag(scale: float) -> str:
+    return f"s{scale:g}"
+
+
+async def measure(bench: argparse.Namespace, folder: Path, scale: float, report: Report,
                   timing: TimingModel) -> float:
-    with fleet(folder, redis_url, bench.prefill, bench.decode, scale) as procs:
-        router = ManagedProcess("router", ["router", "--model", str(folder), "--redis", redis_url, "--http-port",
-                                           "0", "--grpc-port", "0", "--log-level", "WARNING"])
-        with router:
-            host, _, port = router.wait_ready().rpartition(":")
-            ids = list(range(1000, 1000 + bench.prompt_tokens))
-            client = HttpCompletions(host, int(port), folder.name, ids, bench.output_tokens, stream=True)
-            try:
-                await drive(client, min(bench.concurrency, 4), 2.0 * max(scale, 1.0) ** 0.5)  # warm up
-                pids = [p.proc.pid for p in procs]
-                r0, f0, m0, t0 = (cpu_seconds(router.proc.pid), sum(cpu_seconds(p) for p in pids),
-                                  machine_busy_s(), time.perf_counter())
-                results = await drive(client, bench.concurrency, bench.seconds)
-                r1, f1, m1, t1 = (cpu_seconds(router.proc.pid), sum(cpu_seconds(p) for p in pids),
-                                  machine_busy_s(), time.perf_counter())
-            finally:
-                await client.close()
-            rss = max(rss_mib(pid) for pid in pids)
+    with cluster(folder, bench.prefill, bench.decode, scale) as (host, port, router, pids):
+        ids = list(range(1000, 1000 + bench.prompt_tokens))
+        client = HttpCompletions(host, port, folder.name, ids, bench.output_tokens, stream=True)
+        try:
+            await drive(client, min(bench.concurrency, 4), 2.0 * max(scale, 1.0) ** 0.5)  # warm up
+            r0, f0, m0, t0 = (cpu_seconds(router), sum(cpu_seconds(p) for p in pids), machine_busy_s(),
+                              time.perf_counter())
+            results = await drive(client, bench.concurrency, bench.seconds)
+            r1, f1, m1, t1 = (cpu_seconds(router), sum(cpu_seconds(p) for p in pids), machine_busy_s(),
+                              time.perf_counter())
+        finally:
+            await client.close()
+        rss = max(rss_mib(pid) for pid in pids)
+        report.add(f"workers_seen_{tag(scale)}", len(pids), "processes")
     wall = t1 - t0
     tpot = sum((e2e - ttft) / (bench.output_tokens - 1) for e2e, ttft in results) / len(results) / scale
     batch = max(1, round(bench.concurrency / bench.decode))
     context = bench.prompt_tokens + bench.output_tokens // 2
     modeled = timing.step([SeqWork(1, context)] * batch).seconds
-    tag = f"s{scale:g}"
-    report.add(f"requests_{tag}", len(results), "requests")
-    report.add(f"tpot_ms_{tag}", tpot * 1e3, "ms")
-    report.add(f"tpot_model_ms_{tag}", modeled * 1e3, "ms")
-    report.add(f"tpot_ratio_{tag}", tpot / modeled, "x")
-    report.add(f"router_cpu_cores_{tag}", (r1 - r0) / wall, "cores")
-    report.add(f"fleet_cpu_cores_{tag}", (f1 - f0) / wall, "cores")
-    report.add(f"cpu_headroom_cores_{tag}", (os.cpu_count() or 1) - (m1 - m0) / wall, "cores")
-    report.add(f"rss_mib_per_worker_{tag}", rss, "MiB")
+    t = tag(scale)
+    report.add(f"requests_{t}", len(results), "requests")
+    report.add(f"tpot_ms_{t}", tpot * 1e3, "ms")
+    report.add(f"tpot_model_ms_{t}", modeled * 1e3, "ms")
+    report.add(f"tpot_ratio_{t}", tpot / modeled, "x")
+    report.add(f"router_cpu_cores_{t}", (r1 - r0) / wall, "cores")
+    report.add(f"fleet_cpu_cores_{t}", (f1 - f0) / wall, "cores")
+    report.add(f"cpu_headroom_cores_{t}", (os.cpu_count() or 1) - (m1 - m0) / wall, "cores")
+    report.add(f"rss_mib_per_worker_{t}", rss, "MiB")
     return tpot / modeled
 
 
@@ -141,9 +175,9 @@ async def main_async() -> None:
     report = Report()
     report.add("workers", args.prefill + args.decode, "processes")
     report.add("cpu_cores", os.cpu_count() or 1, "cores")
-    with tempfile.TemporaryDirectory(prefix="sim-fleet-") as tmp, EmbeddedRedis() as redis_server:
+    with tempfile.TemporaryDirectory(prefix="sim-fleet-") as tmp:
         folder = write_config_folder(spec, Path(tmp) / MODEL)
-        ratios = {s: await measure(args, folder, redis_server.url, s, report, timing) for s in scales}
+        ratios = {s: await measure(args, folder, s, report, timing) for s in scales}
     own = ratios[scales[-1]]
     keeps_up = next((s for s in scales if ratios[s] <= own * 1.15), scales[-1])
     report.add("router_keeps_up_from_scale", keeps_up, "x")
