@@ -166,6 +166,15 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if args.port and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.backend == "sim":
+        torch_only = [flag for flag, on in (("--device", args.device != "cpu"),
+                                            ("--torch-threads", args.torch_threads is not None),
+                                            ("--kv-memory-gb", args.kv_memory_gb is not None)) if on]
+        if torch_only:
+            raise ConfigError(f"{', '.join(torch_only)} only apply to --backend torch (a simulated GPU's memory "
+                              f"is its --gpu preset's)")
+        if getattr(args, "kv_backend", "tcp") != "tcp":
+            raise ConfigError("a simulated worker moves its KV stand-in over tcp; --kv-backend gloo/nccl need "
+                              "the torch engine's tensors")
         engine: EngineConfig | SimEngineConfig = _sim_config(args)
     else:
         engine = _torch_config(args)

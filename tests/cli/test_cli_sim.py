@@ -25,6 +25,8 @@ def run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--model-preset", "llama-3-8b", "--time-scale", "-2"], "--time-scale must be >= 0"),
     (["--model-preset", "llama-3-8b", "--link", "carrier-pigeon"], "presets: nvlink, rdma-400g"),
     ([], "exactly one of --model"),
+    (["--model-preset", "llama-3-8b", "--kv-backend", "gloo"], "over tcp"),
+    (["--model-preset", "llama-3-8b", "--device", "cuda"], "--device only apply to --backend torch"),
 ])
 def test_bad_simulated_workers_are_one_line_errors(extra: list[str], expected: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
