@@ -7,24 +7,19 @@ as writable memoryviews (or none, for a CUDA pool, which moves through NCCL). Tw
 * ``PoolBytes.allocate(layout)``: a plain byte buffer, for a simulated worker, whose blocks carry
   a small stand-in payload over the real transfer path (``standin_layout``).
 
-:func:`open_pool` takes either a ``PoolBytes`` or a tensor; only the tensor case loads torch, so a
-simulated worker's sender and receiver never do.
+``pdrouter.transfer.pools.open_pool`` takes either; only a tensor loads torch, so a simulated
+worker's sender and receiver never do.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import xxhash
 
 from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.kv_layout import KvLayout
-from pdrouter.transfer.config import Backend
 from pdrouter.transfer.frame_plan import FrameSpan
-
-if TYPE_CHECKING:
-    import torch
 
 
 def checksum(buffers: Iterable[memoryview]) -> int:
@@ -98,32 +93,3 @@ class PoolBytes:
     def checksum(self, span: FrameSpan) -> int:
         """xxh3-64 of the span's payload (CPU pools only)."""
         return checksum(self.buffers(span))
-
-
-def open_pool(pool: PoolBytes | torch.Tensor, layout: KvLayout) -> PoolBytes:
-    """``pool`` itself (its layout must be ``layout``), or a ``PoolView`` of a tensor."""
-    if isinstance(pool, PoolBytes):
-        if pool.layout != layout:
-            raise ConfigError(f"the pool's layout {pool.layout} is not {layout}")
-        return pool
-    from pdrouter.transfer.pool_view import PoolView  # torch: only for a tensor pool
-
-    return PoolView(pool, layout)
-
-
-def check_backend(backend: Backend, view: PoolBytes) -> None:
-    """ConfigError when ``backend`` cannot move this pool's memory."""
-    if backend is Backend.NCCL and not view.is_cuda:
-        raise ConfigError("the NCCL backend needs the KV pool on a CUDA device")
-    if backend in (Backend.TCP, Backend.GLOO) and view.is_cuda:
-        raise ConfigError(f"the {backend.value} backend needs a CPU KV pool; use nccl for a CUDA pool")
-    if backend.is_distributed:
-        from pdrouter.transfer.pool_view import PoolView
-
-        if not isinstance(view, PoolView):
-            raise ConfigError(f"the {backend.value} backend moves tensors; this pool is a byte buffer (use tcp)")
-    if backend is Backend.NCCL:
-        import torch.distributed as dist
-
-        if not dist.is_nccl_available():
-            raise ConfigError("this torch build has no NCCL")

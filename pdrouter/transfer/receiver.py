@@ -14,7 +14,8 @@ from pdrouter.transfer import wire
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.expectations import ExpectationBook
 from pdrouter.transfer.incoming import IncomingTransfer
-from pdrouter.transfer.pool_bytes import PoolBytes, check_backend, open_pool
+from pdrouter.transfer.pool_bytes import PoolBytes
+from pdrouter.transfer.pools import check_backend, open_pool
 from pdrouter.transfer.receiver_connection import ReceiverConnection
 
 if TYPE_CHECKING:

@@ -14,7 +14,8 @@ from pdrouter.transfer.errors import PeerLostError
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo, client_handshake
 from pdrouter.transfer.outgoing import OutgoingTransfer
-from pdrouter.transfer.pool_bytes import PoolBytes, check_backend, open_pool
+from pdrouter.transfer.pool_bytes import PoolBytes
+from pdrouter.transfer.pools import check_backend, open_pool
 from pdrouter.transfer.sender_connection import SenderConnection
 from pdrouter.transfer.target import TransferTarget
 
