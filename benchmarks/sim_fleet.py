@@ -9,14 +9,16 @@ For each scale it reports, in simulated time (wall ÷ scale):
 * ``tpot_ms_s<S>``: the mean time per output token measured at the door;
 * ``tpot_model_ms_s<S>``: what the timing model says a decode step of that batch costs (the
   batch a decode worker holds when the load spreads evenly);
-* ``tpot_ratio_s<S>``: measured ÷ modeled: near 1 when the simulated GPUs set the pace; well
-  above 1 when the router, the transport or this machine's CPUs do;
+* ``tpot_ratio_s<S>``: measured ÷ modeled: near 1 when the simulated decode steps set the pace;
+* ``ttft_ms_s<S>`` and ``e2e_ms_s<S>``: mean time to first token and per request (TTFT takes the
+  router, the prefill, the KV transfer and any queueing: where a CPU-bound machine shows first);
 * ``router_cpu_cores_s<S>`` and ``fleet_cpu_cores_s<S>``: cores the router and all workers used;
   ``cpu_headroom_cores_s<S>``: the machine's cores minus what the whole run used.
 
-``router_keeps_up_from_scale``: the smallest scale whose ratio is within 15% of the largest
-scale's (the fleet's own pace). ``rss_mib_per_worker``: resident memory of one simulated
-worker process after the run (none of them loads torch).
+``router_keeps_up_from_scale``: the smallest scale whose simulated ``e2e_ms`` is within 15% of
+the largest scale's (where the router's and the machine's own costs have shrunk the most).
+``rss_mib_per_worker``: resident memory of one simulated worker process after the run (none of
+them loads torch).
 
     python benchmarks/sim_fleet.py [--quick] [--json] [--prefill N] [--decode M] [--scales 1,4,16]
 """
@@ -150,11 +152,15 @@ async def measure(bench: argparse.Namespace, folder: Path, scale: float, report:
     report.add(f"tpot_ms_{t}", tpot * 1e3, "ms")
     report.add(f"tpot_model_ms_{t}", modeled * 1e3, "ms")
     report.add(f"tpot_ratio_{t}", tpot / modeled, "x")
+    ttft = sum(first for _, first in results) / len(results) / scale
+    e2e = sum(total for total, _ in results) / len(results) / scale
+    report.add(f"ttft_ms_{t}", ttft * 1e3, "ms")
+    report.add(f"e2e_ms_{t}", e2e * 1e3, "ms")
     report.add(f"router_cpu_cores_{t}", (r1 - r0) / wall, "cores")
     report.add(f"fleet_cpu_cores_{t}", (f1 - f0) / wall, "cores")
     report.add(f"cpu_headroom_cores_{t}", (os.cpu_count() or 1) - (m1 - m0) / wall, "cores")
     report.add(f"rss_mib_per_worker_{t}", rss, "MiB")
-    return tpot / modeled
+    return e2e
 
 
 async def main_async() -> None:
@@ -177,9 +183,9 @@ async def main_async() -> None:
     report.add("cpu_cores", os.cpu_count() or 1, "cores")
     with tempfile.TemporaryDirectory(prefix="sim-fleet-") as tmp:
         folder = write_config_folder(spec, Path(tmp) / MODEL)
-        ratios = {s: await measure(args, folder, s, report, timing) for s in scales}
-    own = ratios[scales[-1]]
-    keeps_up = next((s for s in scales if ratios[s] <= own * 1.15), scales[-1])
+        e2e = {s: await measure(args, folder, s, report, timing) for s in scales}
+    own = e2e[scales[-1]]
+    keeps_up = next((s for s in scales if e2e[s] <= own * 1.15), scales[-1])
     report.add("router_keeps_up_from_scale", keeps_up, "x")
     report.add("rss_mib_per_worker", max(v for k, v, _ in report.figures if str(k).startswith("rss_mib")), "MiB")
     report.emit(args.json)
