@@ -110,7 +110,7 @@ MEASUREMENTS: tuple[Measurement, ...] = (
     _m("trtllm_a100_llama2_7b_ttft_2048", TRTLLM, "llama-2-7b", "float16", "a100-80g", 1, 1, 2048, 1,
        "ttft", 0.133, "s", calibrates="mfu"),
     _m("trtllm_a100_llama2_7b_ttft_128", TRTLLM, "llama-2-7b", "float16", "a100-80g", 1, 1, 128, 1,
-       "ttft", 0.016, "s"),
+       "ttft", 0.016, "s", calibrates="serial_fraction"),
     _m("trtllm_a100_llama2_70b_tp4_ttft_2048", TRTLLM, "llama-2-70b", "float16", "a100-80g", 4, 1, 2048, 1,
        "ttft", 0.377, "s"),
     _m("trtllm_a100_llama2_70b_tp4_ttft_128", TRTLLM, "llama-2-70b", "float16", "a100-80g", 4, 1, 128, 1,
@@ -195,7 +195,7 @@ def fit(start: Calibration | None = None, rounds: int = 50) -> Calibration:
     are weak)."""
     cal = start if start is not None else Calibration()
     bounds = {"mfu": (0.01, 1.0), "mbu": (0.01, 1.0), "fp8_speedup": (0.25, 4.0),
-              "allreduce_latency_s": (0.0, 1e-3), "step_overhead_s": (0.0, 0.05)}
+              "allreduce_latency_s": (0.0, 1e-3), "step_overhead_s": (0.0, 0.05), "serial_fraction": (0.0, 1.0)}
     rows = [m for m in MEASUREMENTS if m.calibrates]
     for _ in range(rounds):
         before = cal

@@ -27,6 +27,7 @@ from typing import Any
 from pdrouter.core.errors import ConfigError
 
 _FRACTIONS = ("mfu", "mbu")
+_UNIT_INTERVAL = ("serial_fraction",)
 _POSITIVE = ("fp8_speedup",)
 
 
@@ -38,7 +39,7 @@ class Calibration:
     --fit`` (rounded to two digits); the sources are cited there and in ``docs/simulation.md``.
     """
 
-    mfu: float = 0.67
+    mfu: float = 0.71
     """Fraction of peak FLOP/s a compute-bound step reaches. Fitted to TensorRT-LLM's first-token
     latency of Llama-2-7B, FP16, 2048 tokens on one A100 (133 ms; TensorRT-LLM
     ``docs/source/performance.md``, v0.5 figures)."""
@@ -47,21 +48,27 @@ class Calibration:
     below. Fitted so that Llama-2-70B FP16 at batch 1 on 2×H100 (TP 2) shows the end-to-end MBU
     of 60% that Databricks measured on its TensorRT-LLM-based server ("LLM Inference Performance
     Engineering: Best Practices", 2023)."""
-    step_overhead_s: float = 0.0017
+    step_overhead_s: float = 0.0016
     """Fixed cost of one engine step (scheduling, input preparation, sampling, launch gaps) that
     no roofline term covers. Fitted to vLLM's nightly latency test on one H200: Llama-3.1-8B,
     8 prompts of 32 tokens, 128 tokens each, 833 ms (Buildkite ``performance-benchmark`` build
     9515). Engine-specific: vLLM's own profile of v0.5.3 serving Llama-3-8B on an H100 found the
     API server and the scheduler taking 33% and 29% of the time (vLLM blog, "vLLM v0.6.0: 2.7x
     Throughput Improvement and 5x Latency Reduction", 2024)."""
+    serial_fraction: float = 0.59
+    """Fraction of the smaller of a step's compute and memory times that does not overlap with the
+    larger one: the step's roofline time is ``max(c, m) + serial_fraction × min(c, m)`` (0: perfect
+    overlap, the plain roofline; 1: none). It matters where the two are close: short prefills and
+    large decode batches. Fitted to TensorRT-LLM's first-token latency of Llama-2-7B, FP16, 128
+    tokens on one A100 (16 ms; the same v0.5 table as ``mfu``)."""
     per_seq_overhead_s: float = 0.0
     """Additional cost per sequence in the step. No published figure isolates it from the step
     overhead; 0 by default, set it from a profile of the engine being modeled."""
-    allreduce_latency_s: float = 8e-6
+    allreduce_latency_s: float = 8.8e-6
     """Fixed latency of one tensor-parallel all-reduce, added to its bandwidth term. Fitted to
     NVIDIA NIM 1.8.0's inter-token latency of Llama-3.3-70B FP8 on 2×H100 (TP 2) at concurrency
     1, 500 prompt / 2000 output tokens: 18.91 ms (NIM benchmarking guide, "Performance")."""
-    fp8_speedup: float = 1.45
+    fp8_speedup: float = 1.4
     """Compute speedup of FP8 weights over BF16 on GPUs with FP8 tensor cores (elsewhere FP8
     weights compute at the BF16 rate). The datasheets' peak ratio is 2; end to end it is less,
     as attention and the elementwise kernels stay in BF16. Fitted to the same NIM table's time to
@@ -129,6 +136,8 @@ def _check_value(name: str, value: Any) -> None:
         raise ConfigError(f"calibration field {name!r} must be a number, got {shown}")
     if not math.isfinite(value):
         raise ConfigError(f"calibration field {name!r} must be finite, got {value}")
+    if name in _UNIT_INTERVAL and not 0.0 <= value <= 1.0:
+        raise ConfigError(f"calibration field {name!r} must be in [0, 1], got {value}")
     if name in _FRACTIONS and not 0.0 < value <= 1.0:
         raise ConfigError(f"calibration field {name!r} must be in (0, 1], got {value}")
     if name in _POSITIVE and value <= 0:

@@ -10,7 +10,8 @@ head dim, ``S`` the sequences that sample a token, and everything per TP rank (�
     bytes  = W_layers/tp + [S > 0]·W_head/tp + Σ(c + n)·KV_tok + Σn·KV_tok
              (weights, read once a step)       (KV read)         (KV written)
     comm   = 2·L · [ 2(tp−1)/tp · Σn·h·a / (link/2) + t_ar ]          (tp > 1, else 0)
-    time   = max(FLOPs / (peak·mfu), bytes / (bandwidth·mbu)) + comm + t_step + t_seq·len(batch)
+    c, m   = FLOPs / (peak·mfu), bytes / (bandwidth·mbu)
+    time   = max(c, m) + σ·min(c, m) + comm + t_step + t_seq·len(batch)
 
 * ``KV_tok`` is :func:`pdrouter.core.capacity.kv_bytes_per_token` at this TP (heads replicated
   when TP exceeds the KV heads) and the weights come from
@@ -27,6 +28,9 @@ head dim, ``S`` the sequences that sample a token, and everything per TP rank (�
   activations, ``a`` bytes each (2 for FP8 weights: activations stay BF16), over one direction of
   the GPU's interconnect, each plus a fixed latency; not overlapped with compute. The embedding's
   all-reduce and the logits' gather are not counted.
+
+* ``σ`` (``serial_fraction``): the part of the smaller term that does not hide under the larger
+  one (0 gives the plain roofline); it matters where compute and memory time are close.
 
 Everything is pure arithmetic; nothing here imports torch.
 """
@@ -174,7 +178,8 @@ class TimingModel:
             comm_s = self._allreduces * (size * self._ring_s_per_byte + self.calibration.allreduce_latency_s)
         cal = self.calibration
         overhead_s = cal.step_overhead_s + cal.per_seq_overhead_s * seqs
-        return StepCost(seconds=max(compute_s, memory_s) + comm_s + overhead_s, flops=flops, bytes=nbytes,
+        roof_s = max(compute_s, memory_s) + cal.serial_fraction * min(compute_s, memory_s)
+        return StepCost(seconds=roof_s + comm_s + overhead_s, flops=flops, bytes=nbytes,
                         compute_s=compute_s, memory_s=memory_s, comm_s=comm_s, overhead_s=overhead_s)
 
 

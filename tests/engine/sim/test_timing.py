@@ -19,7 +19,8 @@ H100 = get_gpu_preset("h100")
 A100 = get_gpu_preset("a100")
 L70 = get_model_preset("llama-3-70b")
 L8 = get_model_preset("llama-3-8b")
-IDEAL = Calibration(mfu=1.0, mbu=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0, allreduce_latency_s=0.0)
+IDEAL = Calibration(mfu=1.0, mbu=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0, allreduce_latency_s=0.0,
+                    serial_fraction=0.0)
 
 
 def _l8_non_embedding_params() -> int:
