@@ -33,7 +33,7 @@ def _run_make_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdrouter.cli import capacity_cmd, router_cmd, up_cmd, worker_cmd
+    from pdrouter.cli import bench_cmd, capacity_cmd, router_cmd, up_cmd, worker_cmd
 
     parser = argparse.ArgumentParser(
         prog="pdrouter", description="Prefill/decode-disaggregated LLM serving router and workers.")
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker_cmd.add_parsers(sub)
     router_cmd.add_parser(sub)
     up_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     return parser
 
 

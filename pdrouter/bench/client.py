@@ -1,0 +1,101 @@
+"""One streamed OpenAI ``/v1/completions`` request, timed token by token, as ``vllm bench serve`` times it.
+
+Works against any OpenAI-compatible server (this router, vLLM, SGLang): the prompt goes as token
+ids, ``max_tokens`` with ``ignore_eos`` fixes the output length, ``stream_options.include_usage``
+asks for the server's token counts. Times, from the moment the request is written:
+
+* TTFT: the first streamed chunk that carries text;
+* ITL: the gap between successive chunks that carry text (one per token on servers that stream
+  token by token; a chunk of several tokens counts once, as in ``vllm bench serve``);
+* E2E: the end of the stream (``data: [DONE]``).
+
+Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``…).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+
+from pdrouter.bench.stats import RequestRecord
+from pdrouter.bench.workload import RequestSpec
+
+
+class CompletionsClient:
+    """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client."""
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 600.0,
+                 max_connections: int = 1024) -> None:
+        self.url = base_url.rstrip("/") + "/completions"
+        self.model = model
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        self._http = httpx.AsyncClient(headers=headers, limits=limits,
+                                       timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+
+    def body(self, spec: RequestSpec) -> dict[str, object]:
+        return {"model": self.model, "prompt": list(spec.prompt), "max_tokens": spec.max_tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+
+    async def send(self, spec: RequestSpec, start_s: float, clock_zero: float) -> RequestRecord:
+        """Run one request; ``start_s`` is its send time after the run's start (``clock_zero``)."""
+        record = RequestRecord(index=spec.index, start_s=start_s, input_tokens=spec.input_tokens)
+        sent = time.perf_counter()
+        last: float | None = None
+        chunks = 0
+        try:
+            async with self._http.stream("POST", self.url, json=self.body(spec)) as response:
+                record.status = response.status_code
+                if response.status_code != 200:
+                    await response.aread()
+                    record.error = f"http_{response.status_code}"
+                    return record
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        record.e2e_s = time.perf_counter() - sent
+                        break
+                    now = time.perf_counter()
+                    event = json.loads(data)
+                    if event.get("error"):
+                        record.error = "stream_error"
+                        return record
+                    usage = event.get("usage")
+                    if usage:
+                        record.output_tokens = int(usage.get("completion_tokens") or 0)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            record.cached_tokens = int(details["cached_tokens"])
+                    choices = event.get("choices") or []
+                    if not choices or not choices[0].get("text"):
+                        continue
+                    chunks += 1
+                    if last is None:
+                        record.ttft_s = now - sent
+                    else:
+                        record.itl_s.append(now - last)
+                    last = now
+        except httpx.ConnectError:
+            record.error = "connect"
+        except httpx.TimeoutException:
+            record.error = "timeout"
+        except (httpx.HTTPError, json.JSONDecodeError, ValueError):
+            record.error = "protocol"
+        except asyncio.CancelledError:
+            record.error = "cancelled"
+            raise
+        finally:
+            if not record.output_tokens:
+                record.output_tokens = chunks
+        if record.e2e_s is None and not record.error:
+            record.error = "protocol"  # the stream ended without [DONE]
+        return record
+
+    async def close(self) -> None:
+        await self._http.aclose()

@@ -1,0 +1,112 @@
+"""The router's ``/metrics`` during a run: KV water level, prefix hit rate, admission queue, KV bytes moved.
+
+Sampled once a second (``MetricsScraper``) with the Prometheus text parser of ``prometheus_client``.
+An endpoint without these metrics (another server, or none) just yields samples without them:
+a load test of vLLM or SGLang runs the same, with latency figures only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class MetricsSample:
+    """One scrape: seconds after the run's start and what the router reported."""
+
+    t_s: float
+    reserved_blocks: dict[str, float] = field(default_factory=dict)
+    """KV blocks booked per decode worker (``pdrouter_kv_reserved_blocks``)."""
+    capacity_blocks: dict[str, float] = field(default_factory=dict)
+    queue_length: float | None = None
+    prefix_query_tokens: float | None = None
+    prefix_hit_tokens: float | None = None
+    kv_transfer_bytes: float | None = None
+
+    @property
+    def water_level(self) -> dict[str, float]:
+        """Booked ÷ capacity per decode worker."""
+        return {w: self.reserved_blocks.get(w, 0.0) / c for w, c in self.capacity_blocks.items() if c > 0}
+
+    def to_dict(self) -> dict[str, object]:
+        return {"t_s": self.t_s, "water_level": self.water_level, "reserved_blocks": self.reserved_blocks,
+                "capacity_blocks": self.capacity_blocks, "queue_length": self.queue_length,
+                "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
+                "kv_transfer_bytes": self.kv_transfer_bytes}
+
+
+def parse_metrics(text: str, t_s: float) -> MetricsSample:
+    """The figures of one ``/metrics`` page (missing ones stay empty / None)."""
+    reserved: dict[str, float] = {}
+    capacity: dict[str, float] = {}
+    scalars: dict[str, float] = {}
+    wanted = {"pdrouter_admission_queue_length": "queue", "pdrouter_prefix_cache_query_tokens_total": "query",
+              "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes"}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "pdrouter_kv_reserved_blocks":
+                reserved[s.labels.get("worker", "")] = s.value
+            elif s.name == "pdrouter_kv_capacity_blocks":
+                capacity[s.labels.get("worker", "")] = s.value
+            elif s.name in wanted:
+                key = wanted[s.name]
+                scalars[key] = scalars.get(key, 0.0) + s.value
+    return MetricsSample(t_s, reserved, capacity, scalars.get("queue"), scalars.get("query"), scalars.get("hit"),
+                         scalars.get("bytes"))
+
+
+def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
+    """Hit tokens ÷ queried tokens over the run (the counters' growth from the first to the last sample)."""
+    seen = [s for s in samples if s.prefix_query_tokens is not None and s.prefix_hit_tokens is not None]
+    if len(seen) < 2:
+        return None
+    queried = (seen[-1].prefix_query_tokens or 0.0) - (seen[0].prefix_query_tokens or 0.0)
+    hit = (seen[-1].prefix_hit_tokens or 0.0) - (seen[0].prefix_hit_tokens or 0.0)
+    return hit / queried if queried > 0 else None
+
+
+class MetricsScraper:
+    """Scrapes ``url`` every ``interval_s`` in the background until ``stop``."""
+
+    def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.interval_s = interval_s
+        self.samples: list[MetricsSample] = []
+        self.errors = 0
+        self._http = httpx.AsyncClient(timeout=timeout_s)
+        self._task: asyncio.Task[None] | None = None
+        self._zero = time.perf_counter()
+
+    def start(self, clock_zero: float) -> None:
+        self._zero = clock_zero
+        self._task = asyncio.create_task(self._loop(), name="bench-metrics")
+
+    async def scrape_once(self) -> None:
+        try:
+            response = await self._http.get(self.url)
+            if response.status_code == 200:
+                self.samples.append(parse_metrics(response.text, time.perf_counter() - self._zero))
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        self.errors += 1
+
+    async def _loop(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.scrape_once()  # the counters' final values
+        await self._http.aclose()

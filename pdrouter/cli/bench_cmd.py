@@ -1,0 +1,179 @@
+"""``pdrouter bench run``: a load test of any OpenAI-compatible endpoint (this router, vLLM, SGLang).
+
+Prints the summary as ``name: value unit`` lines (or one JSON object with ``--json``), writes the
+whole run (config, every request, summary, the router's scraped metrics) as JSON plus a Markdown
+summary under ``--out``, and exits 0 when at least one request completed, 1 when none did, 2 for
+bad arguments, 130 when interrupted (after writing what was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pdrouter.core.errors import ConfigError
+
+WORKLOADS = ("synthetic", "shared-prefix", "jsonl", "chat", "summarize", "generate")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible endpoint (TTFT, TPOT, ITL, goodput)",
+                           description="Load tests with the metric definitions of `vllm bench serve`.")
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
+    p = bench_sub.add_parser("run", help="one run: a workload at an arrival process, every request timed",
+                             description="Run one load test and summarise it (docs/benchmarks.md).")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI base URL")
+    p.add_argument("--model", default=None, help="model name (default: the first of GET {url}/models)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (env OPENAI_API_KEY)")
+    p.add_argument("--workload", choices=WORKLOADS, default="synthetic",
+                   help="synthetic (--input-len/--output-len), shared-prefix (--prefixes × --prefix-len + "
+                        "suffix), jsonl (--dataset), or a preset: chat, summarize (8k in / 200 out), "
+                        "generate (200 in / 2k out)")
+    p.add_argument("--input-len", default="512", help="prompt tokens: N | LO-HI | lognormal:MEAN:SIGMA")
+    p.add_argument("--output-len", default="128", help="output tokens (sent as max_tokens with ignore_eos)")
+    p.add_argument("--prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: tokens of each system prompt")
+    p.add_argument("--dataset", type=Path, default=None, help="jsonl: one request per line (docs/benchmarks.md)")
+    p.add_argument("--num-requests", type=int, default=100)
+    p.add_argument("--rate", type=float, default=None, help="open loop: requests/s, Poisson (default: closed loop)")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: requests in flight (default without --rate: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--slo", default=None, help="goodput SLO, any of ttft,tpot,itl,e2e: e.g. ttft=500ms,tpot=50ms")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="the simulated workers' --time-scale: latencies are reported ÷ this (simulated time)")
+    p.add_argument("--metrics-url", default=None, help="the router's /metrics (default: beside --url)")
+    p.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the run's JSON and Markdown")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=run_cmd)
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
+    from pdrouter.bench import workload as w
+
+    if args.num_requests <= 0:
+        raise ConfigError(f"--num-requests must be >= 1, got {args.num_requests}")
+    out_len = w.LengthDist.parse(args.output_len, "--output-len")
+    if args.workload == "jsonl":
+        if args.dataset is None:
+            raise ConfigError("--workload jsonl needs --dataset FILE")
+        specs = w.from_jsonl(args.dataset, seed=args.seed, default_output=int(out_len.mean))
+        return specs[:args.num_requests], f"jsonl {args.dataset}"
+    if args.workload == "shared-prefix":
+        if args.prefixes <= 0 or args.prefix_len <= 0:
+            raise ConfigError("--prefixes and --prefix-len must be >= 1")
+        suffix = w.LengthDist.parse(args.input_len, "--input-len")
+        specs = w.shared_prefix(args.num_requests, prefixes=args.prefixes, prefix_len=args.prefix_len,
+                                suffix_len=suffix, output_len=out_len, seed=args.seed)
+        return specs, f"shared-prefix {args.prefixes}×{args.prefix_len} + {args.input_len} in / {args.output_len} out"
+    if args.workload in ("chat", "summarize", "generate"):
+        in_len, out_len = w.preset(args.workload)
+        label = args.workload
+    else:
+        in_len = w.LengthDist.parse(args.input_len, "--input-len")
+        label = f"synthetic {args.input_len} in / {args.output_len} out"
+    return w.synthetic(args.num_requests, in_len, out_len, seed=args.seed), label
+
+
+def _metrics_url(args: argparse.Namespace) -> str | None:
+    if args.no_metrics:
+        return None
+    if args.metrics_url:
+        return str(args.metrics_url)
+    base = args.url.rstrip("/")
+    return (base[:-3] if base.endswith("/v1") else base) + "/metrics"
+
+
+def _discover_model(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        response = httpx.get(url.rstrip("/") + "/models", headers=headers, timeout=10.0)
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        raise ConfigError(f"cannot list the models at {url}/models ({exc.__class__.__name__}: {exc}); "
+                          f"check --url or give --model") from None
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    from pdrouter.bench.report import markdown, run_document, write_json
+    from pdrouter.bench.runner import Progress, RunConfig, run
+    from pdrouter.bench.stats import Slo, summarize
+
+    slo = Slo.parse(args.slo) if args.slo else None
+    if args.time_scale < 0:
+        raise ConfigError(f"--time-scale must be >= 0, got {args.time_scale}")
+    if args.burstiness <= 0:
+        raise ConfigError(f"--burstiness must be > 0, got {args.burstiness}")
+    specs, label = _workload(args)
+    model = args.model or _discover_model(args.url, args.api_key)
+    config = RunConfig(base_url=args.url, model=model, rate=args.rate, burstiness=args.burstiness,
+                       concurrency=args.concurrency, max_concurrency=args.max_concurrency,
+                       duration_s=args.duration, seed=args.seed, metrics_url=_metrics_url(args),
+                       api_key=args.api_key, timeout_s=args.timeout)
+    progress = Progress(len(specs), enabled=False if args.no_progress else None)
+    result = asyncio.run(_interruptible(run(config, specs, progress=progress)))
+    scale = args.time_scale or 1.0
+    records = [r.scaled(scale) for r in result.records]
+    summary = summarize(records, result.duration_s / scale, slo)
+    arrivals = (f"Poisson {args.rate}/s" + (f", burstiness {args.burstiness}" if args.burstiness != 1 else "")
+                if args.rate else f"closed loop, {args.concurrency or len(specs)} in flight")
+    cfg = {"base_url": args.url, "model": model, "workload": label, "arrivals": arrivals,
+           "num_requests": len(specs), "rate": args.rate, "burstiness": args.burstiness,
+           "concurrency": args.concurrency, "max_concurrency": args.max_concurrency, "duration_s": args.duration,
+           "slo": slo.describe() if slo else None, "time_scale": args.time_scale, "seed": args.seed,
+           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    document = run_document(cfg, summary, [r.to_dict() for r in records], result.samples, result.interrupted)
+    stem = time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}"
+    path = write_json(args.out / f"{stem}.json", document)
+    (args.out / f"{stem}.md").write_text(markdown(document))
+    if args.json:
+        print(json.dumps({"summary": document["summary"], "router": document["router"], "file": str(path)}))
+    else:
+        for line in summary.lines():
+            print(line)
+        for key, value in document["router"].items():
+            if isinstance(value, dict):
+                value = max(value.values(), default=None)
+                key += "_max_worker"
+            print(f"{key}: {'–' if value is None else (f'{value:.4g}' if isinstance(value, float) else value)}")
+        print(f"results: {path}")
+    if result.interrupted:
+        return 130
+    if summary.completed == 0:
+        first = next((r.error for r in records if r.error), "no request")
+        print(f"pdrouter bench run: error: no request completed (first error: {first}); "
+              f"is {args.url} serving {model}?", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _interruptible(coro: Any) -> Any:
+    """Run ``coro``; SIGINT/SIGTERM cancel it (the run then returns what it measured)."""
+    task = asyncio.ensure_future(coro)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, task.cancel)
+    try:
+        return await task
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)

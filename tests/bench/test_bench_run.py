@@ -1,0 +1,155 @@
+"""``pdrouter bench run`` against a real cluster of simulated workers (router, Redis, prefill, decode processes)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdrouter.bench.arrivals import ks_exponential
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.core.capacity import blocks_for_tokens
+from pdrouter.core.gpu import get_gpu_preset
+from pdrouter.core.model_spec import get_model_preset
+from pdrouter.engine.model_folder import write_config_folder
+from pdrouter.engine.sim.timing import TimingModel
+from pdrouter.state.embedded_redis import EmbeddedRedis
+
+MODEL = "llama-3-8b"
+
+
+def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdrouter", "bench", "run", "--no-progress", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def document(out: Path) -> dict[str, Any]:
+    (path,) = out.glob("*.json")
+    assert (path.with_suffix(".md")).is_file()
+    return dict(json.loads(path.read_text()))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, redis_server: EmbeddedRedis) -> Iterator[str]:
+    """A router over one prefill and one decode simulated H100 (Llama-3-8B, real time): its /v1 URL.
+
+    The router books every request alone (``--admission-credit 0``), so the bookings in Redis are
+    exactly the requests' blocks."""
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    folder = write_config_folder(get_model_preset(MODEL), tmp_path_factory.mktemp("models") / MODEL)
+    sim = ["--gpu", "h100", "--time-scale", "1", "--utilization", "0.3"]
+    procs = [ManagedProcess(role, worker_args(role, folder, redis_url=redis_server.url, sim=sim,
+                                              extra=("--worker-id", f"{role}-0")))
+             for role in ("prefill", "decode")]
+    try:
+        for p in procs:
+            p.wait_ready()
+        router = ManagedProcess("router", ["router", "--model", str(folder), "--redis", redis_server.url,
+                                           "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING",
+                                           "--admission-credit", "0"])
+        procs.append(router)
+        address = router.wait_ready()
+        yield f"http://{address}/v1"
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_path: Path) -> None:
+    rate, n = 25.0, 120
+    done = bench("--url", cluster, "--rate", str(rate), "--num-requests", str(n), "--input-len", "64",
+                 "--output-len", "8", "--out", str(tmp_path), "--seed", "3", "--slo", "ttft=2s")
+    assert done.returncode == 0, done.stderr
+    doc = document(tmp_path)
+    records = doc["requests"]
+    assert isinstance(records, list) and len(records) == n
+    assert all(r["status"] == 200 and r["output_tokens"] == 8 for r in records)
+    starts = sorted(r["start_s"] for r in records)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    _, p_value = ks_exponential(gaps, rate)
+    assert p_value > 0.01, p_value
+    summary = doc["summary"]
+    assert isinstance(summary, dict) and summary["completed"] == n and summary["slo_met"] == n
+    assert "request_throughput:" in done.stdout and "goodput:" in done.stdout
+
+
+def test_tpot_and_itl_are_the_modeled_decode_steps(cluster: str, tmp_path: Path) -> None:
+    """One request at a time: every token is one modeled decode step of batch 1 (8.5 ms)."""
+    done = bench("--url", cluster, "--concurrency", "1", "--num-requests", "4", "--input-len", "100",
+                 "--output-len", "40", "--out", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)["summary"]
+    step = TimingModel(get_model_preset(MODEL), get_gpu_preset("h100")).decode_step(1, 120).seconds
+    assert summary["tpot"]["mean"] == pytest.approx(step, rel=0.1)
+    assert summary["itl"]["p50"] == pytest.approx(step, rel=0.1)
+    for r in document(tmp_path)["requests"]:
+        assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1))
+        assert len(r["itl_s"]) == r["output_tokens"] - 1
+
+
+def test_the_scraped_water_level_is_the_admission_bookings(cluster: str, tmp_path: Path) -> None:
+    concurrency, prompt, out = 6, 1000, 300
+    done = bench("--url", cluster, "--concurrency", str(concurrency), "--num-requests", str(concurrency),
+                 "--input-len", str(prompt), "--output-len", str(out), "--out", str(tmp_path), "--json")
+    assert done.returncode == 0, done.stderr
+    doc = document(tmp_path)
+    samples = doc["metrics_samples"]
+    assert isinstance(samples, list) and samples
+    booked = max(sum(s["reserved_blocks"].values()) for s in samples)
+    assert booked == concurrency * blocks_for_tokens(prompt + out)
+    (capacity,) = {c for s in samples for c in s["capacity_blocks"].values()}
+    router = doc["router"]
+    assert isinstance(router, dict)
+    assert max(router["kv_water_level_peak"].values()) == pytest.approx(booked / capacity)
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--slo", "ttft=fast"], "--slo"),
+    (["--slo", "latency=1s"], "--slo"),
+    (["--rate", "-3"], "--rate"),
+    (["--input-len", "0"], "--input-len"),
+    (["--workload", "jsonl", "--dataset", "/nonexistent/requests.jsonl"], "requests.jsonl"),
+    (["--url", "localhost:8000"], "--url"),
+])
+def test_bad_arguments_are_one_line_errors(args: list[str], expected: str, tmp_path: Path) -> None:
+    done = bench("--model", "m", "--out", str(tmp_path), *args)
+    assert done.returncode == 2
+    assert expected in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+
+
+def test_an_unreachable_endpoint_ends_with_a_summary_and_exit_1(tmp_path: Path) -> None:
+    started = time.monotonic()
+    done = bench("--url", "http://127.0.0.1:9/v1", "--model", "m", "--num-requests", "5", "--out", str(tmp_path),
+                 "--no-metrics")
+    assert done.returncode == 1
+    assert "no request completed" in done.stderr and "connect" in done.stderr
+    assert document(tmp_path)["summary"]["failed"] == 5
+    assert time.monotonic() - started < 60
+
+
+def test_ctrl_c_writes_what_was_measured(cluster: str, tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pdrouter", "bench", "run", "--no-progress", "--url", cluster,
+                             "--concurrency", "2", "--num-requests", "1000", "--input-len", "32",
+                             "--output-len", "64", "--out", str(tmp_path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(4.0)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    doc = document(tmp_path)
+    assert doc["interrupted"] is True
+    summary = doc["summary"]
+    assert isinstance(summary, dict) and 0 < summary["completed"] < 1000
+    assert "results:" in stdout
