@@ -16,10 +16,14 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdrouter.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pdrouter.bench.stats import Slo, Summary
 
 WORKLOADS = ("synthetic", "shared-prefix", "jsonl", "chat", "summarize", "generate")
 
@@ -30,6 +34,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
     p = bench_sub.add_parser("run", help="one run: a workload at an arrival process, every request timed",
                              description="Run one load test and summarise it (docs/benchmarks.md).")
+    add_run_args(p)
+    p.set_defaults(func=run_cmd)
+    q = bench_sub.add_parser("sweep", help="the same workload over a list of rates, or a search for the highest "
+                                           "rate meeting the SLO",
+                             description="Run the workload at each --rates point (one JSON per point), or with "
+                                         "--search find the highest Poisson rate at which --slo-percentile % of "
+                                         "the requests meet --slo.")
+    add_run_args(q)
+    q.add_argument("--rates", default=None, help="comma-separated requests/s, e.g. 1,2,4,8")
+    q.add_argument("--search", action="store_true", help="bisect for the highest rate meeting the SLO")
+    q.add_argument("--slo-percentile", type=float, default=90.0,
+                   help="--search: the share of requests (%%) that must meet --slo (90: the SLO at p90)")
+    q.add_argument("--min-rate", type=float, default=0.5, help="--search: the lowest rate tried")
+    q.add_argument("--max-rate", type=float, default=64.0, help="--search: the highest rate tried")
+    q.add_argument("--steps", type=int, default=6, help="--search: runs of the bisection")
+    q.set_defaults(func=sweep_cmd)
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The options of one run, shared by ``run`` and ``sweep``."""
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI base URL")
     p.add_argument("--model", default=None, help="model name (default: the first of GET {url}/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (env OPENAI_API_KEY)")
@@ -59,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the run's JSON and Markdown")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-    p.set_defaults(func=run_cmd)
+
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
@@ -111,10 +135,28 @@ def _discover_model(url: str, api_key: str | None) -> str:
                           f"check --url or give --model") from None
 
 
-def run_cmd(args: argparse.Namespace) -> int:
-    from pdrouter.bench.report import markdown, run_document, write_json
-    from pdrouter.bench.runner import Progress, RunConfig, run
-    from pdrouter.bench.stats import Slo, summarize
+@dataclass
+class Outcome:
+    """One run as written: its summary, its document and where it went."""
+
+    summary: Summary
+    document: dict[str, Any]
+    path: Path
+    interrupted: bool
+
+
+@dataclass
+class Prepared:
+    """What every run of one command shares: the workload, the model, the SLO."""
+
+    specs: list[Any]
+    label: str
+    model: str
+    slo: Slo | None
+
+
+def prepare(args: argparse.Namespace) -> Prepared:
+    from pdrouter.bench.stats import Slo
 
     slo = Slo.parse(args.slo) if args.slo else None
     if args.time_scale < 0:
@@ -123,45 +165,147 @@ def run_cmd(args: argparse.Namespace) -> int:
         raise ConfigError(f"--burstiness must be > 0, got {args.burstiness}")
     specs, label = _workload(args)
     model = args.model or _discover_model(args.url, args.api_key)
-    config = RunConfig(base_url=args.url, model=model, rate=args.rate, burstiness=args.burstiness,
+    return Prepared(specs, label, model, slo)
+
+
+def execute(args: argparse.Namespace, prep: Prepared, rate: float | None, stem: str) -> Outcome:
+    """One run at ``rate`` (None: closed loop), written as ``{stem}.json`` / ``.md`` under ``--out``."""
+    from pdrouter.bench.report import markdown, run_document, write_json
+    from pdrouter.bench.runner import Progress, RunConfig, run
+    from pdrouter.bench.stats import summarize
+
+    config = RunConfig(base_url=args.url, model=prep.model, rate=rate, burstiness=args.burstiness,
                        concurrency=args.concurrency, max_concurrency=args.max_concurrency,
                        duration_s=args.duration, seed=args.seed, metrics_url=_metrics_url(args),
                        api_key=args.api_key, timeout_s=args.timeout)
-    progress = Progress(len(specs), enabled=False if args.no_progress else None)
-    result = asyncio.run(_interruptible(run(config, specs, progress=progress)))
+    progress = Progress(len(prep.specs), enabled=False if args.no_progress else None)
+    result = asyncio.run(_interruptible(run(config, prep.specs, progress=progress)))
     scale = args.time_scale or 1.0
     records = [r.scaled(scale) for r in result.records]
-    summary = summarize(records, result.duration_s / scale, slo)
-    arrivals = (f"Poisson {args.rate}/s" + (f", burstiness {args.burstiness}" if args.burstiness != 1 else "")
-                if args.rate else f"closed loop, {args.concurrency or len(specs)} in flight")
-    cfg = {"base_url": args.url, "model": model, "workload": label, "arrivals": arrivals,
-           "num_requests": len(specs), "rate": args.rate, "burstiness": args.burstiness,
+    summary = summarize(records, result.duration_s / scale, prep.slo)
+    arrivals = (f"Poisson {rate:g}/s" + (f", burstiness {args.burstiness}" if args.burstiness != 1 else "")
+                if rate else f"closed loop, {args.concurrency or len(prep.specs)} in flight")
+    cfg = {"base_url": args.url, "model": prep.model, "workload": prep.label, "arrivals": arrivals,
+           "num_requests": len(prep.specs), "rate": rate, "burstiness": args.burstiness,
            "concurrency": args.concurrency, "max_concurrency": args.max_concurrency, "duration_s": args.duration,
-           "slo": slo.describe() if slo else None, "time_scale": args.time_scale, "seed": args.seed,
+           "slo": prep.slo.describe() if prep.slo else None, "time_scale": args.time_scale, "seed": args.seed,
            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     document = run_document(cfg, summary, [r.to_dict() for r in records], result.samples, result.interrupted)
-    stem = time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}"
     path = write_json(args.out / f"{stem}.json", document)
     (args.out / f"{stem}.md").write_text(markdown(document))
-    if args.json:
-        print(json.dumps({"summary": document["summary"], "router": document["router"], "file": str(path)}))
-    else:
-        for line in summary.lines():
-            print(line)
-        for key, value in document["router"].items():
-            if isinstance(value, dict):
-                value = max(value.values(), default=None)
-                key += "_max_worker"
-            print(f"{key}: {'–' if value is None else (f'{value:.4g}' if isinstance(value, float) else value)}")
-        print(f"results: {path}")
-    if result.interrupted:
+    return Outcome(summary, document, path, result.interrupted)
+
+
+def _print_run(outcome: Outcome, as_json: bool) -> None:
+    document = outcome.document
+    if as_json:
+        print(json.dumps({"summary": document["summary"], "router": document["router"], "file": str(outcome.path)}))
+        return
+    for line in outcome.summary.lines():
+        print(line)
+    for key, value in document["router"].items():
+        if isinstance(value, dict):
+            value = max(value.values(), default=None)
+            key += "_max_worker"
+        print(f"{key}: {'–' if value is None else (f'{value:.4g}' if isinstance(value, float) else value)}")
+    print(f"results: {outcome.path}")
+
+
+def _exit_code(outcome: Outcome, args: argparse.Namespace, model: str) -> int:
+    if outcome.interrupted:
         return 130
-    if summary.completed == 0:
-        first = next((r.error for r in records if r.error), "no request")
-        print(f"pdrouter bench run: error: no request completed (first error: {first}); "
+    if outcome.summary.completed == 0:
+        records = outcome.document["requests"]
+        first = next((r["error"] for r in records if r.get("error")), "no request")
+        print(f"pdrouter bench: error: no request completed (first error: {first}); "
               f"is {args.url} serving {model}?", file=sys.stderr)
         return 1
     return 0
+
+
+def run_cmd(args: argparse.Namespace) -> int:
+    prep = prepare(args)
+    outcome = execute(args, prep, args.rate, time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}")
+    _print_run(outcome, args.json)
+    return _exit_code(outcome, args, prep.model)
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--rates must be comma-separated numbers, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ConfigError(f"--rates must list rates > 0 requests/s, got {text!r}")
+    return rates
+
+
+def sweep_cmd(args: argparse.Namespace) -> int:
+    """Each rate of ``--rates`` (or the bisection of ``--search``), one run and one JSON each, then a summary."""
+    if args.search == (args.rates is not None):
+        raise ConfigError("give exactly one of --rates LIST and --search")
+    if args.search:
+        if not args.slo:
+            raise ConfigError("--search needs --slo (the bound the rate must meet)")
+        if not 0 < args.slo_percentile <= 100:
+            raise ConfigError(f"--slo-percentile must be in (0, 100], got {args.slo_percentile}")
+        if not 0 < args.min_rate < args.max_rate:
+            raise ConfigError("--min-rate must be > 0 and below --max-rate")
+        if args.steps < 1:
+            raise ConfigError(f"--steps must be >= 1, got {args.steps}")
+    rates = _rates(args.rates) if args.rates is not None else []
+    prep = prepare(args)
+    stem = time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}-sweep"
+    points: list[dict[str, Any]] = []
+
+    def point(rate: float) -> Outcome:
+        outcome = execute(args, prep, rate, f"{stem}/rate-{rate:g}")
+        s = outcome.summary
+        share = 100.0 * (s.slo_met or 0) / s.requests if s.requests and s.slo_met is not None else None
+        points.append({"rate": rate, "file": str(outcome.path), "summary": outcome.document["summary"],
+                       "router": outcome.document["router"], "slo_met_percent": share})
+        if not args.json:
+            print(f"rate {rate:g}/s: goodput {s.goodput if s.goodput is not None else float('nan'):.3g} req/s, "
+                  f"TTFT p99 {s.ttft.p99 * 1e3:.1f} ms, TPOT p99 {s.tpot.p99 * 1e3:.1f} ms"
+                  + (f", {share:.0f}% within the SLO" if share is not None else ""), flush=True)
+        return outcome
+
+    best: float | None = None
+    interrupted = False
+    if args.search:
+        lo, hi = args.min_rate, args.max_rate
+        for _ in range(args.steps):
+            rate = (lo * hi) ** 0.5  # bisect in log space: rates span orders of magnitude
+            outcome = point(rate)
+            interrupted = outcome.interrupted
+            if interrupted:
+                break
+            share = points[-1]["slo_met_percent"] or 0.0
+            if share >= args.slo_percentile:
+                best, lo = rate, rate
+            else:
+                hi = rate
+    else:
+        for rate in rates:
+            interrupted = point(rate).interrupted
+            if interrupted:
+                break
+    sweep = {"config": {"workload": prep.label, "model": prep.model, "url": args.url,
+                        "slo": prep.slo.describe() if prep.slo else None,
+                        "slo_percentile": args.slo_percentile if args.search else None,
+                        "search": bool(args.search)},
+             "points": sorted(points, key=lambda p: p["rate"]), "best_rate": best, "interrupted": interrupted}
+    path = args.out / stem / "sweep.json"
+    path.write_text(json.dumps(sweep, indent=1, default=str) + "\n")
+    if args.json:
+        print(json.dumps({"best_rate": best, "points": len(points), "file": str(path)}))
+    else:
+        if args.search:
+            print(f"best_rate: {'–' if best is None else f'{best:.4g}'} req/s")
+        print(f"results: {path}")
+    if interrupted:
+        return 130
+    return 0 if any(p["summary"]["completed"] for p in points) else 1
 
 
 async def _interruptible(coro: Any) -> Any:

@@ -153,3 +153,23 @@ def test_ctrl_c_writes_what_was_measured(cluster: str, tmp_path: Path) -> None:
     summary = doc["summary"]
     assert isinstance(summary, dict) and 0 < summary["completed"] < 1000
     assert "results:" in stdout
+
+
+def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tmp_path: Path) -> None:
+    base = ["--url", cluster, "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--json"]
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
+                           "--rates", "5,10", "--out", str(tmp_path / "list")], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    sweep = json.loads(Path(json.loads(done.stdout)["file"]).read_text())
+    assert [p["rate"] for p in sweep["points"]] == [5.0, 10.0]
+    assert all(p["summary"]["completed"] == 20 for p in sweep["points"])
+    # TPOT is one modeled decode step (8.5 ms): a 20 ms bound holds at any low rate, 5 ms never does.
+    for bound, met in (("20ms", True), ("5ms", False)):
+        done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
+                               "--search", "--slo", f"tpot={bound}", "--min-rate", "1", "--max-rate", "8",
+                               "--steps", "2", "--out", str(tmp_path / bound)], capture_output=True, text=True,
+                              timeout=120)
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout)
+        assert (result["best_rate"] is not None) is met and result["points"] == 2
