@@ -50,13 +50,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--max-rate", type=float, default=64.0, help="--search: the highest rate tried")
     q.add_argument("--steps", type=int, default=6, help="--search: runs of the bisection")
     q.set_defaults(func=sweep_cmd)
+    c = bench_sub.add_parser("compare", help="colocated vs disaggregated layouts on equal simulated GPUs",
+                             description="Bring up each layout on --gpus simulated GPUs with `pdrouter up "
+                                         "--backend sim`, run the same sweep against each, and write a report "
+                                         "with plots (docs/benchmarks.md).")
+    c.add_argument("--gpus", type=int, default=8, help="simulated GPUs every layout gets")
+    c.add_argument("--layouts", default="all",
+                   help="colocated and XpYd splits, e.g. colocated,2p6d,4p4d (all: every split)")
+    c.add_argument("--tp", type=int, default=1, help="GPUs per worker (tensor parallel)")
+    c.add_argument("--model-preset", default="llama-3-8b")
+    c.add_argument("--gpu", default="h100", help="the simulated GPU preset")
+    c.add_argument("--rates", default="1,2,4,8", help="comma-separated requests/s of the sweep")
+    c.add_argument("--time-scale", type=float, default=1.0, help="the simulated workers' time scale")
+    c.add_argument("--quick", action="store_true",
+                   help="2 GPUs, colocated vs 1p1d, two rates, 16 short requests each (under 2 minutes)")
+    add_workload_args(c)
+    c.set_defaults(func=compare_cmd)
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
-    """The options of one run, shared by ``run`` and ``sweep``."""
+    """The options of one run against an endpoint, shared by ``run`` and ``sweep``."""
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the endpoint's OpenAI base URL")
     p.add_argument("--model", default=None, help="model name (default: the first of GET {url}/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (env OPENAI_API_KEY)")
+    p.add_argument("--rate", type=float, default=None, help="open loop: requests/s, Poisson (default: closed loop)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: requests in flight (default without --rate: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
+    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="the simulated workers' --time-scale: latencies are reported ÷ this (simulated time)")
+    p.add_argument("--metrics-url", default=None, help="the router's /metrics (default: beside --url)")
+    p.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
+    add_workload_args(p)
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    """The workload and its reporting, shared by ``run``, ``sweep`` and ``compare``."""
     p.add_argument("--workload", choices=WORKLOADS, default="synthetic",
                    help="synthetic (--input-len/--output-len), shared-prefix (--prefixes × --prefix-len + "
                         "suffix), jsonl (--dataset), or a preset: chat, summarize (8k in / 200 out), "
@@ -67,23 +97,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefix-len", type=int, default=2048, help="shared-prefix: tokens of each system prompt")
     p.add_argument("--dataset", type=Path, default=None, help="jsonl: one request per line (docs/benchmarks.md)")
     p.add_argument("--num-requests", type=int, default=100)
-    p.add_argument("--rate", type=float, default=None, help="open loop: requests/s, Poisson (default: closed loop)")
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1: Poisson)")
-    p.add_argument("--concurrency", type=int, default=None,
-                   help="closed loop: requests in flight (default without --rate: all at once)")
-    p.add_argument("--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight")
-    p.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
     p.add_argument("--slo", default=None, help="goodput SLO, any of ttft,tpot,itl,e2e: e.g. ttft=500ms,tpot=50ms")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="the simulated workers' --time-scale: latencies are reported ÷ this (simulated time)")
-    p.add_argument("--metrics-url", default=None, help="the router's /metrics (default: beside --url)")
-    p.add_argument("--no-metrics", action="store_true", help="do not scrape /metrics")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the run's JSON and Markdown")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
-
 
 
 def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
@@ -306,6 +326,93 @@ def sweep_cmd(args: argparse.Namespace) -> int:
     if interrupted:
         return 130
     return 0 if any(p["summary"]["completed"] for p in points) else 1
+
+
+def compare_cmd(args: argparse.Namespace) -> int:
+    """Each layout up in turn, the same sweep against each, then plots and a Markdown verdict."""
+    from pdrouter.bench.compare import LayoutResult, bring_up, parse_layouts
+    from pdrouter.bench.stats import Slo
+    from pdrouter.core.gpu import get_gpu_preset
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.model_folder import write_config_folder
+
+    if args.quick:
+        args.gpus, args.layouts, args.rates, args.num_requests = 2, "colocated,1p1d", "4,8", 16
+        args.input_len, args.output_len = "256", "16"
+    layouts = parse_layouts(args.layouts, args.gpus, args.tp)
+    rates = _rates(args.rates)
+    spec = get_model_preset(args.model_preset)
+    get_gpu_preset(args.gpu)
+    slo = Slo.parse(args.slo) if args.slo else Slo.parse("ttft=1s,tpot=50ms")
+    specs, label = _workload(args)
+    stem = args.out / (time.strftime("%Y%m%d-%H%M%S") + "-compare")
+    folder = write_config_folder(spec, stem / "model" / f"sim-{spec.name}")
+    prep = Prepared(specs, label, folder.name, slo)
+    run_args = argparse.Namespace(**vars(args))
+    run_args.concurrency = run_args.max_concurrency = run_args.duration = None
+    run_args.metrics_url, run_args.no_metrics, run_args.api_key = None, False, None
+    results: list[LayoutResult] = []
+    for layout in layouts:
+        result = LayoutResult(layout)
+        results.append(result)
+        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale) as url:
+            run_args.url = url
+            for rate in rates:
+                outcome = execute(run_args, prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
+                result.points.append({"rate": rate, "summary": outcome.document["summary"],
+                                      "router": outcome.document["router"], "file": str(outcome.path)})
+                s = outcome.summary
+                if not args.json:
+                    print(f"{layout.name:>12} @ {rate:g}/s: goodput {s.goodput or 0:.3g} req/s, TTFT p99 "
+                          f"{s.ttft.p99 * 1e3:.1f} ms, ITL p99 {s.itl.p99 * 1e3:.1f} ms", flush=True)
+                if outcome.interrupted:
+                    return 130
+    report = write_compare_report(results, stem, args, label, slo.describe())
+    if args.json:
+        print(json.dumps({"report": str(report), "layouts": [r.layout.name for r in results]}))
+    else:
+        print(f"report: {report}")
+    return 0
+
+
+def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace, workload: str,
+                         slo: str) -> Path:
+    """``compare.json`` (every point), the plots and ``report.md`` naming the winner per regime."""
+    from pdrouter.bench.compare import best_by_rate, crossovers, why
+    from pdrouter.bench.plots import write_plots
+
+    title = (f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}), {workload}, SLO {slo}")
+    plots = write_plots(results, out, title)
+    winners = best_by_rate(results)
+    (out / "compare.json").write_text(json.dumps(
+        {"title": title, "layouts": [{"name": r.layout.name, "gpus": r.layout.gpus, "points": r.points}
+                                     for r in results],
+         "winners": winners, "crossovers": crossovers(winners)}, indent=1, default=str) + "\n")
+    lines = [f"# {title}", "", "Goodput (requests/s meeting every SLO bound) at each offered rate:", "",
+             "| rate | " + " | ".join(r.layout.name for r in results) + " | best | why |",
+             "| --- | " + " | ".join("---" for _ in results) + " | --- | --- |"]
+    for rate, winner in winners:
+        cells = []
+        for r in results:
+            value = dict(r.curve("goodput")).get(rate)
+            cells.append("–" if value is None else f"{value:.2f}")
+        lines.append(f"| {rate:g} | " + " | ".join(cells) + f" | {winner} | {why(results, rate, winner)} |")
+    cross = crossovers(winners)
+    lines += ["", "Crossovers: " + ("; ".join(f"between {a:g} and {b:g} req/s the best layout changes from "
+                                                f"{w0} to {w1}" for a, b, w0, w1 in cross)
+                                     if cross else "none: one layout is best at every rate tried."), ""]
+    lines += ["| layout | GPUs | KV water level peak | prefix hit rate | admission queue peak |",
+              "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        peaks = [max((p["router"].get("kv_water_level_peak") or {0: 0}).values(), default=0) for p in r.points]
+        hits = [p["router"].get("prefix_hit_rate") for p in r.points if p["router"].get("prefix_hit_rate") is not None]
+        queues = [p["router"].get("admission_queue_peak") or 0 for p in r.points]
+        lines.append(f"| {r.layout.name} | {r.layout.gpus} | {max(peaks, default=0):.2f} | "
+                     f"{(sum(hits) / len(hits)) if hits else float('nan'):.2f} | {max(queues, default=0):g} |")
+    lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 async def _interruptible(coro: Any) -> Any:

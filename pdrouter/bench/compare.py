@@ -1,0 +1,175 @@
+"""Colocated against disaggregated on equal GPUs: bring up each layout, run the same sweep, compare.
+
+A layout is ``colocated`` (every GPU group a colocated worker) or ``XpYd`` (X prefill and Y decode
+workers), on ``gpus`` simulated GPUs of ``tp`` each per worker. ``pdrouter up --backend sim`` brings
+each one up on this machine (embedded Redis, workers, router), the same workload runs at every
+rate of the sweep, and the results feed ``pdrouter.bench.plots`` and the Markdown verdict below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from pdrouter.core.errors import ConfigError, UnavailableError
+
+_SPLIT = re.compile(r"^(\d+)p(\d+)d$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``gpus`` GPUs are split: colocated workers, or prefill + decode workers (each ``tp`` GPUs)."""
+
+    name: str
+    colocated: int = 0
+    prefill: int = 0
+    decode: int = 0
+    tp: int = 1
+
+    @property
+    def gpus(self) -> int:
+        return (self.colocated + self.prefill + self.decode) * self.tp
+
+    def up_args(self) -> list[str]:
+        if self.colocated:
+            return ["--mode", "colocated", "--workers", str(self.colocated)]
+        return ["--mode", "disaggregated", "--prefill", str(self.prefill), "--decode", str(self.decode)]
+
+
+def parse_layouts(text: str, gpus: int, tp: int = 1) -> list[Layout]:
+    """``colocated,2p6d,4p4d``: every layout must use exactly ``gpus`` GPUs (``all``: every split)."""
+    if gpus <= 0 or tp <= 0 or gpus % tp:
+        raise ConfigError(f"--gpus ({gpus}) must be a positive multiple of --tp ({tp})")
+    workers = gpus // tp
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    if names == ["all"]:
+        names = ["colocated"] + [f"{p}p{workers - p}d" for p in range(1, workers)]
+    layouts: list[Layout] = []
+    for name in names:
+        if name == "colocated":
+            layouts.append(Layout(f"colocated-{workers}", colocated=workers, tp=tp))
+            continue
+        m = _SPLIT.match(name)
+        if m is None:
+            raise ConfigError(f"--layouts: {name!r} is neither 'colocated' nor XpYd (e.g. 2p6d)")
+        p, d = int(m.group(1)), int(m.group(2))
+        if p < 1 or d < 1 or p + d != workers:
+            raise ConfigError(f"--layouts: {name} uses {p + d} workers of {tp} GPU(s); --gpus {gpus} "
+                              f"gives {workers}")
+        layouts.append(Layout(name, prefill=p, decode=d, tp=tp))
+    if len(layouts) < 2:
+        raise ConfigError("--layouts: name at least two layouts to compare")
+    return layouts
+
+
+@dataclass
+class LayoutResult:
+    """One layout's sweep: per rate, the run's summary and router figures."""
+
+    layout: Layout
+    points: list[dict[str, Any]] = field(default_factory=list)
+
+    def curve(self, key: str) -> list[tuple[float, float | None]]:
+        """(rate, figure) for ``goodput``, ``ttft_p99``, ``itl_p99``, ``tpot_p99``, ``output_tokens_per_s``…"""
+        out: list[tuple[float, float | None]] = []
+        for p in self.points:
+            s = p["summary"]
+            if key.endswith(("_p50", "_p90", "_p99", "_mean")):
+                metric, stat = key.rsplit("_", 1)
+                value = s[metric][stat]
+            else:
+                value = s.get(key)
+            out.append((float(p["rate"]), None if value is None else float(value)))
+        return out
+
+
+def _drain(stream: IO[str]) -> None:
+    for _ in stream:
+        pass
+
+
+@contextlib.contextmanager
+def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float,
+             extra: Sequence[str] = ()) -> Iterator[str]:
+    """``pdrouter up --backend sim`` for ``layout``; yields the router's OpenAI base URL, stops it after."""
+    argv = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--model", str(folder), "--gpu", gpu,
+            "--tp", str(layout.tp), "--time-scale", str(time_scale), "--http-port", "0", "--grpc-port", "0",
+            *layout.up_args(), *extra]
+    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert up.stdout is not None
+        seen: list[str] = []
+        for line in up.stdout:
+            seen.append(line)
+            if line.startswith("router "):
+                break
+        else:
+            raise UnavailableError(f"layout {layout.name} did not come up:\n" + "".join(seen[-20:]))
+        threading.Thread(target=_drain, args=(up.stdout,), daemon=True).start()
+        yield line.split()[1]  # http://host:port/v1
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+
+
+TIE = 0.03
+"""Layouts whose goodput is within this fraction of the best are tied (a run's noise is about this)."""
+
+
+def best_by_rate(results: Sequence[LayoutResult], key: str = "goodput") -> list[tuple[float, str]]:
+    """The layout with the highest ``key`` at each rate; ``tie: a, b`` when several are within ``TIE``."""
+    rates = sorted({float(p["rate"]) for r in results for p in r.points})
+    winners: list[tuple[float, str]] = []
+    for rate in rates:
+        scored = [(dict(r.curve(key)).get(rate), r.layout.name) for r in results]
+        valid = [(v, n) for v, n in scored if v is not None]
+        if valid:
+            top = max(v for v, _ in valid)
+            best = [n for v, n in valid if v >= top * (1 - TIE)]
+            winners.append((rate, best[0] if len(best) == 1 else "tie: " + ", ".join(best)))
+    return winners
+
+
+def crossovers(winners: Sequence[tuple[float, str]]) -> list[tuple[float, float, str, str]]:
+    """Where the winner changes: (rate before, rate after, winner before, winner after)."""
+    return [(r0, r1, w0, w1) for (r0, w0), (r1, w1) in itertools.pairwise(winners) if w0 != w1]
+
+
+def why(results: Sequence[LayoutResult], rate: float, winner: str) -> str:
+    """A reason for ``winner`` at ``rate``, in the source document's terms, read off the figures."""
+    by_name = {r.layout.name: r for r in results}
+    if winner.startswith("tie: "):
+        return "goodput within 3%: " + why(results, rate, winner[5:].split(", ")[0]).replace(
+            "the layouts are within 1.5× of each other on TTFT and ITL here", "TTFT and ITL within 1.5× too")
+    w = by_name[winner]
+    others = [r for r in results if r.layout.name != winner]
+    reasons: list[str] = []
+    w_itl = dict(w.curve("itl_p99")).get(rate)
+    w_ttft = dict(w.curve("ttft_p99")).get(rate)
+    for o in others:
+        o_itl, o_ttft = dict(o.curve("itl_p99")).get(rate), dict(o.curve("ttft_p99")).get(rate)
+        if w_itl is not None and o_itl is not None and o_itl > 1.5 * w_itl:
+            reasons.append(f"{o.layout.name}'s ITL p99 is {o_itl / w_itl:.1f}× higher"
+                           + (" (prefill chunks interfere with decode steps)" if o.layout.colocated else ""))
+        if w_ttft is not None and o_ttft is not None and o_ttft > 1.5 * w_ttft:
+            cause = ("too few prefill GPUs, or the KV transfer" if not o.layout.colocated
+                     else "prefills queue behind decode batches")
+            reasons.append(f"{o.layout.name}'s TTFT p99 is {o_ttft / w_ttft:.1f}× higher ({cause})")
+        queue = max((p["router"].get("admission_queue_peak") or 0 for p in o.points if p["rate"] == rate),
+                    default=0)
+        if queue:
+            reasons.append(f"{o.layout.name} ran out of KV room (admission queue {queue:g})")
+    return "; ".join(reasons) or "the layouts are within 1.5× of each other on TTFT and ITL here"

@@ -1,0 +1,73 @@
+"""``pdrouter bench compare``: layouts on equal GPUs, the winner per rate, the crossovers, the report and plots."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdrouter.bench.compare import Layout, LayoutResult, best_by_rate, crossovers, parse_layouts
+from pdrouter.core.errors import ConfigError
+
+
+def test_layouts_split_equal_gpus() -> None:
+    names = [layout.name for layout in parse_layouts("all", 8)]
+    assert names == ["colocated-8", "1p7d", "2p6d", "3p5d", "4p4d", "5p3d", "6p2d", "7p1d"]
+    tp4 = parse_layouts("colocated,1p1d", 8, tp=4)
+    assert [(x.gpus, x.up_args()) for x in tp4] == [
+        (8, ["--mode", "colocated", "--workers", "2"]),
+        (8, ["--mode", "disaggregated", "--prefill", "1", "--decode", "1"])]
+
+
+@pytest.mark.parametrize(("text", "gpus", "tp", "match"), [
+    ("colocated,2p2d", 8, 1, "uses 4 workers"),
+    ("colocated,2x6", 8, 1, "neither"),
+    ("colocated", 8, 1, "at least two"),
+    ("all", 6, 4, "multiple of --tp"),
+])
+def test_bad_layouts_say_what_to_fix(text: str, gpus: int, tp: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        parse_layouts(text, gpus, tp)
+
+
+def point(rate: float, goodput: float) -> dict[str, Any]:
+    stats = {"mean": 0.01, "p50": 0.01, "p90": 0.01, "p99": 0.01, "count": 1}
+    return {"rate": rate, "router": {}, "summary": {"goodput": goodput, "ttft": stats, "itl": stats,
+                                                    "tpot": stats, "output_tokens_per_s": 100.0}}
+
+
+def test_the_winner_per_rate_ties_and_crossovers() -> None:
+    co = LayoutResult(Layout("colocated-2", colocated=2), [point(1, 1.0), point(4, 3.0), point(8, 4.0)])
+    pd = LayoutResult(Layout("1p1d", prefill=1, decode=1), [point(1, 0.99), point(4, 3.5), point(8, 6.0)])
+    winners = best_by_rate([co, pd])
+    assert winners == [(1.0, "tie: colocated-2, 1p1d"), (4.0, "1p1d"), (8.0, "1p1d")]
+    assert crossovers(winners) == [(1.0, 4.0, "tie: colocated-2, 1p1d", "1p1d")]
+
+
+def test_compare_quick_writes_the_report_and_its_plots(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--quick", "--no-progress",
+                           "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)
+    assert done.returncode == 0, done.stderr + done.stdout
+    report = Path(json.loads(done.stdout)["report"])
+    folder = report.parent
+    text = report.read_text()
+    assert "| rate | colocated-2 | 1p1d | best | why |" in text and "Crossovers:" in text
+    data = json.loads((folder / "plots.json").read_text())
+    for key in ("goodput", "ttft_p99", "itl_p99", "pareto"):
+        assert set(data[key]) == {"colocated-2", "1p1d"}
+        assert all(len(points) == 2 for points in data[key].values())
+    # Goodput cannot exceed the offered rate by more than the noise of 16 Poisson arrivals.
+    assert all(0 < y <= 2.0 * x for pts in data["goodput"].values() for x, y in pts)
+    import matplotlib.image
+
+    for name in ("goodput", "ttft_p99", "itl_p99", "pareto"):
+        image = matplotlib.image.imread(folder / f"{name}.png")
+        assert image.shape[0] > 200 and image.shape[1] > 300
+        assert image[..., :3].std() > 0.05  # not a blank canvas: axes and curves were drawn
+    layouts = json.loads((folder / "compare.json").read_text())["layouts"]
+    assert [len(layout["points"]) for layout in layouts] == [2, 2]
+    assert all(p["summary"]["completed"] == 16 for layout in layouts for p in layout["points"])
