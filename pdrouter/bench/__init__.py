@@ -1,4 +1,4 @@
-"""``pdrouter bench run``: a load test of an OpenAI-compatible server, with ``vllm bench serve``'s metrics.
+"""``pdrouter bench run | sweep | compare``: load tests of OpenAI-compatible servers (vllm bench serve's metrics).
 
 Pure parts (no I/O beyond reading a workload file):
 
@@ -9,5 +9,7 @@ Pure parts (no I/O beyond reading a workload file):
 
 At the edge: :mod:`~pdrouter.bench.client` (one timed streamed request), :mod:`~pdrouter.bench.runner`
 (one run), :mod:`~pdrouter.bench.scrape` (the router's ``/metrics`` during it) and
-:mod:`~pdrouter.bench.report` (what a run leaves behind).
+:mod:`~pdrouter.bench.report` (what a run leaves behind). Comparing layouts:
+:mod:`~pdrouter.bench.compare` (layouts on equal simulated GPUs, the winner per rate, crossovers)
+and :mod:`~pdrouter.bench.plots` (the PNGs and their data).
 """
