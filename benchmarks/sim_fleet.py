@@ -29,19 +29,15 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
 
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
 
+from pdrouter.bench.compare import Layout, bring_up
 from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.engine.model_folder import write_config_folder
@@ -72,41 +68,17 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def _drain(stream: IO[str]) -> None:
-    """Keep reading a child's output so that it never blocks on a full pipe."""
-    for _ in stream:
-        pass
-
-
 @contextlib.contextmanager
 def cluster(folder: Path, prefill: int, decode: int, scale: float) -> Iterator[tuple[str, int, int, list[int]]]:
     """``pdrouter up --backend sim``: (host, HTTP port, router pid, worker pids) once it is up."""
-    argv = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--model", str(folder), "--gpu", GPU,
-            "--prefill", str(prefill), "--decode", str(decode), "--time-scale", str(scale),
-            "--http-port", "0", "--grpc-port", "0"]
-    up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        assert up.stdout is not None
-        lines = []
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("router "):
-                break
-        else:
-            raise RuntimeError("pdrouter up exited:\n" + "".join(lines[-30:]))
-        host, port = line.split("http://", 1)[1].split("/", 1)[0].rsplit(":", 1)
-        threading.Thread(target=_drain, args=(up.stdout,), daemon=True).start()
-        procs = children(up.pid)
+    layout = Layout(f"{prefill}p{decode}d", prefill=prefill, decode=decode)
+    with bring_up(layout, folder, gpu=GPU, time_scale=scale) as running:
+        procs = children(running.pid)
         argvs = {pid: Path(f"/proc/{pid}/cmdline").read_text().split("\0") for pid in procs}
         router = next(pid for pid, a in argvs.items() if a[3:4] == ["router"])  # python -m pdrouter router
         workers = [pid for pid, a in argvs.items() if "--backend" in a]
+        host, port = running.url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
         yield host, int(port), router, workers
-    finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
 
 
 async def drive(client: HttpCompletions, concurrency: int, seconds: float) -> list[tuple[float, float]]:

@@ -97,10 +97,19 @@ def _drain(stream: IO[str]) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class RunningCluster:
+    """A layout brought up by ``pdrouter up``: the router's OpenAI base URL and the ``up`` process's pid
+    (the router, the workers and Redis are its children)."""
+
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
 def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float,
-             extra: Sequence[str] = ()) -> Iterator[str]:
-    """``pdrouter up --backend sim`` for ``layout``; yields the router's OpenAI base URL, stops it after."""
+             extra: Sequence[str] = ()) -> Iterator[RunningCluster]:
+    """``pdrouter up --backend sim`` for ``layout``, until the ``with`` block ends."""
     argv = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--model", str(folder), "--gpu", gpu,
             "--tp", str(layout.tp), "--time-scale", str(time_scale), "--http-port", "0", "--grpc-port", "0",
             *layout.up_args(), *extra]
@@ -115,7 +124,7 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float,
         else:
             raise UnavailableError(f"layout {layout.name} did not come up:\n" + "".join(seen[-20:]))
         threading.Thread(target=_drain, args=(up.stdout,), daemon=True).start()
-        yield line.split()[1]  # http://host:port/v1
+        yield RunningCluster(line.split()[1], up.pid)  # router     http://host:port/v1  …
     finally:
         up.send_signal(signal.SIGINT)
         try:

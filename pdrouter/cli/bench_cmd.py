@@ -355,8 +355,8 @@ def compare_cmd(args: argparse.Namespace) -> int:
     for layout in layouts:
         result = LayoutResult(layout)
         results.append(result)
-        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale) as url:
-            run_args.url = url
+        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale) as cluster:
+            run_args.url = cluster.url
             for rate in rates:
                 outcome = execute(run_args, prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
                 result.points.append({"rate": rate, "summary": outcome.document["summary"],
