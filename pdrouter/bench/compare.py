@@ -107,12 +107,14 @@ class RunningCluster:
 
 
 @contextlib.contextmanager
-def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float,
+def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backend: str = "sim",
              extra: Sequence[str] = ()) -> Iterator[RunningCluster]:
-    """``pdrouter up --backend sim`` for ``layout``, until the ``with`` block ends."""
-    argv = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--model", str(folder), "--gpu", gpu,
-            "--tp", str(layout.tp), "--time-scale", str(time_scale), "--http-port", "0", "--grpc-port", "0",
-            *layout.up_args(), *extra]
+    """``pdrouter up`` for ``layout`` (simulated GPUs, or ``backend="torch"``: the folder's model on
+    this machine's CPUs, one worker per "GPU"), until the ``with`` block ends."""
+    engine = (["--backend", "sim", "--gpu", gpu, "--tp", str(layout.tp), "--time-scale", str(time_scale)]
+              if backend == "sim" else ["--backend", "torch"])
+    argv = [sys.executable, "-m", "pdrouter", "up", *engine, "--model", str(folder), "--http-port", "0",
+            "--grpc-port", "0", *layout.up_args(), *extra]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert up.stdout is not None

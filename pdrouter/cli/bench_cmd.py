@@ -54,7 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              description="Bring up each layout on --gpus simulated GPUs with `pdrouter up "
                                          "--backend sim`, run the same sweep against each, and write a report "
                                          "with plots (docs/benchmarks.md).")
-    c.add_argument("--gpus", type=int, default=8, help="simulated GPUs every layout gets")
+    c.add_argument("--backend", choices=["sim", "torch"], default="sim",
+                   help="sim: simulated GPUs; torch: the tiny torch model on this machine, one worker per --gpus")
+    c.add_argument("--gpus", type=int, default=8, help="simulated GPUs every layout gets (torch: workers)")
     c.add_argument("--layouts", default="all",
                    help="colocated and XpYd splits, e.g. colocated,2p6d,4p4d (all: every split)")
     c.add_argument("--tp", type=int, default=1, help="GPUs per worker (tensor parallel)")
@@ -339,14 +341,21 @@ def compare_cmd(args: argparse.Namespace) -> int:
     if args.quick:
         args.gpus, args.layouts, args.rates, args.num_requests = 2, "colocated,1p1d", "4,8", 16
         args.input_len, args.output_len = "256", "16"
+    if args.backend == "torch" and args.tp != 1:
+        raise ConfigError("--backend torch runs one CPU worker per --gpus; --tp applies to simulated GPUs")
     layouts = parse_layouts(args.layouts, args.gpus, args.tp)
     rates = _rates(args.rates)
-    spec = get_model_preset(args.model_preset)
+    spec = get_model_preset(args.model_preset if args.backend == "sim" else "tiny")
     get_gpu_preset(args.gpu)
     slo = Slo.parse(args.slo) if args.slo else Slo.parse("ttft=1s,tpot=50ms")
     specs, label = _workload(args)
     stem = args.out / (time.strftime("%Y%m%d-%H%M%S") + "-compare")
-    folder = write_config_folder(spec, stem / "model" / f"sim-{spec.name}")
+    if args.backend == "sim":
+        folder = write_config_folder(spec, stem / "model" / f"sim-{spec.name}")
+    else:
+        from pdrouter.engine.model_io import make_model  # torch, for this backend only
+
+        folder = make_model("tiny", 0, stem / "model" / "tiny")
     prep = Prepared(specs, label, folder.name, slo)
     run_args = argparse.Namespace(**vars(args))
     run_args.concurrency = run_args.max_concurrency = run_args.duration = None
@@ -355,7 +364,7 @@ def compare_cmd(args: argparse.Namespace) -> int:
     for layout in layouts:
         result = LayoutResult(layout)
         results.append(result)
-        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale) as cluster:
+        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale, backend=args.backend) as cluster:
             run_args.url = cluster.url
             for rate in rates:
                 outcome = execute(run_args, prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
@@ -381,7 +390,8 @@ def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace
     from pdrouter.bench.compare import best_by_rate, crossovers, why
     from pdrouter.bench.plots import write_plots
 
-    title = (f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}), {workload}, SLO {slo}")
+    title = (f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}), {workload}, SLO {slo}"
+             if args.backend == "sim" else f"tiny torch model on {args.gpus} CPU workers, {workload}, SLO {slo}")
     plots = write_plots(results, out, title)
     winners = best_by_rate(results)
     (out / "compare.json").write_text(json.dumps(
