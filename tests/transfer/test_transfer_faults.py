@@ -314,7 +314,10 @@ def test_closing_the_receiver_fails_transfers_in_flight(make_pair: Callable[...,
     pair.receiver.close()
     with pytest.raises(CancelledError, match="shutting down"):
         handle.wait_all(1)
+    # The sender learns it from the connection; the rest of the layers cannot change that (whether
+    # the news arrived before they were queued or after).
     with pytest.raises((CancelledError, PeerLostError)):
+        transfer.send_layers([2], range(1, 3))
         transfer.finish(30)
     pair.assert_released()
 
