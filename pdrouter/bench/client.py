@@ -59,8 +59,11 @@ class CompletionsClient:
                         continue
                     data = line[5:].strip()
                     if data == "[DONE]":
+                        # Read on to the end of the body (the servers end it right after): leaving
+                        # early would make httpx close the connection instead of pooling it, and
+                        # every request would pay a TCP connect inside its TTFT.
                         record.e2e_s = time.perf_counter() - sent
-                        break
+                        continue
                     now = time.perf_counter()
                     event = json.loads(data)
                     if event.get("error"):
