@@ -299,7 +299,8 @@ def from_jsonl(path: Path, *, seed: int, token_range: tuple[int, int] = DEFAULT_
 
 PRESETS: dict[str, tuple[LengthDist, LengthDist]] = {
     "chat": (LengthDist("lognormal", 1000, 0.5), LengthDist("lognormal", 300, 0.5)),
-    "summarize": (LengthDist("fixed", 8000), LengthDist("fixed", 200)),
+    # 7,936 + 200 tokens fit an 8k context (Llama-3's 8,192) with room to spare.
+    "summarize": (LengthDist("fixed", 7936), LengthDist("fixed", 200)),
     "generate": (LengthDist("fixed", 200), LengthDist("fixed", 2000)),
     "rag": (LengthDist("lognormal", 200, 0.5), LengthDist("fixed", 200)),
 }
@@ -314,7 +315,7 @@ RAG_PREFIX_LEN = 2000
 
 def preset(name: str) -> tuple[LengthDist, LengthDist]:
     """The (input, output) length distributions of a preset: ``chat`` (lognormal ~1000 in / ~300 out),
-    ``summarize`` (8000 in / 200 out: long input, short output), ``generate`` (200 in / 2000 out:
+    ``summarize`` (7,936 in / 200 out, inside an 8k context: long input, short output), ``generate`` (200 in / 2000 out:
     short input, long output), ``rag`` (suffix ~200 / 200 out, after a shared prefix)."""
     try:
         return PRESETS[name]

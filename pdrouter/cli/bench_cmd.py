@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdrouter.core.errors import ConfigError
+from pdrouter.core.errors import ConfigError, UnavailableError
 
 if TYPE_CHECKING:
     from pdrouter.bench.stats import Slo, Summary
@@ -91,7 +91,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     """The workload and its reporting, shared by ``run``, ``sweep`` and ``compare``."""
     p.add_argument("--workload", choices=WORKLOADS, default="synthetic",
                    help="synthetic (--input-len/--output-len), shared-prefix (--prefixes × --prefix-len + "
-                        "suffix), jsonl (--dataset), or a preset: chat, summarize (8k in / 200 out), "
+                        "suffix), jsonl (--dataset), or a preset: chat, summarize (7,936 in / 200 out), "
                         "generate (200 in / 2k out)")
     p.add_argument("--input-len", default="512", help="prompt tokens: N | LO-HI | lognormal:MEAN:SIGMA")
     p.add_argument("--output-len", default="128", help="output tokens (sent as max_tokens with ignore_eos)")
@@ -372,8 +372,15 @@ def compare_cmd(args: argparse.Namespace) -> int:
                                       "router": outcome.document["router"], "file": str(outcome.path)})
                 s = outcome.summary
                 if not args.json:
+                    errors = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items()))
                     print(f"{layout.name:>12} @ {rate:g}/s: goodput {s.goodput or 0:.3g} req/s, TTFT p99 "
-                          f"{s.ttft.p99 * 1e3:.1f} ms, ITL p99 {s.itl.p99 * 1e3:.1f} ms", flush=True)
+                          f"{s.ttft.p99 * 1e3:.1f} ms, ITL p99 {s.itl.p99 * 1e3:.1f} ms"
+                          + (f", failed {s.failed} ({errors})" if s.failed else ""), flush=True)
+                if s.completed == 0 and s.failed:
+                    first = next((r["error"] for r in outcome.document["requests"] if r.get("error")), "")
+                    raise UnavailableError(f"every request to {layout.name} at {rate:g}/s failed ({first}); "
+                                           f"check the workload against the model (context, vocabulary): "
+                                           f"{outcome.path}")
                 if outcome.interrupted:
                     return 130
     report = write_compare_report(results, stem, args, label, slo.describe())

@@ -261,7 +261,7 @@ def test_jsonl_empty_or_missing_file(tmp_path: Path) -> None:
 def test_presets() -> None:
     chat_in, chat_out = preset("chat")
     assert (chat_in.kind, chat_in.mean, chat_out.mean) == ("lognormal", 1000, 300)
-    assert preset("summarize") == (LengthDist("fixed", 8000), LengthDist("fixed", 200))
+    assert preset("summarize") == (LengthDist("fixed", 7936), LengthDist("fixed", 200))
     assert preset("generate") == (LengthDist("fixed", 200), LengthDist("fixed", 2000))
     assert set(PRESETS) == {"chat", "summarize", "generate", "rag"}
     with pytest.raises(ConfigError, match="--workload: unknown preset 'nope' \\(choose from chat, summarize"):
