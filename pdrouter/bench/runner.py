@@ -8,6 +8,11 @@ Arrivals, as ``vllm bench serve`` offers them:
 * ``concurrency`` alone: closed loop, that many requests in flight, each slot sending its next
   request when its previous one ends.
 
+Rates, trace timestamps and ``duration_s`` are in simulated seconds when ``time_scale`` is not 1
+(simulated workers running that many times slower than the wall clock): the run sends at
+``rate ÷ time_scale`` per wall second. The records stay in wall time (``RequestRecord.scaled``
+turns them into simulated time).
+
 A run ends when every request was sent and answered, or ``duration_s`` after the start (nothing is
 sent after it; requests in flight are awaited). Cancelling the run (Ctrl-C) keeps what was
 measured: requests in flight end as ``cancelled``.
@@ -46,6 +51,12 @@ class RunConfig:
     metrics_url: str | None = None
     api_key: str | None = None
     timeout_s: float = 600.0
+    time_scale: float = 1.0
+    """The simulated workers' time scale (0 or 1: wall time)."""
+
+    @property
+    def wall_per_sim_s(self) -> float:
+        return self.time_scale if self.time_scale > 0 else 1.0
 
     def __post_init__(self) -> None:
         if self.rate is not None and not self.rate > 0:
@@ -106,7 +117,8 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
     scraper = MetricsScraper(config.metrics_url) if config.metrics_url else None
     records: list[RequestRecord] = []
     zero = time.perf_counter()
-    deadline = zero + config.duration_s if config.duration_s else None
+    stretch = config.wall_per_sim_s
+    deadline = zero + config.duration_s * stretch if config.duration_s else None
     in_flight: dict[int, tuple[RequestSpec, float]] = {}
     gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
 
@@ -167,9 +179,9 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
         if config.rate is not None:
             offsets = arrival_times(config.rate, len(specs), burstiness=config.burstiness, seed=config.seed)
             assert offsets is not None
-            await open_loop(offsets)
+            await open_loop([t * stretch for t in offsets])
         elif specs and all(s.arrival_s is not None for s in specs):
-            await open_loop([s.arrival_s or 0.0 for s in specs])
+            await open_loop([(s.arrival_s or 0.0) * stretch for s in specs])
         else:
             await closed_loop(config.concurrency or len(specs) or 1)
     except asyncio.CancelledError:

@@ -199,7 +199,7 @@ def execute(args: argparse.Namespace, prep: Prepared, rate: float | None, stem: 
     config = RunConfig(base_url=args.url, model=prep.model, rate=rate, burstiness=args.burstiness,
                        concurrency=args.concurrency, max_concurrency=args.max_concurrency,
                        duration_s=args.duration, seed=args.seed, metrics_url=_metrics_url(args),
-                       api_key=args.api_key, timeout_s=args.timeout)
+                       api_key=args.api_key, timeout_s=args.timeout, time_scale=args.time_scale)
     progress = Progress(len(prep.specs), enabled=False if args.no_progress else None)
     result = asyncio.run(_interruptible(run(config, prep.specs, progress=progress)))
     scale = args.time_scale or 1.0

@@ -173,3 +173,19 @@ def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tm
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert (result["best_rate"] is not None) is met and result["points"] == 2
+
+
+def test_a_time_scale_stretches_arrivals_and_shrinks_latencies(cluster: str, tmp_path: Path) -> None:
+    """Against workers at time scale 1, ``--time-scale 2`` sends at half the wall rate and reports
+    halved latencies: the document's arrivals are Poisson at the nominal (simulated) rate."""
+    rate = 20.0
+    done = bench("--url", cluster, "--rate", str(rate), "--num-requests", "80", "--input-len", "64",
+                 "--output-len", "8", "--out", str(tmp_path), "--seed", "5", "--time-scale", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    records = document(tmp_path)["requests"]
+    starts = sorted(r["start_s"] for r in records)
+    _, p_value = ks_exponential([b - a for a, b in itertools.pairwise(starts)], rate)
+    assert p_value > 0.01, p_value
+    step = TimingModel(get_model_preset(MODEL), get_gpu_preset("h100")).decode_step(1, 68).seconds
+    summary = json.loads(done.stdout)["summary"]
+    assert summary["tpot"]["p50"] == pytest.approx(step / 2, rel=0.15)
