@@ -83,7 +83,9 @@ class LayoutResult:
         out: list[tuple[float, float | None]] = []
         for p in self.points:
             s = p["summary"]
-            if key.endswith(("_p50", "_p90", "_p99", "_mean")):
+            if key in p and key not in ("rate", "summary", "router"):
+                value = p[key]
+            elif key.endswith(("_p50", "_p90", "_p99", "_mean")):
                 metric, stat = key.rsplit("_", 1)
                 value = s[metric][stat]
             else:
@@ -136,6 +138,25 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backe
             up.wait()
 
 
+def slo_attainment(summary: dict[str, Any]) -> float | None:
+    """The share (%) of a run's requests that met every SLO bound (DistServe's "SLO attainment");
+    failed requests count as misses. None without an SLO or requests."""
+    met, total = summary.get("slo_met"), summary.get("requests")
+    return None if met is None or not total else 100.0 * met / total
+
+
+def max_rate_within(result: LayoutResult, attainment: float) -> float | None:
+    """The highest rate of the sweep up to which every point kept ``attainment`` % of its requests
+    within the SLO (DistServe's goodput: the largest rate served at the attainment target); None
+    when even the lowest rate missed it."""
+    best: float | None = None
+    for rate, share in sorted(result.curve("slo_met_percent")):
+        if share is None or share < attainment:
+            break
+        best = rate
+    return best
+
+
 TIE = 0.03
 """Layouts whose goodput is within this fraction of the best are tied (a run's noise is about this)."""
 
@@ -163,7 +184,7 @@ def why(results: Sequence[LayoutResult], rate: float, winner: str) -> str:
     """A reason for ``winner`` at ``rate``, in the source document's terms, read off the figures."""
     by_name = {r.layout.name: r for r in results}
     if winner.startswith("tie: "):
-        return "goodput within 3%: " + why(results, rate, winner[5:].split(", ")[0]).replace(
+        return "within 3% of each other: " + why(results, rate, winner[5:].split(", ")[0]).replace(
             "the layouts are within 1.5× of each other on TTFT and ITL here", "TTFT and ITL within 1.5× too")
     w = by_name[winner]
     others = [r for r in results if r.layout.name != winner]

@@ -1,6 +1,8 @@
 """The comparison's plots (matplotlib, PNG), each with its data written beside it as JSON.
 
 * ``goodput.png``: requests/s within the SLO against the offered rate, one line per layout;
+* ``slo_met_percent.png``: the share of requests within the SLO against the rate (DistServe's
+  attainment curve);
 * ``ttft_p99.png`` / ``itl_p99.png``: the tails against the rate;
 * ``pareto.png``: output tokens/s per GPU against tokens/s per user (1 ÷ mean TPOT), one point per
   rate: up and to the right is better, and each layout traces the trade-off batching makes.
@@ -17,6 +19,7 @@ from typing import Any
 from pdrouter.bench.compare import LayoutResult
 
 _CURVES = (("goodput", "goodput (req/s within the SLO)", 1.0),
+           ("slo_met_percent", "SLO attainment (% of requests)", 1.0),
            ("ttft_p99", "TTFT p99 (ms)", 1e3),
            ("itl_p99", "ITL p99 (ms)", 1e3))
 
@@ -41,7 +44,7 @@ def curves(results: Sequence[LayoutResult]) -> dict[str, Any]:
 
 
 def write_plots(results: Sequence[LayoutResult], out: Path, title: str) -> list[Path]:
-    """Write the four PNGs and ``plots.json`` (their data) into ``out``; the PNG paths."""
+    """Write the five PNGs and ``plots.json`` (their data) into ``out``; the PNG paths."""
     import matplotlib
 
     matplotlib.use("Agg")

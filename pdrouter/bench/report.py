@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdrouter.bench.scrape import MetricsSample, prefix_hit_rate
+from pdrouter.bench.scrape import MetricsSample, prefix_hit_rate, sim_late_share
 from pdrouter.bench.stats import Summary
 
 
@@ -28,6 +28,7 @@ def router_figures(samples: list[MetricsSample]) -> dict[str, Any]:
         "prefix_hit_rate": prefix_hit_rate(samples),
         "admission_queue_peak": max(queues) if queues else None,
         "kv_transfer_bytes": (moved[-1] - moved[0]) if len(moved) >= 2 else None,
+        "sim_late_share": sim_late_share(samples),
     }
 
 

@@ -29,6 +29,10 @@ class MetricsSample:
     prefix_query_tokens: float | None = None
     prefix_hit_tokens: float | None = None
     kv_transfer_bytes: float | None = None
+    sim_modeled_s: float | None = None
+    """Simulated GPUs' modeled step seconds, summed over workers (``pdrouter_worker_sim_modeled_seconds``)."""
+    sim_late_s: float | None = None
+    """Of which late because the machine was too slow (``pdrouter_worker_sim_late_seconds``)."""
 
     @property
     def water_level(self) -> dict[str, float]:
@@ -39,7 +43,8 @@ class MetricsSample:
         return {"t_s": self.t_s, "water_level": self.water_level, "reserved_blocks": self.reserved_blocks,
                 "capacity_blocks": self.capacity_blocks, "queue_length": self.queue_length,
                 "prefix_query_tokens": self.prefix_query_tokens, "prefix_hit_tokens": self.prefix_hit_tokens,
-                "kv_transfer_bytes": self.kv_transfer_bytes}
+                "kv_transfer_bytes": self.kv_transfer_bytes, "sim_modeled_s": self.sim_modeled_s,
+                "sim_late_s": self.sim_late_s}
 
 
 def parse_metrics(text: str, t_s: float) -> MetricsSample:
@@ -48,7 +53,8 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
     capacity: dict[str, float] = {}
     scalars: dict[str, float] = {}
     wanted = {"pdrouter_admission_queue_length": "queue", "pdrouter_prefix_cache_query_tokens_total": "query",
-              "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes"}
+              "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes",
+              "pdrouter_worker_sim_modeled_seconds": "modeled", "pdrouter_worker_sim_late_seconds": "late"}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name == "pdrouter_kv_reserved_blocks":
@@ -59,7 +65,7 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
                 key = wanted[s.name]
                 scalars[key] = scalars.get(key, 0.0) + s.value
     return MetricsSample(t_s, reserved, capacity, scalars.get("queue"), scalars.get("query"), scalars.get("hit"),
-                         scalars.get("bytes"))
+                         scalars.get("bytes"), scalars.get("modeled"), scalars.get("late"))
 
 
 def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
@@ -70,6 +76,17 @@ def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
     queried = (seen[-1].prefix_query_tokens or 0.0) - (seen[0].prefix_query_tokens or 0.0)
     hit = (seen[-1].prefix_hit_tokens or 0.0) - (seen[0].prefix_hit_tokens or 0.0)
     return hit / queried if queried > 0 else None
+
+
+def sim_late_share(samples: Iterable[MetricsSample]) -> float | None:
+    """Of the simulated GPUs' modeled step time during the run, the share by which steps ended late
+    because this machine could not keep up (0: the simulated timings held; None: no simulated workers)."""
+    seen = [s for s in samples if s.sim_modeled_s is not None and s.sim_late_s is not None]
+    if len(seen) < 2:
+        return None
+    modeled = (seen[-1].sim_modeled_s or 0.0) - (seen[0].sim_modeled_s or 0.0)
+    late = (seen[-1].sim_late_s or 0.0) - (seen[0].sim_late_s or 0.0)
+    return late / modeled if modeled > 0 else None
 
 
 class MetricsScraper:

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -66,6 +67,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--time-scale", type=float, default=1.0, help="the simulated workers' time scale")
     c.add_argument("--quick", action="store_true",
                    help="2 GPUs, colocated vs 1p1d, two rates, 16 short requests each (under 2 minutes)")
+    c.add_argument("--point-duration", type=float, default=None,
+                   help="simulated seconds of arrivals per point: each rate sends max(--num-requests, "
+                        "rate × this) requests, so every point reaches the same steady state")
+    c.add_argument("--warmup", type=int, default=None,
+                   help="short requests sent to each layout before its sweep and not measured "
+                        "(default: 2 per worker; 0: none)")
+    c.add_argument("--attainment", type=float, default=90.0,
+                   help="the SLO attainment (%% of requests within the SLO) a layout must keep; the "
+                        "report gives each layout's highest rate that kept it")
     add_workload_args(c)
     c.set_defaults(func=compare_cmd)
 
@@ -332,7 +342,7 @@ def sweep_cmd(args: argparse.Namespace) -> int:
 
 def compare_cmd(args: argparse.Namespace) -> int:
     """Each layout up in turn, the same sweep against each, then plots and a Markdown verdict."""
-    from pdrouter.bench.compare import LayoutResult, bring_up, parse_layouts
+    from pdrouter.bench.compare import LayoutResult, bring_up, parse_layouts, slo_attainment
     from pdrouter.bench.stats import Slo
     from pdrouter.core.gpu import get_gpu_preset
     from pdrouter.core.model_spec import get_model_preset
@@ -348,7 +358,16 @@ def compare_cmd(args: argparse.Namespace) -> int:
     spec = get_model_preset(args.model_preset if args.backend == "sim" else "tiny")
     get_gpu_preset(args.gpu)
     slo = Slo.parse(args.slo) if args.slo else Slo.parse("ttft=1s,tpot=50ms")
+    if not 0 < args.attainment <= 100:
+        raise ConfigError(f"--attainment must be in (0, 100], got {args.attainment}")
+    if args.point_duration is not None and not args.point_duration > 0:
+        raise ConfigError(f"--point-duration must be > 0 seconds, got {args.point_duration}")
+    if args.warmup is not None and args.warmup < 0:
+        raise ConfigError(f"--warmup must be >= 0 requests, got {args.warmup}")
+    base_requests = args.num_requests
+    args.num_requests = max(base_requests, math.ceil(max(rates) * (args.point_duration or 0)))
     specs, label = _workload(args)
+    args.num_requests = base_requests
     stem = args.out / (time.strftime("%Y%m%d-%H%M%S") + "-compare")
     if args.backend == "sim":
         folder = write_config_folder(spec, stem / "model" / f"sim-{spec.name}")
@@ -366,10 +385,14 @@ def compare_cmd(args: argparse.Namespace) -> int:
         results.append(result)
         with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale, backend=args.backend) as cluster:
             run_args.url = cluster.url
+            warm_up(run_args, prep, layout, args.warmup)
             for rate in rates:
-                outcome = execute(run_args, prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
-                result.points.append({"rate": rate, "summary": outcome.document["summary"],
-                                      "router": outcome.document["router"], "file": str(outcome.path)})
+                n = max(base_requests, math.ceil(rate * args.point_duration)) if args.point_duration else len(specs)
+                point_prep = Prepared(specs[:n], label, prep.model, slo)
+                outcome = execute(run_args, point_prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
+                summary = outcome.document["summary"]
+                result.points.append({"rate": rate, "summary": summary, "router": outcome.document["router"],
+                                      "slo_met_percent": slo_attainment(summary), "file": str(outcome.path)})
                 s = outcome.summary
                 if not args.json:
                     errors = ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items()))
@@ -391,41 +414,98 @@ def compare_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def warm_up(args: argparse.Namespace, prep: Prepared, layout: Any, count: int | None) -> None:
+    """Send ``count`` short requests (default: 2 per worker), two per worker at a time, and discard
+    them: a fresh cluster's first requests pay for connections being opened and code paths run for
+    the first time, which would otherwise land in the sweep's first point. Their prompts share nothing
+    with the workload's, so no prefix is cached for it. A warm-up that fails stops the comparison."""
+    from pdrouter.bench import workload as w
+    from pdrouter.bench.runner import RunConfig, run
+
+    workers = layout.colocated + layout.prefill + layout.decode
+    count = 2 * workers if count is None else count
+    if count == 0:
+        return
+    specs = w.synthetic(count, w.LengthDist.parse("64", "warm-up"), w.LengthDist.parse("4", "warm-up"),
+                        seed=args.seed + 7919)
+    config = RunConfig(base_url=args.url, model=prep.model, concurrency=min(count, 2 * workers),
+                       timeout_s=args.timeout, time_scale=args.time_scale)
+    result = asyncio.run(_interruptible(run(config, specs)))
+    failed = [r for r in result.records if not r.ok]
+    if result.interrupted:
+        raise KeyboardInterrupt
+    if failed:
+        raise UnavailableError(f"{layout.name}: {len(failed)} of {count} warm-up requests failed "
+                               f"(first: {failed[0].error})")
+
+
 def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace, workload: str,
                          slo: str) -> Path:
-    """``compare.json`` (every point), the plots and ``report.md`` naming the winner per regime."""
-    from pdrouter.bench.compare import best_by_rate, crossovers, why
+    """``compare.json`` (every point), the plots and ``report.md``: per rate the SLO attainment and the
+    layout that kept the most requests within the SLO (ties within 3%), why, the crossovers, each
+    layout's highest rate at ``--attainment`` %, goodput in req/s, and the router-side figures."""
+    from pdrouter.bench.compare import best_by_rate, crossovers, max_rate_within, why
     from pdrouter.bench.plots import write_plots
 
     title = (f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}), {workload}, SLO {slo}"
              if args.backend == "sim" else f"tiny torch model on {args.gpus} CPU workers, {workload}, SLO {slo}")
     plots = write_plots(results, out, title)
-    winners = best_by_rate(results)
+    winners = best_by_rate(results, "slo_met_percent")
+    cross = crossovers(winners)
+    kept = {r.layout.name: max_rate_within(r, args.attainment) for r in results}
     (out / "compare.json").write_text(json.dumps(
         {"title": title, "layouts": [{"name": r.layout.name, "gpus": r.layout.gpus, "points": r.points}
                                      for r in results],
-         "winners": winners, "crossovers": crossovers(winners)}, indent=1, default=str) + "\n")
-    lines = [f"# {title}", "", "Goodput (requests/s meeting every SLO bound) at each offered rate:", "",
-             "| rate | " + " | ".join(r.layout.name for r in results) + " | best | why |",
-             "| --- | " + " | ".join("---" for _ in results) + " | --- | --- |"]
+         "winners": winners, "crossovers": cross, "attainment_target": args.attainment,
+         "max_rate_within": kept}, indent=1, default=str) + "\n")
+    names = [r.layout.name for r in results]
+
+    def table(key: str, fmt: Any) -> list[str]:
+        rows = ["| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+        for rate, _ in winners:
+            cells = [dict(r.curve(key)).get(rate) for r in results]
+            rows.append(f"| {rate:g} | " + " | ".join("–" if v is None else fmt(v) for v in cells) + " |")
+        return rows
+
+    lines = [f"# {title}", "",
+             "SLO attainment: the share of requests that met every bound (failures count as misses), the "
+             "layout keeping the most (within 3%: a tie) and why:", "",
+             "| rate | " + " | ".join(names) + " | best | why |", "| --- |" + " --- |" * (len(names) + 2)]
     for rate, winner in winners:
-        cells = []
-        for r in results:
-            value = dict(r.curve("goodput")).get(rate)
-            cells.append("–" if value is None else f"{value:.2f}")
-        lines.append(f"| {rate:g} | " + " | ".join(cells) + f" | {winner} | {why(results, rate, winner)} |")
-    cross = crossovers(winners)
+        cells = [dict(r.curve("slo_met_percent")).get(rate) for r in results]
+        lines.append(f"| {rate:g} | " + " | ".join("–" if v is None else f"{v:.0f}%" for v in cells)
+                     + f" | {winner} | {why(results, rate, winner)} |")
     lines += ["", "Crossovers: " + ("; ".join(f"between {a:g} and {b:g} req/s the best layout changes from "
                                                 f"{w0} to {w1}" for a, b, w0, w1 in cross)
-                                     if cross else "none: one layout is best at every rate tried."), ""]
-    lines += ["| layout | GPUs | KV water level peak | prefix hit rate | admission queue peak |",
-              "| --- | --- | --- | --- | --- |"]
+                                     if cross else "none: the same layout (or tie) is best at every rate tried."), ""]
+    lines += [f"Highest rate each layout served with at least {args.attainment:g}% of requests within the SLO "
+              "(DistServe's goodput; every lower rate of the sweep held it too):", "",
+              "| layout | GPUs | highest rate | per GPU |", "| --- | --- | --- | --- |"]
+    for r in results:
+        v = kept[r.layout.name]
+        lines.append(f"| {r.layout.name} | {r.layout.gpus} | "
+                     + ("below the lowest rate | – |" if v is None else f"{v:g} req/s | {v / r.layout.gpus:.3g} |"))
+    served = [(v, n) for n, v in kept.items() if v is not None]
+    if served:
+        top = max(v for v, _ in served)
+        best = [n for v, n in served if v == top]
+        lines += ["", f"**{' and '.join(best)}** {'serve' if len(best) > 1 else 'serves'} the highest rate "
+                      f"at {args.attainment:g}% attainment ({top:g} req/s)."]
+    lines += ["", "Goodput as `vllm bench serve` reports it (requests within the SLO ÷ the run's duration, "
+                  "the drain after the last arrival included), req/s:", ""]
+    lines += table("goodput", lambda v: f"{v:.2f}")
+    lines += ["", "TTFT p99 (ms):", "", *table("ttft_p99", lambda v: f"{v * 1e3:.0f}")]
+    lines += ["", "ITL p99 (ms):", "", *table("itl_p99", lambda v: f"{v * 1e3:.1f}")]
+    lines += ["", "| layout | GPUs | KV water level peak | prefix hit rate | admission queue peak | "
+                  "simulated time lost to this machine |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
         peaks = [max((p["router"].get("kv_water_level_peak") or {0: 0}).values(), default=0) for p in r.points]
         hits = [p["router"].get("prefix_hit_rate") for p in r.points if p["router"].get("prefix_hit_rate") is not None]
         queues = [p["router"].get("admission_queue_peak") or 0 for p in r.points]
+        late = [p["router"]["sim_late_share"] for p in r.points if p["router"].get("sim_late_share") is not None]
         lines.append(f"| {r.layout.name} | {r.layout.gpus} | {max(peaks, default=0):.2f} | "
-                     f"{(sum(hits) / len(hits)) if hits else float('nan'):.2f} | {max(queues, default=0):g} |")
+                     f"{(sum(hits) / len(hits)) if hits else float('nan'):.2f} | {max(queues, default=0):g} | "
+                     + (f"{100 * max(late):.2f}% (worst point)" if late else "–") + " |")
     lines += [""] + [f"![{p.stem}]({p.name})" for p in plots]
     path = out / "report.md"
     path.write_text("\n".join(lines) + "\n")

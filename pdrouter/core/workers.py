@@ -26,6 +26,10 @@ class WorkerLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     allocated_blocks: int = 0
+    sim_modeled_s: float = 0.0
+    """A simulated GPU's modeled step time so far (simulated seconds; 0 on real engines)."""
+    sim_late_s: float = 0.0
+    """Of that, how much the machine ran late (see ``SimStepStats.late_s``)."""
 
 
 @dataclass(frozen=True)

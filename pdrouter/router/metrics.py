@@ -189,6 +189,15 @@ class RouterMetrics:
             "pdrouter_worker_info", "1 for every worker in the pool; what it runs on (cpu, cuda:0, sim:h100-80g…).",
             ["worker", "role", "device"], registry=r)
         self._worker_devices: dict[tuple[str, str], str] = {}
+        self.worker_sim_modeled_seconds = Gauge(
+            "pdrouter_worker_sim_modeled_seconds",
+            "A simulated GPU's modeled step time so far, in simulated seconds (last heartbeat; cumulative).",
+            ["worker", "role"], registry=r)
+        self.worker_sim_late_seconds = Gauge(
+            "pdrouter_worker_sim_late_seconds",
+            "Simulated seconds by which a simulated GPU's steps ended after their modeled end because this "
+            "machine was too slow (last heartbeat; cumulative). Near 0 against the modeled seconds: the "
+            "simulated timings hold.", ["worker", "role"], registry=r)
         self.kv_transfer_bytes_total = Counter(
             "pdrouter_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode workers.",
             ["backend"], registry=r)
@@ -221,7 +230,8 @@ class RouterMetrics:
         self._queue_time.observe(seconds)
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
-                        free_blocks: int, device: str = "") -> None:
+                        free_blocks: int, device: str = "", sim_modeled_s: float = 0.0,
+                        sim_late_s: float = 0.0) -> None:
         """Publish a worker's latest load (from its heartbeat) and what it runs on."""
         if self._worker_devices.get((worker, role)) != device:
             old = self._worker_devices.pop((worker, role), None)
@@ -233,11 +243,14 @@ class RouterMetrics:
         self.worker_running_requests.labels(worker, role).set(running)
         self.worker_queued_prefill_tokens.labels(worker, role).set(queued_prefill_tokens)
         self.worker_free_kv_blocks.labels(worker, role).set(free_blocks)
+        if device.startswith("sim:"):
+            self.worker_sim_modeled_seconds.labels(worker, role).set(sim_modeled_s)
+            self.worker_sim_late_seconds.labels(worker, role).set(sim_late_s)
 
     def remove_worker(self, worker: str, role: str) -> None:
         """Drop a departed worker's gauges so they stop being exported."""
         for gauge in (self.worker_running_requests, self.worker_queued_prefill_tokens,
-                      self.worker_free_kv_blocks):
+                      self.worker_free_kv_blocks, self.worker_sim_modeled_seconds, self.worker_sim_late_seconds):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker, role)
         device = self._worker_devices.pop((worker, role), None)

@@ -132,7 +132,8 @@ class RouterProcess:
                 seen.add(key)
                 self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
                                              queued_prefill_tokens=h.load.queued_prefill_tokens,
-                                             free_blocks=h.load.free_blocks, device=h.record.device)
+                                             free_blocks=h.load.free_blocks, device=h.record.device,
+                                             sim_modeled_s=h.load.sim_modeled_s, sim_late_s=h.load.sim_late_s)
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen

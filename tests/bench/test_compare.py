@@ -40,6 +40,20 @@ def point(rate: float, goodput: float) -> dict[str, Any]:
                                                     "tpot": stats, "output_tokens_per_s": 100.0}}
 
 
+def test_max_rate_within_stops_at_the_first_rate_missing_the_target() -> None:
+    from pdrouter.bench.compare import max_rate_within, slo_attainment
+
+    def at(rate: float, share: float | None) -> dict[str, Any]:
+        return {**point(rate, 0.0), "slo_met_percent": share}
+
+    layout = Layout("1p1d", prefill=1, decode=1)
+    assert max_rate_within(LayoutResult(layout, [at(1, 100), at(2, 95), at(4, 80), at(8, 99)]), 90) == 2
+    assert max_rate_within(LayoutResult(layout, [at(1, 50)]), 90) is None
+    assert max_rate_within(LayoutResult(layout, [at(1, 100), at(2, None)]), 90) == 1
+    assert slo_attainment({"slo_met": 9, "requests": 12}) == 75.0
+    assert slo_attainment({"slo_met": None, "requests": 12}) is None
+
+
 def test_the_winner_per_rate_ties_and_crossovers() -> None:
     co = LayoutResult(Layout("colocated-2", colocated=2), [point(1, 1.0), point(4, 3.0), point(8, 4.0)])
     pd = LayoutResult(Layout("1p1d", prefill=1, decode=1), [point(1, 0.99), point(4, 3.5), point(8, 6.0)])
@@ -56,18 +70,29 @@ def test_compare_quick_writes_the_report_and_its_plots(tmp_path: Path) -> None:
     folder = report.parent
     text = report.read_text()
     assert "| rate | colocated-2 | 1p1d | best | why |" in text and "Crossovers:" in text
+    assert "simulated time lost to this machine" in text
     data = json.loads((folder / "plots.json").read_text())
-    for key in ("goodput", "ttft_p99", "itl_p99", "pareto"):
+    for key in ("goodput", "slo_met_percent", "ttft_p99", "itl_p99", "pareto"):
         assert set(data[key]) == {"colocated-2", "1p1d"}
         assert all(len(points) == 2 for points in data[key].values())
     # Goodput cannot exceed the offered rate by more than the noise of 16 Poisson arrivals.
     assert all(0 < y <= 2.0 * x for pts in data["goodput"].values() for x, y in pts)
     import matplotlib.image
 
-    for name in ("goodput", "ttft_p99", "itl_p99", "pareto"):
+    assert all(0 <= y <= 100 for pts in data["slo_met_percent"].values() for _, y in pts)
+    assert "SLO attainment" in text and "highest rate" in text
+    for name in ("goodput", "slo_met_percent", "ttft_p99", "itl_p99", "pareto"):
         image = matplotlib.image.imread(folder / f"{name}.png")
         assert image.shape[0] > 200 and image.shape[1] > 300
         assert image[..., :3].std() > 0.05  # not a blank canvas: axes and curves were drawn
     layouts = json.loads((folder / "compare.json").read_text())["layouts"]
     assert [len(layout["points"]) for layout in layouts] == [2, 2]
     assert all(p["summary"]["completed"] == 16 for layout in layouts for p in layout["points"])
+    for layout in layouts:  # the attainment each point reports is its own records' share within the SLO
+        for p in layout["points"]:
+            records = json.loads(Path(p["file"]).read_text())["requests"]
+            assert len(records) == 16  # the warm-up requests are not among the measured ones
+            met = p["summary"]["slo_met"]
+            assert p["slo_met_percent"] == pytest.approx(100.0 * met / 16)
+            # Simulated workers report how much of their modeled time this machine made late.
+            assert p["router"]["sim_late_share"] is not None and 0 <= p["router"]["sim_late_share"] < 1

@@ -115,6 +115,8 @@ def test_back_to_back_steps_chain_on_the_modeled_clock() -> None:
     clock.now += 10 * cost  # slower than the model: the step is late and does not sleep
     step.run(item)
     assert len(clock.sleeps) == 2 and step.stats().late_steps == 1
+    # 8 modeled steps' worth of wall time late at scale 2: 4 steps of simulated time lost.
+    assert step.stats().late_s == pytest.approx(4 * cost)
     step.idle()
     clock.now += 5.0  # after idling the next step starts now
     step.run(item)

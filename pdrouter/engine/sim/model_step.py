@@ -51,6 +51,9 @@ class SimStepStats:
     """How far (wall seconds) the last step ended after its modeled end: the machine is the bottleneck."""
     tokens: int
     """Tokens computed (prefill and decode)."""
+    late_s: float = 0.0
+    """Simulated seconds by which steps ended after their modeled end, summed: the error the machine's
+    own speed added to the modeled time (``late_s / busy_s`` is the share of simulated time lost)."""
 
 
 def stream_key(request: Request) -> int:
@@ -85,6 +88,7 @@ class SimModelStep:
         self._busy_s = 0.0
         self._late = 0
         self._behind_s = 0.0
+        self._late_s = 0.0
         self._tokens = 0
         self.last_cost: StepCost | None = None
 
@@ -125,6 +129,7 @@ class SimModelStep:
             behind = -remaining
             with self._lock:
                 self._late += 1
+                self._late_s += behind / self.time_scale
         with self._lock:
             self._behind_s = behind
         self._last_end = end
@@ -132,4 +137,4 @@ class SimModelStep:
 
     def stats(self) -> SimStepStats:
         with self._lock:
-            return SimStepStats(self._steps, self._busy_s, self._late, self._behind_s, self._tokens)
+            return SimStepStats(self._steps, self._busy_s, self._late, self._behind_s, self._tokens, self._late_s)
