@@ -73,6 +73,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--warmup", type=int, default=None,
                    help="short requests sent to each layout before its sweep and not measured "
                         "(default: 2 per worker; 0: none)")
+    c.add_argument("--stop-below", type=float, default=None,
+                   help="skip a layout's higher rates once a point kept fewer than this %% of requests "
+                        "within the SLO (its attainment only falls from there; saves the slowest runs)")
     c.add_argument("--attainment", type=float, default=90.0,
                    help="the SLO attainment (%% of requests within the SLO) a layout must keep; the "
                         "report gives each layout's highest rate that kept it")
@@ -362,6 +365,8 @@ def compare_cmd(args: argparse.Namespace) -> int:
         raise ConfigError(f"--attainment must be in (0, 100], got {args.attainment}")
     if args.point_duration is not None and not args.point_duration > 0:
         raise ConfigError(f"--point-duration must be > 0 seconds, got {args.point_duration}")
+    if args.stop_below is not None and not 0 < args.stop_below <= 100:
+        raise ConfigError(f"--stop-below must be in (0, 100], got {args.stop_below}")
     if args.warmup is not None and args.warmup < 0:
         raise ConfigError(f"--warmup must be >= 0 requests, got {args.warmup}")
     base_requests = args.num_requests
@@ -387,6 +392,12 @@ def compare_cmd(args: argparse.Namespace) -> int:
             run_args.url = cluster.url
             warm_up(run_args, prep, layout, args.warmup)
             for rate in rates:
+                if result.points and args.stop_below is not None and \
+                        (result.points[-1]["slo_met_percent"] or 0.0) < args.stop_below:
+                    if not args.json:
+                        print(f"{layout.name:>12}: below {args.stop_below:g}% within the SLO; higher rates "
+                              f"skipped", flush=True)
+                    break
                 n = max(base_requests, math.ceil(rate * args.point_duration)) if args.point_duration else len(specs)
                 point_prep = Prepared(specs[:n], label, prep.model, slo)
                 outcome = execute(run_args, point_prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}")
@@ -475,6 +486,8 @@ def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace
         cells = [dict(r.curve("slo_met_percent")).get(rate) for r in results]
         lines.append(f"| {rate:g} | " + " | ".join("–" if v is None else f"{v:.0f}%" for v in cells)
                      + f" | {winner} | {why(results, rate, winner)} |")
+    if args.stop_below is not None:
+        lines += ["", f"–: not run (the layout kept under {args.stop_below:g}% at a lower rate)."]
     lines += ["", "Crossovers: " + ("; ".join(f"between {a:g} and {b:g} req/s the best layout changes from "
                                                 f"{w0} to {w1}" for a, b, w0, w1 in cross)
                                      if cross else "none: the same layout (or tie) is best at every rate tried."), ""]

@@ -1,0 +1,218 @@
+"""The colocated-vs-disaggregated study of docs/study/: every case is one ``pdrouter bench compare``.
+
+Each case brings up every layout on 8 simulated H100s (``pdrouter up --backend sim``: the real
+router, Redis, transfer path and scheduler, with the timing model's step times), runs the same Poisson
+sweep against each, and keeps its report, plots and figures under ``docs/study/<case>/``. Two SLOs are
+scored from the same requests:
+
+* the study's SLO, ``ttft <= 1 s, tpot <= 50 ms`` (the compare's own report), and
+* a tighter one that also bounds every inter-token gap (``itl <= 100 ms``): what a stalled decode
+  step (a prefill chunk sharing the GPU) breaks first.
+
+``docs/study/README.md`` is then rewritten from every case's figures: each layout's highest rate at
+90% attainment under both SLOs, the best layout, and the crossovers. Cases already run are kept, so
+the study can be run a case at a time::
+
+    python scripts/pd_study.py --list
+    python scripts/pd_study.py --cases 8b-chat,8b-summarize
+    python scripts/pd_study.py --summary-only
+
+A case takes 10–40 minutes on a 2-core machine: the simulated clocks run ``time_scale`` times slower
+than the modeled GPUs so this machine keeps up (each report gives the share of simulated time that
+was late nonetheless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from pdrouter.bench.compare import TIE, Layout, LayoutResult, max_rate_within, slo_attainment
+from pdrouter.bench.stats import RequestRecord, Slo
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDY = ROOT / "docs" / "study"
+SLO = "ttft=1s,tpot=50ms"
+TIGHT_SLO = "ttft=1s,tpot=50ms,itl=100ms"
+ATTAINMENT = 90.0
+LAYOUTS_8 = "colocated,2p6d,4p4d,6p2d"
+RAG = ["--workload", "shared-prefix", "--prefixes", "8", "--prefix-len", "2000",
+       "--input-len", "lognormal:200:0.5", "--output-len", "200"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One comparison: a model on 8 GPUs, a workload, the rates of its sweep."""
+
+    name: str
+    model: str
+    tp: int
+    layouts: str
+    workload: list[str]
+    rates: str
+    time_scale: float
+    point_duration: float
+    note: str = ""
+
+
+CASES = [
+    Case("70b-summarize", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "summarize"], "0.75,1.5,2.25,3", 4, 12),
+    Case("70b-chat", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "6,12,18,24", 5, 4),
+    Case("70b-rag", "llama-3-70b", 4, "colocated,1p1d", RAG, "8,16,24,32", 5, 4),
+    Case("70b-generate", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "generate"], "1,2", 4, 8,
+         note="short runs: a 2,000-token answer outlives the arrivals, so the decode batches never reach "
+              "their steady state (see the study's limits)"),
+    Case("8b-summarize", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "summarize"], "8,16,24,32", 5, 4),
+    Case("8b-chat", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "chat"], "48,96,144,192", 10, 2.5),
+    Case("8b-rag", "llama-3-8b", 1, LAYOUTS_8, RAG, "64,128,192,256", 12, 2),
+]
+
+
+def run_case(case: Case, keep: Path | None) -> Path:
+    """Run one case's compare into a scratch folder, copy its report into ``docs/study/<case>``."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"study-{case.name}-"))
+    argv = [sys.executable, "-m", "pdrouter", "bench", "compare", "--gpus", "8", "--tp", str(case.tp),
+            "--model-preset", case.model, "--gpu", "h100", "--layouts", case.layouts, "--rates", case.rates,
+            "--time-scale", str(case.time_scale), "--point-duration", str(case.point_duration),
+            "--num-requests", "12", "--slo", SLO, "--stop-below", "50", "--attainment", str(ATTAINMENT),
+            "--no-progress", "--out", str(scratch), *case.workload]
+    started = time.monotonic()
+    print(f"{case.name}: {' '.join(argv[3:])}", flush=True)
+    report = ""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as compare:
+        assert compare.stdout is not None
+        for line in compare.stdout:
+            print(f"{case.name}: {line}", end="", flush=True)
+            if line.startswith("report: "):
+                report = line.split(" ", 1)[1].strip()
+    if compare.returncode != 0 or not report:
+        raise SystemExit(f"{case.name}: bench compare exited {compare.returncode}; its output is under {scratch}")
+    folder = Path(report).parent
+    out = STUDY / case.name
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for path in folder.iterdir():
+        if path.suffix in (".png", ".md") or path.name == "plots.json":
+            shutil.copy2(path, out / path.name)
+    data = json.loads((folder / "compare.json").read_text())
+    tight = Slo.parse(TIGHT_SLO)
+    for layout in data["layouts"]:
+        for point in layout["points"]:
+            records = json.loads(Path(point.pop("file")).read_text())["requests"]
+            met = sum(tight.met(record_of(r)) for r in records)
+            point["tight_slo_met_percent"] = slo_attainment({"slo_met": met, "requests": len(records)})
+    data["case"] = {"name": case.name, "model": case.model, "tp": case.tp, "gpu": "h100", "gpus": 8,
+                    "layouts": case.layouts, "workload": case.workload, "rates": case.rates,
+                    "time_scale": case.time_scale, "point_duration_s": case.point_duration, "slo": SLO,
+                    "tight_slo": TIGHT_SLO, "attainment": ATTAINMENT, "note": case.note,
+                    "wall_minutes": round((time.monotonic() - started) / 60, 1)}
+    (out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
+    if keep is None:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"{case.name}: done in {data['case']['wall_minutes']} min -> {out}", flush=True)
+    return out
+
+
+def record_of(d: dict[str, Any]) -> RequestRecord:
+    names = {f.name for f in fields(RequestRecord)}
+    return RequestRecord(**{k: v for k, v in d.items() if k in names})
+
+
+def results_of(data: dict[str, Any]) -> list[LayoutResult]:
+    out = []
+    for layout in data["layouts"]:
+        name = layout["name"]
+        kind = Layout(name, colocated=1) if name.startswith("colocated") else Layout(name, prefill=1, decode=1)
+        out.append(LayoutResult(kind, layout["points"]))
+    return out
+
+
+def best(kept: dict[str, float | None]) -> str:
+    served = {n: v for n, v in kept.items() if v is not None}
+    if not served:
+        return "none met it at the lowest rate"
+    top = max(served.values())
+    names = [n for n, v in served.items() if v >= top * (1 - TIE)]
+    return ", ".join(names) + f" ({top:g} req/s)"
+
+
+def summary() -> Path:
+    """``docs/study/README.md`` from every case's ``compare.json``."""
+    lines = ["# Colocated vs disaggregated on 8 simulated H100s: the figures", "",
+             "Written by `scripts/pd_study.py` from each case's `compare.json`; the findings and the method "
+             "are in [docs/benchmarks.md](../benchmarks.md#the-study). Each cell is the highest offered rate "
+             f"(req/s, Poisson) at which at least {ATTAINMENT:g}% of requests met the SLO — at that rate and "
+             "at every lower rate of the sweep; `<r` means even the lowest rate missed it.", "",
+             f"SLO: `{SLO}`; tight SLO: `{TIGHT_SLO}` (every gap between two tokens ≤ 100 ms).", ""]
+    for path in sorted(STUDY.glob("*/compare.json")):
+        data = json.loads(path.read_text())
+        case = data["case"]
+        results = results_of(data)
+        lowest = min(float(r) for r in case["rates"].split(","))
+        kept = {r.layout.name: max_rate_within(r, ATTAINMENT) for r in results}
+        tight_kept: dict[str, float | None] = {}
+        for r in results:
+            shares = sorted((float(p["rate"]), p.get("tight_slo_met_percent")) for p in r.points)
+            best_rate = None
+            for rate, share in shares:
+                if share is None or share < ATTAINMENT:
+                    break
+                best_rate = rate
+            tight_kept[r.layout.name] = best_rate
+        workload = " ".join(case["workload"]).replace("--workload ", "")
+        lines += [f"## [{case['name']}]({case['name']}/report.md): {case['model']} TP {case['tp']}, {workload}",
+                  "", f"Rates {case['rates']} req/s; time scale {case['time_scale']:g}; "
+                      f"{case['point_duration_s']:g} simulated seconds of arrivals per point."
+                  + (f" Note: {case['note']}." if case.get("note") else ""), "",
+                  "| SLO | " + " | ".join(kept) + " | best |", "| --- |" + " --- |" * (len(kept) + 1)]
+        for label, table in (("study", kept), ("tight", tight_kept)):
+            cells = [f"<{lowest:g}" if v is None else f"{v:g}" for v in table.values()]
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {best(table)} |")
+        cross = data.get("crossovers") or []
+        lines += ["", "Crossovers (study SLO, attainment per rate): "
+                  + ("; ".join(f"{w0} → {w1} between {a:g} and {b:g} req/s" for a, b, w0, w1 in cross)
+                     if cross else "none."), ""]
+        late = [p["router"].get("sim_late_share") for r in results for p in r.points]
+        late = [x for x in late if x is not None]
+        if late:
+            lines += [f"Simulated time this machine made late: at most {100 * max(late):.2f}% of a point's "
+                      "modeled step time.", ""]
+    path = STUDY / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default="all", help="comma-separated case names (see --list), or all")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("--summary-only", action="store_true", help="rewrite docs/study/README.md only")
+    parser.add_argument("--keep-scratch", action="store_true", help="keep each compare's per-request files")
+    args = parser.parse_args()
+    by_name = {c.name: c for c in CASES}
+    if args.list:
+        for c in CASES:
+            print(f"{c.name}: {c.model} TP {c.tp}, {' '.join(c.workload)}, layouts {c.layouts}, rates {c.rates}, "
+                  f"time scale {c.time_scale:g}")
+        return 0
+    if not args.summary_only:
+        names = list(by_name) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            parser.error(f"unknown case(s) {', '.join(unknown)}; --list shows them")
+        for name in names:
+            run_case(by_name[name], Path("keep") if args.keep_scratch else None)
+    print(f"summary: {summary()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
