@@ -71,8 +71,10 @@ CASES = [
          note="short runs: a 2,000-token answer outlives the arrivals, so the decode batches never reach "
               "their steady state (see the study's limits)"),
     Case("8b-summarize", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "summarize"], "8,16,24,32", 5, 4),
-    Case("8b-chat", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "chat"], "48,96,144,192", 10, 2.5),
-    Case("8b-rag", "llama-3-8b", 1, LAYOUTS_8, RAG, "64,128,192,256", 12, 2),
+    Case("8b-chat", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "chat"], "24,48,72", 10, 2.5,
+         note="the rates stop at 72 req/s: above that this machine cannot keep the simulated clocks"),
+    Case("8b-rag", "llama-3-8b", 1, LAYOUTS_8, RAG, "24,48,72", 10, 2.5,
+         note="the rates stop at 72 req/s, as for 8b-chat"),
 ]
 
 
@@ -127,12 +129,32 @@ def record_of(d: dict[str, Any]) -> RequestRecord:
 
 
 def results_of(data: dict[str, Any]) -> list[LayoutResult]:
-    out = []
-    for layout in data["layouts"]:
-        name = layout["name"]
-        kind = Layout(name, colocated=1) if name.startswith("colocated") else Layout(name, prefill=1, decode=1)
-        out.append(LayoutResult(kind, layout["points"]))
-    return out
+    """The layouts and points of a case's ``compare.json``."""
+    tp = int(data["case"]["tp"])
+    gpus = int(data["case"]["gpus"])
+    return [LayoutResult(layout_of(layout["name"], gpus, tp), layout["points"]) for layout in data["layouts"]]
+
+
+def layout_of(name: str, gpus: int, tp: int) -> Layout:
+    """``colocated-N`` or ``XpYd`` back to the layout it names."""
+    if name.startswith("colocated"):
+        return Layout(name, colocated=gpus // tp, tp=tp)
+    p, d = name[:-1].split("p")
+    return Layout(name, prefill=int(p), decode=int(d), tp=tp)
+
+
+def rewrite_report(folder: Path) -> None:
+    """Rebuild a case's ``report.md`` and plots from its ``compare.json`` (after the report's format changed)."""
+    from pdrouter.cli.bench_cmd import write_compare_report
+
+    data = json.loads((folder / "compare.json").read_text())
+    case = data["case"]
+    args = argparse.Namespace(model_preset=case["model"], gpus=case["gpus"], gpu=case["gpu"], tp=case["tp"],
+                              backend="sim", attainment=case["attainment"], stop_below=50.0)
+    workload = data["title"].split(", SLO ")[0].split("), ", 1)[1]  # "<model> on … (TP n), <workload>, SLO …"
+    saved = (folder / "compare.json").read_text()
+    write_compare_report(results_of(data), folder, args, workload, Slo.parse(case["slo"]).describe())
+    (folder / "compare.json").write_text(saved)  # keep the case's own figures (tight SLO, the case)
 
 
 def best(kept: dict[str, float | None]) -> str:
@@ -150,7 +172,8 @@ def summary() -> Path:
              "Written by `scripts/pd_study.py` from each case's `compare.json`; the findings and the method "
              "are in [docs/benchmarks.md](../benchmarks.md#the-study). Each cell is the highest offered rate "
              f"(req/s, Poisson) at which at least {ATTAINMENT:g}% of requests met the SLO — at that rate and "
-             "at every lower rate of the sweep; `<r` means even the lowest rate missed it.", "",
+             "at every lower rate of the sweep; `<r` means even the lowest rate missed it, `≥r` that the highest "
+             "rate tried held it (the layout's limit lies above).", "",
              f"SLO: `{SLO}`; tight SLO: `{TIGHT_SLO}` (every gap between two tokens ≤ 100 ms).", ""]
     for path in sorted(STUDY.glob("*/compare.json")):
         data = json.loads(path.read_text())
@@ -173,8 +196,10 @@ def summary() -> Path:
                       f"{case['point_duration_s']:g} simulated seconds of arrivals per point."
                   + (f" Note: {case['note']}." if case.get("note") else ""), "",
                   "| SLO | " + " | ".join(kept) + " | best |", "| --- |" + " --- |" * (len(kept) + 1)]
+        highest = max(float(r) for r in case["rates"].split(","))
         for label, table in (("study", kept), ("tight", tight_kept)):
-            cells = [f"<{lowest:g}" if v is None else f"{v:g}" for v in table.values()]
+            cells = [f"<{lowest:g}" if v is None else (f"≥{v:g}" if v >= highest else f"{v:g}")
+                     for v in table.values()]
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {best(table)} |")
         cross = data.get("crossovers") or []
         lines += ["", "Crossovers (study SLO, attainment per rate): "
@@ -196,6 +221,8 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
     parser.add_argument("--summary-only", action="store_true", help="rewrite docs/study/README.md only")
     parser.add_argument("--keep-scratch", action="store_true", help="keep each compare's per-request files")
+    parser.add_argument("--rewrite-reports", action="store_true",
+                        help="rebuild every case's report.md and plots from its compare.json, then the summary")
     args = parser.parse_args()
     by_name = {c.name: c for c in CASES}
     if args.list:
@@ -203,7 +230,11 @@ def main() -> int:
             print(f"{c.name}: {c.model} TP {c.tp}, {' '.join(c.workload)}, layouts {c.layouts}, rates {c.rates}, "
                   f"time scale {c.time_scale:g}")
         return 0
-    if not args.summary_only:
+    if args.rewrite_reports:
+        for path in sorted(STUDY.glob("*/compare.json")):
+            rewrite_report(path.parent)
+            print(f"rewrote {path.parent / 'report.md'}")
+    elif not args.summary_only:
         names = list(by_name) if args.cases == "all" else [n.strip() for n in args.cases.split(",")]
         unknown = [n for n in names if n not in by_name]
         if unknown:

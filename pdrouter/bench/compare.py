@@ -184,8 +184,13 @@ def why(results: Sequence[LayoutResult], rate: float, winner: str) -> str:
     """A reason for ``winner`` at ``rate``, in the source document's terms, read off the figures."""
     by_name = {r.layout.name: r for r in results}
     if winner.startswith("tie: "):
-        return "within 3% of each other: " + why(results, rate, winner[5:].split(", ")[0]).replace(
-            "the layouts are within 1.5× of each other on TTFT and ITL here", "TTFT and ITL within 1.5× too")
+        tied = winner[5:].split(", ")
+        if len(tied) == len(results):
+            return "all within 3% of each other"
+        rest = [r for r in results if r.layout.name in tied[:1] or r.layout.name not in tied]
+        return "within 3% of each other; " + why(rest, rate, tied[0]).replace(
+            "the layouts are within 1.5× of each other on TTFT and ITL here",
+            "the others' TTFT and ITL are within 1.5× of theirs")
     w = by_name[winner]
     others = [r for r in results if r.layout.name != winner]
     reasons: list[str] = []

@@ -470,6 +470,7 @@ def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace
          "winners": winners, "crossovers": cross, "attainment_target": args.attainment,
          "max_rate_within": kept}, indent=1, default=str) + "\n")
     names = [r.layout.name for r in results]
+    rates_tried = [rate for rate, _ in winners] or [0.0]
 
     def table(key: str, fmt: Any) -> list[str]:
         rows = ["| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
@@ -496,8 +497,11 @@ def write_compare_report(results: list[Any], out: Path, args: argparse.Namespace
               "| layout | GPUs | highest rate | per GPU |", "| --- | --- | --- | --- |"]
     for r in results:
         v = kept[r.layout.name]
+        held_all = v is not None and v >= max(rates_tried)
         lines.append(f"| {r.layout.name} | {r.layout.gpus} | "
-                     + ("below the lowest rate | – |" if v is None else f"{v:g} req/s | {v / r.layout.gpus:.3g} |"))
+                     + ("below the lowest rate | – |" if v is None else
+                        f"{'≥ ' if held_all else ''}{v:g} req/s{' (the highest tried)' if held_all else ''} | "
+                        f"{v / r.layout.gpus:.3g} |"))
     served = [(v, n) for n, v in kept.items() if v is not None]
     if served:
         top = max(v for v, _ in served)
