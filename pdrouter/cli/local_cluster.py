@@ -1,14 +1,19 @@
 """Child processes for a local cluster: ``pdrouter up`` and the multi-process tests use the same code.
 
-Each child is a ``pdrouter`` subcommand that prints ``… ready at HOST:PORT`` once it serves; the
-parent waits for that line, keeps the process handle, and stops it with SIGTERM (then SIGKILL).
+Each child is a ``pdrouter`` subcommand that prints one ready line once it serves
+(:func:`ready_line`: ``ready: WHAT at HOST:PORT[ grpc HOST:PORT]``, the marker at the start of the
+line); the parent waits for that line, keeps the process handle, and stops it with SIGTERM (then
+SIGKILL). Only a whole line in that form counts, so the parent never takes an address from
+anything else the child prints (a traceback quoting the code that prints the line, a log line).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,9 +23,44 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from pdrouter.core.errors import UnavailableError
+from pdrouter.core.errors import ConfigError, UnavailableError
 
-_READY = re.compile(r"ready at (\S+)(?: grpc (\S+))?")
+READY_MARKER = "ready:"
+_ADDRESS = r"[^\s{}]+:\d+"
+_READY = re.compile(rf"{re.escape(READY_MARKER)} \S.* at (?P<address>{_ADDRESS})(?: grpc (?P<grpc>{_ADDRESS}))?")
+
+
+def ready_line(what: str, address: str, grpc_address: str | None = None) -> str:
+    """The line a serving child prints: ``ready: WHAT at HOST:PORT`` (`` grpc HOST:PORT`` for the router)."""
+    return f"{READY_MARKER} {what} at {address}" + (f" grpc {grpc_address}" if grpc_address else "")
+
+
+def parse_ready_line(line: str) -> tuple[str, str | None] | None:
+    """(address, gRPC address or None) of a ready line; None for any other line."""
+    m = _READY.fullmatch(line.rstrip("\r\n"))
+    return None if m is None else (m.group("address"), m.group("grpc"))
+
+
+def check_ports_free(host: str, ports: Sequence[tuple[int, str]]) -> None:
+    """ConfigError naming the first ``(port, flag)`` that cannot be bound on ``host`` (port 0 is skipped).
+
+    Binds as the servers do (``SO_REUSEADDR``, so a port left in TIME_WAIT by an earlier run passes)
+    and lets go at once.
+    """
+    for port, flag in ports:
+        if not port:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise ConfigError(f"port {port} on {host} is already in use: stop what listens there or "
+                                      f"choose another port with {flag}") from None
+                raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror or exc}): choose another "
+                                  f"port with {flag}") from None
 
 
 class ManagedProcess:
@@ -49,10 +89,9 @@ class ManagedProcess:
                 self._log.write(line)
                 self._log.flush()
             if self.address is None:
-                m = _READY.search(line)
-                if m:
-                    self.address = m.group(1)
-                    self.grpc_address = m.group(2)
+                ready = parse_ready_line(line)
+                if ready is not None:
+                    self.address, self.grpc_address = ready
                     self._ready.set()
         self._ready.set()
 

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdrouter.cli.local_cluster import ready_line
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.errors import ConfigError
 
@@ -77,6 +78,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging(args.log_level)
     config = build_config(args)
     process = RouterProcess(config)
-    serve_until_signal(process, lambda: f"router ready at {process.config.host}:{process.http_port} "
-                                        f"grpc {process.grpc_address}")
+    serve_until_signal(process, lambda: ready_line("router", f"{process.config.host}:{process.http_port}",
+                                                   process.grpc_address))
     return 0

@@ -19,7 +19,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from pdrouter.cli.local_cluster import ManagedProcess, cores_each, worker_args
+from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, worker_args
 from pdrouter.cli.worker_cmd import TORCH_THREADS_ENV
 from pdrouter.core.errors import ConfigError, UnavailableError
 
@@ -85,6 +85,28 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def router_ports(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """The router's ports and the flags that set them; ConfigError when they are out of range or equal."""
+    ports = [(args.http_port, "--http-port"), (args.grpc_port, "--grpc-port")]
+    for port, flag in ports:
+        if not 0 <= port < 65536:
+            raise ConfigError(f"{flag} must be in [0, 65535] (0: any free port), got {port}")
+    if args.http_port and args.http_port == args.grpc_port:
+        raise ConfigError(f"--http-port and --grpc-port are both {args.http_port}: give them different ports")
+    return ports
+
+
+def wait_for_router(router: ManagedProcess, host: str, ports: list[tuple[int, str]]) -> str:
+    """The router's HTTP address once it serves. If it exited first because one of its ports was
+    taken after ``run`` checked them, a one-line ConfigError naming the port and its flag."""
+    try:
+        return router.wait_ready()
+    except UnavailableError:
+        if not router.alive:
+            check_ports_free(host, ports)
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     from pdrouter.core.model_spec import get_model_preset
     from pdrouter.engine.model_folder import write_config_folder
@@ -93,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
     counts = [args.prefill, args.decode] if args.mode == "disaggregated" else [args.workers]
     if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
+    ports = router_ports(args)
+    check_ports_free(args.host, ports)  # before anything starts: a taken port is one line, not a traceback
     sim: list[str] | None = None
     if args.backend == "sim":
         sim = _sim_args(args)
@@ -121,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
         procs.append(proc)
         return proc
 
+    failed = False
     with EmbeddedRedis() as redis_server:
         try:
             print(f"redis      {redis_server.url}", flush=True)
@@ -138,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             router = spawn("router", ["router", "--model", str(args.model), "--redis", redis_server.url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
                                       "--grpc-port", str(args.grpc_port), "--log-level", "WARNING"])
-            http = router.wait_ready()
+            http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")
             print(f"router     http://{http}/v1  (OpenAI API)   grpc {router.grpc_address}", flush=True)
             print(f"metrics    http://{http}/metrics", flush=True)
@@ -155,8 +180,12 @@ def run(args: argparse.Namespace) -> int:
                     tails = "\n".join(f"--- {p.name}\n" + "\n".join(list(p.tail)[-20:]) for p in dead)
                     raise UnavailableError(f"{', '.join(p.name for p in dead)} exited:\n{tails}")
             return 0
+        except BaseException:
+            failed = True  # the error is reported alone (one line where it can be)
+            raise
         finally:
-            print("stopping...", file=sys.stderr, flush=True)
+            if not failed:
+                print("stopping...", file=sys.stderr, flush=True)
             for proc in reversed(procs):
                 proc.stop()
             for sig, handler in previous.items():

@@ -8,10 +8,19 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdrouter.cli.local_cluster import ready_line
 from pdrouter.cli.serve import configure_logging, serve_until_signal
-from pdrouter.core.capacity import DEFAULT_OVERHEAD_BYTES, check_utilization_against_quota, utilization_from_quota
+from pdrouter.core.capacity import (
+    DEFAULT_OVERHEAD_BYTES,
+    HAMI_MEMORY_LIMIT_ENV,
+    MemoryQuota,
+    kv_bytes_per_token,
+    memory_quota_from_env,
+    resolve_utilization,
+)
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GiB, get_gpu_preset
+from pdrouter.core.model_spec import normalize_dtype
 from pdrouter.core.workers import WorkerRole
 
 if TYPE_CHECKING:
@@ -22,6 +31,7 @@ if TYPE_CHECKING:
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
 TORCH_THREADS_ENV = "PDROUTER_TORCH_THREADS"
 DEV_KV_TOKEN = "pdrouter-dev-token"
+DEFAULT_UTILIZATION = 0.9
 TORCH_BATCHING = (64, 512)
 """Running requests and step tokens of the torch engine on a small CPU model."""
 SIM_BATCHING = (256, 8192)
@@ -75,13 +85,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--kv-memory-gb", type=float, default=None,
                        help="memory budget in GiB the pool is sized from (default on CPU: 1 GiB)")
         p.add_argument("--utilization", type=float, default=None,
-                       help="fraction of --gpu/--kv-memory-gb memory the engine may use (default 0.9, or "
-                            "quota ÷ physical with --quota-gb)")
+                       help="fraction of the GPU's (--gpu, --kv-memory-gb, or the device's) memory the engine "
+                            "may use (default 0.9, or quota ÷ physical under a memory quota)")
         p.add_argument("--gpu", default=None,
                        help="GPU preset whose memory sizes the pool (e.g. h100; --backend sim: the simulated "
                             "GPU, default h100); see `pdrouter capacity --list`")
         p.add_argument("--quota-gb", type=float, default=None,
-                       help="memory quota in GiB (HAMi nvidia.com/gpumem); refuses a utilization above it")
+                       help="memory quota in GiB (HAMi nvidia.com/gpumem); derives the utilization and refuses "
+                            f"one above it. Default on cuda and --backend sim: HAMi's {HAMI_MEMORY_LIMIT_ENV}_<i> "
+                            f"(device i), else {HAMI_MEMORY_LIMIT_ENV}, from the environment")
         p.add_argument("--max-num-seqs", type=int, default=None,
                        help=f"most requests in the running batch (default {TORCH_BATCHING[0]}; --backend sim "
                             f"{SIM_BATCHING[0]})")
@@ -140,15 +152,22 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
         spec, eos = get_model_preset(args.model_preset), (SPECIAL_TOKENS["<eos>"],)
     if args.dtype:
         spec = spec.with_dtype(args.dtype)
-    quota = None if args.quota_gb is None else int(args.quota_gb * GiB)
+    gpu = get_gpu_preset(args.gpu or "h100")
+    quota = memory_quota(args, device_index=0)  # a simulated worker models one GPU of its preset
+    utilization = resolve_utilization(args.utilization, None if quota is None else quota.bytes, gpu.memory_bytes,
+                                      default=DEFAULT_UTILIZATION, source=None if quota is None else quota.source)
     seqs, tokens = args.max_num_seqs or SIM_BATCHING[0], args.max_batched_tokens or SIM_BATCHING[1]
-    return SimEngineConfig(
-        spec=spec, gpu=get_gpu_preset(args.gpu or "h100"), eos_token_ids=eos, model_dir=args.model, tp=args.tp,
+    config = SimEngineConfig(
+        spec=spec, gpu=gpu, eos_token_ids=eos, model_dir=args.model, tp=args.tp,
         calibration=Calibration.from_file(args.calibration) if args.calibration else Calibration(),
         time_scale=args.time_scale, block_size=args.block_size, num_blocks=args.num_blocks,
-        memory_utilization=args.utilization, memory_quota_bytes=quota,
+        memory_utilization=utilization, memory_quota_bytes=None if quota is None else quota.bytes,
         scheduling=SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens),
         link=get_link_preset(args.link), link_shared=not args.link_unshared, token_range=token_range)
+    _log_pool_plan(config.pool_blocks(), config.block_size, kv_bytes_per_token(spec, args.tp),
+                   fixed=args.num_blocks is not None, utilization=utilization, memory_bytes=gpu.memory_bytes,
+                   quota=quota)
+    return config
 
 
 def _check_sim_only(args: argparse.Namespace) -> None:
@@ -194,34 +213,95 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
 def _torch_config(args: argparse.Namespace) -> EngineConfig:
     from pdrouter.engine.config import EngineConfig
+    from pdrouter.engine.model_folder import read_model_folder
 
     _check_sim_only(args)
     torch_threads(args)  # checked with the rest, before anything starts
     if args.model is None or not args.model.is_dir():
         raise ConfigError(f"--model {args.model} is not a folder (create one with `pdrouter make-model`)")
+    on_cuda = args.device.startswith("cuda")
     physical = None
     if args.gpu:
         physical = get_gpu_preset(args.gpu).memory_bytes
     elif args.kv_memory_gb:
         physical = int(args.kv_memory_gb * GiB)
-    utilization = args.utilization
-    if args.quota_gb is not None:
-        if physical is None:
-            raise ConfigError("--quota-gb needs --gpu (or --kv-memory-gb) for the card's physical memory")
-        quota = int(args.quota_gb * GiB)
-        if utilization is None:
-            utilization = utilization_from_quota(quota, physical)
-        check_utilization_against_quota(utilization, quota, physical)
-    utilization = 0.9 if utilization is None else utilization
+    quota = memory_quota(args, device_index=cuda_index(args.device) if on_cuda else None)
+    if physical is None and on_cuda and (quota is not None or not args.num_blocks):
+        physical = _cuda_memory_bytes(args.device)
+        if quota is not None and quota.bytes >= physical:
+            # The device reports no more memory than the quota: the limit is applied below the engine
+            # already (HAMi does this), so the engine's own budget keeps it.
+            logging.getLogger(__name__).info("the device reports %.2f GiB, within the %.2f GiB memory quota (%s): "
+                                             "sizing the pool from the device's memory", physical / GiB,
+                                             quota.bytes / GiB, quota.source)
+            quota = None
+    if quota is not None and physical is None:
+        raise ConfigError(f"a memory quota ({quota.source}) needs --gpu (or --kv-memory-gb) for the card's "
+                          f"physical memory")
+    utilization = DEFAULT_UTILIZATION if args.utilization is None else args.utilization
+    if physical is not None:
+        utilization = resolve_utilization(args.utilization, None if quota is None else quota.bytes, physical,
+                                          default=DEFAULT_UTILIZATION, source=None if quota is None else quota.source)
     budget = None
     if not args.num_blocks:
         budget = physical or (int(1.0 * GiB) if args.device == "cpu" else None)
-    return EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
-                        block_size=args.block_size, num_blocks=args.num_blocks,
-                        memory_budget_bytes=budget, memory_utilization=utilization,
-                        overhead_bytes=DEFAULT_OVERHEAD_BYTES if args.gpu else None,
-                        max_num_seqs=args.max_num_seqs or TORCH_BATCHING[0],
-                        max_num_batched_tokens=args.max_batched_tokens or TORCH_BATCHING[1])
+    config = EngineConfig(model_dir=args.model, device=args.device, dtype=args.dtype,
+                          block_size=args.block_size, num_blocks=args.num_blocks,
+                          memory_budget_bytes=budget, memory_utilization=utilization,
+                          overhead_bytes=DEFAULT_OVERHEAD_BYTES if args.gpu else None,
+                          max_num_seqs=args.max_num_seqs or TORCH_BATCHING[0],
+                          max_num_batched_tokens=args.max_batched_tokens or TORCH_BATCHING[1])
+    spec = read_model_folder(args.model).spec
+    spec = spec.with_dtype(normalize_dtype(args.dtype or spec.dtype))
+    # The engine sizes its pool with the same call (the device's memory on CUDA, none on the CPU).
+    blocks = config.pool_blocks(spec, physical if on_cuda else None)
+    _log_pool_plan(blocks, config.block_size, kv_bytes_per_token(spec), fixed=bool(args.num_blocks),
+                   utilization=utilization, memory_bytes=budget, quota=quota)
+    return config
+
+
+def cuda_index(device: str) -> int:
+    """The CUDA device index of ``cuda`` (0) or ``cuda:N``, the ``<i>`` of HAMi's per-device limit."""
+    _, _, index = device.partition(":")
+    try:
+        return int(index or 0)
+    except ValueError:
+        raise ConfigError(f"--device {device!r}: use cpu, cuda or cuda:N") from None
+
+
+def memory_quota(args: argparse.Namespace, device_index: int | None) -> MemoryQuota | None:
+    """The memory quota the pool must stay within: ``--quota-gb``, else, on a GPU (``device_index``
+    not None), HAMi's limit in this process's environment (the one place a worker reads it)."""
+    if args.quota_gb is not None:
+        if args.quota_gb <= 0:
+            raise ConfigError(f"--quota-gb must be > 0, got {args.quota_gb:g}")
+        return MemoryQuota(int(args.quota_gb * GiB), f"--quota-gb {args.quota_gb:g}")
+    if device_index is None:
+        return None
+    return memory_quota_from_env(os.environ, device_index)
+
+
+def _cuda_memory_bytes(device: str) -> int:
+    from pdrouter.engine.device import device_memory_bytes, resolve_device  # torch: the torch backend only
+
+    memory = device_memory_bytes(resolve_device(device))
+    assert memory is not None
+    return memory
+
+
+def _log_pool_plan(blocks: int, block_size: int, bytes_per_token: int, *, fixed: bool, utilization: float,
+                   memory_bytes: int | None, quota: MemoryQuota | None) -> None:
+    """One INFO line: the pool the engine will allocate, the utilization and memory it came from, the quota."""
+    pool = blocks * block_size * bytes_per_token
+    if fixed:
+        basis = "(--num-blocks)"
+    elif memory_bytes is None:
+        basis = f"at utilization {utilization:.3f} of the device's memory"
+    else:
+        basis = f"at utilization {utilization:.3f} of {memory_bytes / GiB:.2f} GiB"
+    limit = "no memory quota" if quota is None else f"memory quota {quota.bytes / GiB:.2f} GiB ({quota.source})"
+    logging.getLogger(__name__).info("KV pool plan: %s blocks of %d tokens = %.2f GiB %s; %s",
+                                     f"{blocks:,}", block_size, pool / GiB, basis, limit)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,8 +313,8 @@ def run(args: argparse.Namespace) -> int:
     if args.backend == "torch":
         _set_torch_threads(args)
     process = WorkerProcess(config, build_role)
-    serve_until_signal(process, lambda: f"{process.config.role.value} worker {process.config.worker_id} "
-                                        f"ready at {process.address}")
+    serve_until_signal(process, lambda: ready_line(f"{process.config.role.value} worker {process.config.worker_id}",
+                                                   process.address))
     return 0
 
 

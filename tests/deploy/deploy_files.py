@@ -262,23 +262,98 @@ def kustomization(folder: Path) -> dict[str, Any]:
     return dict(yaml.safe_load((folder / "kustomization.yaml").read_text()))
 
 
-def build_kustomization(folder: Path) -> list[dict[str, Any]]:
-    """The objects of a kustomization: its resources (files and folders), then its patches.
+def build_kustomization(folder: Path, components: Sequence[Path] = ()) -> list[dict[str, Any]]:
+    """The objects of a kustomization: its resources (files and folders), its components, then its patches.
 
-    Patches are strategic merges as kustomize applies them to these manifests: maps merge, lists
-    of named items (containers, env, ports, volumes) merge by name, other lists are replaced.
-    Labels and image transforms are not applied (the checks compare manifests as written).
+    ``components`` are applied after the folder's own (as if listed under ``components:``). A
+    component contributes its resources and patches the same way. Patches are strategic merges
+    as kustomize applies them to these manifests (maps merge, lists of named items such as
+    containers, env, ports and volumes merge by name, other lists are replaced), or inline JSON
+    patches (RFC 6902: add, replace, remove) on every object their ``target`` selects (kind, name,
+    label selector). Labels and image transforms are not applied (the checks compare manifests as
+    written).
     """
     spec = kustomization(folder)
+    objects = _resources(folder, spec)
+    for component in [*(folder / c for c in spec.get("components", [])), *components]:
+        component_spec = kustomization(component)
+        objects = _patch(component, component_spec, [*objects, *_resources(component, component_spec)])
+    return _patch(folder, spec, objects)
+
+
+def _resources(folder: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     for resource in spec.get("resources", []):
         path = (folder / resource).resolve()
         objects += build_kustomization(path) if path.is_dir() else load_yaml_docs(path)
+    return objects
+
+
+def _patch(folder: Path, spec: dict[str, Any], objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    objects = list(objects)
     for patch in spec.get("patches", []):
-        for doc in load_yaml_docs(folder / patch["path"]):
+        docs = load_yaml_docs(folder / patch["path"]) if "path" in patch else [yaml.safe_load(patch["patch"])]
+        for doc in docs:
+            if isinstance(doc, list):  # a JSON patch: a list of operations
+                targets = [o for o in objects if selects(patch["target"], o)]
+                assert targets, f"{folder}: the patch's target {patch['target']} selects nothing"
+                for target in targets:
+                    objects[objects.index(target)] = json_patch(target, doc)
+                continue
             target = find_object(objects, doc["kind"], doc["metadata"]["name"])
             objects[objects.index(target)] = strategic_merge(target, doc)
     return objects
+
+
+def selects(target: dict[str, Any], obj: dict[str, Any]) -> bool:
+    """Whether a patch ``target`` (kind, name, labelSelector with ``k=v``, ``k!=v``, ``k in (a,b)``)
+    selects ``obj``."""
+    if "kind" in target and obj["kind"] != target["kind"]:
+        return False
+    if "name" in target and obj["metadata"]["name"] != target["name"]:
+        return False
+    labels = obj["metadata"].get("labels", {})
+    for requirement in re.split(r",(?![^(]*\))", target.get("labelSelector", "")):
+        requirement = requirement.strip()
+        if not requirement:
+            continue
+        m = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", requirement)
+        if m:
+            values = {v.strip() for v in m.group(3).split(",")}
+            if (labels.get(m.group(1)) in values) != (m.group(2) == "in"):
+                return False
+            continue
+        m = re.fullmatch(r"([^!=\s]+)\s*(!=|==|=)\s*(\S*)", requirement)
+        assert m, f"label selector requirement {requirement!r} is not supported here"
+        if (labels.get(m.group(1)) == m.group(3)) != (m.group(2) != "!="):
+            return False
+    return True
+
+
+def json_patch(obj: dict[str, Any], operations: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """``obj`` with RFC 6902 ``add`` / ``replace`` / ``remove`` operations applied (a copy)."""
+    out = copy.deepcopy(obj)
+    for operation in operations:
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"].split("/")[1:]]
+        node: Any = out
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        op = operation["op"]
+        assert op in ("add", "replace", "remove"), f"JSON patch op {op!r} is not supported here"
+        if isinstance(node, list):
+            index = len(node) if last == "-" else int(last)
+            if op == "remove":
+                del node[index]
+            elif op == "add":
+                node.insert(index, copy.deepcopy(operation["value"]))
+            else:
+                node[index] = copy.deepcopy(operation["value"])
+        elif op == "remove":
+            del node[last]
+        else:
+            assert op == "add" or last in node, f"JSON patch: replace of a missing {operation['path']}"
+            node[last] = copy.deepcopy(operation["value"])
+    return out
 
 
 def strategic_merge(base: Any, patch: Any) -> Any:

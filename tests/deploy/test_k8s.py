@@ -1,21 +1,28 @@
 """deploy/k8s: manifests that parse, run real pdrouter command lines, and reference what exists.
 
-Both kustomizations are checked: ``deploy/k8s`` (CPU) and ``deploy/k8s/gpu`` (its patches applied
-by ``build_kustomization``; ``kubectl kustomize``, when installed, must agree).
+Every layout is checked: ``deploy/k8s`` (CPU), ``deploy/k8s/gpu`` and ``deploy/k8s/gpu`` with its
+``hami`` component (memory quotas), their patches applied by ``build_kustomization``; ``kubectl
+kustomize``, when installed, must agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+
+from pdrouter.cli.worker_cmd import cuda_index, memory_quota
+from pdrouter.core.capacity import resolve_utilization
+from pdrouter.core.gpu import GiB
 
 from .deploy_files import (
     DEPLOY,
@@ -37,7 +44,18 @@ from .deploy_files import (
     pod_templates,
 )
 
-OVERLAYS = {"cpu": K8S, "gpu": K8S / "gpu"}
+OVERLAYS: dict[str, tuple[Path, tuple[Path, ...]]] = {
+    "cpu": (K8S, ()),
+    "gpu": (K8S / "gpu", ()),
+    "gpu-hami": (K8S / "gpu", (K8S / "gpu" / "hami",)),
+}
+"""Layout → (kustomization folder, the components enabled on top of it)."""
+GPU_MEMORY_LIMIT = "nvidia.com/gpumem"
+
+
+def build_overlay(name: str) -> list[dict[str, Any]]:
+    folder, components = OVERLAYS[name]
+    return build_kustomization(folder, components)
 SERVERS = ("prefill", "decode", "worker", "router")
 
 
@@ -76,7 +94,7 @@ class Server:
 
 @pytest.fixture(scope="module", params=sorted(OVERLAYS))
 def objects(request: pytest.FixtureRequest) -> list[dict[str, Any]]:
-    return build_kustomization(OVERLAYS[request.param])
+    return build_overlay(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +122,7 @@ def test_manifests_parse_and_name_no_namespace() -> None:
         assert docs, f"{path} is empty"
         for doc in docs:
             assert doc.get("apiVersion") and doc.get("kind"), f"{path}: {doc!r:.80}"
-            if doc["kind"] == "Kustomization":
+            if doc["kind"] in ("Kustomization", "Component"):
                 assert "namespace" not in doc, f"{path} pins a namespace"
                 continue
             assert doc["metadata"].get("name"), path
@@ -114,7 +132,8 @@ def test_manifests_parse_and_name_no_namespace() -> None:
 def test_every_manifest_file_belongs_to_its_kustomization() -> None:
     for folder in {p.parent for p in K8S.rglob("kustomization.yaml")}:
         spec = kustomization(folder)
-        listed = {*spec.get("resources", []), *(p["path"] for p in spec.get("patches", []))}
+        listed = {*spec.get("resources", []), *spec.get("components", []),
+                  *(p["path"] for p in spec.get("patches", []) if "path" in p)}
         local = {p.name for p in folder.glob("*.yaml")} - {"kustomization.yaml"}
         assert local <= listed, f"{folder}: {sorted(local - listed)} are not in kustomization.yaml"
         for entry in listed:
@@ -123,12 +142,18 @@ def test_every_manifest_file_belongs_to_its_kustomization() -> None:
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_kubectl_kustomize_renders_what_the_checks_read(overlay: str) -> None:
-    rendered = subprocess.run(["kubectl", "kustomize", str(OVERLAYS[overlay])], capture_output=True, text=True,
-                              timeout=60)
+def test_kubectl_kustomize_renders_what_the_checks_read(overlay: str, tmp_path: Path) -> None:
+    folder, components = OVERLAYS[overlay]
+    if components:  # a kustomization of our own enabling them (kustomize takes relative paths only)
+        rel = [os.path.relpath(p, tmp_path) for p in (folder, *components)]
+        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": rel[:1], "components": rel[1:]}))
+        folder = tmp_path
+    rendered = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
     assert rendered.returncode == 0, rendered.stderr
     real = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
-    ours = build_kustomization(OVERLAYS[overlay])
+    ours = build_overlay(overlay)
     assert sorted((o["kind"], o["metadata"]["name"]) for o in real) == sorted(
         (o["kind"], o["metadata"]["name"]) for o in ours)
     for workload, template in pod_templates(ours):
@@ -351,16 +376,47 @@ def test_every_pod_prepares_the_same_model_as_compose(objects: list[dict[str, An
 
 
 def test_gpu_overlay_puts_the_workers_on_a_gpu() -> None:
-    cpu = build_kustomization(OVERLAYS["cpu"])
-    gpu = build_kustomization(OVERLAYS["gpu"])
+    cpu = build_overlay("cpu")
+    gpu = build_overlay("gpu")
     for name in ("pd-prefill", "pd-decode"):
         (c_cpu,) = find_object(cpu, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         (c_gpu,) = find_object(gpu, "Deployment", name)["spec"]["template"]["spec"]["containers"]
         assert parse_pdrouter(container_argv(c_cpu)[1:]).device == "cpu"
         args = parse_pdrouter(container_argv(c_gpu)[1:])
-        assert args.device == "cuda" and args.num_blocks is None and 0 < args.utilization <= 1
+        # The pool comes from the device's memory: 0.9 of it, or quota ÷ memory under a quota.
+        assert args.device == "cuda" and args.num_blocks is None and args.utilization is None
         assert c_gpu["image"] == "pd-router-cuda"
         assert int(c_gpu["resources"]["limits"]["nvidia.com/gpu"]) == 1
         # Apart from the device and the pool sizing, the GPU worker runs the CPU worker's command.
         strip = re.compile(r"--(device|utilization|num-blocks) \S+ ?")
         assert strip.sub("", " ".join(container_argv(c_gpu))) == strip.sub("", " ".join(container_argv(c_cpu)))
+
+
+def test_the_hami_memory_quota_is_written_once_and_sizes_every_gpu_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One place in all the manifests sets the quota...
+    setters = [(path.relative_to(K8S), line.strip()) for path in sorted(K8S.rglob("*.yaml"))
+               for line in path.read_text().splitlines()
+               if "gpumem" in line and not line.strip().startswith("#")]
+    assert [str(path) for path, _ in setters] == ["gpu/hami/kustomization.yaml"], setters
+    for plain in ("cpu", "gpu"):
+        for _, template in pod_templates(build_overlay(plain)):
+            for container in all_containers(template["spec"]):
+                assert GPU_MEMORY_LIMIT not in container.get("resources", {}).get("limits", {}), plain
+    # ...every GPU worker gets it, and no command line writes a utilization or a quota of its own.
+    limits = {}
+    objects = build_overlay("gpu-hami")
+    for name in ("pd-prefill", "pd-decode"):
+        (container,) = find_object(objects, "Deployment", name)["spec"]["template"]["spec"]["containers"]
+        limits[name] = container["resources"]["limits"][GPU_MEMORY_LIMIT]
+        args = parse_pdrouter(container_argv(container)[1:])
+        assert args.utilization is None and args.quota_gb is None, name
+        # HAMi passes the limit (MiB) to the container as CUDA_DEVICE_MEMORY_LIMIT_<device>=<MiB>m.
+        device = cuda_index(args.device)
+        monkeypatch.setenv(f"CUDA_DEVICE_MEMORY_LIMIT_{device}", f"{limits[name]}m")
+        quota = memory_quota(args, device)
+        assert quota is not None and quota.bytes == int(limits[name]) * 1024**2
+        assert resolve_utilization(args.utilization, quota.bytes, 80 * GiB, default=0.9,
+                                   source=quota.source) == int(limits[name]) / (80 * 1024)
+    assert limits == {"pd-prefill": "40960", "pd-decode": "40960"}  # 0.5 of an 80 GiB card
+    (router,) = find_object(objects, "Deployment", "pd-router")["spec"]["template"]["spec"]["containers"]
+    assert GPU_MEMORY_LIMIT not in router["resources"].get("limits", {})
