@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
                         "requests are admitted without a Redis round trip (0: book each request alone)")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
+    p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
+                   help="Jinja chat template used instead of the model folder's (chat_template.jinja or "
+                        "tokenizer_config.json); a model without one answers chat requests with 400")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
 
@@ -61,6 +64,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--admission-credit is a fraction of a decode worker's pool in [0, 0.5], "
                           f"got {args.admission_credit:g}")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
+    chat_template = read_chat_template(args.chat_template)
     return RouterConfig(
         model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
@@ -69,7 +73,21 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit),
-        frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s))
+        frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s, chat_template=chat_template))
+
+
+def read_chat_template(path: Path | None) -> str | None:
+    """The text of a ``--chat-template`` file, checked to compile; None without one. ConfigError otherwise."""
+    from pdrouter.core.chat_template import ChatTemplate
+
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--chat-template {path}: cannot read it ({exc})") from None
+    ChatTemplate(text, f"--chat-template {path}")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:

@@ -2,26 +2,43 @@
 
 :func:`load_tokenizer` picks, for a model folder:
 
-* ``tokenizer.json`` (HF ``tokenizers`` format) when the file exists and ``tokenizers`` is importable;
+* ``tokenizer.json`` (HF ``tokenizers`` format) when the file exists and ``tokenizers`` is importable,
+  with ``tokenizer_config.json``'s added tokens (``added_tokens_decoder``) and special tokens
+  (``bos_token``, ``eos_token``…, strings or AddedToken objects);
 * otherwise ``pdrouter_tokenizer.json``, the byte-level tokenizer written by ``make_model``.
+
+Every id that ends a generation (:func:`read_eos_token_ids`) comes from ``config.json``,
+``generation_config.json`` and ``tokenizer_config.json``'s ``eos_token``: an int or a list each.
+
+A chat prompt is the folder's chat template rendered (``pdrouter.core.chat_template``), then
+tokenized with :meth:`Tokenizer.encode_chat`: special and added tokens written in the text become
+their ids, and nothing is added around it (transformers' ``apply_chat_template(tokenize=True)``).
+The byte-level tokenizer has a template of its own, :data:`BYTE_CHAT_TEMPLATE`.
 
 Byte-level vocabulary: ids 0–255 are the raw UTF-8 bytes, then the specials of :data:`SPECIAL_TOKENS`;
 ids above them up to the model's vocabulary size are reserved and never produced by ``encode``.
-This module imports no torch, so the router can tokenize with it cheaply.
+This module imports no torch, and ``tokenizers`` / ``jinja2`` only when an HF tokenizer
+(``pdrouter.core.hf_tokenizer``) or a chat template is loaded, so the router can tokenize with it
+cheaply.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import re
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
+from pdrouter.core.chat_template import ChatMessage, ChatOptions, ChatTemplate, TemplateSource, read_folder_template
 from pdrouter.core.errors import ConfigError, InvalidRequestError
 
 BYTE_TOKENIZER_FILE = "pdrouter_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 SPECIAL_TOKENS: dict[str, int] = {
     "<pad>": 256,
@@ -32,7 +49,24 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|assistant|>": 261,
     "<|end|>": 262,
 }
-_ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The named special tokens of ``tokenizer_config.json`` that a chat template sees as variables."""
+
+BYTE_CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+    {%- if message.role not in ('system', 'user', 'assistant') %}
+        {{- raise_exception("unknown chat role '" ~ message.role ~ "': this model's chat template has the roles "
+                            "system, user and assistant") }}
+    {%- endif %}
+    {{- '<|' ~ message.role ~ '|>' ~ (message.content or '') ~ '<|end|>' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|assistant|>' }}
+{%- endif %}
+"""
+"""The byte-level tokenizer's chat template: ``<bos>``, then ``<|role|>content<|end|>`` per message,
+then ``<|assistant|>`` for the generation prompt."""
 
 
 class StreamDecoder(Protocol):
@@ -55,14 +89,46 @@ class Tokenizer(Protocol):
     @property
     def eos_token_id(self) -> int | None: ...
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (``eos_token_id`` first)."""
+        ...
+
+    @property
+    def special_tokens(self) -> Mapping[str, str]:
+        """Named special tokens as text (``{"bos_token": "<s>", …}``): a chat template's variables."""
+        ...
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The folder's chat template (compiled on first use; ConfigError if it does not compile)."""
+        ...
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of a rendered chat template: special tokens in the text are their ids, nothing is added."""
+        ...
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]: ...
-
     def stream_decoder(self) -> StreamDecoder: ...
+
+
+def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[ChatMessage], options: ChatOptions | None = None,
+                        template: ChatTemplate | None = None) -> list[int]:
+    """Prompt ids of a chat: ``template`` (default: the tokenizer's own) rendered, then ``encode_chat``.
+
+    InvalidRequestError when there is no template or the template refuses the request."""
+    template = template if template is not None else tokenizer.chat_template
+    if template is None:
+        raise InvalidRequestError("this model has no chat template")
+    text = template.render(messages, options if options is not None else ChatOptions(), tokenizer.special_tokens)
+    return tokenizer.encode_chat(text)
+
+
+def _dict_messages(messages: Sequence[Mapping[str, Any]]) -> list[ChatMessage]:
+    return [ChatMessage.from_mapping(m) for m in messages]
 
 
 class _ByteStreamDecoder:
@@ -79,13 +145,17 @@ class _ByteStreamDecoder:
 class ByteTokenizer:
     """UTF-8 bytes plus a handful of specials (``<bos>``, ``<eos>``, ``<pad>``, chat markers)."""
 
-    def __init__(self, vocab_size: int = 512, special_tokens: Mapping[str, int] | None = None) -> None:
+    def __init__(self, vocab_size: int = 512, special_tokens: Mapping[str, int] | None = None,
+                 chat_template_source: TemplateSource | None = None) -> None:
         self._specials = dict(special_tokens or SPECIAL_TOKENS)
         needed = max(self._specials.values(), default=255) + 1
         if vocab_size < max(needed, 256):
             raise ConfigError(f"byte tokenizer needs a vocabulary of at least {needed}, got {vocab_size}")
         self._vocab_size = vocab_size
         self._names = {v: k for k, v in self._specials.items()}
+        self._template_source = chat_template_source or BYTE_CHAT_TEMPLATE
+        longest_first = sorted(self._specials, key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(s) for s in longest_first)) if longest_first else None
 
     @property
     def vocab_size(self) -> int:
@@ -100,8 +170,22 @@ class ByteTokenizer:
         return self._specials.get("<eos>")
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.eos_token_id
+        return () if eos is None else (eos,)
+
+    @property
     def pad_token_id(self) -> int | None:
         return self._specials.get("<pad>")
+
+    @property
+    def special_tokens(self) -> Mapping[str, str]:
+        named = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
+        return {k: v for k, v in named.items() if v in self._specials}
+
+    @cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        return ChatTemplate(self._template_source, "the byte tokenizer's chat template")
 
     def token_id(self, name: str) -> int:
         """Id of a special token by name (``"<eos>"``)."""
@@ -113,6 +197,18 @@ class ByteTokenizer:
         ids = list(text.encode("utf-8"))
         bos = self.bos_token_id
         return [bos, *ids] if add_bos and bos is not None else ids
+
+    def encode_chat(self, text: str) -> list[int]:
+        if self._special_re is None:
+            return list(text.encode("utf-8"))
+        ids: list[int] = []
+        at = 0
+        for match in self._special_re.finditer(text):
+            ids.extend(text[at:match.start()].encode("utf-8"))
+            ids.append(self._specials[match.group()])
+            at = match.end()
+        ids.extend(text[at:].encode("utf-8"))
+        return ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         parts: list[str] = []
@@ -128,20 +224,10 @@ class ByteTokenizer:
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """``<bos>`` then ``<|role|> content <|end|>`` per message, then ``<|assistant|>``."""
-        ids = [self.token_id("<bos>")]
-        for message in messages:
-            role = message.get("role", "")
-            if role not in _ROLE_TOKENS:
-                raise InvalidRequestError(f"unknown chat role {role!r}; use one of {sorted(_ROLE_TOKENS)}")
-            ids.append(self.token_id(_ROLE_TOKENS[role]))
-            ids.extend(message.get("content", "").encode("utf-8"))
-            ids.append(self.token_id("<|end|>"))
-        if add_generation_prompt:
-            ids.append(self.token_id("<|assistant|>"))
-        return ids
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+                            ) -> list[int]:
+        """Prompt ids of plain-dict ``messages`` with this tokenizer's template (:func:`apply_chat_template`)."""
+        return apply_chat_template(self, _dict_messages(messages), ChatOptions(add_generation_prompt))
 
     def stream_decoder(self) -> StreamDecoder:
         return _ByteStreamDecoder()
@@ -156,91 +242,33 @@ class ByteTokenizer:
         return path
 
 
-class _HfStreamDecoder:
-    """Re-decodes the tail of the stream; emits text once it no longer ends in a partial character."""
-
-    def __init__(self, tokenizer: HfTokenizer) -> None:
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._emitted = 0
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        self._ids.extend(token_ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self._emitted = text[self._emitted:], len(text)
-        return new
-
-    def flush(self) -> str:
-        text = self._tok.decode(self._ids)
-        new, self._emitted = text[self._emitted:], len(text)
-        return new
-
-
-class HfTokenizer:
-    """A ``tokenizer.json`` loaded with the ``tokenizers`` package."""
-
-    def __init__(self, path: Path, bos_token_id: int | None, eos_token_id: int | None) -> None:
-        from tokenizers import Tokenizer as _RawTokenizer
-
-        self._tok = _RawTokenizer.from_file(str(path))
-        self._bos = bos_token_id
-        self._eos = eos_token_id
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._tok.get_vocab_size(with_added_tokens=True))
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return self._bos
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self._eos
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
-        return [self._bos, *ids] if add_bos and self._bos is not None else ids
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
-
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """A plain ``role: content`` transcript (the folder's Jinja chat template is not evaluated)."""
-        text = "".join(f"{m.get('role', '')}: {m.get('content', '')}\n" for m in messages)
-        if add_generation_prompt:
-            text += "assistant: "
-        return self.encode(text)
-
-    def stream_decoder(self) -> StreamDecoder:
-        return _HfStreamDecoder(self)
-
-
-def _first_id(value: Any) -> int | None:
-    if isinstance(value, list):
-        return int(value[0]) if value else None
-    return None if value is None else int(value)
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer of a model folder (see the module docstring for the order of preference)."""
+    from pdrouter.core.hf_tokenizer import HfTokenizer, read_eos_token_ids
+
     folder = Path(model_dir)
-    config: dict[str, Any] = {}
-    if (folder / "config.json").is_file():
-        config = json.loads((folder / "config.json").read_text())
+    config = _read_json(folder / "config.json")
+    tok_config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    template = read_folder_template(folder, tok_config)
     if (folder / HF_TOKENIZER_FILE).is_file():
         try:
-            return HfTokenizer(folder / HF_TOKENIZER_FILE, _first_id(config.get("bos_token_id")),
-                               _first_id(config.get("eos_token_id")))
+            return HfTokenizer(folder / HF_TOKENIZER_FILE, tokenizer_config=tok_config, model_config=config,
+                               eos_token_ids=read_eos_token_ids(folder), chat_template_source=template)
         except ImportError:
             pass
     byte_file = folder / BYTE_TOKENIZER_FILE
     if byte_file.is_file():
         data = json.loads(byte_file.read_text())
         specials = {str(k): int(v) for k, v in data["special_tokens"].items()}
-        return ByteTokenizer(int(data["vocab_size"]), specials)
+        return ByteTokenizer(int(data["vocab_size"]), specials, chat_template_source=template)
     raise ConfigError(f"{folder} has no usable tokenizer ({HF_TOKENIZER_FILE} with the tokenizers "
                       f"package, or {BYTE_TOKENIZER_FILE})")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pdrouter.core.errors import ConfigError
+from pdrouter.core.hf_tokenizer import read_eos_token_ids
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 
@@ -43,7 +44,10 @@ def _check_rope_scaling(config: dict[str, Any]) -> None:
 
 
 def read_model_folder(path: str | Path) -> ModelFolder:
-    """Parse ``config.json`` (geometry, eos ids); ConfigError for missing or unsupported configs."""
+    """Parse ``config.json`` (geometry) and the eos ids; ConfigError for missing or unsupported configs.
+
+    The eos ids are every id that ends a generation: ``config.json``'s, ``generation_config.json``'s
+    and the tokenizer's ``eos_token`` (``pdrouter.core.tokenizer.read_eos_token_ids``)."""
     folder = Path(path)
     spec = ModelSpec.from_pretrained_dir(folder)
     config = json.loads((folder / "config.json").read_text())
@@ -52,9 +56,7 @@ def read_model_folder(path: str | Path) -> ModelFolder:
     if config.get("mlp_bias"):
         raise ConfigError("mlp_bias=true is not supported")
     _check_rope_scaling(config)
-    eos = config.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return ModelFolder(path=folder, spec=spec, eos_token_ids=eos_ids)
+    return ModelFolder(path=folder, spec=spec, eos_token_ids=read_eos_token_ids(folder))
 
 
 def write_config_folder(spec: ModelSpec, out: Path) -> Path:

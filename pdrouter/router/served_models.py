@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from pdrouter.core.chat_template import ChatMessage, ChatOptions, ChatTemplate
 from pdrouter.core.errors import InvalidRequestError, ModelNotFoundError, PdRouterError, PromptTooLongError
-from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.core.tokenizer import Tokenizer, apply_chat_template
 from pdrouter.router.request import ModelInfo, Orchestrator
 
 
@@ -28,6 +29,8 @@ class FrontdoorConfig:
     """``Retry-After`` seconds sent with retryable errors (429, 503)."""
     request_timeout_s: float | None = None
     """Deadline given to HTTP requests (None: none); gRPC requests use the call's own deadline."""
+    chat_template: str | None = None
+    """Jinja source used instead of every served model's own chat template (``--chat-template``)."""
 
     def __post_init__(self) -> None:
         if self.default_max_tokens <= 0:
@@ -42,10 +45,29 @@ class ServedModel:
 
     info: ModelInfo
     tokenizer: Tokenizer
+    chat_template_override: ChatTemplate | None = None
+    """Used instead of the tokenizer's own template (``--chat-template``)."""
 
     @property
     def name(self) -> str:
         return self.info.name
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The template chat requests are rendered with: the override, else the model folder's."""
+        if self.chat_template_override is not None:
+            return self.chat_template_override
+        return self.tokenizer.chat_template
+
+    def chat_prompt(self, messages: Sequence[ChatMessage], options: ChatOptions) -> list[int]:
+        """Prompt ids of a chat request; InvalidRequestError without a template or when it refuses."""
+        template = self.chat_template
+        if template is None:
+            raise InvalidRequestError(
+                f"model {self.name!r} has no chat template (its folder has no chat_template.jinja and no "
+                f"chat_template in tokenizer_config.json); start the router with --chat-template FILE, or "
+                f"send a /v1/completions request")
+        return apply_chat_template(self.tokenizer, messages, options, template)
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         """InvalidRequestError unless every id is in ``[0, vocab_size)``."""
@@ -88,16 +110,24 @@ class ModelRegistry:
     The table is rebuilt from ``orchestrator.models()`` when a name is missing or on
     :meth:`refresh`, so models that appear later are picked up without a restart; the lookup on
     the hot path is one dict access. Models without a tokenizer are not served.
+
+    ``chat_template`` (Jinja source) replaces every model's own template. The templates are
+    compiled here, so one that does not compile is a ConfigError when the front door is built.
     """
 
-    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer]) -> None:
+    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer],
+                 chat_template: str | None = None) -> None:
         self._orchestrator = orchestrator
         self._tokenizers = dict(tokenizers)
         self._models: dict[str, ServedModel] = {}
+        self._chat_template = None if chat_template is None else ChatTemplate(chat_template, "--chat-template")
+        if self._chat_template is None:
+            for tokenizer in self._tokenizers.values():
+                _ = tokenizer.chat_template
 
     def refresh(self) -> list[ServedModel]:
         """Re-read the orchestrator's models; the served ones, in its order."""
-        served = [ServedModel(info, self._tokenizers[info.name])
+        served = [ServedModel(info, self._tokenizers[info.name], self._chat_template)
                   for info in self._orchestrator.models() if info.name in self._tokenizers]
         self._models = {m.name: m for m in served}
         return served

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdrouter.core.errors import ConfigError, InvalidRequestError
-from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, HfTokenizer, load_tokenizer
+from pdrouter.core.hf_tokenizer import HfTokenizer
+from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, load_tokenizer
 
 
 def test_byte_tokenizer_round_trips_text_and_marks_specials(tiny_dir: Path) -> None:

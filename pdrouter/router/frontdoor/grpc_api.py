@@ -101,9 +101,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
         self.orchestrator = orchestrator
-        self.models = ModelRegistry(orchestrator, tokenizers)
-        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.config = config if config is not None else FrontdoorConfig()
+        self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.door_metrics = self.metrics.frontdoor("grpc")
 
     @grpc_errors

@@ -71,9 +71,9 @@ class HttpFrontdoor:
     def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
         self.orchestrator = orchestrator
-        self.models = ModelRegistry(orchestrator, tokenizers)
-        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.config = config if config is not None else FrontdoorConfig()
+        self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.door_metrics = self.metrics.frontdoor("http")
         completions, chat_completions = _GenerationEndpoint(self, chat=False), _GenerationEndpoint(self, chat=True)
         routes = Starlette(
@@ -275,7 +275,8 @@ class _Generation:
         self._client_lost(task)
 
     def _pieces(self) -> aclosing[AsyncGenerator[Piece, None]]:
-        text = TextStream(self._served.tokenizer.stream_decoder(), self._parsed.stop)
+        parsed = self._parsed
+        text = TextStream(self._served.tokenizer.stream_decoder(), parsed.stop, parsed.include_stop_str_in_output)
         door = self._door
         return aclosing(stream_pieces(door.orchestrator, self._request, text, door.door_metrics,
                                       self._arrival))

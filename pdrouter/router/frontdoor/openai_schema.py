@@ -7,15 +7,23 @@ Accepted (``/v1/completions`` and ``/v1/chat/completions``):
   decoded text by the front door), ``user`` (ignored);
 * ``max_tokens`` (chat also ``max_completion_tokens``, which wins). When absent: the context
   left after the prompt, capped at ``FrontdoorConfig.default_max_tokens`` (256 by default);
-* extensions: ``stop_token_ids``, ``top_k``, ``ignore_eos``;
+* extensions (vLLM's): ``stop_token_ids``, ``top_k``, ``ignore_eos``, ``include_stop_str_in_output``;
 * completions: ``prompt`` as a string, a list of token ids, or a list holding exactly one of
-  those; chat: ``messages`` with roles system / developer (read as system) / user / assistant and
-  ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts (joined by newlines).
+  those; chat: ``messages`` with roles system / developer (read as system) / user / assistant /
+  tool, ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts (joined by
+  newlines; null for an assistant message reads as ``""``), and ``name``, ``tool_calls`` (an
+  assistant's; each ``function.arguments`` JSON text is parsed into an object, as templates
+  expect), ``tool_call_id`` (a tool result's) passed to the template;
+* chat, rendering (``pdrouter.core.chat_template``): ``add_generation_prompt`` (default true),
+  ``continue_final_message`` (default false; needs ``add_generation_prompt`` false), ``tools``,
+  ``documents``, ``chat_template_kwargs`` (further template variables); ``tool_choice`` ``none`` or
+  ``auto`` (tool calls come back as the model's text: this server parses none).
 
-Features this server does not implement (``n`` > 1, ``logprobs``, ``echo``, penalties, tools…)
-are refused with 400 when set to anything but their neutral value; unrecognised fields are
-ignored. Every refusal is an ``InvalidRequestError`` (a :class:`FieldError` when one field is to
-blame), which the HTTP door turns into OpenAI's error body.
+Features this server does not implement (``n`` > 1, ``logprobs``, ``echo``, penalties, a
+per-request ``chat_template``, forced tool choice…) are refused with 400 when set to anything but
+their neutral value; unrecognised fields are ignored. Every refusal is an ``InvalidRequestError``
+(a :class:`FieldError` when one field is to blame), which the HTTP door turns into OpenAI's error
+body.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pdrouter.core.chat_template import RESERVED_VARIABLES, ChatMessage, ChatOptions
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
@@ -50,14 +59,17 @@ class OpenAIRequest:
     model: str
     prompt: str | tuple[int, ...]
     """Completions: text or token ids. Chat: ``""`` (see ``messages``)."""
-    messages: tuple[tuple[str, str], ...]
-    """Chat: ``(role, content)`` pairs, roles normalised to system / user / assistant."""
+    messages: tuple[ChatMessage, ...]
+    """Chat: the messages, roles normalised to system / user / assistant / tool."""
+    chat_options: ChatOptions
+    """Chat: how to render the template (completions: the defaults, unused)."""
     max_tokens: int | None
     temperature: float
     top_p: float
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
+    include_stop_str_in_output: bool
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     stream: bool
@@ -68,10 +80,14 @@ class OpenAIRequest:
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
     "suffix": ("",), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
-    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},),
+    "tools": ([],), "functions": ([],), "response_format": ({"type": "text"},), "chat_template": ("",),
 }
 _NEUTRAL_KEYS = frozenset(_NEUTRAL)
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_CHAT_FIELDS = frozenset({"tools"})
+"""Of ``_NEUTRAL``, the fields chat requests do use."""
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+_TOOL_CHOICES = (None, "none", "auto")
+_NO_CHAT = ChatOptions()
 _SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"})
 
 
@@ -125,10 +141,12 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
     raise FieldError(key, f"{key} must be a number, got {_kind(value)}")
 
 
-def _bool(body: dict[str, Any], key: str) -> bool:
+def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
     value = body.get(key)
-    if value is None or type(value) is bool:
-        return bool(value)
+    if value is None:
+        return default
+    if type(value) is bool:
+        return value
     raise FieldError(key, f"{key} must be a boolean, got {_kind(value)}")
 
 
@@ -179,22 +197,82 @@ def _content(content: Any, where: str, role: str) -> str:
                                          f"got {_kind(content)}")
 
 
-def _messages(body: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """An assistant's tool call, ``function.arguments`` parsed from its JSON text into a value."""
+    if not isinstance(call, dict):
+        raise FieldError(where, f"a tool call must be an object, got {_kind(call)}")
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise FieldError(f"{where}.function", 'a tool call needs "function": {"name": ..., "arguments": ...}')
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
+            raise FieldError(f"{where}.function.arguments", "function.arguments must be JSON text") from None
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def _optional_str(message: dict[str, Any], key: str, where: str) -> str | None:
+    value = message.get(key)
+    if value is None or isinstance(value, str):
+        return value
+    raise FieldError(f"{where}.{key}", f"{key} must be a string, got {_kind(value)}")
+
+
+def _message(message: Any, where: str) -> ChatMessage:
+    if not isinstance(message, dict):
+        raise FieldError(where, f"each message must be an object, got {_kind(message)}")
+    role = message.get("role")
+    if not isinstance(role, str) or role not in _ROLES:
+        raise FieldError(f"{where}.role", f"role must be one of {sorted(_ROLES)}, got {role!r}")
+    calls = message.get("tool_calls")
+    tool_calls = None
+    if calls is not None and calls != []:
+        if role != "assistant" or not isinstance(calls, list):
+            raise FieldError(f"{where}.tool_calls", "tool_calls must be an array, on an assistant message")
+        tool_calls = tuple(_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls))
+    return ChatMessage(role=_ROLES[role], content=_content(message.get("content"), where, role),
+                       name=_optional_str(message, "name", where), tool_calls=tool_calls,
+                       tool_call_id=_optional_str(message, "tool_call_id", where))
+
+
+def _messages(body: dict[str, Any]) -> tuple[ChatMessage, ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise FieldError("messages", f"messages must be a non-empty array, got {_kind(messages)}")
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise FieldError(where, f"each message must be an object, got {_kind(message)}")
-        role = message.get("role")
-        if not isinstance(role, str) or role not in _ROLES:
-            raise FieldError(f"{where}.role", f"role must be one of {sorted(_ROLES)}, got {role!r}")
-        if message.get("tool_calls"):
-            raise FieldError(f"{where}.tool_calls", "tool calls are not supported")
-        out.append((_ROLES[role], _content(message.get("content"), where, role)))
-    return tuple(out)
+    return tuple(_message(m, f"messages[{i}]") for i, m in enumerate(messages))
+
+
+def _objects(body: dict[str, Any], key: str) -> tuple[dict[str, Any], ...] | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, list) and all(isinstance(v, dict) for v in value):
+        return tuple(value)
+    raise FieldError(key, f"{key} must be an array of objects, got {_kind(value)}")
+
+
+def _chat_options(body: dict[str, Any]) -> ChatOptions:
+    add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    continue_final = _bool(body, "continue_final_message")
+    if continue_final and add_generation_prompt:
+        raise FieldError("continue_final_message", "continue_final_message needs add_generation_prompt: false "
+                                                   "(the prompt continues the final message or starts a new one)")
+    choice = body.get("tool_choice")
+    if choice not in _TOOL_CHOICES:
+        raise FieldError("tool_choice", f"tool_choice={choice!r} is not supported: use \"auto\" or \"none\" (tool "
+                                        f"calls come back as the model's text)")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise FieldError("chat_template_kwargs", f"chat_template_kwargs must be an object, got {_kind(kwargs)}")
+    reserved = RESERVED_VARIABLES.intersection(kwargs or ())
+    if reserved:
+        raise FieldError("chat_template_kwargs", f"chat_template_kwargs may not set {sorted(reserved)}: use the "
+                                                 f"request's own fields")
+    return ChatOptions(add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                       tools=_objects(body, "tools"), documents=_objects(body, "documents"),
+                       template_kwargs=kwargs or {})
 
 
 def _stop(body: dict[str, Any], limit: int) -> tuple[str, ...]:
@@ -210,14 +288,17 @@ def _stop(body: dict[str, Any], limit: int) -> tuple[str, ...]:
     raise FieldError("stop", f"stop must be a string or an array of strings, got {_kind(stop)}")
 
 
-def _check_unsupported(body: dict[str, Any]) -> None:
+def _check_unsupported(body: dict[str, Any], chat: bool) -> None:
     if _NEUTRAL_KEYS.isdisjoint(body):  # the common case: none of those fields is sent
         return
     for key, neutral in _NEUTRAL.items():
         value = body.get(key)
-        if value is not None and value not in neutral:
+        if value is not None and value not in neutral and not (chat and key in _CHAT_FIELDS):
             if key == "n":
                 raise FieldError("n", f"n must be 1 (one choice per request), got {value!r}")
+            if key == "chat_template":
+                raise FieldError(key, "a per-request chat_template is not supported: the router renders the "
+                                      "model's own template (or the one given with --chat-template)")
             raise FieldError(key, f"{key}={value!r} is not supported by this server")
 
 
@@ -227,7 +308,7 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise FieldError("model", f"model must be a non-empty string, got {_kind(model)}")
-    _check_unsupported(data)
+    _check_unsupported(data, chat)
     max_tokens = _int(data, "max_tokens")
     if chat and data.get("max_completion_tokens") is not None:
         max_tokens = _int(data, "max_completion_tokens")
@@ -241,12 +322,14 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
         chat=chat, model=model,
         prompt="" if chat else _prompt(data),
         messages=_messages(data) if chat else (),
+        chat_options=_chat_options(data) if chat else _NO_CHAT,
         max_tokens=max_tokens,
         temperature=_number(data, "temperature", 1.0),
         top_p=_number(data, "top_p", 1.0),
         top_k=_int(data, "top_k") or 0,
         seed=_int(data, "seed"),
         stop=_stop(data, config.max_stop_strings),
+        include_stop_str_in_output=_bool(data, "include_stop_str_in_output"),
         stop_token_ids=tuple(stop_ids or ()),
         ignore_eos=_bool(data, "ignore_eos"),
         stream=_bool(data, "stream"),
@@ -259,7 +342,7 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
     """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling."""
     tokenizer = served.tokenizer
     if req.chat:
-        ids = tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in req.messages])
+        ids = served.chat_prompt(req.messages, req.chat_options)
     elif isinstance(req.prompt, str):
         ids = tokenizer.encode(req.prompt)
     else:

@@ -45,9 +45,9 @@ def test_flush_releases_a_held_back_tail(tokenizer: ByteTokenizer) -> None:
     assert not text.stopped
 
 
-def test_the_stop_string_starting_first_wins(tokenizer: ByteTokenizer) -> None:
+def test_the_stop_string_completed_first_wins_within_one_push(tokenizer: ByteTokenizer) -> None:
     text = stream(tokenizer, ("cd", "bcde"))
-    assert text.push(list(b"abcdef")) == "a"
+    assert text.push(list(b"abcdef")) == "ab"  # as token by token: "cd" is complete before "bcde"
     assert text.stopped
 
 

@@ -308,8 +308,9 @@ _BAD_CHATS: list[tuple[str, dict[str, Any], str | None]] = [
      "messages[0].content"),
     ("image part", {"model": "echo", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0]"),
-    ("tool calls", {"model": "echo", "messages": [{"role": "assistant", "content": None,
-                                                   "tool_calls": [{"id": "1"}]}]}, "messages[0].tool_calls"),
+    ("tool call without a function", {"model": "echo", "messages": [{"role": "assistant", "content": None,
+                                                                     "tool_calls": [{"id": "1"}]}]},
+     "messages[0].tool_calls[0].function"),
     ("bad max_completion_tokens", {"model": "echo", "messages": [{"role": "user", "content": "x"}],
                                    "max_completion_tokens": -3}, "max_tokens"),
 ]

@@ -55,7 +55,9 @@ def test_chat_roles_parts_and_max_completion_tokens() -> None:
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
         {"role": "assistant", "content": None},
         {"role": "user", "content": "c", "name": "bob"}]}, chat=True)
-    assert req.messages == (("system", "rules"), ("user", "a\nb"), ("assistant", ""), ("user", "c"))
+    assert [(m.role, m.content) for m in req.messages] == [
+        ("system", "rules"), ("user", "a\nb"), ("assistant", ""), ("user", "c")]
+    assert req.messages[3].name == "bob"
     assert req.max_tokens == 9
 
 
