@@ -1,6 +1,6 @@
 """HF tokenizers: a ``tokenizer.json`` with its ``tokenizer_config.json``, streamed decoding, EOS ids.
 
-Loaded by :func:`pdrouter.core.tokenizer.load_tokenizer` for a folder with a ``tokenizer.json``;
+Loaded by ``pdrouter.core.tokenizer.load_tokenizer`` for a folder with a ``tokenizer.json``;
 imports ``tokenizers`` only when a tokenizer is built.
 """
 
@@ -13,15 +13,15 @@ from typing import Any
 
 from pdrouter.core.chat_template import ChatOptions, ChatTemplate, TemplateSource
 from pdrouter.core.errors import ConfigError
-from pdrouter.core.tokenizer import (
+from pdrouter.core.tokenizer_base import (
     GENERATION_CONFIG_FILE,
     HF_TOKENIZER_FILE,
     SPECIAL_TOKEN_NAMES,
     TOKENIZER_CONFIG_FILE,
     StreamDecoder,
-    _dict_messages,
-    _read_json,
     apply_chat_template,
+    dict_messages,
+    read_json,
 )
 
 
@@ -201,7 +201,7 @@ class HfTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
                             ) -> list[int]:
         """Prompt ids of plain-dict ``messages`` with the folder's template (:func:`apply_chat_template`)."""
-        return apply_chat_template(self, _dict_messages(messages), ChatOptions(add_generation_prompt))
+        return apply_chat_template(self, dict_messages(messages), ChatOptions(add_generation_prompt))
 
     def stream_decoder(self) -> StreamDecoder:
         return _HfStreamDecoder(self._tok)
@@ -223,9 +223,9 @@ def read_eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
     then ``tokenizer_config.json``'s ``eos_token`` when ``added_tokens_decoder`` names its id.
     Reads no ``tokenizer.json``, so it is cheap for the workers."""
     folder = Path(model_dir)
-    ids = [*_ids(_read_json(folder / "config.json").get("eos_token_id")),
-           *_ids(_read_json(folder / GENERATION_CONFIG_FILE).get("eos_token_id"))]
-    tok_config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    ids = [*_ids(read_json(folder / "config.json").get("eos_token_id")),
+           *_ids(read_json(folder / GENERATION_CONFIG_FILE).get("eos_token_id"))]
+    tok_config = read_json(folder / TOKENIZER_CONFIG_FILE)
     eos_text = _token_text(tok_config.get("eos_token"))
     for raw_id, spec in (tok_config.get("added_tokens_decoder") or {}).items():
         if eos_text is not None and _token_text(spec) == eos_text:

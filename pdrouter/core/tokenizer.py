@@ -30,16 +30,27 @@ import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from pdrouter.core.chat_template import ChatMessage, ChatOptions, ChatTemplate, TemplateSource, read_folder_template
-from pdrouter.core.errors import ConfigError, InvalidRequestError
+from pdrouter.core.chat_template import ChatOptions, ChatTemplate, TemplateSource, read_folder_template
+from pdrouter.core.errors import ConfigError
+from pdrouter.core.tokenizer_base import (
+    GENERATION_CONFIG_FILE,
+    HF_TOKENIZER_FILE,
+    SPECIAL_TOKEN_NAMES,
+    TOKENIZER_CONFIG_FILE,
+    StreamDecoder,
+    Tokenizer,
+    apply_chat_template,
+    dict_messages,
+    read_json,
+)
+
+__all__ = ["BYTE_CHAT_TEMPLATE", "BYTE_TOKENIZER_FILE", "GENERATION_CONFIG_FILE", "HF_TOKENIZER_FILE",
+           "SPECIAL_TOKENS", "SPECIAL_TOKEN_NAMES", "TOKENIZER_CONFIG_FILE", "ByteTokenizer", "StreamDecoder",
+           "Tokenizer", "apply_chat_template", "load_tokenizer"]
 
 BYTE_TOKENIZER_FILE = "pdrouter_tokenizer.json"
-HF_TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-GENERATION_CONFIG_FILE = "generation_config.json"
-
 SPECIAL_TOKENS: dict[str, int] = {
     "<pad>": 256,
     "<bos>": 257,
@@ -49,9 +60,6 @@ SPECIAL_TOKENS: dict[str, int] = {
     "<|assistant|>": 261,
     "<|end|>": 262,
 }
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
-"""The named special tokens of ``tokenizer_config.json`` that a chat template sees as variables."""
-
 BYTE_CHAT_TEMPLATE = """\
 {{- bos_token }}
 {%- for message in messages %}
@@ -67,68 +75,6 @@ BYTE_CHAT_TEMPLATE = """\
 """
 """The byte-level tokenizer's chat template: ``<bos>``, then ``<|role|>content<|end|>`` per message,
 then ``<|assistant|>`` for the generation prompt."""
-
-
-class StreamDecoder(Protocol):
-    """Turns a stream of token ids into text, holding back incomplete UTF-8 sequences."""
-
-    def push(self, token_ids: Sequence[int]) -> str: ...
-
-    def flush(self) -> str: ...
-
-
-class Tokenizer(Protocol):
-    """What the router and the workers need from a tokenizer."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """Every id that ends a generation (``eos_token_id`` first)."""
-        ...
-
-    @property
-    def special_tokens(self) -> Mapping[str, str]:
-        """Named special tokens as text (``{"bos_token": "<s>", …}``): a chat template's variables."""
-        ...
-
-    @property
-    def chat_template(self) -> ChatTemplate | None:
-        """The folder's chat template (compiled on first use; ConfigError if it does not compile)."""
-        ...
-
-    def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
-
-    def encode_chat(self, text: str) -> list[int]:
-        """Ids of a rendered chat template: special tokens in the text are their ids, nothing is added."""
-        ...
-
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
-
-    def stream_decoder(self) -> StreamDecoder: ...
-
-
-def apply_chat_template(tokenizer: Tokenizer, messages: Sequence[ChatMessage], options: ChatOptions | None = None,
-                        template: ChatTemplate | None = None) -> list[int]:
-    """Prompt ids of a chat: ``template`` (default: the tokenizer's own) rendered, then ``encode_chat``.
-
-    InvalidRequestError when there is no template or the template refuses the request."""
-    template = template if template is not None else tokenizer.chat_template
-    if template is None:
-        raise InvalidRequestError("this model has no chat template")
-    text = template.render(messages, options if options is not None else ChatOptions(), tokenizer.special_tokens)
-    return tokenizer.encode_chat(text)
-
-
-def _dict_messages(messages: Sequence[Mapping[str, Any]]) -> list[ChatMessage]:
-    return [ChatMessage.from_mapping(m) for m in messages]
 
 
 class _ByteStreamDecoder:
@@ -227,7 +173,7 @@ class ByteTokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
                             ) -> list[int]:
         """Prompt ids of plain-dict ``messages`` with this tokenizer's template (:func:`apply_chat_template`)."""
-        return apply_chat_template(self, _dict_messages(messages), ChatOptions(add_generation_prompt))
+        return apply_chat_template(self, dict_messages(messages), ChatOptions(add_generation_prompt))
 
     def stream_decoder(self) -> StreamDecoder:
         return _ByteStreamDecoder()
@@ -242,22 +188,13 @@ class ByteTokenizer:
         return path
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a JSON object")
-    return data
-
-
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     """The tokenizer of a model folder (see the module docstring for the order of preference)."""
     from pdrouter.core.hf_tokenizer import HfTokenizer, read_eos_token_ids
 
     folder = Path(model_dir)
-    config = _read_json(folder / "config.json")
-    tok_config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    config = read_json(folder / "config.json")
+    tok_config = read_json(folder / TOKENIZER_CONFIG_FILE)
     template = read_folder_template(folder, tok_config)
     if (folder / HF_TOKENIZER_FILE).is_file():
         try:
