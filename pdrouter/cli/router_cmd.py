@@ -28,6 +28,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind host of both front doors")
     p.add_argument("--http-port", type=int, default=8000, help="OpenAI HTTP port (0: any free port)")
     p.add_argument("--grpc-port", type=int, default=50051, help="gRPC front door port (0: any free port)")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="an API key both front doors accept (repeatable; visible in `ps`: prefer --api-key-file "
+                        "or the environment). With any key, requests need 'Authorization: Bearer KEY'")
+    p.add_argument("--api-key-file", action="append", default=[], type=Path, metavar="FILE",
+                   help="a file of API keys, one a line (blank lines and # comments skipped; repeatable)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve /metrics on a listener of its own, with no key asked (0: any free port); the "
+                        "HTTP port then serves no /metrics. Without it, /metrics on the HTTP port needs the key")
+    p.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help="bind host of the --metrics-port listener (default: --host)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
                    help="reach workers over their lane where they serve one (faster), or always over gRPC")
@@ -42,6 +52,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission-credit", type=float, default=0.05, metavar="FRACTION",
                    help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
                         "requests are admitted without a Redis round trip (0: book each request alone)")
+    p.add_argument("--admission-on-redis-error", choices=["fail", "local"], default="fail",
+                   help="when Redis cannot be reached to book a request's KV: fail answers 503 / UNAVAILABLE; "
+                        "local places it by load alone, without shared admission")
+    p.add_argument("--redis-max-connections", type=int, default=64, metavar="N",
+                   help="size of the router's Redis connection pool; calls beyond it wait for a free "
+                        "connection (up to 5 s) instead of failing")
     p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template used instead of the model folder's (chat_template.jinja or "
@@ -54,6 +70,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     from pdrouter.router.admission import AdmissionConfig
     from pdrouter.router.config import RouterConfig
     from pdrouter.router.dispatch import DispatchConfig
+    from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys
     from pdrouter.router.served_models import FrontdoorConfig
 
     if not (args.model / "config.json").is_file():
@@ -63,16 +80,26 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     if not 0.0 <= args.admission_credit <= 0.5:
         raise ConfigError(f"--admission-credit is a fraction of a decode worker's pool in [0, 0.5], "
                           f"got {args.admission_credit:g}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise ConfigError(f"--metrics-port must be in [0, 65535] (0: any free port), got {args.metrics_port}")
+    if args.metrics_port is not None and args.metrics_port and args.metrics_port in (args.http_port, args.grpc_port):
+        raise ConfigError(f"--metrics-port {args.metrics_port} is also a front door's port: give it another")
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise ConfigError("--metrics-host needs --metrics-port")
+    api_keys = collect_api_keys(args.api_key, args.api_key_file, os.environ.get(ENV_VAR))
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     chat_template = read_chat_template(args.chat_template)
     return RouterConfig(
         model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_keys=api_keys,
         block_size=args.block_size, worker_transport=args.worker_transport,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
-                                          lease_ms=args.lease_ms, credit_fraction=args.admission_credit),
+                                          lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
+                                          on_redis_error=args.admission_on_redis_error),
+        redis_max_connections=args.redis_max_connections,
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s, chat_template=chat_template))
 
 

@@ -109,6 +109,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--kv-backend", default="tcp", choices=["tcp", "gloo", "nccl"])
             p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (decode; 0: any free)")
             p.add_argument("--lease-ms", type=int, default=30_000, help="allocation lease (decode)")
+            p.add_argument("--max-lease-ms", type=int, default=120_000,
+                           help="longest allocation lease a caller may ask for (decode); a longer one is refused")
+        if name == "prefill":
+            p.add_argument("--decode-kv-addresses", default="", metavar="HOST:PORT,...",
+                           help="without --redis: the decode workers' KV receiver addresses this worker may send "
+                                "KV to (with --redis: the decode workers registered in the pool; with neither: "
+                                "none)")
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=run, role_name=name)
 
@@ -208,6 +215,9 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         redis_url=args.redis, model_name=args.served_model_name,
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
         kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
+        max_lease_ms=getattr(args, "max_lease_ms", 120_000),
+        decode_kv_addresses=tuple(a.strip() for a in getattr(args, "decode_kv_addresses", "").split(",")
+                                  if a.strip()),
         lane_port=None if args.lane_port == -1 else args.lane_port)
 
 

@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 from pdrouter.core.errors import InvalidRequestError
 
+MAX_TOP_K = 2**20
+"""The largest ``top_k``: above any vocabulary (a ``top_k`` at or above the vocabulary size keeps every token)."""
+MAX_TOKENS = 2**31 - 1
+"""The largest ``max_tokens`` (the front doors bound it by the model's context first)."""
+MAX_TOKEN_ID = 2**31 - 1
+"""The largest token id a stop token may have (the front doors bound it by the vocabulary first)."""
+MAX_STOP_TOKEN_IDS = 1024
+"""The most stop token ids a request may name (each generated token is looked up among them)."""
+MAX_TEMPERATURE = 100.0
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -27,16 +37,25 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self) -> None:
-        """InvalidRequestError naming the field when a value is out of range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        """InvalidRequestError naming the field first when a value is out of range.
+
+        Every value that passes fits the wire's fields (``uint32`` counts and ids, ``uint64``
+        seed, ``float`` temperature and top_p), so a request accepted at a front door is never
+        refused, or worse, fails, on its way to a worker.
+        """
+        if not isinstance(self.max_tokens, int) or not 0 < self.max_tokens <= MAX_TOKENS:
+            raise InvalidRequestError(f"max_tokens must be a positive integer (at most {MAX_TOKENS}), "
+                                      f"got {self.max_tokens!r}")
+        if not isinstance(self.temperature, int | float) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequestError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if not isinstance(self.top_p, int | float) or not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequestError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError(f"seed must be in [0, 2^63), got {self.seed!r}")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise InvalidRequestError("stop_token_ids must be non-negative token ids")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(f"stop_token_ids may name at most {MAX_STOP_TOKEN_IDS} tokens, "
+                                      f"got {len(self.stop_token_ids)}")
+        if any(not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be token ids in [0, {MAX_TOKEN_ID}]")

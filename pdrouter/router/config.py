@@ -9,8 +9,10 @@ from typing import Literal
 from pdrouter.core.errors import ConfigError
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
+from pdrouter.router.frontdoor.auth import ApiKeys
 from pdrouter.router.placement.policy import CacheAwareConfig
 from pdrouter.router.served_models import FrontdoorConfig
+from pdrouter.state.client import MIN_CONNECTIONS
 
 
 @dataclass(frozen=True)
@@ -20,16 +22,27 @@ class RouterConfig:
     model_dir: Path
     """A model folder with config.json and the tokenizer (weights are not read)."""
     model_name: str | None = None
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)
+    """May hold a password: left out of the repr (log it with ``pdrouter.core.redact.redact_url``)."""
     static_workers: tuple[str, ...] = ()
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    metrics_port: int | None = None
+    """Serve ``/metrics`` on a listener of its own (no key asked) instead of on the HTTP port; 0: any free port."""
+    metrics_host: str | None = None
+    """Bind host of the metrics listener (None: ``host``)."""
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    """The keys both front doors ask for (none: the doors are open)."""
     block_size: int = 16
     hash_seed: int = 0
     cache_aware: bool = True
     admission: bool = True
+    redis_max_connections: int = 64
+    """Connections of the router's Redis pool; a call that finds them all busy waits for one (up
+    to ``redis_pool_timeout_s``) instead of failing (``pdrouter.state.client``)."""
+    redis_pool_timeout_s: float = 5.0
     refresh_interval_s: float = 1.0
     worker_transport: Literal["lane", "grpc"] = "lane"
     """How requests reach the workers: the worker lane where a worker serves one (the fast path),
@@ -43,7 +56,7 @@ class RouterConfig:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
         if not self.redis_url and not self.static_workers:
             raise ConfigError("the router needs --redis (worker registry) or --workers (a static list)")
-        for port in (self.http_port, self.grpc_port):
+        for port in (self.http_port, self.grpc_port, *([] if self.metrics_port is None else [self.metrics_port])):
             if not 0 <= port < 65536:
                 raise ConfigError(f"ports must be in [0, 65535], got {port}")
         if self.mode not in ("disaggregated", "colocated"):
@@ -52,3 +65,7 @@ class RouterConfig:
             raise ConfigError(f"worker transport must be lane or grpc, got {self.worker_transport!r}")
         if self.block_size <= 0:
             raise ConfigError(f"block size must be > 0, got {self.block_size}")
+        if self.redis_max_connections < MIN_CONNECTIONS or self.redis_pool_timeout_s <= 0:
+            raise ConfigError(f"the Redis pool (--redis-max-connections) needs at least {MIN_CONNECTIONS} "
+                              f"connections and a wait > 0 s for one, got {self.redis_max_connections} and "
+                              f"{self.redis_pool_timeout_s:g} s")

@@ -20,6 +20,9 @@ workers (looked up while admission runs), then one call does the rest::
   report on the first chunk names the failures, and their circuit breakers count them.
 * Whatever ends the request (finish, error, client gone, deadline) cancels the call: the decode
   worker frees its blocks and cancels the prefill in flight. The booking is released in Redis.
+* When Redis cannot be reached for a booking, ``AdmissionConfig.on_redis_error`` decides: ``fail``
+  refuses the request (UNAVAILABLE / 503), ``local`` places it by load alone; either way
+  ``TransferStats.admission_redis_errors`` counts it, by outcome.
 
 Colocated: the request goes to one colocated worker, which streams every token.
 """
@@ -77,7 +80,9 @@ class TransferStats:
         self.lookups = 0
         self.lookup_seconds = 0.0
         self.index_errors = 0
-        self.admission_errors = 0
+        self.admission_redis_errors: dict[str, int] = {"refused": 0, "local": 0}
+        """Bookings that failed because Redis could not be reached, by what happened to the request:
+        ``refused`` (UNAVAILABLE) or ``local`` (placed by load alone, without shared admission)."""
         self.match_tokens: dict[str, int] = {}
         """Per prefill worker: prompt tokens its cache held when it was chosen (index view)."""
         self.placed_tokens: dict[str, int] = {}
@@ -131,7 +136,7 @@ class Dispatcher:
         assert self.admission is not None
         task = self.admission.release_soon(reservation)
         if task is not None:
-            self._background.spawn(task, name=f"unbook-{reservation.request_id}")
+            self._background.spawn(task, name=f"unbook-{reservation.booking_id}")
 
     async def drain(self, timeout: float = 15.0) -> None:
         """Wait for outstanding releases (shutdown); cancel what is still running after ``timeout``.
@@ -228,19 +233,32 @@ class Dispatcher:
             reservation = await self.admission.admit(request.request_id, blocks, caps, priority=request.priority,
                                                      deadline=request.deadline)
         except (RedisError, OSError) as exc:
-            # Redis is the only shared state: without it keep serving, each decode worker still
-            # guards its own pool (Allocate answers RESOURCE_EXHAUSTED when it is full).
-            if self.admission_ok:
-                log.warning("KV admission unavailable (%s): placing decode by load alone", exc)
-            self.admission_ok = False
-            self.stats.admission_errors += 1
-            return self.policy.pick_decode(request, candidates, blocks), None
+            return self._without_admission(request, candidates, blocks, exc), None
         if not self.admission_ok:
             log.info("KV admission available again")
         self.admission_ok = True
         if self.metrics is not None:
             self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
+
+    def _without_admission(self, request: RouterRequest, candidates: Sequence[WorkerHandle], blocks: int,
+                           exc: BaseException) -> WorkerHandle:
+        """Redis could not book the request: refuse it (``fail``), or place it by load alone (``local``).
+
+        ``local`` serves without shared admission: routers may then book past a worker's pool, which
+        the decode worker still guards itself (it refuses what does not fit, RESOURCE_EXHAUSTED).
+        """
+        assert self.admission is not None
+        local = self.admission.config.on_redis_error == "local"
+        self.stats.admission_redis_errors["local" if local else "refused"] += 1
+        if self.admission_ok:
+            log.warning("KV admission unavailable (Redis: %s): %s", exc,
+                        "placing decode by load alone" if local else "refusing requests until Redis answers")
+        self.admission_ok = False
+        if not local:
+            # The client is told what and when, not where: Redis's address stays in the router's log.
+            raise UnavailableError("KV admission is unavailable: the router cannot reach Redis now; retry later")
+        return self.policy.pick_decode(request, candidates, blocks)
 
     def _prefill_routes(self, request: RouterRequest,
                         cached_tokens: dict[WorkerId, int]) -> list[tuple[WorkerHandle, int]]:

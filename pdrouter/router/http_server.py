@@ -19,13 +19,17 @@ The seam. What the door gives the server:
   ASGI server;
 * on that application, optionally, :meth:`FastRoutes.fast_handlers`: per exact request path of a
   generation POST (``b"/v1/completions"``, ``b"/v1/chat/completions"``), a :data:`Handler`
-  ``handler(receive, send)`` (the endpoint's ASGI work, its scope already decided) and the largest
-  body it accepts. The server builds them once per connection, passing its :data:`OnDisconnect`;
+  ``handler(receive, send, authorization)`` (the endpoint's ASGI work, its scope already decided)
+  and the largest body it accepts. The server builds them once per connection, passing its
+  :data:`OnDisconnect`;
 * in the scopes of requests that reach the application, the server offers the same callback
   under :data:`DISCONNECT_EXTENSION`, so the endpoint needs no task watching ``receive``.
 
 What the server promises a handler:
 
+* ``authorization`` is the value of the request's ``Authorization`` header, None without one (a
+  request with several never reaches a handler: uvicorn's cycle takes it, and the application
+  answers it);
 * ``receive()`` gives the whole body in one ``http.request`` message (``more_body`` False) or, once
   the body has outgrown the handler's limit, what came of it with ``more_body`` True (the
   connection is then not kept); after that it waits, and gives ``http.disconnect`` once the
@@ -82,8 +86,9 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
-Handler = Callable[[Receive, Send], Awaitable[None]]
-"""``handler(receive, send)``: the endpoint's ASGI work for one request (scope already decided)."""
+Handler = Callable[[Receive, Send, bytes | None], Awaitable[None]]
+"""``handler(receive, send, authorization)``: the endpoint's ASGI work for one request (scope already
+decided); ``authorization``: the request's ``Authorization`` header value, None without one."""
 OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
 """``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
 DISCONNECT_EXTENSION = "pdrouter.disconnect"
@@ -111,6 +116,7 @@ _HEADER_LINES = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*"
 """Header lines as RFC 9110 / 9112 allow them (token name, no space before the colon, visible
 value characters, no obsolete line folding), each ending in CRLF."""
 _PASS_ON = (b"\ntransfer-encoding:", b"\nexpect:", b"\nupgrade:")
+_AUTHORIZATION = b"\nauthorization:"
 
 
 def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, bytes] | None:
@@ -118,11 +124,18 @@ def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, byte
 
     Plain: ``HTTP/1.1``, the path exactly a key of ``routes`` (no query string), well-formed header
     lines, one ``Content-Length`` equal to the body that follows, no ``Transfer-Encoding``,
-    ``Expect`` or ``Upgrade``, at most one ``Connection`` header. Anything else, including a request
-    that has not wholly arrived or one with another pipelined behind it, is None: the general
-    parser takes it (and answers what is malformed). A request read here never reaches that
-    parser, which stays between two messages.
+    ``Expect`` or ``Upgrade``, at most one ``Connection`` and one ``Authorization`` header. Anything
+    else, including a request that has not wholly arrived or one with another pipelined behind it,
+    is None: the general parser takes it (and answers what is malformed). A request read here
+    never reaches that parser, which stays between two messages.
     """
+    whole = whole_request_with_authorization(data, routes)
+    return None if whole is None else whole[:3]
+
+
+def whole_request_with_authorization(data: bytes, routes: Mapping[bytes, T]
+                                     ) -> tuple[T, bool, bytes, bytes | None] | None:
+    """:func:`whole_request`, and the value of the request's ``Authorization`` header (None without one)."""
     line_end = data.find(b"\r\n")
     if line_end < 0 or not data.startswith(b"POST /"):
         return None
@@ -157,7 +170,14 @@ def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, byte
         if b"upgrade" in options:
             return None
         keep_alive = b"close" not in options
-    return route, keep_alive, body
+    authorization = None
+    at = lower.find(_AUTHORIZATION)
+    if at >= 0:
+        if lower.find(_AUTHORIZATION, at + 1) >= 0:
+            return None
+        # ``lower`` is ``block`` lower-cased after one b"\n": the same offsets, less one (a key keeps its case).
+        authorization = block[at + len(_AUTHORIZATION) - 1:lower.find(b"\r", at) - 1].strip(b" \t")
+    return route, keep_alive, body, authorization
 
 
 def status_line(status: int) -> bytes:
@@ -190,16 +210,18 @@ class FastCycle:
     ``more_body``, ``message_event``, ``response_complete``, ``disconnected``, ``keep_alive``).
     """
 
-    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "body", "chunked", "disconnected",
-                 "handler", "keep_alive", "message_event", "more_body", "protocol", "response_complete",
-                 "response_started")
+    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "authorization", "body", "chunked",
+                 "disconnected", "handler", "keep_alive", "message_event", "more_body", "protocol",
+                 "response_complete", "response_started")
 
     def __init__(self, protocol: HttpToolsProtocol, handler: Handler, keep_alive: bool, body_limit: int,
-                 body: bytes | None = None) -> None:
+                 body: bytes | None = None, authorization: bytes | None = None) -> None:
         """``body``: the whole request body, when it has all arrived (the request starts at once);
-        None: uvicorn's parser callbacks bring it."""
+        None: uvicorn's parser callbacks bring it. ``authorization``: the request's
+        ``Authorization`` header value, for the handler."""
         self.protocol = protocol
         self.handler = handler
+        self.authorization = authorization
         self.keep_alive = keep_alive
         self.body: bytes | bytearray = bytearray() if body is None else body
         self.more_body = body is None
@@ -238,7 +260,7 @@ class FastCycle:
 
     async def _run(self) -> None:
         try:
-            await self.handler(self.receive, self.send)
+            await self.handler(self.receive, self.send, self.authorization)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 log.error("generation request failed", exc_info=exc)
@@ -402,11 +424,12 @@ class HttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if (self._fast is not None and not self._in_message and not self.pipeline
                 and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
-            whole = whole_request(data, self._fast)
+            whole = whole_request_with_authorization(data, self._fast)
             if whole is not None:  # entry point 1: one plain generation request, whole
-                (handler, body_limit), keep_alive, body = whole
+                (handler, body_limit), keep_alive, body, authorization = whole
                 self._unset_keepalive_if_required()
-                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body)  # type: ignore[assignment]
+                self.cycle = FastCycle(self, handler, keep_alive, body_limit, body,  # type: ignore[assignment]
+                                       authorization)
                 return
         super().data_received(data)
 
@@ -419,19 +442,30 @@ class HttpProtocol(HttpToolsProtocol):
         if fast is None:  # entry point 3: uvicorn's cycle
             super().on_headers_complete()
             return
-        handler, body_limit = fast  # entry point 2: parsed by httptools, served by a FastCycle
+        handler, body_limit, authorization = fast  # entry point 2: parsed by httptools, served by a FastCycle
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        self.cycle = FastCycle(self, handler, keep_alive, body_limit)  # type: ignore[assignment]
+        self.cycle = FastCycle(self, handler, keep_alive, body_limit,  # type: ignore[assignment]
+                               authorization=authorization)
 
-    def _fast_handler(self) -> tuple[Handler, int] | None:
-        """The generation endpoint's own cycle applies (entry point 2), or None."""
+    def _fast_handler(self) -> tuple[Handler, int, bytes | None] | None:
+        """``(handler, body_limit, authorization)`` when the generation endpoint's own cycle applies
+        (entry point 2), or None."""
         if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
             return None
         if self.cycle is not None and not self.cycle.response_complete:
             return None  # pipelined behind a response in progress: uvicorn queues it
         if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
             return None
-        return self._fast.get(bytes(self.url))
+        fast = self._fast.get(bytes(self.url))
+        if fast is None:
+            return None
+        authorization = None
+        for name, value in self.headers:
+            if name == b"authorization":
+                if authorization is not None:
+                    return None  # several: the application answers them
+                authorization = value
+        return fast[0], fast[1], authorization
 
     def on_message_begin(self) -> None:
         self._in_message = True

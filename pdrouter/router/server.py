@@ -1,8 +1,12 @@
 """One router process: worker pool, dispatcher, HTTP and gRPC front doors, metrics.
 
 Start-up: Redis (registry, prefix index, reservations) → worker pool (first refresh) → front
-doors. Without Redis the router runs on its static worker list, placing by load alone and without
-shared admission. Shutdown: stop accepting, drain in-flight requests, release every reservation.
+doors (and the metrics listener, with ``metrics_port``). Without Redis the router runs on its
+static worker list, placing by load alone and without shared admission. Shutdown: stop
+accepting, drain in-flight requests, release every reservation.
+
+With API keys both doors ask for one (``pdrouter.router.frontdoor.auth``); without, a router bound
+to an address other than loopback says at start, once, that its doors are open.
 """
 
 from __future__ import annotations
@@ -10,26 +14,30 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.model_spec import ModelSpec
+from pdrouter.core.redact import redact_url
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import Dispatcher
 from pdrouter.router.frontdoor import grpc_api
-from pdrouter.router.frontdoor.grpc_api import RouterServicer
-from pdrouter.router.frontdoor.http_api import create_app
+from pdrouter.router.frontdoor.auth import is_loopback
+from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer
+from pdrouter.router.frontdoor.http_api import create_app, metrics_app
 from pdrouter.router.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool
 from pdrouter.router.request import ModelInfo
 from pdrouter.router.state_metrics import StateMetrics
+from pdrouter.state.client import redis_client
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
@@ -56,21 +64,26 @@ class RouterProcess:
         self.grpc: GrpcServer | None = None
         self._http_server: object | None = None
         self._http_task: asyncio.Task[None] | None = None
+        self._metrics_server: object | None = None
+        self._metrics_server_task: asyncio.Task[None] | None = None
         self._metrics_task: asyncio.Task[None] | None = None
         self.http_port = 0
+        self.metrics_port: int | None = None
+        """The metrics listener's port once started (None: ``/metrics`` is on the HTTP port)."""
 
     async def start(self) -> None:
         cfg = self.config
         registry = index = None
         if cfg.redis_url:
-            self.redis = aioredis.Redis.from_url(cfg.redis_url, socket_connect_timeout=2.0, socket_timeout=5.0)
+            self.redis = redis_client(cfg.redis_url, max_connections=cfg.redis_max_connections,
+                                      pool_timeout_s=cfg.redis_pool_timeout_s)
             try:
                 await self.redis.ping()
             except (RedisError, OSError) as exc:
                 if not cfg.static_workers:
                     raise
                 log.warning("Redis at %s unreachable (%s): serving the static workers by load alone",
-                            cfg.redis_url, exc)
+                            redact_url(cfg.redis_url), exc)
             registry = WorkerRegistry(self.redis, self.model_name)
             if cfg.cache_aware:
                 index = PrefixIndex(self.redis, self.model_name)
@@ -88,25 +101,25 @@ class RouterProcess:
         self.state_metrics = StateMetrics(self.dispatcher)
         self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
-        self.grpc = GrpcServer(cfg.host, cfg.grpc_port)
+        keys = cfg.api_keys
+        self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
         grpc_api.add_to_server(self.grpc, RouterServicer(self.dispatcher, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor))
         await self.grpc.start()
-        app = create_app(self.dispatcher, tokenizers, metrics=self.metrics, config=cfg.frontdoor)
-        sock = bind_socket(cfg.host, cfg.http_port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
-        sock.listen(1024)
-        sock.setblocking(False)
-        self.http_port = sock.getsockname()[1]
-        server = make_server(app, cfg.host, self.http_port)
-        self._http_server = server
-        self._http_task = asyncio.create_task(server.serve(sockets=[sock]), name="router-http")
-        while not server.started:
-            if self._http_task.done():
-                await self._http_task
-            await asyncio.sleep(0.01)
+        app = create_app(self.dispatcher, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
+                         serve_metrics=cfg.metrics_port is None)
+        self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http")
+        if cfg.metrics_port is not None:
+            self._metrics_server, self._metrics_server_task, self.metrics_port = await _serve(
+                metrics_app(self.metrics), cfg.metrics_host or cfg.host, cfg.metrics_port, "router-metrics-http")
         self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
-        log.info("router for %s (%s) on http://%s:%d and grpc %s", self.model_name, cfg.mode, cfg.host,
-                 self.http_port, self.grpc.address)
+        log.info("router for %s (%s) on http://%s:%d and grpc %s%s; API keys: %s", self.model_name, cfg.mode,
+                 cfg.host, self.http_port, self.grpc.address,
+                 "" if self.metrics_port is None else f", metrics on port {self.metrics_port}",
+                 len(keys) if keys.enabled else "none")
+        if not keys.enabled and not is_loopback(cfg.host):
+            log.warning("no API keys: the HTTP and gRPC front doors on %s are open to anyone who reaches them "
+                        "(give --api-key-file or PDROUTER_API_KEYS)", cfg.host)
 
     async def _forget_worker(self, record: WorkerRecord) -> None:
         """A worker incarnation left the pool: its prefix index entries go with it."""
@@ -149,12 +162,18 @@ class RouterProcess:
             # Open HTTP connections get ``grace`` to finish, then uvicorn closes them.
             self._http_server.config.timeout_graceful_shutdown = grace  # type: ignore[attr-defined]
             self._http_server.should_exit = True  # type: ignore[attr-defined]
+        if self._metrics_server is not None:
+            self._metrics_server.config.timeout_graceful_shutdown = 1.0  # type: ignore[attr-defined]
+            self._metrics_server.should_exit = True  # type: ignore[attr-defined]
         bound = grace + 5.0
         if self.grpc is not None:
             await _bounded("gRPC front door stop", self.grpc.stop(grace), bound)
         if self._http_task is not None:
             await _bounded("HTTP front door stop", asyncio.shield(self._http_task), bound)
             await cancel_and_wait(self._http_task)
+        if self._metrics_server_task is not None:
+            await _bounded("metrics listener stop", asyncio.shield(self._metrics_server_task), bound)
+            await cancel_and_wait(self._metrics_server_task)
         await cancel_and_wait(self._metrics_task)
         if self.dispatcher is not None:
             await self.dispatcher.drain(bound)
@@ -164,6 +183,23 @@ class RouterProcess:
             await _bounded("worker pool stop", self.pool.stop(), bound)
         if self.redis is not None:
             await _bounded("Redis client close", self.redis.aclose(), bound)
+
+
+async def _serve(app: Any, host: str, port: int, name: str) -> tuple[object, asyncio.Task[None], int]:
+    """Serve ``app`` with the router's HTTP server on ``host:port`` (0: any free port) once it
+    listens: ``(server, its task, the port)``."""
+    sock = bind_socket(host, port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
+    sock.listen(1024)
+    sock.setblocking(False)
+    bound_port = sock.getsockname()[1]
+    server = make_server(app, host, bound_port)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=name)
+    while not server.started:
+        if task.done():
+            await task
+            raise OSError(f"{name}: the HTTP server on {host}:{bound_port} stopped before it started")
+        await asyncio.sleep(0.01)
+    return server, task, bound_port
 
 
 async def _bounded(what: str, aw: Awaitable[object], timeout: float) -> None:

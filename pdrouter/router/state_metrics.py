@@ -14,6 +14,9 @@ periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing 
   ``pdrouter_admission_admitted_total``, ``pdrouter_admission_admitted_on_credit_total``,
   ``pdrouter_admission_credit_blocks``, ``pdrouter_admission_credit_yields_total``,
   ``pdrouter_admission_rejections_total{reason}``.
+* ``pdrouter_admission_redis_errors_total{outcome}`` — bookings that failed because Redis could not
+  be reached: ``outcome="refused"`` (the request got UNAVAILABLE / 503) or ``outcome="local"``
+  (placed by load alone, without shared admission; ``--admission-on-redis-error local``).
 """
 
 from __future__ import annotations
@@ -115,5 +118,11 @@ class StateMetrics(Collector):
             for reason in ("queue_full", "timeout", "too_large"):
                 rejected.add_metric([reason], adm.stats.rejections.get(reason, 0))
             yield rejected
-        yield CounterMetricFamily("pdrouter_admission_errors", "Admissions skipped because Redis was unreachable.",
-                                  value=stats.admission_errors)
+        if adm is not None:
+            errors = CounterMetricFamily("pdrouter_admission_redis_errors",
+                                         "Bookings that failed because Redis could not be reached, by what "
+                                         "happened to the request (refused, or placed locally by load alone).",
+                                         labels=["outcome"])
+            for outcome, n in sorted(stats.admission_redis_errors.items()):
+                errors.add_metric([outcome], n)
+            yield errors

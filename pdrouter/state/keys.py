@@ -45,11 +45,11 @@ class PoolKeys:
         return f"{self.tag}:px:*"
 
     def kv_bookings(self, worker_id: str, epoch: int) -> str:
-        """Hash request_id → booked blocks on one decode worker incarnation."""
+        """Hash booking id (router-assigned) → booked blocks on one decode worker incarnation."""
         return f"{self.tag}:kv:book:{worker_id}:{epoch}"
 
     def kv_leases(self, worker_id: str, epoch: int) -> str:
-        """Sorted set request_id → lease expiry (ms, Redis clock) for the same bookings."""
+        """Sorted set booking id → lease expiry (ms, Redis clock) for the same bookings."""
         return f"{self.tag}:kv:lease:{worker_id}:{epoch}"
 
     def kv_used(self, worker_id: str, epoch: int) -> str:

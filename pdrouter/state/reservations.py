@@ -1,12 +1,17 @@
 """KV reservations in Redis: book decode blocks before any work starts, shared by every router.
 
 Per decode worker incarnation ``(worker_id, epoch)`` three keys (one hash tag per pool):
-``kv:book`` (request → blocks), ``kv:lease`` (request → expiry, ms on the Redis clock) and
+``kv:book`` (booking → blocks), ``kv:lease`` (booking → expiry, ms on the Redis clock) and
 ``kv:used`` (their sum). ``reserve`` is one script: it first drops expired leases on every
 candidate, then picks a worker with room for the request (``most_free`` or ``best_fit``) and
 books it, atomically, so routers sharing one Redis can never book more than a worker has. A
 crashed router's bookings expire with their leases; a restarted worker has a new epoch and so
 fresh, empty keys (its old bookings are never counted again and expire on their own).
+
+A booking is keyed by a :data:`BookingId` its router assigns, unique to one admission: never by
+the client's request id, which two requests may share. Every call that books or renews a lease
+also extends the three keys' TTL to :func:`key_ttl_ms` (only ever extends it), so the keys of a
+worker whose bookings are all long-running stay alive as long as those leases are renewed.
 """
 
 from __future__ import annotations
@@ -16,15 +21,27 @@ import contextlib
 import enum
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NewType
 
 import redis.asyncio as aioredis
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError, InvalidRequestError, RequestTooLargeError
-from pdrouter.core.ids import Epoch, RequestId, WorkerId
+from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.state.coalesce import Coalescer
 from pdrouter.state.keys import PoolKeys
+
+BookingId = NewType("BookingId", str)
+"""The ledger's key for one booking: assigned by the router that books it, unique to one admission
+(a request's booking or a credit chunk). A client's request id is never one."""
+
+
+def key_ttl_ms(lease_ms: int) -> int:
+    """The TTL a booking or renewal gives a worker's three keys: four leases and a minute.
+
+    Keys outlive every lease in them, and go once nobody has booked or renewed there for that long.
+    """
+    return lease_ms * 4 + 60_000
 
 
 class PickPolicy(enum.Enum):
@@ -45,9 +62,11 @@ class DecodeCapacity:
 
 @dataclass(frozen=True)
 class Reservation:
-    """Blocks booked for one request on one decode worker, until released or the lease expires."""
+    """Blocks booked for one request (or one credit chunk) on one decode worker, until released
+    or the lease expires."""
 
-    request_id: RequestId
+    booking_id: BookingId
+    """The ledger's key (router-assigned, see :data:`BookingId`)."""
     worker_id: WorkerId
     epoch: Epoch
     blocks: int
@@ -57,7 +76,7 @@ class Reservation:
 # One script for every change of bookings, so that a batch of releases can ride along with the
 # next batch of reservations. KEYS: per worker 3 keys (book, lease, used). ARGV: lease_ms, policy,
 # the number of candidates C, C pairs (worker index, capacity), the number of resizes R, R triples
-# (worker index, request id, new blocks; 0 = release), then per reservation its id and blocks.
+# (worker index, booking id, new blocks; 0 = release), then per reservation its booking id and blocks.
 # Resizes go first (their blocks are free for the reservations), then expired leases are dropped
 # on the candidates, then the reservations are booked in order. Reply: per resize the blocks given
 # back; per reservation {candidate index, used_after, 1 if it was booked already} or {0, max_free, 0}.
@@ -113,6 +132,7 @@ for j = first_reserve, #ARGV, 2 do
   end
   if found > 0 then
     redis.call('ZADD', KEYS[3*wk[found]-1], now + lease, rid)
+    touched[wk[found]] = true
     out[#out+1] = found; out[#out+1] = used[found]; out[#out+1] = 1
   else
     local best, best_score, max_free = 0, nil, -1
@@ -139,20 +159,28 @@ for j = first_reserve, #ARGV, 2 do
 end
 local ttl = lease * 4 + 60000
 for w, _ in pairs(touched) do
-  redis.call('PEXPIRE', KEYS[3*w-2], ttl)
-  redis.call('PEXPIRE', KEYS[3*w-1], ttl)
-  redis.call('PEXPIRE', KEYS[3*w], ttl)
+  for k = 3*w-2, 3*w do
+    local left = redis.call('PTTL', KEYS[k])
+    if left ~= -2 and left < ttl then redis.call('PEXPIRE', KEYS[k], ttl) end
+  end
 end
 return out
 """
 
-# KEYS: book, lease. ARGV: request_id, lease_ms. Extends a lease (1) or says it is gone (0).
+# KEYS: book, lease, used. ARGV: booking id, lease_ms. Extends a lease (1) or says it is gone (0);
+# a renewed lease extends the three keys' TTL (key_ttl_ms) too, so they outlive it.
 _RENEW = """
 redis.replicate_commands()
 if not redis.call('HGET', KEYS[1], ARGV[1]) then return 0 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+local lease = tonumber(ARGV[2])
+redis.call('ZADD', KEYS[2], now + lease, ARGV[1])
+local ttl = lease * 4 + 60000
+for k = 1, 3 do
+  local left = redis.call('PTTL', KEYS[k])
+  if left ~= -2 and left < ttl then redis.call('PEXPIRE', KEYS[k], ttl) end
+end
 return 1
 """
 
@@ -218,9 +246,12 @@ class KvReservations:
         """Booking script calls sent so far (requests served per call = the coalescing)."""
         return self.script_calls
 
-    async def reserve(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
+    async def reserve(self, booking_id: BookingId, blocks: int, candidates: Sequence[DecodeCapacity],
                       lease_ms: int) -> Reservation:
-        """Book ``blocks`` on one candidate with room; idempotent per request id.
+        """Book ``blocks`` on one candidate with room under ``booking_id``; idempotent per booking id.
+
+        ``booking_id`` must be unique to this booking (see :data:`BookingId`): a second ``reserve``
+        of the same id finds the first booking and only extends its lease.
 
         RequestTooLargeError when no candidate could ever hold it; CapacityError when none has room now.
         A caller cancelled while its booking is on the way has it released again.
@@ -234,11 +265,11 @@ class KvReservations:
             raise RequestTooLargeError(f"the request needs {blocks} KV blocks but the largest decode worker holds "
                                        f"{largest}; shorten the prompt or max_tokens")
         group = (tuple(candidates), lease_ms)
-        index, value, _existing = await self._reserves.submit(group, (request_id, blocks))
+        index, value, _existing = await self._reserves.submit(group, (booking_id, blocks))
         if index == 0:
             raise CapacityError(f"no decode worker has {blocks} free KV blocks now (most free: {max(value, 0)})")
         chosen = candidates[index - 1]
-        return Reservation(request_id, chosen.worker_id, chosen.epoch, blocks, lease_ms)
+        return Reservation(booking_id, chosen.worker_id, chosen.epoch, blocks, lease_ms)
 
     async def _reserve_batch(self, group: tuple[tuple[DecodeCapacity, ...], int],
                              requests: Sequence[tuple[str, int]]) -> list[tuple[int, int, int]]:
@@ -263,9 +294,9 @@ class KvReservations:
             args += [index(c.worker_id, c.epoch), c.capacity_blocks]
         args.append(len(resizes))
         for reservation, blocks, _ in resizes:
-            args += [index(reservation.worker_id, reservation.epoch), reservation.request_id, blocks]
-        for request_id, blocks in requests:
-            args += [request_id, blocks]
+            args += [index(reservation.worker_id, reservation.epoch), reservation.booking_id, blocks]
+        for booking_id, blocks in requests:
+            args += [booking_id, blocks]
         self.script_calls += 1
         try:
             flat = [int(x) for x in await self._admit(keys=keys, args=args)]
@@ -291,13 +322,13 @@ class KvReservations:
         index, _, existing = result
         if index and not existing:
             chosen = group[0][index - 1]
-            orphan = Reservation(RequestId(request[0]), chosen.worker_id, chosen.epoch, request[1], group[1])
+            orphan = Reservation(BookingId(request[0]), chosen.worker_id, chosen.epoch, request[1], group[1])
             self._spawn(self.release(orphan, urgent=True))
 
     def _interrupted(self, group: tuple[tuple[DecodeCapacity, ...], int], request: tuple[str, int]) -> None:
         """A reservation cancelled on its way may or may not be booked: release it wherever it may be."""
         for c in group[0]:
-            self._spawn(self.release(Reservation(RequestId(request[0]), c.worker_id, c.epoch, request[1], group[1]),
+            self._spawn(self.release(Reservation(BookingId(request[0]), c.worker_id, c.epoch, request[1], group[1]),
                                      urgent=True))
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
@@ -347,14 +378,16 @@ class KvReservations:
             await self._tasks.wait()
 
     async def renew(self, reservation: Reservation, lease_ms: int | None = None) -> bool:
-        """Extend the lease; False when the booking already expired or was released."""
-        keys = self._worker_keys(reservation.worker_id, reservation.epoch)[:2]
-        return bool(await self._renew(keys=keys, args=[reservation.request_id, lease_ms or reservation.lease_ms]))
+        """Extend the lease, and the TTL of the worker's three keys; False when the booking already
+        expired or was released."""
+        keys = self._worker_keys(reservation.worker_id, reservation.epoch)
+        return bool(await self._renew(keys=keys, args=[reservation.booking_id, lease_ms or reservation.lease_ms]))
 
     async def used(self, worker_id: str, epoch: int) -> int:
         """Blocks booked on a worker now, after dropping expired leases."""
         return int(await self._purge(keys=self._worker_keys(worker_id, epoch)))
 
     async def bookings(self, worker_id: str, epoch: int) -> dict[str, int]:
+        """The worker's bookings as Redis holds them: booking id → blocks (expired leases included)."""
         raw = await self._r.hgetall(self.keys.kv_bookings(worker_id, epoch))
         return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in raw.items()}

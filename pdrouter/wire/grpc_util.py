@@ -86,8 +86,10 @@ class GrpcServer:
     """A grpc.aio server with the standard health service, bound to ``host:port`` (0 = any free)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 options: Sequence[tuple[str, Any]] = SERVER_OPTIONS) -> None:
-        self.server = grpc.aio.server(options=list(options))
+                 options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        """``interceptors`` run before every call, the health service's included."""
+        self.server = grpc.aio.server(options=list(options), interceptors=list(interceptors) or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = self.server.add_insecure_port(f"{host}:{port}")

@@ -37,6 +37,11 @@ class WorkerConfig:
     heartbeat_ttl_ms: int = 3000
     lease_ms: int = 30_000
     """An allocation nobody follows up within this long is freed (decode workers)."""
+    max_lease_ms: int = 120_000
+    """The longest lease an ``Allocate`` may ask for; a longer one is refused (INVALID_ARGUMENT)."""
+    decode_kv_addresses: tuple[str, ...] = ()
+    """Prefill workers without ``redis_url``: the decode KV receivers (host:port) they may send KV
+    to. With a registry the pool's registered decode workers are the ones; with neither, none."""
     kv_wait_s: float = 60.0
     """How long a decode request waits for its KV to land."""
     drain_grace_s: float = 10.0
@@ -56,6 +61,15 @@ class WorkerConfig:
             raise ConfigError("the heartbeat interval must be shorter than the heartbeat TTL")
         if self.lease_ms <= 0 or self.kv_wait_s <= 0:
             raise ConfigError("lease_ms and kv_wait_s must be > 0")
+        if self.lease_ms > self.max_lease_ms:
+            raise ConfigError(f"the lease ({self.lease_ms} ms) must not exceed --max-lease-ms ({self.max_lease_ms})")
+        if self.decode_kv_addresses and self.redis_url:
+            raise ConfigError("--decode-kv-addresses is for prefill workers without --redis; with --redis the "
+                              "registry names the decode workers")
+        for address in self.decode_kv_addresses:
+            host, sep, number = address.rpartition(":")
+            if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
+                raise ConfigError(f"--decode-kv-addresses takes host:port entries, got {address!r}")
 
     @property
     def public_host(self) -> str:

@@ -251,7 +251,11 @@ async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_allocation_larger_than_the_pool_is_resource_exhausted(spawn_worker: SpawnWorker) -> None:
     small = spawn_worker("decode", num_blocks=16)  # 256 tokens in all
-    prefill = spawn_worker("prefill")
+    assert small.address
+    async with grpc.aio.insecure_channel(small.address) as channel:
+        info = await worker_pb2_grpc.WorkerInfoServiceStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+    # Without a registry a prefill worker sends KV only to the receivers it is given.
+    prefill = spawn_worker("prefill", extra=("--decode-kv-addresses", info.kv_address))
     stubs = await connect(prefill, small)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stubs.allocate("big", [257] * 300, SamplingParams(max_tokens=10))

@@ -7,6 +7,10 @@ has room the request waits in a bounded queue (priority first, then FIFO) until 
 or its queue deadline passes (CapacityError → RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). A
 request larger than every worker's whole pool is refused at once (RequestTooLargeError).
 
+Every admission books under an id of its own (``book-<router>-<n>``, a :data:`BookingId`): the
+client's request id is only passed along for logs. Two requests that share a client id (by
+accident or not) hold two bookings, and neither can renew, shrink or release the other's.
+
 ``Admission`` wires the parts, one module each: the wait queue (``queue``), credit booked ahead
 of need and admitted from in memory (``credit``), the ``credit-wanted`` channel on which a
 waiting request asks the other routers for their spare credit (``signals``), and the renewal of
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -31,7 +36,7 @@ from pdrouter.router.admission.credit import CreditBook
 from pdrouter.router.admission.leases import LeaseRenewer
 from pdrouter.router.admission.queue import WaitQueue
 from pdrouter.router.admission.signals import CreditWanted
-from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
+from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations, Reservation
 
 __all__ = ["Admission", "AdmissionConfig", "AdmissionStats"]
 
@@ -45,11 +50,14 @@ class Admission:
         self.reservations = reservations
         self.config = cfg = config or AdmissionConfig()
         self.stats = AdmissionStats()
-        self._active: dict[RequestId, Reservation] = {}
+        self._active: dict[BookingId, Reservation] = {}
         self._queue = WaitQueue(cfg.queue_limit)
         self._changes = BackgroundTasks(log, "credit booking change failed (its lease expires on its own)")
         self._releases = BackgroundTasks(log, "release of a booking failed (its lease expires on its own)")
-        tag = f"credit-{uuid.uuid4().hex[:12]}-"
+        self.owner = uuid.uuid4().hex[:12]
+        """This router's part of every booking id it assigns."""
+        self._booking_seq = itertools.count()
+        tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
                                      enabled=cfg.credit_fraction > 0, ask_every_s=cfg.credit_yield_s / 4,
@@ -89,18 +97,27 @@ class Admission:
         await self._releases.wait()
         await self.reservations.flush()  # releases still waiting to ride along go now
 
+    def new_booking_id(self) -> BookingId:
+        """A booking id no other admission of any router has (this router's ``owner`` and a count)."""
+        return BookingId(f"book-{self.owner}-{next(self._booking_seq)}")
+
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
                     priority: int = 0, deadline: float | None = None) -> Reservation:
-        """Book ``blocks`` on a candidate, waiting in the queue if none has room now."""
+        """Book ``blocks`` on a candidate, waiting in the queue if none has room now.
+
+        The booking gets an id of its own (``Reservation.booking_id``); ``request_id`` is the
+        client's, for logs only. Redis errors propagate (``redis.exceptions.RedisError``, ``OSError``).
+        """
         cfg, queue = self.config, self._queue
+        booking_id = self.new_booking_id()
         if not queue and cfg.credit_fraction > 0:
-            credited = self._credit.take(request_id, blocks, candidates)
+            credited = self._credit.take(booking_id, blocks, candidates)
             if credited is not None:
                 self.stats.admitted_on_credit += 1
                 return self._admitted(credited)
         if not queue:
             try:
-                return self._admitted(await self.reservations.reserve(request_id, blocks, candidates, cfg.lease_ms))
+                return self._admitted(await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms))
             except CapacityError as exc:
                 if not exc.retryable:
                     self.stats.rejections["too_large"] += 1
@@ -109,6 +126,7 @@ class Admission:
             self.stats.rejections["queue_full"] += 1
             raise _full(f"the admission queue is full ({cfg.queue_limit} waiting)", cfg.retry_after_s)
         waiter = queue.join(priority)
+        log.debug("%s waits for %d KV blocks (booking %s)", request_id, blocks, booking_id)
         self._credit.give_back_unused()  # someone waits for room: this router's spare credit goes first
         self._signals.ask()  # and the other routers' spare credit
         self.stats.max_queue = max(self.stats.max_queue, len(queue))
@@ -120,7 +138,7 @@ class Admission:
             while True:
                 if queue.is_head(waiter):
                     try:
-                        res = await self.reservations.reserve(request_id, blocks, candidates, cfg.lease_ms)
+                        res = await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms)
                         self.stats.wait_seconds_total += time.monotonic() - start
                         return self._admitted(res)
                     except CapacityError as exc:
@@ -138,7 +156,7 @@ class Admission:
             queue.leave(waiter)
 
     def _admitted(self, res: Reservation) -> Reservation:
-        self._active[res.request_id] = res
+        self._active[res.booking_id] = res
         self.stats.admitted += 1
         return res
 
@@ -153,7 +171,7 @@ class Admission:
         """Give the blocks back (idempotent); wakes the next waiting request."""
         if self._return_credit(reservation):
             return
-        self._active.pop(reservation.request_id, None)
+        self._active.pop(reservation.booking_id, None)
         try:
             # With requests waiting for room the release goes at once, else with the next bookings.
             await self.reservations.release(reservation, urgent=bool(self._queue))
@@ -162,20 +180,20 @@ class Admission:
 
     def _return_credit(self, reservation: Reservation) -> bool:
         """Give back a request admitted on credit (in memory); False when it was booked alone."""
-        if not self._credit.lends(reservation.request_id):
+        if not self._credit.lends(reservation.booking_id):
             return False
-        active = self._active.pop(reservation.request_id, None)
-        self._credit.settle(reservation.request_id, (active or reservation).blocks)
+        active = self._active.pop(reservation.booking_id, None)
+        self._credit.settle(reservation.booking_id, (active or reservation).blocks)
         self._queue.wake_head()
         return True
 
     async def shrink(self, reservation: Reservation, blocks: int) -> None:
         """The request needs fewer blocks now (it finished early or its remaining budget fell)."""
-        if self._credit.lends(reservation.request_id):  # admitted on credit: the freed blocks return to the credit
-            current = self._active.get(reservation.request_id, reservation)
+        if self._credit.lends(reservation.booking_id):  # admitted on credit: the freed blocks return to the credit
+            current = self._active.get(reservation.booking_id, reservation)
             freed = max(0, current.blocks - max(0, blocks))
-            self._active[reservation.request_id] = dataclasses.replace(current, blocks=current.blocks - freed)
-            self._credit.repay(reservation.request_id, freed)
+            self._active[reservation.booking_id] = dataclasses.replace(current, blocks=current.blocks - freed)
+            self._credit.repay(reservation.booking_id, freed)
             self._queue.wake_head()
             return
         if await self.reservations.shrink(reservation, blocks, urgent=bool(self._queue)):
@@ -184,7 +202,7 @@ class Admission:
     def _own_bookings(self) -> Iterator[Reservation]:
         """The requests booked on their own (those on credit live in the credit's chunks)."""
         for res in list(self._active.values()):
-            if not self._credit.lends(res.request_id):
+            if not self._credit.lends(res.booking_id):
                 yield res
 
 

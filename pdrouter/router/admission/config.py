@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import Literal
 
 from pdrouter.core.errors import ConfigError
 
@@ -27,6 +28,10 @@ class AdmissionConfig:
     """Unused credit on a worker whose requests all ended this long ago goes back."""
     credit_yield_s: float = 1.0
     """After another router asked for room, this router books no credit for this long."""
+    on_redis_error: Literal["fail", "local"] = "fail"
+    """When a booking fails because Redis cannot be reached: ``fail`` refuses the request
+    (UNAVAILABLE / HTTP 503); ``local`` places it by load alone, without shared admission (each
+    decode worker still guards its own pool)."""
 
     def __post_init__(self) -> None:
         if self.queue_limit < 0 or self.queue_timeout_s < 0 or self.lease_ms <= 0 or self.poll_interval_s <= 0:
@@ -35,6 +40,8 @@ class AdmissionConfig:
                 or self.credit_yield_s < 0:
             raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1, credit_idle_s > 0 "
                               "and credit_yield_s >= 0")
+        if self.on_redis_error not in ("fail", "local"):
+            raise ConfigError(f"admission: on_redis_error must be fail or local, got {self.on_redis_error!r}")
 
 
 class AdmissionStats:

@@ -22,9 +22,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError
-from pdrouter.core.ids import RequestId
 from pdrouter.router.admission.config import AdmissionConfig
-from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
+from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +58,8 @@ class CreditBook:
     it back at once, ``yield_to_others`` too and books none for ``credit_yield_s``. No chunk is
     booked while ``someone_waits()`` (a request of this router waits for room), and one that lands
     then goes straight back. Bookings and releases run as tasks of ``tasks``; a chunk booked
-    carries a request id starting with ``owner``. ``chunks`` and ``lapsed`` let the lease
+    carries a booking id starting with ``owner``; a request lent credit is known by the booking id
+``Admission`` gave it. ``chunks`` and ``lapsed`` let the lease
     renewer keep the chunks alive and forget one Redis no longer holds.
     """
 
@@ -71,7 +71,7 @@ class CreditBook:
         self._tasks = tasks
         self._someone_waits = someone_waits
         self._credits: dict[tuple[str, int], WorkerCredit] = {}
-        self._lent: dict[RequestId, WorkerCredit] = {}
+        self._lent: dict[BookingId, WorkerCredit] = {}
         self._seq = itertools.count()
         self._paused_until = 0.0  # another router asked for room: no top-ups until then
 
@@ -80,11 +80,11 @@ class CreditBook:
         """Blocks held as credit now (booked in Redis), used or not."""
         return sum(c.held for c in self._credits.values())
 
-    def lends(self, request_id: RequestId) -> bool:
-        """Whether ``request_id`` was admitted on credit and has not been settled."""
-        return request_id in self._lent
+    def lends(self, booking_id: BookingId) -> bool:
+        """Whether ``booking_id`` was admitted on credit and has not been settled."""
+        return booking_id in self._lent
 
-    def take(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity]) -> Reservation | None:
+    def take(self, booking_id: BookingId, blocks: int, candidates: Sequence[DecodeCapacity]) -> Reservation | None:
         """Admit from this router's unused credit (no round trip), or None; tops credit up."""
         best: WorkerCredit | None = None
         for cand in candidates:
@@ -101,19 +101,19 @@ class CreditBook:
             best.idle_timer.cancel()
             best.idle_timer = None
         self._maybe_top_up(best)
-        res = Reservation(request_id, best.worker.worker_id, best.worker.epoch, blocks, self.config.lease_ms)
-        self._lent[request_id] = best
+        res = Reservation(booking_id, best.worker.worker_id, best.worker.epoch, blocks, self.config.lease_ms)
+        self._lent[booking_id] = best
         return res
 
-    def repay(self, request_id: RequestId, blocks: int) -> None:
+    def repay(self, booking_id: BookingId, blocks: int) -> None:
         """A request on credit (``lends``) needs ``blocks`` fewer now; they return to the credit."""
-        credit = self._lent[request_id]
+        credit = self._lent[booking_id]
         credit.used -= blocks
         self._after_release(credit)
 
-    def settle(self, request_id: RequestId, blocks: int) -> None:
+    def settle(self, booking_id: BookingId, blocks: int) -> None:
         """A request on credit (``lends``) ended; the ``blocks`` it still used return to the credit."""
-        credit = self._lent.pop(request_id)
+        credit = self._lent.pop(booking_id)
         credit.used -= blocks
         self._after_release(credit)
 
@@ -141,7 +141,7 @@ class CreditBook:
         """Redis no longer holds ``chunk`` (expired, or Redis lost its data): stop counting it."""
         credit = self._credits.get((chunk.worker_id, chunk.epoch))
         if credit is not None and chunk in credit.chunks:
-            log.warning("credit %s on %s expired; no longer counted", chunk.request_id, chunk.worker_id)
+            log.warning("credit %s on %s expired; no longer counted", chunk.booking_id, chunk.worker_id)
             credit.chunks.remove(chunk)
             credit.held -= chunk.blocks
 
@@ -165,7 +165,7 @@ class CreditBook:
         # bookings from every router stay within credit_limit of its pool.
         limit = DecodeCapacity(worker.worker_id, worker.epoch, int(worker.capacity_blocks * cfg.credit_limit))
         try:
-            res = await self.reservations.reserve(RequestId(f"{self.owner}{next(self._seq)}"), chunk, [limit],
+            res = await self.reservations.reserve(BookingId(f"{self.owner}{next(self._seq)}"), chunk, [limit],
                                                   cfg.lease_ms)
         except CapacityError:
             credit.refused_until = time.monotonic() + cfg.poll_interval_s * 5

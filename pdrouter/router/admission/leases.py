@@ -1,7 +1,9 @@
 """Lease renewal: this router keeps its bookings alive in Redis while it uses them.
 
 A booking's lease runs out ``lease_ms`` after its last renewal, so a crashed router's blocks come
-back on their own; a live router renews every booking it holds three times per lease.
+back on their own; a live router renews every booking it holds three times per lease. A renewal
+also extends the TTL of the worker's booking keys (``KvReservations.renew``), so a worker whose
+requests all run longer than the keys' TTL keeps its bookings.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ log = logging.getLogger(__name__)
 
 class Renews(Protocol):
     async def renew(self, reservation: Reservation) -> bool:
-        """Extend the lease; False when the booking is gone."""
+        """Extend the lease and the TTL of every key the booking lives in; False when it is gone."""
         ...
 
 

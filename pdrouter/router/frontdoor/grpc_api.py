@@ -1,9 +1,14 @@
-"""The gRPC front door: ``pdrouter.v1.Router`` (``Generate`` stream, ``ListModels``).
+"""The gRPC front door: ``pdrouter.v1.Router`` (``Generate`` stream, ``ListModels``), and the
+:class:`ApiKeyInterceptor` that refuses calls without an accepted key when the router has keys.
 
 Protobuf stops here: :func:`to_router_request` and :func:`to_response` are the only places that
 convert between ``router_pb2`` messages and the router's dataclasses. Errors are
 ``pdrouter.core.errors`` types mapped to status codes by ``pdrouter.wire.grpc_util.grpc_errors``
 (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, UNAVAILABLE…); anything else is INTERNAL.
+
+Requests are parsed by :func:`add_to_server`'s own deserializers: bytes that are not a valid
+message (bad UTF-8 in a string, a corrupt wire format) reach the servicer as :class:`Undecodable`
+and end INVALID_ARGUMENT, as any other bad request does, rather than gRPC's UNKNOWN.
 
 ``Generate`` writes its messages with ``context.write`` from the handler's own coroutine rather
 than being an async generator: when the client cancels, gRPC cancels that coroutine wherever it
@@ -16,16 +21,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 
 from pdrouter.core.errors import InvalidRequestError, PdRouterError
 from pdrouter.core.ids import RequestId, new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.router.frontdoor.auth import OPEN_GRPC_PREFIX, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
+from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS
 from pdrouter.router.generation import Piece, stream_pieces
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
@@ -49,10 +58,16 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
 
     Unset proto3 scalars read as: ``max_tokens`` 0 → the context left after the prompt capped at
     ``config.default_max_tokens`` (as over HTTP); ``top_p`` 0 → 1; ``temperature`` 0 → greedy.
-    An empty ``request_id`` gets a fresh one.
+    An empty ``request_id`` gets a fresh one. Every field is bounded as over HTTP (``top_k`` at
+    most ``MAX_TOP_K``, ``seed`` below 2^63, ``temperature`` finite in [0, 100]…): a bad value is an
+    InvalidRequestError (INVALID_ARGUMENT) naming the field.
     """
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
+    if msg.request_id and not (msg.request_id.isascii() and msg.request_id.isprintable()):
+        raise InvalidRequestError("request_id must be printable ASCII")
+    if len(msg.model) > MAX_MODEL_NAME_CHARS:
+        raise InvalidRequestError(f"model names have at most {MAX_MODEL_NAME_CHARS} characters")
     which = msg.WhichOneof("prompt")
     ids: Sequence[int]
     if which == "text":
@@ -66,17 +81,25 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     stop_ids = tuple(s.stop_token_ids)
     served.check_token_ids(stop_ids, "sampling.stop_token_ids")
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=round(s.temperature, 6),  # float32 on the wire: 0.7 arrives as 0.69999998…
-        top_p=round(s.top_p, 6) or 1.0,
-        top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else None,
-        stop_token_ids=stop_ids,
-        ignore_eos=s.ignore_eos,
-    )
+    sampling = sampling_params(s, max_tokens)
     request_id = RequestId(msg.request_id) if msg.request_id else new_request_id()
     return RouterRequest(request_id, served.name, tuple(ids), sampling, deadline)
+
+
+def sampling_params(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
+    """The request's ``SamplingParams``; InvalidRequestError naming ``sampling.<field>`` when one is out of range."""
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=round(s.temperature, 6),  # float32 on the wire: 0.7 arrives as 0.69999998…
+            top_p=round(s.top_p, 6) or 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.HasField("seed") else None,
+            stop_token_ids=tuple(s.stop_token_ids),
+            ignore_eos=s.ignore_eos,
+        )
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"sampling.{exc.message}") from None
 
 
 def to_response(request_id: str, piece: Piece) -> router_pb2.GenerateResponse:
@@ -107,13 +130,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.door_metrics = self.metrics.frontdoor("grpc")
 
     @grpc_errors
-    async def Generate(self, request: router_pb2.GenerateRequest,
+    async def Generate(self, request: router_pb2.GenerateRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> None:
         arrival = time.perf_counter()
         metrics = self.door_metrics
         metrics.in_flight.inc()
         error: BaseException | None = None
         try:
+            if isinstance(request, Undecodable):
+                raise InvalidRequestError(request.message)
             if not request.model:
                 raise InvalidRequestError("model is required")
             served = self.models.get(request.model)
@@ -138,8 +163,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.finished(error, time.perf_counter() - arrival)
 
     @grpc_errors
-    async def ListModels(self, request: router_pb2.ListModelsRequest,
+    async def ListModels(self, request: router_pb2.ListModelsRequest | Undecodable,
                          context: grpc.aio.ServicerContext) -> router_pb2.ListModelsResponse:
+        if isinstance(request, Undecodable):
+            raise InvalidRequestError(request.message)
         cards = [router_pb2.ModelCard(
             id=m.name, block_size=m.info.block_size,
             geometry=common_pb2.ModelGeometry(name=m.name, vocab_size=m.info.vocab_size,
@@ -148,6 +175,82 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=cards)
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Serves a call only when its metadata has ``authorization: Bearer <key>`` for one of ``keys``;
+    else the call ends UNAUTHENTICATED before its handler runs (its request is not even parsed).
+    The health service (``grpc.health.v1.Health``) stays open for probes."""
+
+    def __init__(self, keys: ApiKeys) -> None:
+        self._keys = keys
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        method: str = handler_call_details.method
+        if method.startswith(OPEN_GRPC_PREFIX):
+            return await continuation(handler_call_details)
+        metadata = handler_call_details.invocation_metadata or ()
+        values = [value for key, value in metadata if key == "authorization"]
+        try:
+            if len(values) > 1:
+                raise AuthenticationError("several authorization metadata entries: send one")
+            self._keys.check(values[0] if values else None)
+        except AuthenticationError as exc:
+            handler = await continuation(handler_call_details)
+            return None if handler is None else _refusal(handler, exc.message)
+        return await continuation(handler_call_details)
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED with ``message``."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class Undecodable:
+    """What a request deserializer of :func:`add_to_server` gives for bytes that are not its message."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def _decoder(message_type: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    name = message_type.DESCRIPTOR.name
+
+    def decode(data: bytes) -> Message | Undecodable:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Undecodable(f"the request is not a valid {name} message ({exc})")
+    return decode
+
+
+def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """``router_pb2_grpc.add_RouterServicer_to_server``, with :func:`_decoder` s for the requests
+    (``tests/router/test_input_bounds.py`` checks that every method of the proto is served)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=_decoder(router_pb2.GenerateRequest),
+            response_serializer=router_pb2.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=_decoder(router_pb2.ListModelsRequest),
+            response_serializer=router_pb2.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
 def add_to_server(server: GrpcServer, servicer: RouterServicer) -> None:
     """Serve ``servicer`` as ``pdrouter.v1.Router`` on ``server`` (its health service included)."""
-    server.add(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)
+    server.add(_add_router_servicer, servicer, SERVICE_NAME)

@@ -1,9 +1,15 @@
 """The OpenAI-compatible HTTP front door: an ASGI app (the server is ``pdrouter.router.http_server``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
-``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text); anything else is a JSON 404
-(a known path with another method, a JSON 405). The two generation POSTs go straight to their
-handler; everything else is routed by Starlette.
+``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text; not here when the router
+serves it on a port of its own, :func:`metrics_app`); anything else is a JSON 404 (a known path with
+another method, a JSON 405). The two generation POSTs go straight to their handler; everything
+else is routed by Starlette.
+
+With API keys (``pdrouter.router.frontdoor.auth``) every path but ``/health`` and ``/healthz``
+needs ``Authorization: Bearer <key>``: without it, or with a key not accepted, the answer is 401
+in OpenAI's error shape (``code`` ``invalid_api_key``) with ``WWW-Authenticate: Bearer``, before
+the body is read or any route is looked up.
 
 A generation request is validated and tokenized in the endpoint; the response object then drives
 the orchestrator's stream itself, so that:
@@ -35,6 +41,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdrouter.core.errors import CancelledError, InvalidRequestError, PdRouterError
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.router.frontdoor.auth import OPEN_HTTP_PATHS, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
 from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
@@ -65,16 +72,20 @@ class HttpFrontdoor:
     """The OpenAI HTTP API over an orchestrator; :attr:`app` is the ASGI application to serve.
 
     ``tokenizers`` maps each served model name to its tokenizer; models the orchestrator lists
-    without a tokenizer are not served. Each front door owns its state: no module globals.
+    without a tokenizer are not served. ``api_keys``: the keys requests need (none: open).
+    ``serve_metrics`` False leaves ``/metrics`` to a listener of its own. Each front door owns its
+    state: no module globals.
     """
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
-                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
+                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
+                 api_keys: ApiKeys | None = None, serve_metrics: bool = True) -> None:
         self.orchestrator = orchestrator
         self.config = config if config is not None else FrontdoorConfig()
         self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.door_metrics = self.metrics.frontdoor("http")
+        self.api_keys = api_keys if api_keys is not None and api_keys.enabled else None
         completions, chat_completions = _GenerationEndpoint(self, chat=False), _GenerationEndpoint(self, chat=True)
         routes = Starlette(
             routes=[
@@ -83,11 +94,12 @@ class HttpFrontdoor:
                 Route("/v1/models", self._list_models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/healthz", self._health, methods=["GET"]),
-                Route("/metrics", self._metrics, methods=["GET"]),
+                *([Route("/metrics", self._metrics, methods=["GET"])] if serve_metrics else []),
             ],
             exception_handlers={404: self._no_route, 405: self._no_route},
         )
-        self.app = HttpApp(routes, {"/v1/completions": completions, "/v1/chat/completions": chat_completions})
+        self.app = HttpApp(routes, {"/v1/completions": completions, "/v1/chat/completions": chat_completions},
+                           self.api_keys)
 
     async def generation(self, receive: Receive, send: Send, chat: bool,
                          on_disconnect: OnDisconnect | None = None) -> None:
@@ -168,13 +180,16 @@ class HttpApp:
     ``POST`` requests to the generation paths go straight to their endpoint, skipping routing;
     every other request (other routes, other methods, unknown paths, any scope with a root path)
     goes through the Starlette ``routes``, which hold the same endpoints, so both ways answer alike.
+    With ``api_keys``, every request but those to ``OPEN_HTTP_PATHS`` is checked first, whichever way
+    it arrives (here or through :meth:`fast_handlers`).
     """
 
-    __slots__ = ("_posts", "_routes", "state")
+    __slots__ = ("_api_keys", "_posts", "_routes", "state")
 
-    def __init__(self, routes: Starlette, posts: Mapping[str, ASGIApp]) -> None:
+    def __init__(self, routes: Starlette, posts: Mapping[str, ASGIApp], api_keys: ApiKeys | None = None) -> None:
         self._routes = routes
         self._posts = dict(posts)
+        self._api_keys = api_keys
         self.state = routes.state
 
     def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
@@ -183,10 +198,16 @@ class HttpApp:
         out: dict[bytes, tuple[Handler, int]] = {}
         for path, endpoint in self._posts.items():
             if isinstance(endpoint, _GenerationEndpoint):
-                out[path.encode()] = (endpoint.handler(on_disconnect), endpoint.body_limit)
+                out[path.encode()] = (endpoint.handler(on_disconnect, self._api_keys), endpoint.body_limit)
         return out
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._api_keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS:
+            try:
+                self._api_keys.check(_authorization(scope))
+            except AuthenticationError as exc:
+                await refuse(send, exc)
+                return
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             endpoint = self._posts.get(scope["path"])
             if endpoint is not None:
@@ -212,12 +233,23 @@ class _GenerationEndpoint:
     def body_limit(self) -> int:
         return self._door.config.max_body_bytes
 
-    def handler(self, on_disconnect: OnDisconnect) -> Handler:
+    def handler(self, on_disconnect: OnDisconnect, api_keys: ApiKeys | None = None) -> Handler:
+        """The server's handler of this endpoint (``api_keys``: checked first, when given)."""
         door, chat = self._door, self._chat
+        if api_keys is None:
+            def handle(receive: Receive, send: Send, authorization: bytes | None) -> Awaitable[None]:
+                return door.generation(receive, send, chat, on_disconnect)
+            return handle
+        keys = api_keys
 
-        def handle(receive: Receive, send: Send) -> Awaitable[None]:
-            return door.generation(receive, send, chat, on_disconnect)
-        return handle
+        async def handle_with_key(receive: Receive, send: Send, authorization: bytes | None) -> None:
+            try:
+                keys.check(authorization)
+            except AuthenticationError as exc:
+                await refuse(send, exc)
+                return
+            await door.generation(receive, send, chat, on_disconnect)
+        return handle_with_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
@@ -342,14 +374,56 @@ class _Generation:
         return exc
 
 
+def _authorization(scope: Scope) -> bytes | None:
+    """The request's ``Authorization`` header value (None without one); AuthenticationError for several."""
+    found = None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            if found is not None:
+                raise AuthenticationError("several Authorization headers: send one")
+            found = value
+    return found
+
+
+async def refuse(send: Send, exc: AuthenticationError) -> None:
+    """Answer 401 in OpenAI's error shape, with ``WWW-Authenticate: Bearer``."""
+    reply = error_reply(exc, 0)
+    body = reply.body()
+    await send({"type": "http.response.start", "status": reply.status,
+                "headers": [*_json_headers(body), (b"www-authenticate", b"Bearer")]})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def metrics_app(metrics: RouterMetrics) -> ASGIApp:
+    """The ASGI application of a metrics listener (``--metrics-port``): ``GET /metrics`` and
+    ``GET /health``, no key asked (bind it where only the scrapers reach); anything else 404."""
+    content_type = METRICS_CONTENT_TYPE.encode()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] in ("GET", "HEAD") and scope["path"] == "/metrics":
+            status, body, kind = 200, metrics.exposition(), content_type
+        elif scope["method"] in ("GET", "HEAD") and scope["path"] in OPEN_HTTP_PATHS:
+            status, body, kind = 200, b'{"status":"ok"}', b"application/json"
+        else:
+            status, body, kind = 404, b"not found\n", b"text/plain; charset=utf-8"
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", kind), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+    return app
+
+
 def _usage(piece: Piece) -> Usage:
     assert piece.usage is not None  # stream_pieces puts usage on every finished piece
     return piece.usage
 
 
 def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
-               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> HttpApp:
+               metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
+               api_keys: ApiKeys | None = None, serve_metrics: bool = True) -> HttpApp:
     """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
-    door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config)
+    door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config, api_keys=api_keys,
+                         serve_metrics=serve_metrics)
     door.app.state.frontdoor = door
     return door.app

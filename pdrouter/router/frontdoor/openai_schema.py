@@ -2,12 +2,16 @@
 
 Accepted (``/v1/completions`` and ``/v1/chat/completions``):
 
-* ``model`` (required), ``stream``, ``stream_options.include_usage``, ``temperature`` (default 1),
-  ``top_p`` (default 1), ``seed``, ``stop`` (a string or a list of strings, applied to the
-  decoded text by the front door), ``user`` (ignored);
-* ``max_tokens`` (chat also ``max_completion_tokens``, which wins). When absent: the context
-  left after the prompt, capped at ``FrontdoorConfig.default_max_tokens`` (256 by default);
-* extensions (vLLM's): ``stop_token_ids``, ``top_k``, ``ignore_eos``, ``include_stop_str_in_output``;
+* ``model`` (required, at most :data:`MAX_MODEL_NAME_CHARS` characters), ``stream``,
+  ``stream_options.include_usage``, ``temperature`` (default 1, in [0, 100]), ``top_p`` (default 1,
+  in (0, 1]), ``seed`` (in [0, 2^63)), ``stop`` (a string or a list of at most
+  ``FrontdoorConfig.max_stop_strings`` strings of at most :data:`MAX_STOP_CHARS` characters each,
+  applied to the decoded text by the front door), ``user`` (ignored);
+* ``max_tokens`` (chat also ``max_completion_tokens``, which wins): at least 1, and with the
+  prompt within the model's context. When absent: the context left after the prompt, capped at
+  ``FrontdoorConfig.default_max_tokens`` (256 by default);
+* extensions (vLLM's): ``stop_token_ids`` (at most ``MAX_STOP_TOKEN_IDS``, in the vocabulary),
+  ``top_k`` (-1 or 0 disable it; at most ``MAX_TOP_K``), ``ignore_eos``, ``include_stop_str_in_output``;
 * completions: ``prompt`` as a string, a list of token ids, or a list holding exactly one of
   those; chat: ``messages`` with roles system / developer (read as system) / user / assistant /
   tool, ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts (joined by
@@ -23,19 +27,20 @@ Features this server does not implement (``n`` > 1, ``logprobs``, ``echo``, pena
 per-request ``chat_template``, forced tool choice…) are refused with 400 when set to anything but
 their neutral value; unrecognised fields are ignored. Every refusal is an ``InvalidRequestError``
 (a :class:`FieldError` when one field is to blame), which the HTTP door turns into OpenAI's error
-body.
+body: a value of any type in any field is a 400, never a server error.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from pdrouter.core.chat_template import RESERVED_VARIABLES, ChatMessage, ChatOptions
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import new_request_id
-from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.sampling import MAX_TOP_K, SamplingParams
 from pdrouter.router.request import RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig, ServedModel
 
@@ -89,6 +94,10 @@ _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant"
 _TOOL_CHOICES = (None, "none", "auto")
 _NO_CHAT = ChatOptions()
 _SAMPLING_FIELDS = frozenset({"max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids"})
+MAX_MODEL_NAME_CHARS = 256
+"""The longest model name a request may send (longer ones name no model: refused without a lookup)."""
+MAX_STOP_CHARS = 1024
+"""The longest stop string: each one held back costs its length per token streamed."""
 
 
 def _kind(value: Any) -> str:
@@ -103,6 +112,8 @@ def _no_constant(name: str) -> Any:
 
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
 """What ``json.loads(text, parse_constant=_no_constant)`` uses, built once rather than per call."""
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+"""The start of a ``\\uD800``–``\\uDFFF`` escape: JSON's only way to a surrogate in a string."""
 
 
 def load_json_object(body: bytes) -> dict[str, Any]:
@@ -119,7 +130,20 @@ def load_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidRequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise InvalidRequestError(f"request body must be a JSON object, got {_kind(data)}")
+    if "\\u" in text and _SURROGATE_ESCAPE.search(text) is not None:
+        _check_unicode(data)  # escaped surrogates: one left unpaired would fail the tokenizer
     return data
+
+
+def _check_unicode(data: dict[str, Any]) -> None:
+    """InvalidRequestError when a string of ``data`` (key or value) holds a lone surrogate."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequestError("request body is not valid Unicode: a string holds an unpaired UTF-16 "
+                                  "surrogate escape (\\ud800-\\udfff)") from None
+    except RecursionError:
+        raise InvalidRequestError("request body is nested too deeply") from None
 
 
 def _int(body: dict[str, Any], key: str) -> int | None:
@@ -139,6 +163,16 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
         except OverflowError:
             pass
     raise FieldError(key, f"{key} must be a number, got {_kind(value)}")
+
+
+def _top_k(body: dict[str, Any]) -> int:
+    """``top_k``, with vLLM's -1 (as 0) for "disabled"; FieldError outside -1..``MAX_TOP_K``."""
+    top_k = _int(body, "top_k")
+    if top_k is None or top_k in (-1, 0):
+        return 0
+    if not 0 < top_k <= MAX_TOP_K:
+        raise FieldError("top_k", f"top_k must be -1 or 0 (no top-k filter) or in [1, {MAX_TOP_K}], got {top_k}")
+    return top_k
 
 
 def _bool(body: dict[str, Any], key: str, default: bool = False) -> bool:
@@ -280,12 +314,15 @@ def _stop(body: dict[str, Any], limit: int) -> tuple[str, ...]:
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,)
+        stop = [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         if len(stop) > limit:
             raise FieldError("stop", f"at most {limit} stop strings are supported, got {len(stop)}")
-        return tuple(stop)
-    raise FieldError("stop", f"stop must be a string or an array of strings, got {_kind(stop)}")
+    else:
+        raise FieldError("stop", f"stop must be a string or an array of strings, got {_kind(stop)}")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise FieldError("stop", f"stop strings may have at most {MAX_STOP_CHARS} characters")
+    return tuple(stop)
 
 
 def _check_unsupported(body: dict[str, Any], chat: bool) -> None:
@@ -308,6 +345,8 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise FieldError("model", f"model must be a non-empty string, got {_kind(model)}")
+    if len(model) > MAX_MODEL_NAME_CHARS:
+        raise FieldError("model", f"model names have at most {MAX_MODEL_NAME_CHARS} characters")
     _check_unsupported(data, chat)
     max_tokens = _int(data, "max_tokens")
     if chat and data.get("max_completion_tokens") is not None:
@@ -326,7 +365,7 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
         max_tokens=max_tokens,
         temperature=_number(data, "temperature", 1.0),
         top_p=_number(data, "top_p", 1.0),
-        top_k=_int(data, "top_k") or 0,
+        top_k=_top_k(data),
         seed=_int(data, "seed"),
         stop=_stop(data, config.max_stop_strings),
         include_stop_str_in_output=_bool(data, "include_stop_str_in_output"),

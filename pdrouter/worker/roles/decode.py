@@ -3,7 +3,9 @@
 Per request: ``Allocate`` reserves the prompt's blocks in the engine (reusing this worker's own
 prefix cache) and invites the KV into them (``KvReceiver.expect``); the reply's target goes to a
 prefill worker. The allocation is a lease: if no ``Generate`` follows within ``lease_ms`` it is
-freed. ``Generate`` waits for the KV to land, then decodes from the prefill worker's first token.
+freed. A caller may ask for its own lease, up to ``max_lease_ms`` (``--max-lease-ms``); a longer
+one is refused (INVALID_ARGUMENT), so no caller can pin blocks for longer than that. ``Generate``
+waits for the KV to land, then decodes from the prefill worker's first token.
 ``Release``, a cancelled call, a failed transfer or an expired lease free everything: the
 expectation is aborted first (so nothing writes into the blocks any more), then the blocks.
 
@@ -59,8 +61,10 @@ class _Allocation:
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
-                 prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None) -> None:
-        """``registered``: the check every prefill route passes before it is called (None: none)."""
+                 prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None,
+                 max_lease_ms: int = 120_000) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none);
+        ``max_lease_ms``: the longest lease an ``Allocate`` may ask for."""
         self.driver = driver
         self.links = links or PrefillLinks()
         self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
@@ -71,6 +75,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.model_compat_hash = model_compat_hash
         self.backend = backend
         self.lease_ms = lease_ms
+        self.max_lease_ms = max_lease_ms
         self.kv_wait_s = kv_wait_s
         self._allocs: dict[str, _Allocation] = {}
 
@@ -114,6 +119,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         check_request(rid, request.model_compat_hash, self.model_compat_hash)
         self._check_backend(request.backend)
         lease_ms = request.lease_ms or self.lease_ms
+        if lease_ms > self.max_lease_ms:
+            raise InvalidRequestError(f"lease_ms {lease_ms} is over this worker's cap of {self.max_lease_ms} ms "
+                                      f"(--max-lease-ms); ask for {self.max_lease_ms} or less")
         existing = self._allocs.get(rid)
         if existing is not None:
             self._arm_lease(rid, existing, lease_ms)
@@ -241,5 +249,5 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
     servicer = DecodeServicer(ctx.driver, receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s),
-                              registered=registered)
+                              registered=registered, max_lease_ms=cfg.max_lease_ms)
     return DecodeRole(receiver, servicer)

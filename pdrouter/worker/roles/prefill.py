@@ -5,11 +5,16 @@ sender streams every layer of the blocks after ``target.skip_blocks`` into the d
 blocks; once the receiver confirmed them, the blocks are released (they stay in the prefix cache)
 and the first token goes back. A failure or a cancelled call aborts the transfer and frees the
 blocks; the decode side learns of it from the transfer itself.
+
+The target comes from the caller, so it is checked first (``decode_targets``): it must name a
+decode worker registered in the pool at the address the KV would go to (or, without a registry,
+one of ``--decode-kv-addresses``). A refused target costs no computation and opens no connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 
@@ -28,13 +33,19 @@ from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 from pdrouter.worker.backend import TransferPacing
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.role import RoleContext, Service
+from pdrouter.worker.roles.decode_targets import DecodeTargets, RegisteredDecodeWorkers, StaticDecodeTargets
 from pdrouter.worker.streaming import check_request
+
+log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, driver: EngineDriver, sender: KvSender, layout: KvLayout, model_compat_hash: str,
-                 transfer_timeout_s: float = 60.0, pacing: TransferPacing | None = None) -> None:
-        """``layout``: the engine's (real geometry, for the stats); ``pacing``: a simulated worker's link."""
+                 targets: DecodeTargets, transfer_timeout_s: float = 60.0,
+                 pacing: TransferPacing | None = None) -> None:
+        """``layout``: the engine's (real geometry, for the stats); ``targets``: the check every KV
+        target passes first; ``pacing``: a simulated worker's link."""
+        self.targets = targets
         self.pacing = pacing
         self.driver = driver
         self.sender = sender
@@ -50,6 +61,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if not request.HasField("target"):
             raise InvalidRequestError("target is required (the reply of DecodeWorker.Allocate)")
         target = target_from_pb(request.target)
+        refusal = await self.targets.refusal(request.target.worker_id, target)
+        if refusal is not None:
+            log.warning("Prefill %s: KV target refused: %s", rid, refusal.message)
+            raise refusal
         sampling = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
         blocks_needed = blocks_for_tokens(len(prompt), self.layout.block_size)
@@ -124,6 +139,13 @@ class PrefillRole:
 async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
     pool = ctx.kv_pool()
     sender = KvSender(pool, pool.layout, ctx.transfer())
-    servicer = PrefillServicer(ctx.driver, sender, ctx.engine.kv_layout, ctx.model_compat_hash,
+    targets: DecodeTargets
+    if ctx.registry is not None:
+        targets = RegisteredDecodeWorkers(ctx.registry)
+    else:
+        targets = StaticDecodeTargets(ctx.config.decode_kv_addresses)
+        if not ctx.config.decode_kv_addresses:
+            log.warning("no registry (--redis) and no --decode-kv-addresses: Prefill refuses every KV target")
+    servicer = PrefillServicer(ctx.driver, sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
                                transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing)
     return PrefillRole(sender, servicer)

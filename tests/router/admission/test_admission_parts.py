@@ -15,13 +15,13 @@ from pdrouter.router.admission.credit import CreditBook
 from pdrouter.router.admission.leases import LeaseRenewer
 from pdrouter.router.admission.queue import WaitQueue
 from pdrouter.router.admission.signals import CreditWanted
-from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
+from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations, Reservation
 
 from .conftest import until
 
 
 def _res(name: str, blocks: int = 1) -> Reservation:
-    return Reservation(RequestId(name), WorkerId("d0"), Epoch(1), blocks, 30_000)
+    return Reservation(BookingId(name), WorkerId("d0"), Epoch(1), blocks, 30_000)
 
 
 # -- the wait queue ---------------------------------------------------------------------------
@@ -65,15 +65,15 @@ class _Leases:
         if self.failing:
             self.failing -= 1
             raise ConnectionError("redis went away")
-        self.renewed.append(reservation.request_id)
-        return reservation.request_id not in self.gone
+        self.renewed.append(reservation.booking_id)
+        return reservation.booking_id not in self.gone
 
 
 async def test_renewal_renews_bookings_then_chunks_and_reports_lapsed_chunks_only() -> None:
     leases = _Leases(gone={"b", "c2"})
     lapsed: list[str] = []
     renewer = LeaseRenewer(leases, 30_000, lambda: [_res("a"), _res("b")], lambda: [_res("c1"), _res("c2")],
-                           lambda chunk: lapsed.append(chunk.request_id))
+                           lambda chunk: lapsed.append(chunk.booking_id))
     assert renewer.interval_s == 10.0
     await renewer.renew_once()
     assert leases.renewed == ["a", "b", "c1", "c2"]
@@ -107,7 +107,7 @@ async def test_credit_is_booked_ahead_lent_in_memory_and_goes_back_when_idle(cli
     assert book.take(RequestId("r0"), 4, WORKER) is None  # nothing held yet: a chunk is booked meanwhile
     await tasks.wait()
     assert book.held_blocks == 10 and await res.used("c0", 1) == 10
-    assert [c.request_id for c in book.chunks()] == ["credit-test-0"]
+    assert [c.booking_id for c in book.chunks()] == ["credit-test-0"]
     calls = res.script_calls
     lent = book.take(RequestId("r1"), 4, WORKER)
     assert lent is not None and lent.worker_id == "c0" and lent.blocks == 4
