@@ -115,8 +115,9 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backe
     this machine's CPUs, one worker per "GPU"), until the ``with`` block ends."""
     engine = (["--backend", "sim", "--gpu", gpu, "--tp", str(layout.tp), "--time-scale", str(time_scale)]
               if backend == "sim" else ["--backend", "torch"])
+    # The comparison's own cluster, on loopback only: its doors are open to this machine (no API key).
     argv = [sys.executable, "-m", "pdrouter", "up", *engine, "--model", str(folder), "--http-port", "0",
-            "--grpc-port", "0", *layout.up_args(), *extra]
+            "--grpc-port", "0", "--no-api-key", *layout.up_args(), *extra]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert up.stdout is not None

@@ -114,7 +114,7 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
               on_record: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Drive ``specs`` against ``config.base_url``; every request ends as a record (see the module docstring)."""
     client = CompletionsClient(config.base_url, config.model, api_key=config.api_key, timeout_s=config.timeout_s)
-    scraper = MetricsScraper(config.metrics_url) if config.metrics_url else None
+    scraper = MetricsScraper(config.metrics_url, api_key=config.api_key) if config.metrics_url else None
     records: list[RequestRecord] = []
     zero = time.perf_counter()
     stretch = config.wall_per_sim_s

@@ -92,12 +92,13 @@ def sim_late_share(samples: Iterable[MetricsSample]) -> float | None:
 class MetricsScraper:
     """Scrapes ``url`` every ``interval_s`` in the background until ``stop``."""
 
-    def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 2.0) -> None:
+    def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 2.0, api_key: str | None = None) -> None:
         self.url = url
         self.interval_s = interval_s
         self.samples: list[MetricsSample] = []
         self.errors = 0
-        self._http = httpx.AsyncClient(timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a router's /metrics behind its key
+        self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
         self._task: asyncio.Task[None] | None = None
         self._zero = time.perf_counter()
 

@@ -5,6 +5,16 @@ With ``--backend sim`` the workers are simulated GPUs (``--gpu``, ``--model-pres
 folder if it is missing (for a simulated fleet: only ``config.json`` and the tokenizer), starts
 every part as a child process, prints the endpoints and a sample request, and stops everything
 on Ctrl-C (``--once`` instead sends the sample request itself, prints the answer and stops).
+
+The router asks for an API key: the keys of ``PDROUTER_API_KEYS`` when that is set, else one made
+for the run (``secrets.token_urlsafe(24)``). It reaches the router through the environment, never
+its command line (which ``ps`` shows), and the banner prints it, before the router's line::
+
+    api key    <key>
+    router     http://127.0.0.1:8000/v1  (OpenAI API)   grpc 127.0.0.1:50051
+
+``--no-api-key`` runs the doors open, on a loopback host only; the banner then says
+``auth       none (--no-api-key): the doors are open to this machine`` and prints no key line.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from pathlib import Path
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, worker_args
 from pdrouter.cli.worker_cmd import TORCH_THREADS_ENV
 from pdrouter.core.errors import ConfigError, UnavailableError
+from pdrouter.core.redact import redact_url
+from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys, is_loopback
 
 DEFAULT_MODEL_DIR = Path(".pdrouter") / "models" / "tiny"
 
@@ -38,6 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
     p.add_argument("--grpc-port", type=int, default=50051)
+    p.add_argument("--no-api-key", action="store_true",
+                   help="run the router without an API key (loopback hosts only); by default it asks for the "
+                        "key of PDROUTER_API_KEYS, or for one made for the run and printed in the banner")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (disaggregated)")
     p.add_argument("--workers", type=int, default=1, help="colocated workers (colocated)")
@@ -57,11 +72,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def sample_request(host: str, port: int, model: str) -> dict[str, object]:
+KEY_LABEL = "api key"
+"""The banner line carrying the router's API key: ``api key    <key>`` (the label padded to 10, a space)."""
+
+
+def sample_request(host: str, port: int, model: str, api_key: str | None = None) -> dict[str, object]:
     body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 16,
                        "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://{host}:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    req = urllib.request.Request(f"http://{host}:{port}/v1/completions", data=body, headers=headers)
     with urllib.request.urlopen(req, timeout=60) as resp:
         return dict(json.loads(resp.read()))
 
@@ -96,6 +117,23 @@ def router_ports(args: argparse.Namespace) -> list[tuple[int, str]]:
     return ports
 
 
+def router_api_keys(args: argparse.Namespace) -> tuple[str | None, str]:
+    """``(the key to print and use, the router's PDROUTER_API_KEYS)``: the keys of this process's
+    ``PDROUTER_API_KEYS`` when it has any (the first is printed), else one made for the run.
+    With ``--no-api-key``: ``(None, "")``, and a ConfigError for a host other than loopback."""
+    if args.no_api_key:
+        if not is_loopback(args.host):
+            raise ConfigError(f"--no-api-key serves loopback hosts only, not --host {args.host}: leave it out "
+                              f"(the router then asks for a key, printed at start)")
+        return None, ""
+    given = [k.strip() for k in os.environ.get(ENV_VAR, "").split(",") if k.strip()]
+    if given:
+        collect_api_keys(env=",".join(given))  # a short key is refused here, before anything starts
+        return given[0], ",".join(given)
+    key = secrets.token_urlsafe(24)
+    return key, key
+
+
 def wait_for_router(router: ManagedProcess, host: str, ports: list[tuple[int, str]]) -> str:
     """The router's HTTP address once it serves. If it exited first because one of its ports was
     taken after ``run`` checked them, a one-line ConfigError naming the port and its flag."""
@@ -116,6 +154,7 @@ def run(args: argparse.Namespace) -> int:
     if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
     ports = router_ports(args)
+    api_key, router_keys = router_api_keys(args)
     check_ports_free(args.host, ports)  # before anything starts: a taken port is one line, not a traceback
     sim: list[str] | None = None
     if args.backend == "sim":
@@ -139,16 +178,16 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
 
-    def spawn(name: str, argv: list[str]) -> ManagedProcess:
+    def spawn(name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> ManagedProcess:
         log = args.log_dir / f"{name}.log" if args.log_dir else None
-        proc = ManagedProcess(name, argv, env=env, log_file=log)
+        proc = ManagedProcess(name, argv, env={**env, **(extra_env or {})}, log_file=log)
         procs.append(proc)
         return proc
 
     failed = False
     with EmbeddedRedis() as redis_server:
         try:
-            print(f"redis      {redis_server.url}", flush=True)
+            print(f"redis      {redact_url(redis_server.url)}", flush=True)
             roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
                      else [("worker", args.workers)])
             # The workers split the cores, the router counting as one (unless the environment says).
@@ -160,18 +199,28 @@ def run(args: argparse.Namespace) -> int:
                        for role, n in roles for i in range(n)]
             for w in workers:
                 print(f"{w.name:<10} {w.wait_ready()}", flush=True)
+            # The keys go by the environment (empty: none), never on the command line, which `ps` shows.
             router = spawn("router", ["router", "--model", str(args.model), "--redis", redis_server.url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
-                                      "--grpc-port", str(args.grpc_port), "--log-level", "WARNING"])
+                                      "--grpc-port", str(args.grpc_port), "--log-level", "WARNING"],
+                           {ENV_VAR: router_keys})
             http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")
+            if api_key:
+                print(f"{KEY_LABEL:<10} {api_key}", flush=True)
+            else:
+                print("auth       none (--no-api-key): the doors are open to this machine", flush=True)
             print(f"router     http://{http}/v1  (OpenAI API)   grpc {router.grpc_address}", flush=True)
-            print(f"metrics    http://{http}/metrics", flush=True)
+            print(f"metrics    http://{http}/metrics" + ("  (with the key)" if api_key else ""), flush=True)
             if args.once:
-                answer = sample_request(host, int(port), model_name)
+                answer = sample_request(host, int(port), model_name, api_key)
                 print(json.dumps(answer, indent=2), flush=True)
                 return 0
-            print(f"\ntry:\n  curl -s http://{http}/v1/completions -H 'Content-Type: application/json' \\\n"
+            auth = " -H \"Authorization: Bearer $OPENAI_API_KEY\"" if api_key else ""
+            export = (f"  export OPENAI_API_KEY={api_key} OPENAI_BASE_URL=http://{http}/v1\n" if api_key
+                      else f"  export OPENAI_BASE_URL=http://{http}/v1\n")
+            print(f"\ntry:\n{export}"
+                  f"  curl -s $OPENAI_BASE_URL/completions -H 'Content-Type: application/json'{auth} \\\n"
                   f"    -d '{{\"model\": \"{model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
                   "\nCtrl-C stops everything.", flush=True)
             while not stop.wait(0.5):
