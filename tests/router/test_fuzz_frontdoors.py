@@ -263,7 +263,9 @@ def test_the_doors_keep_serving_and_hold_nothing(doors: Doors, http_client: http
             break
         assert time.monotonic() < deadline, (open_streams, in_flight)
         time.sleep(0.05)
-    assert len(doors.fake.requests) > 50  # the fuzzing did reach the orchestrator, often
+    # The fuzzing did reach the orchestrator, often. How often varies between runs (43 to 53 of the 300
+    # examples have been seen), so the bound leaves room.
+    assert len(doors.fake.requests) > 20
 
 
 # -- a real router --------------------------------------------------------------------------------
