@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdrouter.cli.local_cluster import ready_line
+from pdrouter.cli.local_cluster import check_ports_free, ready_line
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.errors import ConfigError
 
@@ -122,6 +122,10 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging(args.log_level)
     config = build_config(args)
+    # A port already taken is one line naming the flag, before anything starts (a bind failure deep in
+    # the servers would be a traceback).
+    check_ports_free(config.host, [(config.http_port, "--http-port"), (config.grpc_port, "--grpc-port")]
+                     + ([(config.metrics_port, "--metrics-port")] if config.metrics_port else []))
     process = RouterProcess(config)
     serve_until_signal(process, lambda: ready_line("router", f"{process.config.host}:{process.http_port}",
                                                    process.grpc_address))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pdrouter.core.errors import ConfigError
@@ -36,7 +36,7 @@ class TransferConfig:
     wire (the handshake proves it with an HMAC).
     """
 
-    auth_token: str
+    auth_token: str = field(repr=False)
     epoch: int
     backend: Backend = Backend.TCP
     connect_timeout_s: float = 5.0

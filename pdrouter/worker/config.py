@@ -24,8 +24,9 @@ class WorkerConfig:
     port: int = 0
     advertise_host: str | None = None
     """The host others dial (default: ``host``, or 127.0.0.1 when binding 0.0.0.0)."""
-    redis_url: str | None = None
-    """Registry, heartbeats and the prefix index; None runs standalone (static router lists)."""
+    redis_url: str | None = field(default=None, repr=False)
+    """Registry, heartbeats and the prefix index; None runs standalone (static router lists). Kept out of
+    the repr: it may carry a password."""
     model_name: str | None = None
     """The name the model is served under; default: the model folder's name."""
     pool: str | None = None

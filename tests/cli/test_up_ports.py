@@ -67,7 +67,20 @@ def test_a_router_that_cannot_bind_is_not_taken_for_ready(taken_port: int, tmp_p
         with pytest.raises(UnavailableError, match="router exited"):
             router.wait_ready(timeout=60)
         assert router.address is None
-        assert any("Traceback" in line for line in router.tail)  # it did print one, quoting the ready line
+        # The router itself checks its ports first: one line naming the flag, no traceback.
+        assert not any("Traceback" in line for line in router.tail)
+        assert any(f"port {taken_port}" in line and "--http-port" in line for line in router.tail)
         # `pdrouter up` then checks the router's ports again and names the one taken in one line.
         with pytest.raises(ConfigError, match=f"port {taken_port} on 127.0.0.1 is already in use: .* --http-port$"):
             wait_for_router(router, "127.0.0.1", [(taken_port, "--http-port"), (0, "--grpc-port")])
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--grpc-port"])
+def test_a_router_on_a_taken_port_is_one_line_naming_the_flag(flag: str, taken_port: int, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    folder = write_config_folder(get_model_preset("tiny"), tmp_path / "model")
+    other = "--grpc-port" if flag == "--http-port" else "--http-port"
+    assert main(["router", "--model", str(folder), "--workers", "127.0.0.1:1", flag, str(taken_port),
+                 other, "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"port {taken_port}" in err[0] and flag in err[0], err
