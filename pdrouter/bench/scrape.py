@@ -68,25 +68,25 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
                          scalars.get("bytes"), scalars.get("modeled"), scalars.get("late"))
 
 
-def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
-    """Hit tokens ÷ queried tokens over the run (the counters' growth from the first to the last sample)."""
-    seen = [s for s in samples if s.prefix_query_tokens is not None and s.prefix_hit_tokens is not None]
+def _growth(samples: Iterable[MetricsSample], part: str, whole: str) -> float | None:
+    """How much counter ``part`` grew over the run ÷ how much ``whole`` did (first to last sample that
+    has both); None with fewer than two such samples or no growth of ``whole``."""
+    seen = [s for s in samples if getattr(s, part) is not None and getattr(s, whole) is not None]
     if len(seen) < 2:
         return None
-    queried = (seen[-1].prefix_query_tokens or 0.0) - (seen[0].prefix_query_tokens or 0.0)
-    hit = (seen[-1].prefix_hit_tokens or 0.0) - (seen[0].prefix_hit_tokens or 0.0)
-    return hit / queried if queried > 0 else None
+    grown = getattr(seen[-1], whole) - getattr(seen[0], whole)
+    return (getattr(seen[-1], part) - getattr(seen[0], part)) / grown if grown > 0 else None
+
+
+def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
+    """Hit tokens ÷ queried tokens over the run (the counters' growth from the first to the last sample)."""
+    return _growth(samples, "prefix_hit_tokens", "prefix_query_tokens")
 
 
 def sim_late_share(samples: Iterable[MetricsSample]) -> float | None:
     """Of the simulated GPUs' modeled step time during the run, the share by which steps ended late
     because this machine could not keep up (0: the simulated timings held; None: no simulated workers)."""
-    seen = [s for s in samples if s.sim_modeled_s is not None and s.sim_late_s is not None]
-    if len(seen) < 2:
-        return None
-    modeled = (seen[-1].sim_modeled_s or 0.0) - (seen[0].sim_modeled_s or 0.0)
-    late = (seen[-1].sim_late_s or 0.0) - (seen[0].sim_late_s or 0.0)
-    return late / modeled if modeled > 0 else None
+    return _growth(samples, "sim_late_s", "sim_modeled_s")
 
 
 class MetricsScraper:

@@ -165,8 +165,9 @@ class EngineDriver:
 
     def load(self) -> WorkerLoad:
         s = self.engine.stats()
-        sim = getattr(self.engine, "sim_stats", None)  # a simulated GPU reports how well it kept time
-        modeled, late = (sim().busy_s, sim().late_s) if sim is not None else (0.0, 0.0)
+        sim_stats = getattr(self.engine, "sim_stats", None)  # a simulated GPU reports how well it kept time
+        sim = sim_stats() if sim_stats is not None else None
+        modeled, late = (sim.busy_s, sim.late_s) if sim is not None else (0.0, 0.0)
         return WorkerLoad(running=s.num_running + s.num_held + s.num_awaiting_kv, waiting=s.num_waiting,
                           queued_prefill_tokens=self.engine.queued_prefill_tokens(),
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,

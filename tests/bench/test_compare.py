@@ -96,3 +96,21 @@ def test_compare_quick_writes_the_report_and_its_plots(tmp_path: Path) -> None:
             assert p["slo_met_percent"] == pytest.approx(100.0 * met / 16)
             # Simulated workers report how much of their modeled time this machine made late.
             assert p["router"]["sim_late_share"] is not None and 0 <= p["router"]["sim_late_share"] < 1
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--attainment", "0"], "--attainment"),
+    (["--attainment", "150"], "--attainment"),
+    (["--point-duration", "-1"], "--point-duration"),
+    (["--stop-below", "0"], "--stop-below"),
+    (["--warmup", "-2"], "--warmup"),
+    (["--layouts", "colocated,3p3d"], "--layouts"),
+])
+def test_bad_compare_arguments_are_one_line_errors_before_any_cluster(args: list[str], expected: str,
+                                                                      tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--gpus", "2", "--layouts",
+                           "colocated,1p1d", "--out", str(tmp_path), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert expected in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert not list(tmp_path.iterdir())  # nothing was brought up or written
