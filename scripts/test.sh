@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# tests/deploy renders the Kubernetes manifests with kubectl (those tests skip without it).
+if ! command -v kubectl >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q kubectl; } >/dev/null \
+    || echo "warning: could not install kubectl with apt; the Kubernetes checks in tests/deploy will skip" >&2
+fi
+
 PYTHON=${PYTHON:-python3.11}
 command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
 if [ ! -x .venv/bin/python ]; then

@@ -1,19 +1,24 @@
 """Readers for the files in ``deploy/``: the Dockerfiles, the compose file, the Kubernetes manifests.
 
 Each reader does only what the checks need, without Docker or a cluster: compose variable
-defaults, YAML merge keys (PyYAML), kustomize resources and strategic-merge patches for the
-shapes the manifests use, Dockerfile instructions, ``.dockerignore`` matching, and the
-``pdrouter`` command lines a container runs (directly or inside a ``sh -c`` script).
+defaults and YAML merge keys (PyYAML), Dockerfile instructions, ``.dockerignore`` matching, and the
+``pdrouter`` command lines a container runs (directly or inside a ``sh -c`` script). Kubernetes
+manifests are rendered by the real tool, ``kubectl kustomize``, and validated against the official
+schemas by ``kubernetes-validate`` (offline).
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import functools
 import importlib.util
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -262,119 +267,53 @@ def kustomization(folder: Path) -> dict[str, Any]:
     return dict(yaml.safe_load((folder / "kustomization.yaml").read_text()))
 
 
-def build_kustomization(folder: Path, components: Sequence[Path] = ()) -> list[dict[str, Any]]:
-    """The objects of a kustomization: its resources (files and folders), its components, then its patches.
-
-    ``components`` are applied after the folder's own (as if listed under ``components:``). A
-    component contributes its resources and patches the same way. Patches are strategic merges
-    as kustomize applies them to these manifests (maps merge, lists of named items such as
-    containers, env, ports and volumes merge by name, other lists are replaced), or inline JSON
-    patches (RFC 6902: add, replace, remove) on every object their ``target`` selects (kind, name,
-    label selector). Labels and image transforms are not applied (the checks compare manifests as
-    written).
-    """
-    spec = kustomization(folder)
-    objects = _resources(folder, spec)
-    for component in [*(folder / c for c in spec.get("components", [])), *components]:
-        component_spec = kustomization(component)
-        objects = _patch(component, component_spec, [*objects, *_resources(component, component_spec)])
-    return _patch(folder, spec, objects)
+KUBECTL = shutil.which("kubectl")
+NO_KUBECTL = "kubectl is not installed (scripts/test.sh installs it with apt when run as root)"
 
 
-def _resources(folder: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    objects: list[dict[str, Any]] = []
-    for resource in spec.get("resources", []):
-        path = (folder / resource).resolve()
-        objects += build_kustomization(path) if path.is_dir() else load_yaml_docs(path)
-    return objects
+class KubectlMissing(Exception):
+    """``kubectl`` is not on PATH: the checks that need rendered manifests skip."""
 
 
-def _patch(folder: Path, spec: dict[str, Any], objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    objects = list(objects)
-    for patch in spec.get("patches", []):
-        docs = load_yaml_docs(folder / patch["path"]) if "path" in patch else [yaml.safe_load(patch["patch"])]
-        for doc in docs:
-            if isinstance(doc, list):  # a JSON patch: a list of operations
-                targets = [o for o in objects if selects(patch["target"], o)]
-                assert targets, f"{folder}: the patch's target {patch['target']} selects nothing"
-                for target in targets:
-                    objects[objects.index(target)] = json_patch(target, doc)
-                continue
-            target = find_object(objects, doc["kind"], doc["metadata"]["name"])
-            objects[objects.index(target)] = strategic_merge(target, doc)
-    return objects
+@functools.cache
+def _rendered(folder: Path, components: tuple[Path, ...]) -> str:
+    if KUBECTL is None:
+        raise KubectlMissing(NO_KUBECTL)
+    with tempfile.TemporaryDirectory(prefix="pdrouter-kustomize-") as tmp:
+        target = folder
+        if components:  # a kustomization of our own enabling them (kustomize takes relative paths only)
+            rel = [os.path.relpath(p, tmp) for p in (folder, *components)]
+            (Path(tmp) / "kustomization.yaml").write_text(yaml.safe_dump({
+                "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                "resources": rel[:1], "components": rel[1:]}))
+            target = Path(tmp)
+        done = subprocess.run([KUBECTL, "kustomize", str(target)], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise AssertionError(f"kubectl kustomize {folder} failed: {done.stderr.strip()}")
+    return done.stdout
 
 
-def selects(target: dict[str, Any], obj: dict[str, Any]) -> bool:
-    """Whether a patch ``target`` (kind, name, labelSelector with ``k=v``, ``k!=v``, ``k in (a,b)``)
-    selects ``obj``."""
-    if "kind" in target and obj["kind"] != target["kind"]:
-        return False
-    if "name" in target and obj["metadata"]["name"] != target["name"]:
-        return False
-    labels = obj["metadata"].get("labels", {})
-    for requirement in re.split(r",(?![^(]*\))", target.get("labelSelector", "")):
-        requirement = requirement.strip()
-        if not requirement:
-            continue
-        m = re.fullmatch(r"(\S+)\s+(in|notin)\s+\(([^)]*)\)", requirement)
-        if m:
-            values = {v.strip() for v in m.group(3).split(",")}
-            if (labels.get(m.group(1)) in values) != (m.group(2) == "in"):
-                return False
-            continue
-        m = re.fullmatch(r"([^!=\s]+)\s*(!=|==|=)\s*(\S*)", requirement)
-        assert m, f"label selector requirement {requirement!r} is not supported here"
-        if (labels.get(m.group(1)) == m.group(3)) != (m.group(2) != "!="):
-            return False
-    return True
+def kubectl_kustomize(folder: Path, components: Sequence[Path] = ()) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize FOLDER`` renders (with ``components`` enabled on top, as if
+    listed under ``components:``). KubectlMissing without kubectl."""
+    return [doc for doc in yaml.safe_load_all(_rendered(folder.resolve(), tuple(p.resolve() for p in components)))
+            if doc]
 
 
-def json_patch(obj: dict[str, Any], operations: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """``obj`` with RFC 6902 ``add`` / ``replace`` / ``remove`` operations applied (a copy)."""
-    out = copy.deepcopy(obj)
-    for operation in operations:
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in operation["path"].split("/")[1:]]
-        node: Any = out
-        for part in parents:
-            node = node[int(part)] if isinstance(node, list) else node[part]
-        op = operation["op"]
-        assert op in ("add", "replace", "remove"), f"JSON patch op {op!r} is not supported here"
-        if isinstance(node, list):
-            index = len(node) if last == "-" else int(last)
-            if op == "remove":
-                del node[index]
-            elif op == "add":
-                node.insert(index, copy.deepcopy(operation["value"]))
-            else:
-                node[index] = copy.deepcopy(operation["value"])
-        elif op == "remove":
-            del node[last]
-        else:
-            assert op == "add" or last in node, f"JSON patch: replace of a missing {operation['path']}"
-            node[last] = copy.deepcopy(operation["value"])
-    return out
+def k8s_schema_errors(obj: dict[str, Any], version: str | None = None) -> str | None:
+    """None when ``obj`` validates against the official OpenAPI schema of Kubernetes ``version``
+    (default: the newest release ``kubernetes-validate`` ships, offline), strictly (no unknown
+    fields); else the reason."""
+    import kubernetes_validate
 
-
-def strategic_merge(base: Any, patch: Any) -> Any:
-    if isinstance(base, dict) and isinstance(patch, dict):
-        merged = dict(base)
-        for key, value in patch.items():
-            merged[key] = strategic_merge(base[key], value) if key in base else copy.deepcopy(value)
-        return merged
-    named = isinstance(base, list) and isinstance(patch, list) and all(
-        isinstance(item, dict) and "name" in item for item in [*base, *patch])
-    if named:
-        merged_items = [copy.deepcopy(item) for item in base]
-        names = [item["name"] for item in merged_items]
-        for item in patch:
-            if item["name"] in names:
-                i = names.index(item["name"])
-                merged_items[i] = strategic_merge(merged_items[i], item)
-            else:
-                merged_items.append(copy.deepcopy(item))
-        return merged_items
-    return copy.deepcopy(patch)
+    try:
+        kubernetes_validate.validate(obj, version or kubernetes_validate.latest_version(), strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        where = "/".join(str(p) for p in exc.path) or "(top level)"
+        return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}: {where}: {exc.message}"
+    except kubernetes_validate.SchemaNotFoundError as exc:
+        return f"{obj.get('kind')}/{obj.get('metadata', {}).get('name')}: no schema: {exc}"
+    return None
 
 
 def find_object(objects: Sequence[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

@@ -1,11 +1,13 @@
 """Run a compose file's services as local processes, with the very commands the containers run.
 
 Only what cannot be the same on one host changes: service hostnames and bind-all addresses
-become 127.0.0.1, every port a service listens on becomes a free local port (references to it
-from other services follow), named volumes become folders, and the ``redis`` service is an
-embedded ``redis-server``. Services start in ``depends_on`` order; a service others wait on as
-``service_healthy`` must pass its own compose health check first, and a one-shot service must
-exit 0.
+become 127.0.0.1 (so does ``$HOSTNAME`` in a service's script), every port a service listens on
+becomes a free local port (references to it from other services follow), named volumes become
+folders, and the ``redis`` service is an embedded ``redis-server`` that asks for the password its
+compose command reads (``requirepass $(cat FILE)``). A long-running service whose command is a
+``sh -c`` script runs the one ``exec pdrouter ...`` of that script. Services start in
+``depends_on`` order; a service others wait on as ``service_healthy`` must pass its own compose
+health check first, and a one-shot service must exit 0.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import redis as redis_py
+
 from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis, free_port
 
@@ -30,6 +34,7 @@ from .deploy_files import (
     compose_env,
     compose_healthcheck,
     compose_mounts,
+    shell_pdrouter_commands,
     shell_script,
     start_order,
 )
@@ -47,6 +52,7 @@ class LocalCompose:
         self.services: dict[str, Any] = compose["services"]
         self.workdir = workdir
         self.redis_service = redis_service
+        self.redis = redis
         self.ports: dict[tuple[str, int], int] = {(redis_service, redis_port): redis.port}
         self.volumes: dict[str, Path] = {}
         for name in compose.get("volumes") or {}:
@@ -92,7 +98,12 @@ class LocalCompose:
         return out
 
     def env(self, service: str) -> dict[str, str]:
-        return {k: self.localize_text(service, v) for k, v in compose_env(self.services[service]).items()}
+        """The service's environment; a ``NAME_FILE`` one blanks an inherited ``NAME`` (a container
+        has only what compose gives it, and pdrouter refuses both forms at once)."""
+        env = {k: self.localize_text(service, v) for k, v in compose_env(self.services[service]).items()}
+        for name in [k for k in env if k.endswith("_FILE")]:
+            env.setdefault(name.removesuffix("_FILE"), "")
+        return env
 
     # -- running --------------------------------------------------------------------------------
 
@@ -109,17 +120,38 @@ class LocalCompose:
     def _start(self, name: str, timeout: float) -> bool:
         """Run a one-shot service to completion (False) or start a long-running one (True)."""
         if name == self.redis_service:
+            self._require_redis_password()
             return False
         argv = compose_argv(self.services[name])
-        if shell_script(argv) is not None:
+        script = shell_script(argv)
+        if script is not None and self.services[name].get("restart") == "no":
             self.run_once(name, timeout)
             return False
+        if script is not None:
+            (command,) = shell_pdrouter_commands(script)
+            assert script.lstrip().startswith("exec pdrouter "), f"{name}: pdrouter must be the container's process"
+            argv = ["pdrouter", *(self._expand(token) for token in command)]
         assert argv[0] == "pdrouter", f"{name}: runs {argv[0]!r}, not pdrouter"
         self.procs[name] = ManagedProcess(name, self.localize_argv(name, argv[1:]), env=self.env(name))
         return True
 
+    @staticmethod
+    def _expand(token: str) -> str:
+        """A script's word with the variables a container has (``$HOSTNAME``) expanded for this host."""
+        return re.sub(r"\$(?:\{HOSTNAME\}|HOSTNAME\b)", LOOPBACK, token)
+
+    def _require_redis_password(self) -> None:
+        """Give the embedded Redis the password the redis service reads from its file, if it does."""
+        script = shell_script(compose_argv(self.services[self.redis_service])) or ""
+        m = re.search(r"requirepass \$\(cat (\S+)\)", script)
+        if m is None:
+            return
+        path = Path(self.localize_text(self.redis_service, m.group(1)))
+        password = path.read_text().strip()
+        redis_py.Redis(host=self.redis.host, port=self.redis.port).config_set("requirepass", password)
+
     def run_once(self, name: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
-        """Run a ``sh -c`` service (the model step); AssertionError unless it exits 0."""
+        """Run a one-shot ``sh -c`` service (the secrets and model steps); AssertionError unless it exits 0."""
         argv = compose_argv(self.services[name])
         script = shell_script(argv)
         assert script is not None, f"{name} is not a shell one-shot"
@@ -130,13 +162,16 @@ class LocalCompose:
         return done
 
     def _pdrouter_shim(self) -> Path:
-        """A folder whose ``pdrouter`` runs this interpreter's pdrouter, for shell scripts."""
+        """A folder whose ``pdrouter`` and ``python`` run this interpreter (and its pdrouter), for shell scripts."""
         folder = self.workdir / "bin"
         shim = folder / "pdrouter"
         if not shim.exists():
             folder.mkdir(exist_ok=True)
             shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pdrouter "$@"\n')
             shim.chmod(0o755)
+            python = folder / "python"
+            python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+            python.chmod(0o755)
         return folder
 
     def healthcheck(self, name: str, argv: Sequence[str] | None = None) -> subprocess.CompletedProcess[str]:

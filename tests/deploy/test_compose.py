@@ -1,19 +1,25 @@
-"""deploy/docker-compose.yml: real pdrouter command lines, and services that agree with each other."""
+"""deploy/docker-compose.yml: real pdrouter command lines, services that agree with each other,
+generated secrets, and a file Compose v1 (``docker-compose``) and v2 (``docker compose``) both take."""
 
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+import yaml
 
 from .deploy_files import (
     COMPOSE_FILE,
     DEPLOY,
     HEALTHCHECK_COMMAND,
     PORT_FLAGS,
+    REPO,
     active_services,
     compose_argv,
     compose_env,
@@ -27,11 +33,19 @@ from .deploy_files import (
     parse_pdrouter,
     pdrouter_commands,
     published_ports,
+    shell_script,
     start_order,
 )
 
 WORKER_ROLES = ("prefill", "decode", "worker")
 KV_ROLES = ("prefill", "decode")
+SECRETS_SERVICE = "secrets"
+SECRET_FILES = {"PDROUTER_INTERNAL_TOKEN_FILE": "internal-token", "PDROUTER_REDIS_PASSWORD_FILE": "redis-password",
+                "PDROUTER_KV_TOKEN_FILE": "kv-token"}
+"""The ``*_FILE`` variables of the pdrouter components and the secret each names."""
+COMPOSE_V1_TOP_LEVEL = {"version", "services", "networks", "volumes", "secrets", "configs"}
+"""The top-level keys Compose v1 (1.27+, the Compose Specification) accepts, besides ``x-`` extensions.
+``name:``, ``include:`` and the like are v2 only: v1 rejects the whole file."""
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +81,46 @@ def listen_ports(args: argparse.Namespace) -> set[int]:
 
 def test_every_variable_has_a_local_default() -> None:
     variables = compose_variables(COMPOSE_FILE.read_text())
-    assert variables, "expected PDROUTER_KV_TOKEN and the published ports to be configurable"
+    assert variables, "expected the images and the published ports to be configurable"
     assert [name for name, default in variables if not default] == []
+    assert ("PDROUTER_REDIS_IMAGE", "redis:7.4-alpine") in variables
+
+
+def test_no_compose_v2_only_keys() -> None:
+    raw = yaml.safe_load(COMPOSE_FILE.read_text())
+    extra = {key for key in raw if not key.startswith("x-")} - COMPOSE_V1_TOP_LEVEL
+    assert extra == set(), f"top-level keys Compose v1 rejects: {sorted(extra)} (name the project with -p)"
+    for name, service in raw["services"].items():
+        for key in ("develop", "attach", "post_start", "pre_stop", "provider", "models", "gpus", "use_api_socket"):
+            assert key not in service, f"{name}: {key} is Compose v2 only"
+        assert "!reset" not in str(service) and "!override" not in str(service), name
+
+
+def test_documented_commands_work_under_compose_v1() -> None:
+    """``up --wait`` is v2 only (v1 prints its usage and exits 0 without starting anything)."""
+    docs = {COMPOSE_FILE: COMPOSE_FILE.read_text(), DEPLOY / "README.md": (DEPLOY / "README.md").read_text(),
+            REPO / "README.md": (REPO / "README.md").read_text()}
+    for path, text in docs.items():
+        for line in text.splitlines():
+            if re.search(r"docker[ -]compose\b.*\bup\b", line):
+                assert "--wait" not in line, f"{path.relative_to(REPO)}: {line.strip()}"
+    assert "deploy/compose-wait.sh" in docs[DEPLOY / "README.md"]
+    assert (DEPLOY / "compose-wait.sh").stat().st_mode & 0o111, "compose-wait.sh must be executable"
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (Compose v1) is not installed")
+def test_compose_v1_accepts_the_file() -> None:
+    done = subprocess.run(["docker-compose", "-p", "pd-router", "-f", str(COMPOSE_FILE), "--profile", "colocated",
+                           "config", "-q"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_every_project_service_runs_a_pdrouter_command(services: dict[str, Any],
                                                        commands: dict[str, list[argparse.Namespace]]) -> None:
     for name, parsed in commands.items():
+        if name == SECRETS_SERVICE:
+            assert parsed == [], "the secrets step runs no pdrouter command"
+            continue
         assert parsed, f"{name} runs no pdrouter command: {compose_argv(services[name])}"
     started = {args.command for parsed in commands.values() for args in parsed}
     assert started == {"make-model", "prefill", "decode", "worker", "router"}
@@ -91,11 +138,29 @@ def test_project_services_share_one_image_built_from_the_repo(services: dict[str
         assert entrypoint.exec_form() == ["pdrouter"], "compose_argv assumes the image's entrypoint"
 
 
-def test_redis_is_the_official_image_with_a_health_check(services: dict[str, Any]) -> None:
+def redis_script(services: dict[str, Any]) -> str:
+    script = shell_script(compose_argv(services["redis"]))
+    assert script is not None, "redis runs a shell script (the password comes from a file)"
+    return script
+
+
+def test_redis_runs_in_any_redis_image_with_auth_and_a_health_check(services: dict[str, Any]) -> None:
     redis = services["redis"]
     assert redis["image"].split(":")[0] in ("redis", "docker.io/library/redis")
-    assert compose_healthcheck(redis) == ["redis-cli", "ping"]
     assert "ports" not in redis, "Redis stays on the compose network"
+    script = redis_script(services)
+    # Debian's redis-server refuses other hosts in protected mode and binds loopback unless told.
+    assert "--protected-mode no" in script and "--bind 0.0.0.0" in script
+    assert "--save \"\"" in script and "--appendonly no" in script
+    # The password: from the secrets volume, on stdin (not the command line).
+    assert re.search(r"exec redis-server - .*<<EOF\nrequirepass \$\(cat /secrets/redis-password\)\nEOF", script), script
+    (mount,) = compose_mounts(redis)
+    assert (mount.source, mount.target, mount.read_only) == ("secrets", "/secrets", True)
+    assert depends_on(redis) == {SECRETS_SERVICE: "service_completed_successfully"}
+    check = compose_healthcheck(redis)
+    assert check is not None and check[:2] == ["/bin/sh", "-c"]
+    assert check[2] == 'REDISCLI_AUTH="$(cat /secrets/redis-password)" redis-cli ping | grep -q PONG', \
+        "redis-cli exits 0 on NOAUTH too: the check must authenticate and want PONG"
 
 
 def test_every_redis_url_points_at_the_redis_service(commands: dict[str, list[argparse.Namespace]],
@@ -110,17 +175,23 @@ def test_every_redis_url_points_at_the_redis_service(commands: dict[str, list[ar
         assert depends_on(services[name]).get("redis") == "service_healthy"
 
 
-def test_workers_listen_on_all_interfaces_and_advertise_their_service_name(
+def test_workers_advertise_their_container_hostname_so_replicas_differ(
         commands: dict[str, list[argparse.Namespace]], services: dict[str, Any]) -> None:
+    """``up --scale prefill=2`` works: each replica advertises its own hostname (Docker's DNS
+    resolves it on the compose network) and registers under an id made from it."""
     workers = long_running(commands, *WORKER_ROLES)
     assert sorted(args.command for args in workers.values()) == ["decode", "prefill", "worker"]
     for name, args in workers.items():
+        script = shell_script(compose_argv(services[name]))
+        assert script is not None and script.startswith("exec pdrouter "), f"{name}: pdrouter is the container's pid 1"
         assert args.host == "0.0.0.0", name
-        assert args.advertise_host == name, f"{name} advertises {args.advertise_host!r}"
+        assert args.advertise_host == "$HOSTNAME", f"{name} advertises {args.advertise_host!r}"
+        assert args.worker_id == f"{name}-$HOSTNAME", f"{name}: worker id {args.worker_id!r}"
         assert args.port, f"{name}: a fixed gRPC port, so that health checks can find it"
         assert set(map(int, services[name].get("expose", []))) == listen_ports(args), name
-    ids = [args.worker_id for args in workers.values()]
-    assert all(ids) and len(set(ids)) == len(ids), f"worker ids must be set and unique: {ids}"
+        assert "container_name" not in services[name] and "hostname" not in services[name], f"{name} cannot scale"
+        for entry in services[name].get("ports", []):
+            raise AssertionError(f"{name} publishes {entry}: replicas would fight over the host port")
 
 
 def test_decode_kv_port_is_fixed_and_exposed(commands: dict[str, list[argparse.Namespace]],
@@ -132,13 +203,35 @@ def test_decode_kv_port_is_fixed_and_exposed(commands: dict[str, list[argparse.N
     assert len(backends) == 1, f"prefill and decode must use one KV backend, got {backends}"
 
 
-def test_prefill_and_decode_share_the_kv_token(services: dict[str, Any],
-                                               commands: dict[str, list[argparse.Namespace]]) -> None:
-    kv_services = long_running(commands, *KV_ROLES)
-    tokens = {compose_env(services[name]).get("PDROUTER_KV_TOKEN") for name in kv_services}
-    assert len(tokens) == 1 and None not in tokens, tokens
-    raw = COMPOSE_FILE.read_text()
-    assert ("PDROUTER_KV_TOKEN", tokens.pop()) in compose_variables(raw), "the token comes from the environment"
+def test_secrets_are_generated_once_into_a_volume_the_others_mount_read_only(
+        services: dict[str, Any], commands: dict[str, list[argparse.Namespace]]) -> None:
+    step = services[SECRETS_SERVICE]
+    assert step["restart"] == "no"
+    script = shell_script(compose_argv(step))
+    assert script is not None
+    (writable,) = compose_mounts(step)
+    assert (writable.source, writable.target, writable.read_only) == ("secrets", "/secrets", False)
+    generated = set(re.search(r"for name in ([\w\s-]+); do", script).group(1).split())  # type: ignore[union-attr]
+    assert generated == {*SECRET_FILES.values(), "api-keys"}
+    assert "secrets.token_hex(32)" in script and "-s \"$name\"" in script, "random, and kept once written"
+    assert re.search(r"> \"\.\$name\.partial\"\n\s*mv \"\.\$name\.partial\" \"\$name\"", script), \
+        "written to a temporary name and renamed: never half a secret"
+    servers = long_running(commands, *WORKER_ROLES, "router")
+    for name in servers:
+        mounts = {m.source: m for m in compose_mounts(services[name])}
+        assert "secrets" in mounts and mounts["secrets"].read_only, f"{name}: the secrets volume, read-only"
+        env = compose_env(services[name])
+        wanted = set(SECRET_FILES) - ({"PDROUTER_KV_TOKEN_FILE"} if servers[name].command in ("router", "worker")
+                                      else set())
+        assert {k for k in env if k.startswith("PDROUTER_")} == wanted, f"{name}: {sorted(env)}"
+        for variable in wanted:
+            assert env[variable] == f"{mounts['secrets'].target}/{SECRET_FILES[variable]}", f"{name}: {variable}"
+            assert variable.removesuffix("_FILE") not in env, f"{name}: a secret in the environment"
+        # Started after the secrets exist (through Redis, which needs them too).
+        assert "redis" in depends_on(services[name])
+    for name, args in long_running(commands, "router").items():
+        assert [str(p) for p in args.api_key_file] == ["/secrets/api-keys"], name
+    assert not re.search(r"(TOKEN|PASSWORD|KEYS?)\s*:\s*\$\{", COMPOSE_FILE.read_text()), "no secret from variables"
 
 
 def test_routers_publish_their_front_doors(commands: dict[str, list[argparse.Namespace]],
@@ -150,6 +243,9 @@ def test_routers_publish_their_front_doors(commands: dict[str, list[argparse.Nam
         assert args.host == "0.0.0.0", name
         assert set(published_ports(services[name])) == {args.http_port, args.grpc_port}, name
     assert published_ports(services["router"]) == {8000: 8000, 50051: 50051}
+    for name in routers:
+        for entry in services[name]["ports"]:
+            assert str(entry).startswith("127.0.0.1:"), f"{name}: published on loopback by default, not {entry}"
     host_ports = [p for name in routers for p in published_ports(services[name]).values()]
     assert len(set(host_ports)) == len(host_ports), "two routers publish the same host port"
 
@@ -162,7 +258,7 @@ def test_model_is_prepared_once_into_the_volume_the_others_read(
     (writable,) = compose_mounts(services["model"])
     assert not writable.read_only and Path(make.out).is_relative_to(writable.target)
     for name, args in long_running(commands, *WORKER_ROLES, "router").items():
-        (mount,) = compose_mounts(services[name])
+        (mount,) = [m for m in compose_mounts(services[name]) if m.source == writable.source]
         assert (mount.source, mount.read_only) == (writable.source, True), name
         assert args.model.is_relative_to(mount.target), f"{name} reads {args.model} outside {mount.target}"
         assert args.model.parent == make.out.parent, f"{name} reads {args.model}, the model step writes there"
@@ -210,5 +306,6 @@ def test_routers_wait_for_their_workers(services: dict[str, Any]) -> None:
 
 
 def test_profiles_split_the_disaggregated_and_colocated_stacks(compose: dict[str, Any]) -> None:
-    assert active_services(compose) == ["decode", "model", "prefill", "redis", "router"]
-    assert active_services(compose, ["colocated"], unprofiled=False) == ["model", "redis", "router-colocated", "worker"]
+    assert active_services(compose) == ["decode", "model", "prefill", "redis", "router", "secrets"]
+    assert active_services(compose, ["colocated"], unprofiled=False) == [
+        "model", "redis", "router-colocated", "secrets", "worker"]

@@ -1,9 +1,11 @@
 """The compose services, run as local processes with their own command lines, serve a completion.
 
-This is ``docker compose up --wait`` without Docker (see ``local_compose``): the model step, the
-workers and the router run exactly the arguments the compose file gives them, the compose health
-checks must pass before dependents start, and the router's published HTTP port answers a real
-``/v1/completions`` request. The ``colocated`` profile gets the same treatment.
+This is the compose cluster without Docker (see ``local_compose``; scripts/compose_check.sh runs
+the real one): the secrets and model steps, the workers and the router run exactly the arguments
+the compose file gives them, with the secrets the secrets step generated (Redis asks for its
+password), the compose health checks must pass before dependents start, and the router's
+published HTTP port answers a real ``/v1/completions`` request with the generated API key. The
+``colocated`` profile gets the same treatment.
 """
 
 from __future__ import annotations
@@ -54,14 +56,21 @@ def served_model(args: argparse.Namespace) -> str:
     return str(args.served_model_name or Path(args.model).name)
 
 
-def complete(port: int, model: str, timeout: float = 90.0) -> dict[str, Any]:
+def api_key(stack: LocalCompose, router: str) -> str:
+    """The first key of the router's ``--api-key-file`` (written by the secrets step)."""
+    args = router_args(stack, router)
+    (path,) = args.api_key_file
+    return Path(stack.localize_text(router, str(path))).read_text().split()[0]
+
+
+def complete(port: int, model: str, key: str, timeout: float = 90.0) -> dict[str, Any]:
     """POST one completion; retried while the router has not yet seen the workers in Redis."""
     body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 8,
                        "temperature": 0}).encode()
     deadline = time.monotonic() + timeout
     while True:
         req = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
         try:
             with urllib.request.urlopen(req, timeout=60) as reply:
                 assert reply.status == 200
@@ -85,12 +94,12 @@ def assert_completion(answer: dict[str, Any]) -> None:
 def test_default_services_serve_a_completion(local_compose: LocalCompose) -> None:
     stack = local_compose
     selected = active_services({"services": stack.services})
-    assert selected == ["decode", "model", "prefill", "redis", "router"]
+    assert selected == ["decode", "model", "prefill", "redis", "router", "secrets"]
     stack.up(selected)
 
     args = router_args(stack, "router")
     assert set(published_ports(stack.services["router"])) == {args.http_port, args.grpc_port}
-    answer = complete(stack.port("router", args.http_port), served_model(args))
+    answer = complete(stack.port("router", args.http_port), served_model(args), api_key(stack, "router"))
     assert_completion(answer)
     # The gRPC front door answers grpc.health.v1 on its published port.
     grpc_check = stack.healthcheck("router", [HEALTHCHECK_COMMAND, "grpc", f"127.0.0.1:{args.grpc_port}"])
@@ -100,10 +109,11 @@ def test_default_services_serve_a_completion(local_compose: LocalCompose) -> Non
 def test_colocated_profile_serves_a_completion(local_compose: LocalCompose) -> None:
     stack = local_compose
     selected = active_services({"services": stack.services}, profiles=["colocated"], unprofiled=False)
-    assert selected == ["model", "redis", "router-colocated", "worker"]
+    assert selected == ["model", "redis", "router-colocated", "secrets", "worker"]
     stack.up(selected)
     args = router_args(stack, "router-colocated")
-    answer = complete(stack.port("router-colocated", args.http_port), served_model(args))
+    answer = complete(stack.port("router-colocated", args.http_port), served_model(args),
+                      api_key(stack, "router-colocated"))
     assert_completion(answer)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -66,20 +65,73 @@ def test_cuda_image_is_built_on_a_cuda_base() -> None:
     assert all(image.startswith("nvidia/cuda:") for image in base_images(DOCKERFILES[1]))
 
 
+def build_stage(instructions: list[Instruction]) -> list[Instruction]:
+    return [i for i in instructions if i.stage == 0]
+
+
+def pip_runs(instructions: list[Instruction]) -> list[tuple[int, Instruction]]:
+    return [(n, i) for n, i in enumerate(instructions) if i.keyword == "RUN" and "pip install" in i.value]
+
+
 @pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
-def test_torch_is_installed_first_from_the_pytorch_index_at_the_project_pin(path: Path) -> None:
+def test_torch_is_installed_first_at_the_project_pin_with_or_without_the_pytorch_index(path: Path) -> None:
     instructions = dockerfile_instructions(path)
     args = stage_args(instructions)
-    runs = [(n, shlex.split(expand_args(i.value, i.stage, args))) for n, i in enumerate(instructions)
-            if i.keyword == "RUN"]
-    (torch_run,) = [(n, words) for n, words in runs if any(w.startswith("torch==") for w in words)]
-    n, words = torch_run
-    assert f"torch=={torch_pin()}" in words
-    index = words[words.index("--index-url") + 1]
+    assert args[(0, "TORCH_VERSION")] == torch_pin()
     kind = "cpu" if path.name == "Dockerfile" else "cu"
-    assert index.startswith(f"https://download.pytorch.org/whl/{kind}"), index
+    assert args[(0, "TORCH_INDEX_URL")].startswith(f"https://download.pytorch.org/whl/{kind}")
+    (first, torch_run), *_ = pip_runs(instructions)
+    script = torch_run.value
+    assert 'if [ -n "${TORCH_INDEX_URL}" ]' in script
+    assert 'pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in script
+    # Without the PyTorch index (a network that does not reach it): from the configured indexes, and
+    # for the CPU image the CPU build by its local version, never PyPI's CUDA build.
+    without = script.split("else", 1)[1]
+    assert ('"torch==${TORCH_VERSION}+cpu"' if kind == "cpu" else '"torch==${TORCH_VERSION}"') in without
+    assert "--index-url" not in without
+    copies = [k for k, i in enumerate(instructions) if i.keyword == "COPY" and not i.value.startswith("--from")
+              and not i.value.startswith("deploy/build-extra")]
+    assert copies and first < min(copies), "torch goes in its own layer, before the project's files"
     (copy_src,) = [k for k, i in enumerate(instructions) if i.keyword == "COPY" and i.value.startswith(". ")]
-    assert n < copy_src, "torch goes in its own layer, before the source that changes often"
+    deps = [k for k, i in pip_runs(instructions) if "/tmp/deps" in i.value]
+    assert deps and deps[0] < copy_src, "the dependencies before the sources, which change often"
+
+
+PIP_ARGS = ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_TRUSTED_HOST")
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_builds_behind_a_proxy_get_a_package_index_and_a_ca_bundle(path: Path) -> None:
+    instructions = dockerfile_instructions(path)
+    stage = build_stage(instructions)
+    declared = {i.value for i in stage if i.keyword == "ARG"}
+    # pip reads these from the environment; declared without a default they stay unset unless given.
+    assert set(PIP_ARGS) <= declared, f"{path.name}: ARG {sorted(set(PIP_ARGS) - declared)} missing"
+    env = " ".join(i.value for i in stage if i.keyword == "ENV")
+    assert "PIP_CERT=/tmp/build-extra/ca-bundle.pem" in env and "PIP_CONFIG_FILE=/tmp/build-extra/pip.conf" in env
+    copies = [i for i in instructions if i.keyword == "COPY" and i.value.startswith("deploy/build-extra/")]
+    assert [(i.stage, i.value) for i in copies] == [(0, "deploy/build-extra/ /tmp/build-extra/")], \
+        "the extra CA certificates and pip.conf are for the build stage only"
+    (bundle,) = [i.value for i in stage if i.keyword == "RUN" and "ca-bundle.pem" in i.value]
+    assert "/etc/ssl/certs/ca-certificates.crt" in bundle and "*.crt" in bundle, "the base's CAs plus the extra ones"
+    # The first pip call comes after the bundle and the config are in place.
+    keywords = [(i.keyword, i.value) for i in stage]
+    assert keywords.index(("RUN", bundle)) < min(k for k, (kw, v) in enumerate(keywords) if "pip install" in v)
+    assert (REPO / "deploy/build-extra/README.md").is_file()
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
+def test_no_syntax_directive_so_builds_need_no_registry(path: Path) -> None:
+    """``# syntax=docker/dockerfile:1`` makes BuildKit pull a frontend image from a registry first."""
+    first = path.read_text().lstrip().splitlines()[0]
+    assert not re.match(r"#\s*syntax\s*=", first), f"{path.name}: {first}"
+
+
+def test_the_base_image_is_a_build_argument() -> None:
+    instructions = dockerfile_instructions(DOCKERFILES[0])
+    froms = [i.value for i in instructions if i.keyword == "FROM"]
+    assert froms == ["${BASE_IMAGE} AS build", "${BASE_IMAGE}"]
+    assert stage_args(instructions)[(-1, "BASE_IMAGE")] == "python:3.11-slim"
 
 
 @pytest.mark.parametrize("path", DOCKERFILES, ids=IDS)
@@ -135,7 +187,8 @@ def test_image_exposes_the_ports_the_services_listen_on(path: Path) -> None:
 
 def test_dockerignore_keeps_the_installable_project_and_nothing_else() -> None:
     patterns = dockerignore_patterns(DOCKERIGNORE)
-    kept = ["pyproject.toml", PYPROJECT["project"]["readme"], str(HEALTHCHECK_SCRIPT.relative_to(REPO))]
+    kept = ["pyproject.toml", PYPROJECT["project"]["readme"], str(HEALTHCHECK_SCRIPT.relative_to(REPO)),
+            "deploy/build-extra/README.md", "deploy/build-extra/corp-proxy.crt"]
     for package in package_dirs():
         files = [p.relative_to(REPO).as_posix() for p in (REPO / package).rglob("*.py")]
         assert files, f"no package folder {package}"
@@ -143,7 +196,8 @@ def test_dockerignore_keeps_the_installable_project_and_nothing_else() -> None:
     assert [f for f in kept if dockerignored(f, patterns)] == []
     dropped = [".venv/bin/python", ".git/HEAD", "tests/conftest.py", "models/tiny/config.json",
                "pd_router.egg-info/PKG-INFO", "router/__pycache__/server.cpython-311.pyc", "deploy/Dockerfile",
-               "benchmarks/hash_bench.py", ".pdrouter/models/tiny/config.json"]
+               "benchmarks/hash_bench.py", ".pdrouter/models/tiny/config.json", "deploy/docker-compose.yml",
+               "deploy/k8s/base/secret.yaml"]
     assert [f for f in dropped if not dockerignored(f, patterns)] == []
 
 

@@ -1,34 +1,37 @@
-"""deploy/k8s: manifests that parse, run real pdrouter command lines, and reference what exists.
+"""deploy/k8s: manifests rendered by ``kubectl kustomize``, valid against the Kubernetes schemas,
+running real pdrouter command lines, referencing what exists, and exposing only the router.
 
 Every layout is checked: ``deploy/k8s`` (CPU), ``deploy/k8s/gpu`` and ``deploy/k8s/gpu`` with its
-``hami`` component (memory quotas), their patches applied by ``build_kustomization``; ``kubectl
-kustomize``, when installed, must agree.
+``hami`` component (memory quotas), each as ``kubectl kustomize`` renders it; every rendered
+object is validated against the official OpenAPI schemas of the newest Kubernetes release the
+``kubernetes-validate`` package ships (offline, strict). The checks that need rendered objects skip
+only when kubectl is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import copy
 import re
-import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
-import yaml
 
 from pdrouter.cli.worker_cmd import cuda_index, memory_quota
 from pdrouter.core.capacity import resolve_utilization
+from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GiB
+from pdrouter.router.frontdoor.auth import collect_api_keys
+from pdrouter.wire.security import check_token
 
 from .deploy_files import (
     DEPLOY,
     K8S,
+    KubectlMissing,
     all_containers,
-    build_kustomization,
     compose_argv,
     container_argv,
     dockerfile_instructions,
@@ -36,6 +39,8 @@ from .deploy_files import (
     find_object,
     is_project_image,
     k8s_env_refs,
+    k8s_schema_errors,
+    kubectl_kustomize,
     kustomization,
     load_compose,
     load_yaml_docs,
@@ -51,11 +56,19 @@ OVERLAYS: dict[str, tuple[Path, tuple[Path, ...]]] = {
 }
 """Layout → (kustomization folder, the components enabled on top of it)."""
 GPU_MEMORY_LIMIT = "nvidia.com/gpumem"
+SECRET = "pd-router-secrets"
+SECRETS_DIR = "/secrets"
 
 
 def build_overlay(name: str) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize`` renders for a layout (a copy: tests may change them)."""
     folder, components = OVERLAYS[name]
-    return build_kustomization(folder, components)
+    try:
+        return copy.deepcopy(kubectl_kustomize(folder, components))
+    except KubectlMissing as exc:
+        pytest.skip(str(exc))
+
+
 SERVERS = ("prefill", "decode", "worker", "router")
 
 
@@ -140,30 +153,23 @@ def test_every_manifest_file_belongs_to_its_kustomization() -> None:
             assert (folder / entry).exists(), f"{folder}: {entry} does not exist"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
-def test_kubectl_kustomize_renders_what_the_checks_read(overlay: str, tmp_path: Path) -> None:
-    folder, components = OVERLAYS[overlay]
-    if components:  # a kustomization of our own enabling them (kustomize takes relative paths only)
-        rel = [os.path.relpath(p, tmp_path) for p in (folder, *components)]
-        (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump({
-            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-            "resources": rel[:1], "components": rel[1:]}))
-        folder = tmp_path
-    rendered = subprocess.run(["kubectl", "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
-    assert rendered.returncode == 0, rendered.stderr
-    real = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
-    ours = build_overlay(overlay)
-    assert sorted((o["kind"], o["metadata"]["name"]) for o in real) == sorted(
-        (o["kind"], o["metadata"]["name"]) for o in ours)
-    for workload, template in pod_templates(ours):
-        name = workload["metadata"]["name"]
-        real_template = find_object(real, workload["kind"], name)["spec"]["template"]
-        for ours_c, real_c in zip(all_containers(template["spec"]), all_containers(real_template["spec"]),
-                                  strict=True):
-            assert container_argv(ours_c) == container_argv(real_c), name
-            assert ours_c["resources"] == real_c["resources"], name
-            assert real_c["image"].split(":")[0] == ours_c["image"].split(":")[0], "kustomize sets only image tags"
+def test_every_rendered_object_validates_against_the_kubernetes_schemas(overlay: str) -> None:
+    objects = build_overlay(overlay)
+    kinds = {o["kind"] for o in objects}
+    assert {"Deployment", "Service", "ConfigMap", "Secret", "NetworkPolicy", "PodDisruptionBudget"} <= kinds
+    errors = [error for obj in objects if (error := k8s_schema_errors(obj)) is not None]
+    assert errors == []
+
+
+def test_the_schema_check_catches_a_misspelt_field() -> None:
+    objects = build_overlay("cpu")
+    router = find_object(objects, "Deployment", "pd-router")
+    assert k8s_schema_errors(router) is None
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    container["readynessProbe"] = container.pop("readinessProbe")
+    error = k8s_schema_errors(router)
+    assert error is not None and "readynessProbe" in error, error
 
 
 def test_every_pdrouter_command_is_a_real_command(objects: list[dict[str, Any]], servers: list[Server]) -> None:
@@ -331,15 +337,135 @@ def test_decode_has_a_disruption_budget(objects: list[dict[str, Any]], servers: 
     assert any(b["spec"]["selector"]["matchLabels"].items() <= labels.items() for b in budgets)
 
 
-def test_prefill_and_decode_read_one_kv_token_secret(objects: list[dict[str, Any]], servers: list[Server]) -> None:
-    refs = set()
-    for s in servers_of(servers, "prefill", "decode"):
-        (var,) = [v for v in s.container["env"] if v["name"] == "PDROUTER_KV_TOKEN"]
-        ref = var["valueFrom"]["secretKeyRef"]
-        refs.add((ref["name"], ref["key"]))
-    assert len(refs) == 1, refs
+def secret_file(container: dict[str, Any], pod: dict[str, Any], variable: str) -> tuple[str, str] | None:
+    """(Secret name, key) of the file a ``*_FILE`` variable of ``container`` names; None when unset.
+
+    AssertionError unless the file is on a read-only mount of a Secret volume that holds that key.
+    """
+    path = next((v.get("value") for v in container.get("env", []) if v["name"] == variable), None)
+    if path is None:
+        return None
+    assert not any(v["name"] == variable.removesuffix("_FILE") for v in container.get("env", [])), \
+        f"{container['name']}: both {variable} and its plain form"
+    volumes = {v["name"]: v for v in pod.get("volumes", [])}
+    for mount in container.get("volumeMounts", []):
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if not path.startswith(prefix) or "secret" not in volumes[mount["name"]]:
+            continue
+        assert mount.get("readOnly") is True, f"{container['name']}: {mount['mountPath']} must be read-only"
+        source = volumes[mount["name"]]["secret"]
+        relative = path[len(prefix):]
+        keys = {item["path"]: item["key"] for item in source.get("items", [])}
+        assert relative in keys, f"{container['name']}: {variable}={path}, but the mount has only {sorted(keys)}"
+        return source["secretName"], keys[relative]
+    raise AssertionError(f"{container['name']}: {variable}={path} is on no Secret volume")
+
+
+def test_every_component_reads_its_secrets_from_files_of_one_secret(
+        objects: list[dict[str, Any]], servers: list[Server]) -> None:
+    secret = find_object(objects, "Secret", SECRET)
+    keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
+    assert keys == {"kv-token", "internal-token", "redis-password", "api-keys"}
+    expected = {"prefill": {"PDROUTER_KV_TOKEN_FILE", "PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"},
+                "decode": {"PDROUTER_KV_TOKEN_FILE", "PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"},
+                "router": {"PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"}}
+    read: dict[str, set[tuple[str, str]]] = {}
+    for s in servers:
+        variables = {v["name"] for v in s.container.get("env", []) if v["name"].startswith("PDROUTER_")
+                     and v["name"].endswith(("_TOKEN", "_PASSWORD", "_KEYS", "_TOKEN_FILE", "_PASSWORD_FILE"))}
+        assert variables == expected[s.args.command], f"{s.name}: {sorted(variables)}"
+        for variable in variables:
+            source = secret_file(s.container, s.pod, variable)
+            assert source is not None and source[0] == SECRET, f"{s.name}: {variable}"
+            read.setdefault(variable, set()).add(source)
+        # Only the secrets it needs are on its mount.
+        mounted = {item["key"] for v in s.pod["volumes"] if "secret" in v for item in v["secret"]["items"]}
+        needed = {src[1] for var in variables if (src := secret_file(s.container, s.pod, var))}
+        if s.args.command == "router":
+            needed.add("api-keys")
+        assert mounted == needed, f"{s.name}: mounts {sorted(mounted)}, needs {sorted(needed)}"
+    assert {v: len(sources) for v, sources in read.items()} == dict.fromkeys(read, 1), read
+
+
+def test_the_router_asks_for_the_api_keys_of_the_secret(servers: list[Server]) -> None:
     (router,) = servers_of(servers, "router")
-    assert "PDROUTER_KV_TOKEN" not in {v["name"] for v in router.container.get("env", [])}
+    (key_file,) = router.args.api_key_file
+    volumes = {v["name"]: v for v in router.pod["volumes"]}
+    (mount,) = [m for m in router.container["volumeMounts"] if str(key_file).startswith(m["mountPath"] + "/")]
+    items = {i["path"]: i["key"] for i in volumes[mount["name"]]["secret"]["items"]}
+    assert volumes[mount["name"]]["secret"]["secretName"] == SECRET
+    assert items[str(key_file)[len(mount["mountPath"]) + 1:]] == "api-keys"
+    assert mount.get("readOnly") is True
+
+
+def test_redis_requires_the_secret_password(objects: list[dict[str, Any]]) -> None:
+    redis = find_object(objects, "Deployment", "pd-redis")
+    pod = redis["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    script = " ".join(container_argv(container))
+    assert "requirepass $(cat /secrets/redis-password)" in script and "redis-server -" in script
+    assert "--protected-mode no" in script and "--bind 0.0.0.0" in script
+    (volume,) = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == SECRET
+    assert [i["key"] for i in volume["secret"]["items"]] == ["redis-password"]
+    # Its probe authenticates and wants PONG (redis-cli exits 0 on a NOAUTH error too).
+    probe = " ".join(container["readinessProbe"]["exec"]["command"])
+    assert "REDISCLI_AUTH" in probe and "grep -q PONG" in probe
+    # The file's mode lets the pod's group read it (Secret volumes are root-owned).
+    assert volume["secret"]["defaultMode"] & 0o040 and pod["securityContext"]["fsGroup"] == 999
+
+
+def test_an_unedited_secret_fails_closed(objects: list[dict[str, Any]]) -> None:
+    """The placeholders are refused at start: a copy applied as it is never runs with known secrets."""
+    data = find_object(objects, "Secret", SECRET)["stringData"]
+    for key in ("kv-token", "internal-token"):
+        with pytest.raises(ConfigError):
+            check_token(data[key])
+    with pytest.raises(ConfigError):
+        collect_api_keys(env=data["api-keys"])
+
+
+def test_only_the_router_is_exposed(objects: list[dict[str, Any]]) -> None:
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    assert set(services) == {"pd-router", "pd-redis"}
+    for name, service in services.items():
+        assert service["spec"].get("type", "ClusterIP") == "ClusterIP", f"Service {name} leaves the cluster"
+    for workload, template in pod_templates(objects):
+        pod = template["spec"]
+        assert not pod.get("hostNetwork"), workload["metadata"]["name"]
+        for container in all_containers(pod):
+            assert not any("hostPort" in p for p in container.get("ports", [])), container["name"]
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+
+    def policies_of(labels: dict[str, str]) -> list[dict[str, Any]]:
+        out = []
+        for spec in policies.values():
+            selector = spec["podSelector"]
+            if not selector.get("matchLabels", {}).items() <= labels.items():
+                continue
+            if all((labels.get(r["key"]) in r["values"]) == (r["operator"] == "In")
+                   for r in selector.get("matchExpressions", [])):
+                out.append(spec)
+        return out
+
+    stack = {"app.kubernetes.io/name": "pd-router"}
+    for workload, template in pod_templates(objects):
+        labels = template["metadata"]["labels"]
+        selected = policies_of(labels)
+        name = workload["metadata"]["name"]
+        assert selected, f"{name}: no NetworkPolicy selects it"
+        for spec in selected:
+            assert "Ingress" in spec["policyTypes"]
+            for rule in spec.get("ingress", []):
+                if labels["app.kubernetes.io/component"] == "router":
+                    ports = {p["port"] for p in rule["ports"]}
+                    assert ports == {"http", "grpc"}, f"{name}: the router admits {ports}"
+                    continue
+                # Redis and the workers: only from the stack's pods.
+                assert rule.get("from"), f"{name}: ingress from anywhere"
+                for peer in rule["from"]:
+                    assert set(peer) == {"podSelector"}, f"{name}: ingress from {peer}"
+                    assert peer["podSelector"]["matchLabels"] == stack, f"{name}: ingress from {peer}"
 
 
 def image_uid() -> int:
@@ -385,7 +511,7 @@ def test_gpu_overlay_puts_the_workers_on_a_gpu() -> None:
         args = parse_pdrouter(container_argv(c_gpu)[1:])
         # The pool comes from the device's memory: 0.9 of it, or quota ÷ memory under a quota.
         assert args.device == "cuda" and args.num_blocks is None and args.utilization is None
-        assert c_gpu["image"] == "pd-router-cuda"
+        assert c_gpu["image"].split(":")[0] == "pd-router-cuda"
         assert int(c_gpu["resources"]["limits"]["nvidia.com/gpu"]) == 1
         # Apart from the device and the pool sizing, the GPU worker runs the CPU worker's command.
         strip = re.compile(r"--(device|utilization|num-blocks) \S+ ?")
