@@ -5,41 +5,61 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
 - ``raw_socket_gbps``: a plain TCP socket moving the same bytes from the same pool memory, with
   the transport's system-call pattern (``sendall`` of 256 KiB pieces, ``recv_into(MSG_WAITALL)``
   of 1 MiB pieces, which beat multi-MiB pieces on loopback) and socket options, but no framing
-  and no checksum: the physical baseline of this machine.
-- ``tcp_layerwise_gbps``: ``KvSender`` → ``KvReceiver`` over TCP, one request of Llama-3-8B-like
-  geometry (32 layers, 8 KV heads, head_dim 128, bf16, block 16: 128 KiB per token) sent layer by
-  layer, from ``open_transfer`` to ``finish`` returning (checksums on).
-- ``tcp_vs_raw_ratio``: the two above divided (target >= 0.85).
-- ``tcp_no_checksum_gbps``: the same TCP transfer with per-frame checksums turned off (what they cost).
-- ``gloo_layerwise_gbps``: the same request through the gloo backend.
-- ``tcp_one_block_latency_ms`` / ``gloo_one_block_latency_ms``: median time to move one block
-  (16 tokens, all 32 layers: 2 MiB) on a warm connection.
+  and no MAC: the physical baseline of this machine.
+- ``tcp_mac_gbps``: ``KvSender`` → ``KvReceiver`` over TCP with the default configuration, one
+  request of Llama-3-8B-like geometry (32 layers, 8 KV heads, head_dim 128, bf16, block 16: 128 KiB
+  per token) sent layer by layer, from ``open_transfer`` to ``finish`` returning, every frame
+  carrying its MAC (AES-GMAC under the connection's keys).
+- ``tcp_mac_vs_raw_ratio``: the two above divided (target >= 0.8).
+- ``tcp_mac_offload_gbps`` / ``tcp_mac_inline_gbps``: the same with the payload MACs forced onto a
+  helper thread beside the socket's (``mac_offload=True``), or into the socket's own thread
+  (``False``); the default picks the helper with 4 cores or more: what the overlap buys here.
+- ``tls_mac_gbps``: the same over mutual TLS (certificates from ``trustme``), frame MACs kept;
+  ``tls_gbps``: TLS alone authenticating the payloads (``payload_macs=False``; headers keep theirs).
+- ``gloo_layerwise_gbps``: the same request through the gloo backend (MACs on its control frames).
+- ``tcp_one_block_latency_ms`` / ``tls_one_block_latency_ms`` / ``gloo_one_block_latency_ms``:
+  median time to move one block (16 tokens, all 32 layers: 2 MiB) on a warm connection.
+- ``raw_cpu_ns_per_byte``, ``tcp_mac_cpu_ns_per_byte``, ...: CPU time both processes spent per
+  byte moved (all their threads, user and system): what each variant costs, whatever else the
+  machine is doing (the throughputs depend on free cores; these much less).
+
+The unkeyed xxh3 checksum the transport used before frame MACs is gone (wire version 2), so there
+is no checksum figure any more; ``raw_socket_gbps`` is the bound either way.
 
 Each throughput figure is the median of several repetitions, run interleaved (raw, tcp, tcp
-without checksums, gloo, raw, ...) after one warm-up each, so that noise from other work on the
-machine hits them alike. The receiving side runs in a separate process; both pools are CPU
-tensors; the last transfer is checked bit for bit. ``--quick`` moves 128 MiB instead of 512.
+inline, tls, ..., raw, ...) after one warm-up each, so that noise from other work on the machine
+hits them alike. The receiving side runs in a separate process; both pools are CPU tensors; the
+last transfer is checked bit for bit. ``--quick`` moves 128 MiB instead of 512.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
+import secrets
 import socket
 import statistics
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.tls import TlsFiles
+from pdrouter.testing.pki import TestCa
 from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch
 from pdrouter.transfer.pool_view import checksum
 
-TOKEN = "kvtransfer-bench"
+TOKEN = secrets.token_hex(16)
+VARIANTS = ("mac", "mac_offload", "mac_inline", "tls_mac", "tls", "gloo")
+"""The transports measured: name → ``TransferConfig`` fields (``variant_config``)."""
 SEND_PIECE = 256 << 10
 RECV_PIECE = 1 << 20
 SOCKET_BUFFER = 4 << 20
@@ -61,6 +81,31 @@ class Plan:
 
     def transfer_bytes(self) -> int:
         return self.blocks * self.layout().block_bytes
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A CA and two certificates (receiver for 127.0.0.1, sender) as PEM files (``pdrouter.testing.pki``)."""
+
+    receiver: TlsFiles
+    sender: TlsFiles
+
+    @classmethod
+    def create(cls, folder: Path) -> Pki:
+        ca = TestCa(folder, "bench")
+        return cls(ca.issue("receiver"), ca.issue("sender", "prefill.bench"))
+
+
+def variant_config(variant: str, tls: TlsFiles, token: str) -> TransferConfig:
+    options: dict[str, dict[str, Any]] = {
+        "mac": {},
+        "mac_offload": {"mac_offload": True},
+        "mac_inline": {"mac_offload": False},
+        "tls_mac": {"tls": tls},
+        "tls": {"tls": tls, "payload_macs": False},
+        "gloo": {"backend": Backend.GLOO},
+    }
+    return TransferConfig(auth_token=token, epoch=new_epoch(), socket_buffer_bytes=SOCKET_BUFFER, **options[variant])
 
 
 # -- receiving process --------------------------------------------------------------------------
@@ -87,15 +132,13 @@ def _raw_sink(listener: socket.socket, memory: memoryview, nbytes: int) -> None:
             conn.sendall(b"k")
 
 
-def receiver_main(pipe: Connection, plan: Plan) -> None:
+def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str) -> None:
     import threading
 
     layout = plan.layout()
     pool = torch.zeros(layout.shape, dtype=torch.bfloat16)
     pool.view(torch.uint8).view(-1).fill_(1)  # fault the pages in before timing anything
-    receivers = {b: KvReceiver(pool, layout, TransferConfig(auth_token=TOKEN, epoch=new_epoch(), backend=b,
-                                                            socket_buffer_bytes=SOCKET_BUFFER))
-                 for b in (Backend.TCP, Backend.GLOO)}
+    receivers = {v: KvReceiver(pool, layout, variant_config(v, tls, token)) for v in VARIANTS}
     handles: dict[str, Any] = {}
     try:
         while True:
@@ -106,8 +149,8 @@ def receiver_main(pipe: Connection, plan: Plan) -> None:
                 threading.Thread(target=_raw_sink, args=(listener, memory, args[0]), daemon=True).start()
                 pipe.send(listener.getsockname()[1])
             elif cmd == "expect":
-                backend, tid, blocks = args
-                handle = receivers[backend].expect(tid, blocks, timeout_s=120)
+                variant, tid, blocks = args
+                handle = receivers[variant].expect(tid, blocks, timeout_s=120)
                 handles[tid] = handle
                 pipe.send(handle.target)
             elif cmd == "wait":
@@ -117,6 +160,8 @@ def receiver_main(pipe: Connection, plan: Plan) -> None:
             elif cmd == "digest":
                 blocks = args[0]
                 pipe.send(checksum(pool[:, :, b].contiguous().view(torch.uint8).numpy().data for b in blocks))
+            elif cmd == "cpu":
+                pipe.send(time.process_time())
             elif cmd == "quit":
                 return
     finally:
@@ -127,20 +172,16 @@ def receiver_main(pipe: Connection, plan: Plan) -> None:
 # -- sending process ----------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, pki: Pki) -> None:
         self.plan = plan
         self.layout = plan.layout()
         self.pool = torch.empty(self.layout.shape, dtype=torch.bfloat16)
         self.pool.view(torch.int16).random_()
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_main, args=(child, plan), daemon=True)
+        self.child = ctx.Process(target=receiver_main, args=(child, plan, pki.receiver, TOKEN), daemon=True)
         self.child.start()
-        self.senders = {b: KvSender(self.pool, self.layout, TransferConfig(
-            auth_token=TOKEN, epoch=new_epoch(), backend=b, socket_buffer_bytes=SOCKET_BUFFER))
-            for b in (Backend.TCP, Backend.GLOO)}
-        self.unchecked = KvSender(self.pool, self.layout, TransferConfig(
-            auth_token=TOKEN, epoch=new_epoch(), socket_buffer_bytes=SOCKET_BUFFER, checksums=False))
+        self.senders = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN)) for v in VARIANTS}
         self.blocks = list(range(plan.blocks))
         self._seq = 0
         self.raw = socket.create_connection(("127.0.0.1", self.call("raw", plan.transfer_bytes())))
@@ -160,11 +201,11 @@ class Bench:
             raise RuntimeError("the raw sink went away")
         return time.perf_counter() - start
 
-    def transfer(self, backend: Backend, blocks: list[int], layerwise: bool, checksums: bool = True) -> float:
+    def transfer(self, variant: str, blocks: list[int], layerwise: bool) -> float:
         self._seq += 1
         tid = f"bench-{self._seq}"
-        target: TransferTarget = self.call("expect", backend, tid, blocks)
-        sender = self.senders[backend] if checksums else self.unchecked
+        target: TransferTarget = self.call("expect", variant, tid, blocks)
+        sender = self.senders[variant]
         start = time.perf_counter()
         transfer = sender.open_transfer(target)
         if layerwise:
@@ -176,7 +217,7 @@ class Bench:
         elapsed = time.perf_counter() - start
         state = self.call("wait", tid)
         if state != "done":
-            raise RuntimeError(f"{backend} transfer ended {state}")
+            raise RuntimeError(f"{variant} transfer ended {state}")
         return elapsed
 
     def verify(self) -> None:
@@ -188,50 +229,64 @@ class Bench:
 
     def close(self) -> None:
         self.raw.close()
-        for sender in (*self.senders.values(), self.unchecked):
+        for sender in self.senders.values():
             sender.close()
         self.pipe.send(("quit",))
         self.child.join(30)
 
 
 def run(plan: Plan) -> dict[str, float]:
-    bench = Bench(plan)
-    try:
-        nbytes = plan.transfer_bytes()
-        raw_times: list[float] = []
-        tcp_times: list[float] = []
-        unchecked_times: list[float] = []
-        gloo_times: list[float] = []
-        bench.raw_round()  # warm-ups: connect, fault pages in
-        bench.transfer(Backend.TCP, bench.blocks, layerwise=True)
-        bench.transfer(Backend.TCP, bench.blocks, layerwise=True, checksums=False)
-        bench.transfer(Backend.GLOO, bench.blocks, layerwise=True)
-        for _ in range(plan.reps):
-            raw_times.append(bench.raw_round())
-            tcp_times.append(bench.transfer(Backend.TCP, bench.blocks, layerwise=True))
-            unchecked_times.append(bench.transfer(Backend.TCP, bench.blocks, layerwise=True, checksums=False))
-            gloo_times.append(bench.transfer(Backend.GLOO, bench.blocks, layerwise=True))
-        bench.verify()
-        one_block = [bench.blocks[0]]
-        tcp_lat = [bench.transfer(Backend.TCP, one_block, layerwise=False) for _ in range(plan.latency_reps)]
-        gloo_lat = [bench.transfer(Backend.GLOO, one_block, layerwise=False) for _ in range(plan.latency_reps)]
-    finally:
-        bench.close()
-    raw = nbytes / statistics.median(raw_times) / 1e9
-    tcp = nbytes / statistics.median(tcp_times) / 1e9
+    with tempfile.TemporaryDirectory(prefix="kvbench-pki-") as folder:
+        bench = Bench(plan, Pki.create(Path(folder)))
+        try:
+            nbytes = plan.transfer_bytes()
+            times: dict[str, list[float]] = {name: [] for name in ("raw", *VARIANTS)}
+            cpu = dict.fromkeys(times, 0.0)
+
+            def timed(name: str, run: Callable[[], float]) -> None:
+                ours, theirs = time.process_time(), bench.call("cpu")
+                times[name].append(run())
+                cpu[name] += time.process_time() - ours + bench.call("cpu") - theirs
+
+            bench.raw_round()  # warm-ups: connect, fault pages in
+            for variant in VARIANTS:
+                bench.transfer(variant, bench.blocks, layerwise=True)
+            for _ in range(plan.reps):
+                timed("raw", bench.raw_round)
+                for variant in VARIANTS:
+                    timed(variant, functools.partial(bench.transfer, variant, bench.blocks, layerwise=True))
+                    if variant == "mac":
+                        bench.verify()
+            one_block = [bench.blocks[0]]
+            latency = {v: statistics.median([bench.transfer(v, one_block, layerwise=False)
+                                             for _ in range(plan.latency_reps)]) for v in ("mac", "tls_mac", "gloo")}
+        finally:
+            bench.close()
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    cpu_ns = {name: spent / (nbytes * plan.reps) * 1e9 for name, spent in cpu.items()}
     return {
         "transfer_mib": nbytes / (1 << 20),
-        "raw_socket_gbps": raw,
-        "tcp_layerwise_gbps": tcp,
-        "tcp_vs_raw_ratio": tcp / raw,
-        "tcp_no_checksum_gbps": nbytes / statistics.median(unchecked_times) / 1e9,
-        "gloo_layerwise_gbps": nbytes / statistics.median(gloo_times) / 1e9,
-        "tcp_one_block_latency_ms": statistics.median(tcp_lat) * 1e3,
-        "gloo_one_block_latency_ms": statistics.median(gloo_lat) * 1e3,
+        "raw_socket_gbps": gbps["raw"],
+        "tcp_mac_gbps": gbps["mac"],
+        "tcp_mac_vs_raw_ratio": gbps["mac"] / gbps["raw"],
+        "tcp_mac_offload_gbps": gbps["mac_offload"],
+        "tcp_mac_inline_gbps": gbps["mac_inline"],
+        "tls_mac_gbps": gbps["tls_mac"],
+        "tls_gbps": gbps["tls"],
+        "tls_mac_vs_raw_ratio": gbps["tls_mac"] / gbps["raw"],
+        "gloo_layerwise_gbps": gbps["gloo"],
+        "raw_cpu_ns_per_byte": cpu_ns["raw"],
+        "tcp_mac_cpu_ns_per_byte": cpu_ns["mac"],
+        "tcp_mac_offload_cpu_ns_per_byte": cpu_ns["mac_offload"],
+        "tcp_mac_inline_cpu_ns_per_byte": cpu_ns["mac_inline"],
+        "tls_mac_cpu_ns_per_byte": cpu_ns["tls_mac"],
+        "tcp_one_block_latency_ms": latency["mac"] * 1e3,
+        "tls_one_block_latency_ms": latency["tls_mac"] * 1e3,
+        "gloo_one_block_latency_ms": latency["gloo"] * 1e3,
     }
 
 
-UNITS = {"transfer_mib": "MiB", "tcp_vs_raw_ratio": "x"}
+UNITS = {"transfer_mib": "MiB", "tcp_mac_vs_raw_ratio": "x", "tls_mac_vs_raw_ratio": "x"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
     else:
         for name, value in figures.items():
-            unit = UNITS.get(name) or ("GB/s" if name.endswith("gbps") else "ms")
+            unit = UNITS.get(name) or ("GB/s" if name.endswith("gbps") else "ns/B" if name.endswith("per_byte")
+                                       else "ms")
             print(f"{name}: {value:.3f} {unit}")
     return 0
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 from collections.abc import Iterator
 
 import pytest
 
 from pdrouter.state.embedded_redis import EmbeddedRedis
+
+# Prefill and decode workers refuse to start without a KV secret: the ones the tests start (they
+# inherit this environment) share one made for the session.
+if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):
+    os.environ["PDROUTER_KV_TOKEN"] = secrets.token_hex(16)
 
 
 @pytest.fixture(scope="session")

@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch
+from pdrouter.core.tls import TlsFiles
 
 MiB = 1 << 20
+MIN_TOKEN_BYTES = 16
+"""The shortest auth token accepted: anything shorter could be guessed from one recorded handshake."""
+MAC_OFFLOAD_MIN_CORES = 4
+
+
+def usable_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 class Backend(StrEnum):
@@ -27,22 +40,52 @@ class Backend(StrEnum):
         return self is not Backend.TCP
 
 
+def check_auth_token(token: str, *, what: str = "the kvtransfer auth token") -> str:
+    """``token`` when it is long enough to be a secret; ConfigError (naming ``what``, never the value) otherwise."""
+    if not token:
+        raise ConfigError(f"{what} is empty: every prefill and decode worker of a deployment shares one secret")
+    if len(token.encode()) < MIN_TOKEN_BYTES:
+        raise ConfigError(f"{what} must be at least {MIN_TOKEN_BYTES} bytes (make one with: "
+                          f"python -c 'import secrets; print(secrets.token_hex(16))')")
+    return token
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """Everything a sender or receiver needs besides the pool: identity, limits and timeouts.
 
     ``epoch`` is this process's incarnation (``new_epoch()`` once at start-up, also published to
-    the registry); ``auth_token`` is shared by every worker of a deployment and never sent on the
-    wire (the handshake proves it with an HMAC).
+    the registry); ``auth_token`` (at least ``MIN_TOKEN_BYTES``) is shared by every worker of a
+    deployment and never sent on the wire: the handshake proves it (the connecting side first) and
+    derives from it the per-connection keys of the MACs every later frame carries.
     """
 
     auth_token: str = field(repr=False)
     epoch: int
     backend: Backend = Backend.TCP
+    tls: TlsFiles | None = None
+    """TLS on the KV connection. The receiver presents ``cert``/``key`` and, when ``ca`` is set,
+    requires a client certificate signed by it (mutual TLS); the sender verifies the receiver
+    against ``ca`` (the host name checked is the one dialled) and presents its own ``cert``. The
+    token handshake and the frame MACs run inside TLS as well."""
     connect_timeout_s: float = 5.0
-    """Connect plus handshake (plus process-group set-up for gloo/NCCL)."""
+    """Sender: connect, then TLS and the handshake (plus process-group set-up for gloo/NCCL)."""
+    handshake_timeout_s: float = 5.0
+    """Receiver: an accepted connection must finish TLS and the handshake within this, however
+    its bytes trickle; it is closed otherwise."""
     progress_timeout_s: float = 10.0
-    """The longest a started frame, or bytes in flight, may go without progress."""
+    """The longest a started message, or bytes in flight, may go without progress."""
+    message_timeout_s: float = 10.0
+    message_min_bytes_per_s: float = 1_000_000.0
+    """Once the first byte of a message arrived, all of it (header, body, payload on the socket)
+    must arrive within ``max(message_timeout_s, size / message_min_bytes_per_s)``: a peer that
+    trickles bytes cannot hold a connection (and the blocks a frame lands in) by staying just
+    inside ``progress_timeout_s``."""
+    max_connections: int = 128
+    """Receiver: connections open at once (authenticated or not); more are closed on arrival and
+    counted in ``ReceiverStats.refused_connections``."""
+    max_preauth_bytes: int = 4096
+    """The largest message body either side reads before the peer proved the token."""
     abort_grace_s: float = 2.0
     """How long an abort waits for a frame already landing in the blocks before cutting the link."""
     max_frame_bytes: int = 16 * MiB
@@ -55,18 +98,33 @@ class TransferConfig:
     0: none at all, and the socket buffers alone bound what is in flight."""
     socket_buffer_bytes: int = 4 * MiB
     """SO_SNDBUF / SO_RCVBUF; 0 keeps the kernel's autotuning."""
+    payload_macs: bool = True
+    """Every payload on the socket carries a MAC (AES-GMAC under the connection's key). Off only
+    with ``tls``, which then authenticates the payload bytes itself; headers and control messages
+    carry MACs regardless."""
+    mac_offload: bool | None = None
+    """Hash large payloads on a helper thread while the socket moves the next piece (both release
+    the GIL, so they overlap where a core is free); False: in the socket's thread; None: on a
+    helper thread when the process may use at least ``MAC_OFFLOAD_MIN_CORES`` cores (with fewer,
+    the sender, the receiver and the kernel already keep every core busy, and the hand-overs only
+    add to it: measured on two cores, ``benchmarks/kvtransfer_bench.py``)."""
     checksums: bool = True
-    """Per-frame xxh3-64 of the payload (CPU pools only; a CUDA pool's payload is not hashed)."""
+    """gloo payloads (which travel over the process group, not the socket): an xxh3-64 of each
+    frame in its authenticated header. A CUDA pool's NCCL payload is not hashed."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", Backend(self.backend))
-        if not self.auth_token:
-            raise ConfigError("kvtransfer needs a non-empty auth token shared by all workers")
+        check_auth_token(self.auth_token)
         if self.epoch <= 0:
             raise ConfigError(f"epoch must be > 0, got {self.epoch}")
-        for name in ("connect_timeout_s", "progress_timeout_s", "abort_grace_s"):
+        for name in ("connect_timeout_s", "handshake_timeout_s", "progress_timeout_s", "message_timeout_s",
+                     "message_min_bytes_per_s", "abort_grace_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        if not 512 <= self.max_preauth_bytes <= 1 * MiB:
+            raise ConfigError(f"max_preauth_bytes must be in [512, 1 MiB], got {self.max_preauth_bytes}")
         if self.max_frame_bytes < 4096:
             raise ConfigError(f"max_frame_bytes must be >= 4096, got {self.max_frame_bytes}")
         if self.max_inflight_bytes and self.max_inflight_bytes < 2 * self.max_frame_bytes:
@@ -76,11 +134,22 @@ class TransferConfig:
             raise ConfigError(f"max_runs_per_frame must be in [1, 65536], got {self.max_runs_per_frame}")
         if self.socket_buffer_bytes < 0:
             raise ConfigError(f"socket_buffer_bytes must be >= 0, got {self.socket_buffer_bytes}")
+        if not self.payload_macs and self.tls is None:
+            raise ConfigError("payload_macs=False needs tls (TLS then authenticates the payload bytes)")
+
+    @property
+    def offload_macs(self) -> bool:
+        """Whether payload MACs are computed on a helper thread (``mac_offload`` resolved)."""
+        return self.mac_offload if self.mac_offload is not None else usable_cores() >= MAC_OFFLOAD_MIN_CORES
 
     @property
     def ack_every_bytes(self) -> int:
         """How often the receiver must acknowledge (0: never); announced in the handshake."""
         return self.max_inflight_bytes // 4
+
+    def message_deadline_s(self, nbytes: int) -> float:
+        """How long a message of ``nbytes`` may take to arrive once it started."""
+        return max(self.message_timeout_s, nbytes / self.message_min_bytes_per_s)
 
 
 def new_epoch() -> Epoch:

@@ -8,15 +8,16 @@ straight in the receiver's destination blocks.
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-import xxhash
-
 from pdrouter.transfer import wire
+from pdrouter.transfer.errors import ProtocolError
 from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
 from pdrouter.transfer.framed_socket import FramedSocket
+from pdrouter.transfer.integrity import MacFeed, MacHelper, PayloadMac
 from pdrouter.transfer.pool_bytes import PoolBytes
 
 WriteGuard = Callable[[], AbstractContextManager[bool]]
@@ -24,11 +25,15 @@ WriteGuard = Callable[[], AbstractContextManager[bool]]
 failed (the bytes must then be dropped), and lets an abort wait for a frame that is landing."""
 
 SEND_CHUNK_BYTES = 256 << 10
-"""The sender writes pieces this big and hashes each right after the kernel copied it, while it is
-still in the CPU cache: the checksum then costs a fraction of a second pass over memory."""
+"""The sender writes pieces this big; each is hashed right after the kernel copied it, while it is
+still in the CPU cache."""
 RECV_BATCH_BYTES = 1 << 20
 """The receiver reads up to this much per system call (one scatter-read straight into the blocks,
 waiting for all of it), then hashes it while it is still in cache."""
+MAC_BATCH_BYTES = 1 << 20
+"""Pieces go to the MAC helper thread in batches of this much (fewer hand-overs)."""
+MAC_OFFLOAD_MIN_BYTES = 4 << 20
+"""Smaller payloads are hashed in the socket's own thread: a hand-over would cost more than it hides."""
 _MAX_BUFFERS = 512
 
 
@@ -46,7 +51,7 @@ class DataPlane(Protocol):
 
     def recv_frame(self, header: wire.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         """Take one payload; write it into ``span`` of the local pool if ``land`` and the guard allows,
-        else drop it. Returns whether its checksum matched, or None when nothing was checked."""
+        else drop it. Returns whether its MAC (checksum) matched, or None when nothing was checked."""
         ...
 
     def close(self) -> None:
@@ -54,53 +59,78 @@ class DataPlane(Protocol):
 
 
 class SocketPlane:
-    """Payload inline on the TCP connection, then an 8-byte xxh3-64 trailer."""
+    """Payload inline on the TCP connection, then its 16-byte MAC (``pdrouter.transfer.integrity``).
+
+    With ``offload`` the MAC of a large payload is computed on a helper thread, a batch behind the
+    socket: the sender writes piece i+1 while piece i is hashed, the receiver reads batch i+1 into
+    the blocks while batch i is. Without ``macs`` (allowed only under TLS) payloads carry no MAC.
+    """
 
     out_of_band = False
     can_interrupt = True
 
-    def __init__(self, fs: FramedSocket, view: PoolBytes, checksums: bool) -> None:
+    def __init__(self, fs: FramedSocket, view: PoolBytes, *, macs: bool = True, offload: bool = True) -> None:
         self._fs = fs
         self._view = view
-        self._hash = checksums
+        self._macs = macs
+        self._helper = MacHelper(f"kvt-mac-{fs.peer}") if offload else None
 
     def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
-        flags = wire.Flag.CHECKSUM_TRAILER if self._hash else wire.Flag.NO_CHECKSUM
+        flags = wire.Flag.MAC_TRAILER if self._macs else wire.Flag.NO_CHECKSUM
         header = wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
                                   payload_checksum=0)
         chunks = self._view.chunks(frame.src, SEND_CHUNK_BYTES)
         with self._fs.exclusive():
-            self._fs.write_all(header)
-            if not self._hash:
+            sealed = self._fs.write_header(header)
+            if not self._macs:
                 for chunk in chunks:
                     self._fs.write_all(chunk)
                 return
-            hasher = xxhash.xxh3_64()
-            for chunk in chunks:
-                self._fs.write_all(chunk)
-                hasher.update(chunk)  # the kernel's copy just pulled the chunk into cache
-            self._fs.write_all(wire.TRAILER.pack(hasher.intdigest()))
+            feed = self._feed(self._fs.send_payload_mac(sealed), frame.nbytes)
+            try:
+                for chunk in chunks:
+                    self._fs.write_all(chunk)
+                    feed.add(chunk)  # the kernel's copy just pulled the chunk into cache
+                tag = feed.finish()
+            except BaseException:
+                feed.settle()
+                raise
+            self._fs.write_all(tag)
 
     def recv_frame(self, header: wire.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
-        trailer = wire.TRAILER.size if header.flags & wire.Flag.CHECKSUM_TRAILER else 0
+        trailer = wire.TAG_BYTES if header.flags & wire.Flag.MAC_TRAILER else 0
+        if self._macs and not trailer:
+            raise ProtocolError(f"a DATA frame from {self._fs.peer} without a payload MAC: this receiver "
+                                f"requires them")
         with guard() as allowed:
             if not (land and allowed):
-                self._fs.discard(header.payload_len + trailer)
+                self._fs.discard(header.payload_len + trailer)  # nothing uses the bytes: no need to hash them
                 return None
-            hasher = xxhash.xxh3_64()
-            for batch in _batches(self._view.chunks(span, RECV_BATCH_BYTES), RECV_BATCH_BYTES, _MAX_BUFFERS):
-                self._fs.read_exact_into(batch)
-                if trailer:
-                    for buf in batch:
-                        hasher.update(buf)  # just landed, still in cache
+            feed = self._feed(self._fs.recv_payload_mac(header), header.payload_len) if trailer else None
+            try:
+                for batch in _batches(self._view.chunks(span, RECV_BATCH_BYTES), RECV_BATCH_BYTES, _MAX_BUFFERS):
+                    self._fs.read_exact_into(batch)
+                    if feed is not None:
+                        feed.add_all(batch)  # just landed, still in cache
+                expected = feed.finish() if feed is not None else b""
+            except BaseException:
+                if feed is not None:
+                    feed.settle()  # no piece of the blocks is read once this returns
+                raise
         if not trailer:
             return None
         raw = bytearray(trailer)
         self._fs.read_exact_into([memoryview(raw)])
-        return hasher.intdigest() == wire.TRAILER.unpack(raw)[0]
+        return hmac.compare_digest(expected, bytes(raw))
 
     def close(self) -> None:
         self._fs.close()
+        if self._helper is not None:
+            self._helper.close()
+
+    def _feed(self, mac: PayloadMac, nbytes: int) -> MacFeed:
+        helper = self._helper if nbytes >= MAC_OFFLOAD_MIN_BYTES else None
+        return MacFeed(mac, helper, MAC_BATCH_BYTES)
 
 
 def _batches(buffers: list[memoryview], max_bytes: int, max_count: int) -> Iterator[list[memoryview]]:

@@ -69,7 +69,11 @@ def join_pair_group(backend: Backend, ready: wire.Ready, rank: int, local_host: 
 
 
 class DistPlane:
-    """Payload pieces over a two-rank process group; the header goes over the socket first."""
+    """Payload pieces over a two-rank process group; the header (with its MAC) goes over the socket first.
+
+    The payload itself is not MAC'd: gloo payloads carry an xxh3-64 in the authenticated header
+    (``checksums``), NCCL payloads nothing; the process group's own transport is trusted.
+    """
 
     out_of_band = True
     can_interrupt = False
@@ -87,8 +91,8 @@ class DistPlane:
     def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
         flags = wire.Flag.OUT_OF_BAND | (wire.Flag.NONE if self._hash else wire.Flag.NO_CHECKSUM)
         digest = self._view.checksum(frame.src) if self._hash else 0
-        self._fs.send([wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
-                                        payload_checksum=digest)])
+        self._fs.send(wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
+                                       payload_checksum=digest))  # the header's MAC covers the digest
         tensors = self._view.tensors(frame.src)
         works = [self._group.send([t], self._peer, tag) for tag, t in enumerate(tensors)]
         self._wait(works, "send")

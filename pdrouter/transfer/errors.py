@@ -3,7 +3,7 @@
 The kvtransfer errors are leaves of the project's error tree (``pdrouter.core.errors``)::
 
     TransferError (UNAVAILABLE)              a transfer failed; retrying elsewhere may succeed
-    ├── ChecksumError                        a frame arrived corrupted
+    ├── ChecksumError                        a frame failed its MAC: corrupted, forged, replayed
     ├── PeerLostError                        connection closed, truncated, peer killed or silent
     └── ProtocolError                        a peer broke the frame protocol (uninvited blocks, ...)
         └── UnknownTransferError             the receiver expects no such transfer (any more)
@@ -34,7 +34,8 @@ from pdrouter.core.errors import (
 
 
 class ChecksumError(TransferError):
-    """A frame's header or payload does not match its checksum."""
+    """A frame's header or payload fails its MAC (or checksum): corrupted or tampered with in transit,
+    or replayed, reordered or dropped (the MACs bind each message's sequence number)."""
 
 
 class PeerLostError(TransferError):
@@ -50,7 +51,8 @@ class UnknownTransferError(ProtocolError):
 
 
 class AuthError(IncompatibleError):
-    """The peers do not share the same auth token (the handshake's HMAC did not verify)."""
+    """The peers do not share the same auth token (a handshake proof did not verify), or TLS refused a
+    certificate."""
 
 
 class ErrorCode(IntEnum):

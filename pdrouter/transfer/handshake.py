@@ -1,24 +1,32 @@
-"""Connection handshake: mutual proof of the auth token, wire version, backend, epochs, compat hashes.
+"""Connection handshake: proof of the auth token (the connecting side first), per-connection keys,
+wire version, backend, epochs, compat hashes.
 
 ::
 
-    client                                   server
-      CLIENT_HELLO(epoch, compat, backend, nonce_c) ─▶
-                      ◀─ SERVER_HELLO(epoch, compat, backend, nonce_s, mac_s)   or ERROR
-      CLIENT_AUTH(mac_c) ─▶
-                      ◀─ READY(process-group rendezvous, for gloo/NCCL)           or ERROR(AUTH)
+    client (sender)                                   server (receiver)
+      CLIENT_HELLO(epoch, compat, backend, nonce_c, ack_every) ─▶
+                          ◀─ SERVER_HELLO(epoch, compat, backend, nonce_s)   or ERROR
+      CLIENT_AUTH(proof_c) ─▶                         verified in constant time, else ERROR(AUTH), close
+                          ◀─ SERVER_AUTH(proof_s)                            verified by the client
+      ════ from here every message carries a MAC under the direction's key ════
+                          ◀─ READY(process-group rendezvous, for gloo/NCCL)
 
-``mac_x = HMAC-SHA256(token, role | nonce_c | nonce_s | epochs)``: the token never crosses the
-wire and each side proves it to the other. The wire version is in every frame header. A compat
-hash mismatch does not refuse the connection: each side learns the other's hash and refuses every
-transfer over it with ``IncompatibleError`` (telling the peer which transfer failed, which a
-refused connection could not). Epochs are checked per transfer against the target.
+Both proofs and both keys come from HKDF over the token and the exact bytes of the two hellos
+(``pdrouter.transfer.integrity``): they bind both nonces, both epochs, the backends, the compat
+hashes and the role (a distinct label per proof and per direction). The token never crosses the
+wire, and the receiver sends nothing derived from it before the sender proved it: a peer without
+the token gets a nonce and an ERROR, nothing to guess the token from offline. (A sender does send
+its proof to whatever it dials; tokens are at least ``MIN_TOKEN_BYTES`` long and random, and TLS
+with a CA authenticates the receiver first.)
+
+The wire version is in every frame header. A compat hash mismatch does not refuse the connection:
+each side learns the other's hash and refuses every transfer over it with ``IncompatibleError``
+(telling the peer which transfer failed, which a refused connection could not). Epochs are checked
+per transfer against the target.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,8 +37,10 @@ from pdrouter.transfer import wire
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.errors import AuthError, ErrorCode, ProtocolError, error_for_code
 from pdrouter.transfer.framed_socket import FramedSocket
+from pdrouter.transfer.integrity import derive_session, proof_matches
 
 _M = TypeVar("_M", bound=wire.Control)
+_NONCE_HEX = 32
 
 
 @dataclass(frozen=True)
@@ -46,59 +56,72 @@ class PeerInfo:
 
 
 def client_handshake(fs: FramedSocket, config: TransferConfig, compat_hash: str) -> PeerInfo:
-    """Run the client side; AuthError, IncompatibleError or PeerLostError when refused."""
-    nonce = secrets.token_hex(16)
-    fs.send([wire.encode_control(wire.ClientHello(config.epoch, compat_hash, config.backend.value, nonce,
-                                                  config.ack_every_bytes))])
-    hello = _expect(fs, wire.ServerHello)
-    want = _mac(config.auth_token, "server", nonce, hello.nonce, config.epoch, hello.epoch)
-    if not hmac.compare_digest(hello.mac, want):
+    """Run the client side; AuthError, IncompatibleError, ProtocolError or PeerLostError when refused.
+
+    On return ``fs`` carries MACs both ways.
+    """
+    hello = wire.encode_control(wire.ClientHello(config.epoch, compat_hash, config.backend.value,
+                                                 secrets.token_hex(_NONCE_HEX // 2), config.ack_every_bytes))
+    fs.send(hello)
+    header, server = _expect(fs, wire.ServerHello, config)
+    _check_nonce(fs, server.nonce)
+    keys = derive_session(config.auth_token, _body(hello), header.body)
+    fs.send(wire.encode_control(wire.ClientAuth(keys.client_proof.hex())))
+    _, auth = _expect(fs, wire.ServerAuth, config)
+    if not proof_matches(auth.proof, keys.server_proof):
         raise AuthError(f"receiver at {fs.peer} could not prove the auth token: the workers are "
                         f"configured with different tokens")
-    mac = _mac(config.auth_token, "client", nonce, hello.nonce, config.epoch, hello.epoch)
-    fs.send([wire.encode_control(wire.ClientAuth(mac))])
-    ready = _expect(fs, wire.Ready)
-    return PeerInfo(fs.peer, hello.epoch, hello.compat_hash, ready)
+    fs.install_keys(keys.client_to_server, keys.server_to_client)
+    _, ready = _expect(fs, wire.Ready, config)
+    return PeerInfo(fs.peer, server.epoch, server.compat_hash, ready)
 
 
 def server_handshake(fs: FramedSocket, config: TransferConfig, compat_hash: str,
                      make_ready: Callable[[], wire.Ready]) -> PeerInfo:
-    """Run the server side; refuses (telling the client why) and raises when the client is not fit."""
-    hello = _expect(fs, wire.ClientHello)
-    if hello.backend != config.backend.value:
+    """Run the server side; refuses (telling the client why, with nothing derived from the token)
+    and raises when the client is not fit. On return ``fs`` carries MACs both ways."""
+    header, client = _expect(fs, wire.ClientHello, config)
+    _check_nonce(fs, client.nonce)
+    if client.backend != config.backend.value:
         _refuse(fs, ErrorCode.INCOMPATIBLE, IncompatibleError(
-            f"sender uses backend {hello.backend!r}, receiver {config.backend.value!r}"))
-    nonce = secrets.token_hex(16)
-    mac = _mac(config.auth_token, "server", hello.nonce, nonce, hello.epoch, config.epoch)
-    fs.send([wire.encode_control(wire.ServerHello(config.epoch, compat_hash, config.backend.value,
-                                                  nonce, mac))])
-    auth = _expect(fs, wire.ClientAuth)
-    want = _mac(config.auth_token, "client", hello.nonce, nonce, hello.epoch, config.epoch)
-    if not hmac.compare_digest(auth.mac, want):
+            f"sender uses backend {client.backend!r}, receiver {config.backend.value!r}"))
+    if client.ack_every < 0:
+        _refuse(fs, ErrorCode.PROTOCOL, ProtocolError(f"sender at {fs.peer} asked for a negative ack window"))
+    hello = wire.encode_control(wire.ServerHello(config.epoch, compat_hash, config.backend.value,
+                                                 secrets.token_hex(_NONCE_HEX // 2)))
+    fs.send(hello)
+    keys = derive_session(config.auth_token, header.body, _body(hello))
+    _, auth = _expect(fs, wire.ClientAuth, config)
+    if not proof_matches(auth.proof, keys.client_proof):
         _refuse(fs, ErrorCode.AUTH, AuthError(f"sender at {fs.peer} could not prove the auth token"))
+    fs.send(wire.encode_control(wire.ServerAuth(keys.server_proof.hex())))
+    fs.install_keys(keys.server_to_client, keys.client_to_server)
     ready = make_ready()
-    fs.send([wire.encode_control(ready)])
-    return PeerInfo(fs.peer, hello.epoch, hello.compat_hash, ready, hello.ack_every)
+    fs.send(wire.encode_control(ready))
+    return PeerInfo(fs.peer, client.epoch, client.compat_hash, ready, client.ack_every)
 
 
-def _mac(token: str, role: str, client_nonce: str, server_nonce: str, client_epoch: int,
-         server_epoch: int) -> str:
-    msg = f"kvtransfer/{wire.WIRE_VERSION}|{role}|{client_nonce}|{server_nonce}|{client_epoch}|{server_epoch}"
-    return hmac.new(token.encode(), msg.encode(), hashlib.sha256).hexdigest()
+def _body(message: bytes) -> bytes:
+    return message[wire.PREFIX.size:]
 
 
-def _expect(fs: FramedSocket, cls: type[_M]) -> _M:
-    header = fs.recv_header(idle=False)
+def _check_nonce(fs: FramedSocket, nonce: str) -> None:
+    if len(nonce) != _NONCE_HEX:
+        raise ProtocolError(f"handshake with {fs.peer}: a nonce of {len(nonce)} characters, not {_NONCE_HEX}")
+
+
+def _expect(fs: FramedSocket, cls: type[_M], config: TransferConfig) -> tuple[wire.Header, _M]:
+    header = fs.recv_header(idle=False, max_body=config.max_preauth_bytes)
     msg = wire.decode_control(header) if header.kind is not wire.Kind.DATA else None
     if isinstance(msg, wire.ErrorMsg):
         raise error_for_code(msg.code, f"{fs.peer} refused the connection: {msg.message}")
     if not isinstance(msg, cls):
         raise ProtocolError(f"handshake with {fs.peer}: expected {cls.KIND.name}, got {header.kind.name}")
-    return msg
+    return header, msg
 
 
 def _refuse(fs: FramedSocket, code: ErrorCode, exc: Exception) -> NoReturn:
     try:
-        fs.send([wire.encode_control(wire.ErrorMsg("", int(code), str(exc)))])
+        fs.send(wire.encode_control(wire.ErrorMsg("", int(code), str(exc))))
     finally:
         raise exc

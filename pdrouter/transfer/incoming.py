@@ -197,8 +197,8 @@ class IncomingTransfer:
                                     f"block-layers missing"))
 
     def checksum_failed(self, seq: int) -> None:
-        self.fail(ChecksumError(f"transfer {self.transfer_id}: frame {seq} payload checksum mismatch: "
-                                f"the bytes were corrupted in transit"))
+        self.fail(ChecksumError(f"transfer {self.transfer_id}: frame {seq} payload failed its integrity check "
+                                f"(MAC or checksum mismatch): the bytes were corrupted or tampered with in transit"))
 
     def fail(self, error: PdRouterError, *, tell_peer: bool = True) -> bool:
         """Fail the transfer (first failure wins); returns once no write into the blocks is in progress."""

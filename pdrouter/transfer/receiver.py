@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Sequence
@@ -17,11 +18,14 @@ from pdrouter.transfer.incoming import IncomingTransfer
 from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.transfer.pools import check_backend, open_pool
 from pdrouter.transfer.receiver_connection import ReceiverConnection
+from pdrouter.transfer.tls_channel import server_context
 
 if TYPE_CHECKING:
     import torch
 
     from pdrouter.transfer.dist_plane import StoreHost
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,8 @@ class ReceiverStats:
     connections: int
     deadlines: int = 0
     """Expectations' deadlines still pending (a finished transfer's is cancelled at once)."""
+    refused_connections: int = 0
+    """Connections closed on arrival because ``max_connections`` were open."""
 
 
 class KvReceiver:
@@ -39,6 +45,11 @@ class KvReceiver:
     sender's frames are checked against the expectation's blocks and layers before a byte is read
     into the pool. The receiver owns expectations, never the blocks: when a transfer fails or is
     aborted, the caller frees its blocks.
+
+    Limits (``TransferConfig``): at most ``max_connections`` open at once (more are closed on
+    arrival); each must finish TLS and the handshake within ``handshake_timeout_s`` reading at most
+    ``max_preauth_bytes`` per message before that; every message must then arrive within its
+    deadline (``message_timeout_s``, ``message_min_bytes_per_s``).
     """
 
     def __init__(self, pool: PoolBytes | torch.Tensor, layout: KvLayout, config: TransferConfig, *,
@@ -50,6 +61,8 @@ class KvReceiver:
         self._lock = threading.Lock()
         self._connections: set[ReceiverConnection] = set()
         self._closed = False
+        self._refused = 0
+        self._tls = server_context(config.tls.server_context()) if config.tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
         try:
             self._store = (_store_host(host, advertise_host or host, config.connect_timeout_s)
@@ -87,7 +100,7 @@ class KvReceiver:
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines())
+            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines(), self._refused)
 
     def close(self) -> None:
         """Abort every expectation (telling the senders), close every connection, stop the threads."""
@@ -123,9 +136,18 @@ class KvReceiver:
                 if self._closed:
                     sock.close()
                     return
+                if len(self._connections) >= self._config.max_connections:
+                    self._refused += 1
+                    first = self._refused == 1
+                    sock.close()
+                    if first:
+                        log.warning("kvtransfer receiver at %s: %d connections open, refusing more (max_connections;"
+                                    " counted in ReceiverStats.refused_connections, logged once)",
+                                    self.address, len(self._connections))
+                    continue
                 try:
                     conn = ReceiverConnection(sock, self._view, self._config, self._compat, self._book,
-                                              self._rendezvous, self._connection_closed)
+                                              self._rendezvous, self._connection_closed, tls=self._tls)
                 except OSError:  # the peer hung up before we got to it
                     sock.close()
                     continue

@@ -1,10 +1,11 @@
 """One receiver-side connection: handshake, then BEGIN / DATA / END / ERROR from one sender.
 
-A single thread reads the connection. DATA lands only in blocks that the bound expectation
-invited (checked before a byte is read into the pool) and counts only once its checksum
-verifies. Every DATA, landed or dropped, counts toward the credit returned to the sender (in ACKs
-every quarter of its window, and whenever the connection goes idle). When the connection
-breaks, every transfer bound to it fails.
+A single thread reads the connection. Until the sender proved the token nothing but the
+handshake is read (small bodies, one deadline for all of it); then every message carries a MAC.
+DATA lands only in blocks that the bound expectation invited (checked before a byte is read into
+the pool) and counts only once its payload MAC verifies. Every DATA, landed or dropped, counts
+toward the credit returned to the sender (in ACKs every quarter of its window, and whenever the
+connection goes idle). When the connection breaks, every transfer bound to it fails.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -49,8 +51,11 @@ class ReceiverConnection:
 
     def __init__(self, sock: socket.socket, view: PoolBytes, config: TransferConfig, compat_hash: str,
                  expectations: Expectations, make_ready: Callable[[], wire.Ready],
-                 on_closed: Callable[[ReceiverConnection], None]) -> None:
-        self.fs = FramedSocket(sock, config.connect_timeout_s, config.socket_buffer_bytes)
+                 on_closed: Callable[[ReceiverConnection], None], *, tls: ssl.SSLContext | None = None) -> None:
+        self.fs = FramedSocket(sock, config.progress_timeout_s, config.socket_buffer_bytes,
+                               message_timeout=config.message_timeout_s,
+                               min_bytes_per_s=config.message_min_bytes_per_s)
+        self._tls = tls
         self._view = view
         self._config = config
         self._compat = compat_hash
@@ -86,9 +91,16 @@ class ReceiverConnection:
 
     def _serve(self) -> None:
         cfg = self._config
-        self._peer = server_handshake(self.fs, cfg, self._compat, self._make_ready)
+        self.fs.set_deadline(cfg.handshake_timeout_s)  # TLS and the handshake, however the bytes trickle
+        try:
+            if self._tls is not None:
+                self.fs.start_tls(self._tls, server_side=True)
+            self._peer = server_handshake(self.fs, cfg, self._compat, self._make_ready)
+        except PdRouterError as exc:
+            _log_refusal(self.fs.peer, exc)
+            raise
+        self.fs.set_deadline(None)
         self._plane = self._open_plane(self._peer)
-        self.fs.set_timeout(cfg.progress_timeout_s)
         while True:
             if self._unacked and not self.fs.has_data():
                 self._acknowledge(0, flush=True)  # going idle: return all credit now
@@ -97,7 +109,7 @@ class ReceiverConnection:
     def _open_plane(self, peer: PeerInfo) -> DataPlane:
         cfg = self._config
         if not cfg.backend.is_distributed:
-            return SocketPlane(self.fs, self._view, cfg.checksums)
+            return SocketPlane(self.fs, self._view, macs=cfg.payload_macs, offload=cfg.offload_macs)
         from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group  # torch: gloo/NCCL only
         from pdrouter.transfer.pool_view import PoolView
 
@@ -198,7 +210,7 @@ class ReceiverConnection:
 
     def _send(self, message: bytes) -> None:
         with contextlib.suppress(PeerLostError):  # the read loop notices a dead connection itself
-            self.fs.send([message])
+            self.fs.send(message)
 
     def _send_error(self, transfer_id: str, error: PdRouterError) -> None:
         self._send(wire.encode_control(wire.ErrorMsg(transfer_id, int(code_for_error(error)), error.message)))
@@ -217,3 +229,16 @@ class ReceiverConnection:
 
 def _nothing() -> None:
     return None
+
+
+_REFUSALS_LOGGED: set[str] = set()
+
+
+def _log_refusal(peer: str, exc: PdRouterError) -> None:
+    """A refused handshake: the first of each kind at WARNING (a wrong token is usually a
+    misconfiguration), the rest at DEBUG (anyone may open connections to make more)."""
+    kind = type(exc).__name__
+    first = kind not in _REFUSALS_LOGGED
+    _REFUSALS_LOGGED.add(kind)
+    log.log(logging.WARNING if first else logging.DEBUG, "kvtransfer: refused a connection from %s: %s%s", peer,
+            exc.message, " (further refusals of this kind are logged at DEBUG)" if first else "")

@@ -6,7 +6,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdrouter.core.errors import IncompatibleError, PdRouterError, StaleEpochError
+from pdrouter.core.errors import IncompatibleError, StaleEpochError
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane, SocketPlane
@@ -49,6 +49,7 @@ class KvSender:
         self._connect_locks: dict[str, threading.Lock] = {}
         self._connections: dict[str, SenderConnection] = {}
         self._closed = False
+        self._tls = config.tls.client_context() if config.tls is not None else None
 
     @property
     def epoch(self) -> int:
@@ -146,10 +147,15 @@ class KvSender:
     def _dial(self, peer: str) -> SenderConnection:
         cfg = self._config
         host, _, port = peer.rpartition(":")
-        fs = FramedSocket.connect(host, int(port), cfg.connect_timeout_s, cfg.connect_timeout_s,
-                                  cfg.socket_buffer_bytes)
+        fs = FramedSocket.connect(host, int(port), cfg.connect_timeout_s, cfg.progress_timeout_s,
+                                  cfg.socket_buffer_bytes, message_timeout=cfg.message_timeout_s,
+                                  min_bytes_per_s=cfg.message_min_bytes_per_s)
         try:
+            fs.set_deadline(cfg.connect_timeout_s, f"the handshake with {peer}")
+            if self._tls is not None:
+                fs.start_tls(self._tls, server_side=False, server_hostname=host)
             info = client_handshake(fs, cfg, self._compat)
+            fs.set_deadline(None)
             plane: DataPlane
             if cfg.backend.is_distributed:  # torch is loaded only for these backends
                 from pdrouter.transfer.dist_plane import RECEIVER_RANK, DistPlane, join_pair_group
@@ -160,9 +166,8 @@ class KvSender:
                                         cfg.connect_timeout_s, self._view.pool.device)
                 plane = DistPlane(fs, self._view, group, RECEIVER_RANK, cfg.checksums, cfg.progress_timeout_s)
             else:
-                plane = SocketPlane(fs, self._view, cfg.checksums)
-            fs.set_timeout(cfg.progress_timeout_s)
-        except PdRouterError:
+                plane = SocketPlane(fs, self._view, macs=cfg.payload_macs, offload=cfg.offload_macs)
+        except BaseException:
             fs.close()
             raise
         return SenderConnection(fs, info, plane, cfg, self._compat,

@@ -123,16 +123,16 @@ class SenderConnection:
         try:
             while (item := self._next()) is not None:
                 if isinstance(item, bytes):
-                    self.fs.send([item])
+                    self.fs.send(item)
                 elif isinstance(item, DataItem):
                     self._send_data(item)
                 elif item.transfer.state.terminal:
                     continue
                 elif isinstance(item, BeginItem):
-                    self.fs.send([wire.encode_control(_begin(item.transfer, self._compat))])
+                    self.fs.send(wire.encode_control(_begin(item.transfer, self._compat)))
                 elif isinstance(item, EndItem):
-                    self.fs.send([wire.encode_control(wire.End(item.transfer.transfer_id, item.frames,
-                                                               item.nbytes))])
+                    self.fs.send(wire.encode_control(wire.End(item.transfer.transfer_id, item.frames,
+                                                              item.nbytes)))
         except PdRouterError as exc:
             self._die(exc)
 

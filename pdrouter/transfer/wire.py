@@ -2,15 +2,17 @@
 
 Every message is ``prefix | body | payload | trailer`` (the last two only for DATA)::
 
-    prefix (36 bytes, little endian)
+    prefix (44 bytes, little endian)
       magic "KVTX" | version u8 | kind u8 | flags u16 | body_len u32
-      | payload_len u64 | payload_checksum u64 (xxh3-64) | header_checksum u64 (xxh3-64)
+      | payload_len u64 | payload_checksum u64 | tag 16 bytes
 
-``header_checksum`` covers the prefix (with that field zero) and the body, so a corrupted header
-can never steer bytes into the wrong blocks. A payload's own xxh3-64 is either in
-``payload_checksum`` (payloads that travel out of band, hashed before sending) or, for payloads on
-the socket, in an 8-byte trailer right after the payload (flag CHECKSUM_TRAILER): the sender hashes
-each chunk just before writing it, while it is hot in cache, which makes checksums nearly free.
+``tag`` covers the prefix (with the tag zero) and the body. During the handshake, before any key
+exists, it is an xxh3-128 (against accidental corruption only); from then on it is the MAC of the
+message under the direction's key and sequence number (``pdrouter.transfer.integrity``), so a
+corrupted, forged, replayed or reordered header can never steer bytes into the wrong blocks.
+A payload on the socket is followed by its own 16-byte MAC (flag MAC_TRAILER), which the sender
+computes as it sends and the receiver as the bytes land. ``payload_checksum`` is an xxh3-64 of a
+payload that travels out of band (gloo), computed before sending and authenticated with the header.
 
 DATA bodies are binary (transfer id, sequence number, layer range, destination runs); ACK is
 one u64; the other, rarer messages carry a small JSON object that is turned into (and only into)
@@ -20,11 +22,13 @@ the frozen dataclasses below. Nothing else leaves this module as a dict.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum, IntFlag
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import xxhash
@@ -34,12 +38,17 @@ from pdrouter.transfer.errors import ChecksumError, ProtocolError
 from pdrouter.transfer.frame_plan import FrameSpan
 
 MAGIC = b"KVTX"
-WIRE_VERSION = 1
-PREFIX = struct.Struct("<4sBBHIQQQ")
+WIRE_VERSION = 2
+PREFIX = struct.Struct("<4sBBHIQQ16s")
+TAG_OFFSET = PREFIX.size - 16
+TAG_BYTES = 16
 MAX_BODY_BYTES = 8 << 20
 _DATA_FIXED = struct.Struct("<IIII")
 _ACK = struct.Struct("<Q")
-TRAILER = struct.Struct("<Q")
+_ZERO_TAG = bytes(TAG_BYTES)
+
+TagFn = Callable[[bytes], bytes]
+"""Computes a message's tag from its prefix (tag zero) and body."""
 
 
 class Kind(IntEnum):
@@ -53,6 +62,12 @@ class Kind(IntEnum):
     ACK = 8
     DONE = 9
     ERROR = 10
+    SERVER_AUTH = 11
+
+
+HANDSHAKE_KINDS = frozenset({Kind.CLIENT_HELLO, Kind.SERVER_HELLO, Kind.CLIENT_AUTH, Kind.SERVER_AUTH,
+                             Kind.ERROR})
+"""What may arrive before the keys are installed."""
 
 
 class Flag(IntFlag):
@@ -60,9 +75,18 @@ class Flag(IntFlag):
     OUT_OF_BAND = 1
     """The payload travels over the process group, not this socket."""
     NO_CHECKSUM = 2
-    """The payload is not hashed (CUDA pools, or checksums turned off)."""
-    CHECKSUM_TRAILER = 4
-    """The payload's xxh3-64 follows it as an 8-byte trailer (the sender hashes while it sends)."""
+    """The payload carries no check of its own (a CUDA pool's; or under TLS with payload MACs off)."""
+    MAC_TRAILER = 4
+    """The payload's 16-byte MAC follows it (the sender hashes while it sends)."""
+
+
+class Prefix(NamedTuple):
+    kind: int
+    flags: int
+    body_len: int
+    payload_len: int
+    payload_checksum: int
+    tag: bytes
 
 
 @dataclass(frozen=True)
@@ -74,41 +98,52 @@ class Header:
     body: bytes
     payload_len: int
     payload_checksum: int
+    tag: bytes = b""
+    seq: int = -1
+    """The message's number in its direction (-1 before the keys were installed)."""
 
 
 def encode(kind: Kind, body: bytes = b"", *, flags: Flag = Flag.NONE, payload_len: int = 0,
            payload_checksum: int = 0) -> bytes:
-    """Prefix and body of one message (the payload, if any, follows separately)."""
-    fields = (MAGIC, WIRE_VERSION, int(kind), int(flags), len(body), payload_len, payload_checksum)
-    unsigned = PREFIX.pack(*fields, 0)
-    digest = xxhash.xxh3_64(unsigned)
-    digest.update(body)
-    return PREFIX.pack(*fields, digest.intdigest()) + body
+    """Prefix (tag still zero: see ``seal``) and body of one message; any payload follows separately."""
+    return PREFIX.pack(MAGIC, WIRE_VERSION, int(kind), int(flags), len(body), payload_len, payload_checksum,
+                       _ZERO_TAG) + body
 
 
-def parse_prefix(raw: bytes) -> tuple[int, int, int, int, int, int]:
-    """(kind, flags, body_len, payload_len, payload_checksum, header_checksum) of a 36-byte prefix."""
-    magic, version, kind, flags, body_len, payload_len, payload_ck, header_ck = PREFIX.unpack(raw)
+def plain_tag(data: bytes) -> bytes:
+    """The tag of a handshake message: xxh3-128 (no key exists yet)."""
+    return xxhash.xxh3_128_digest(data)
+
+
+def seal(message: bytes, tag_fn: TagFn) -> tuple[bytes, bytes]:
+    """``(prefix with its tag, tag)`` of an ``encode``d message; the body follows the prefix as it was."""
+    tag = tag_fn(message)
+    return message[:TAG_OFFSET] + tag, tag
+
+
+def parse_prefix(raw: bytes) -> Prefix:
+    """The fields of a 44-byte prefix (not yet verified: only magic, version and size are checked)."""
+    magic, version, kind, flags, body_len, payload_len, payload_ck, tag = PREFIX.unpack(raw)
     if magic != MAGIC:
         raise ProtocolError(f"not a kvtransfer peer (magic {magic!r})")
     if version != WIRE_VERSION:
         raise IncompatibleError(f"peer speaks kvtransfer wire version {version}, this side {WIRE_VERSION}")
     if body_len > MAX_BODY_BYTES:
         raise ProtocolError(f"message body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
-    return kind, flags, body_len, payload_len, payload_ck, header_ck
+    return Prefix(kind, flags, body_len, payload_len, payload_ck, tag)
 
 
-def verify(raw_prefix: bytes, body: bytes) -> Header:
-    """Check the header checksum and the kind; ChecksumError / ProtocolError otherwise."""
-    kind, flags, _, payload_len, payload_ck, header_ck = parse_prefix(raw_prefix)
-    digest = xxhash.xxh3_64(raw_prefix[:-8] + bytes(8))
-    digest.update(body)
-    if digest.intdigest() != header_ck:
-        raise ChecksumError("frame header checksum mismatch: the stream is corrupted")
+def verify(raw_prefix: bytes, body: bytes, tag_fn: TagFn = plain_tag, *, seq: int = -1,
+           what: str = "checksum") -> Header:
+    """Check the tag (``tag_fn``) and the kind; ChecksumError / ProtocolError otherwise."""
+    p = parse_prefix(raw_prefix)
+    if not hmac.compare_digest(tag_fn(raw_prefix[:TAG_OFFSET] + _ZERO_TAG + body), p.tag):
+        raise ChecksumError(f"frame header {what} mismatch: the stream is corrupted"
+                            + (" (or a frame was forged, replayed, reordered or dropped)" if seq >= 0 else ""))
     try:
-        return Header(Kind(kind), Flag(flags), body, payload_len, payload_ck)
+        return Header(Kind(p.kind), Flag(p.flags), body, p.payload_len, p.payload_checksum, p.tag, seq)
     except ValueError:
-        raise ProtocolError(f"unknown message kind {kind}") from None
+        raise ProtocolError(f"unknown message kind {p.kind} or flags {p.flags}") from None
 
 
 # -- JSON control messages --------------------------------------------------------------------
@@ -126,18 +161,29 @@ class ClientHello:
 
 @dataclass(frozen=True)
 class ServerHello:
+    """The receiver's side of the hellos: nothing in it depends on the token."""
+
     KIND: ClassVar[Kind] = Kind.SERVER_HELLO
     epoch: int
     compat_hash: str
     backend: str
     nonce: str
-    mac: str
 
 
 @dataclass(frozen=True)
 class ClientAuth:
+    """The sender's proof of the token (hex), sent first."""
+
     KIND: ClassVar[Kind] = Kind.CLIENT_AUTH
-    mac: str
+    proof: str
+
+
+@dataclass(frozen=True)
+class ServerAuth:
+    """The receiver's proof (hex), sent only once the sender's verified."""
+
+    KIND: ClassVar[Kind] = Kind.SERVER_AUTH
+    proof: str
 
 
 @dataclass(frozen=True)
@@ -186,9 +232,9 @@ class ErrorMsg:
     message: str
 
 
-Control = ClientHello | ServerHello | ClientAuth | Ready | Begin | End | Done | ErrorMsg
+Control = ClientHello | ServerHello | ClientAuth | ServerAuth | Ready | Begin | End | Done | ErrorMsg
 _CONTROL: dict[Kind, type[Control]] = {
-    cls.KIND: cls for cls in (ClientHello, ServerHello, ClientAuth, Ready, Begin, End, Done, ErrorMsg)
+    cls.KIND: cls for cls in (ClientHello, ServerHello, ClientAuth, ServerAuth, Ready, Begin, End, Done, ErrorMsg)
 }
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "tuple[int, ...]": (list,)}
 
@@ -205,7 +251,7 @@ def decode_control(header: Header) -> Control:
         raise ProtocolError(f"{header.kind.name} is not a control message")
     try:
         raw: Any = json.loads(header.body)
-    except ValueError:
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, digits beyond the int limit, deep nesting
         raise ProtocolError(f"{header.kind.name} body is not JSON") from None
     fields = dataclasses.fields(cls)
     if not isinstance(raw, dict) or set(raw) != {f.name for f in fields}:

@@ -191,7 +191,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def no_quota_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
     for name in ("CUDA_DEVICE_MEMORY_LIMIT", *(f"CUDA_DEVICE_MEMORY_LIMIT_{i}" for i in range(8))):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("PDROUTER_KV_TOKEN", "test-token")
+    monkeypatch.setenv("PDROUTER_KV_TOKEN", "kv-test-token-0123456789")
     return monkeypatch
 
 

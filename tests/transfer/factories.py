@@ -7,14 +7,17 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from pdrouter.core.kv_layout import KvLayout
-from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, new_epoch
+from pdrouter.core.tls import TlsFiles
+from pdrouter.testing.pki import TestCa
+from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, new_epoch, wire
 from pdrouter.transfer.pool_view import torch_dtype
 
-TOKEN = "test-token"
+TOKEN = "kvtransfer-test-token-0123456789"
 
 
 def make_layout(dtype: str = "float32", *, num_layers: int = 4, num_blocks: int = 64, block_size: int = 4,
@@ -61,14 +64,16 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 
 
 class Pair:
-    """A receiver and a sender on two pools of the same layout, closed by the fixture."""
+    """A receiver and a sender on two pools of the same layout, closed by the fixture (or by the
+    caller); ``receiver`` / ``sender`` override their configurations' fields."""
 
-    def __init__(self, layout: KvLayout, backend: Backend, seed: int = 0) -> None:
+    def __init__(self, layout: KvLayout, backend: Backend, seed: int = 0, *,
+                 receiver: dict[str, object] | None = None, sender: dict[str, object] | None = None) -> None:
         self.layout = layout
         self.src = make_pool(layout, seed)
         self.dst = make_pool(layout, None)
-        self.receiver = KvReceiver(self.dst, layout, make_config(backend))
-        self.sender = KvSender(self.src, layout, make_config(backend))
+        self.receiver = KvReceiver(self.dst, layout, make_config(backend, **(receiver or {})))
+        self.sender = KvSender(self.src, layout, make_config(backend, **(sender or {})))
 
     def close(self) -> None:
         self.sender.close()
@@ -81,21 +86,22 @@ class Pair:
                                    self.sender.stats().inflight_bytes) == (0, 0, 0))
 
 
-
-
 class FaultyProxy:
     """A TCP relay in front of a receiver that corrupts or cuts the sender-to-receiver stream.
 
     Messages are counted by the wire magic in the sender's stream (0: CLIENT_HELLO, 1: CLIENT_AUTH,
     2: BEGIN, 3: first DATA, ...); ``flip=(k, d)`` flips the byte ``d`` bytes into message ``k``,
     ``cut=(k, d)`` forwards up to that byte and then drops both connections, ``stall=(k, d)``
-    forwards up to that byte and then stops reading (a hung receiver).
+    forwards up to that byte and then stops reading (a hung receiver). ``flip_at=n`` flips the
+    ``n``-th byte of the stream, whatever it carries (TLS records, say).
     """
 
     def __init__(self, upstream: str, *, flip: tuple[int, int] | None = None,
-                 cut: tuple[int, int] | None = None, stall: tuple[int, int] | None = None) -> None:
+                 cut: tuple[int, int] | None = None, stall: tuple[int, int] | None = None,
+                 flip_at: int | None = None) -> None:
         self._upstream = upstream
         self._flip = flip
+        self._flip_at = flip_at
         self._cut = cut
         self._stall = stall
         self._stop = threading.Event()
@@ -142,6 +148,9 @@ class FaultyProxy:
         try:
             while data := src.recv(1 << 16):
                 buf = bytearray(data)
+                if faulty and self._flip_at is not None and 0 <= self._flip_at - position < len(buf):
+                    buf[self._flip_at - position] ^= 0x5A
+                    self.fired.set()
                 if faulty:
                     window = seen + data
                     index = window.find(b"KVTX")
@@ -177,3 +186,140 @@ class FaultyProxy:
             pass
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)
+
+
+class MessageProxy:
+    """A TCP relay in front of a receiver that parses the sender's stream message by message (wire v2)
+    and tampers with it: messages are counted from 0 (CLIENT_HELLO, CLIENT_AUTH, BEGIN, DATA...).
+
+    ``flip=(k, d)`` flips byte ``d`` of message ``k`` (prefix, body, payload and trailer counted
+    together), ``replay=k`` sends message ``k`` twice, ``drop=k`` leaves it out, ``swap=k`` sends
+    message ``k + 1`` before ``k``. The receiver's stream is relayed untouched.
+    """
+
+    def __init__(self, upstream: str, *, flip: tuple[int, int] | None = None, replay: int | None = None,
+                 drop: int | None = None, swap: int | None = None) -> None:
+        self._upstream = upstream
+        self._flip, self._replay, self._drop, self._swap = flip, replay, drop, swap
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self.kinds: list[wire.Kind] = []
+        """The kinds of the sender's messages seen so far."""
+        self.fired = threading.Event()
+        self._start(self._accept)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in list(self._socks):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for thread in self._threads:
+            thread.join(10)
+
+    def _start(self, target: Callable[..., None], *args: object) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            host, port = self._upstream.rsplit(":", 1)
+            server = socket.create_connection((host, int(port)))
+            self._socks += [client, server]
+            self._start(self._pump_messages, client, server)
+            self._start(self._pump_raw, server, client)
+
+    def _pump_raw(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _pump_messages(self, src: socket.socket, dst: socket.socket) -> None:
+        index = 0
+        held: bytes | None = None
+        try:
+            while (message := self._read_message(src)) is not None:
+                out = self._tamper(index, bytearray(message))
+                if self._swap == index:
+                    held = out
+                    self.fired.set()
+                else:
+                    dst.sendall(out)
+                    if held is not None:
+                        dst.sendall(held)
+                        held = None
+                index += 1
+        except OSError:
+            pass
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def _tamper(self, index: int, message: bytearray) -> bytes:
+        if self._flip is not None and self._flip[0] == index:
+            message[self._flip[1]] ^= 0x01
+            self.fired.set()
+        if self._drop == index:
+            self.fired.set()
+            return b""
+        if self._replay == index:
+            self.fired.set()
+            return bytes(message) * 2
+        return bytes(message)
+
+    def _read_message(self, src: socket.socket) -> bytes | None:
+        prefix = _recv_exact(src, wire.PREFIX.size)
+        if prefix is None:
+            return None
+        kind, flags, body_len, payload_len = wire.PREFIX.unpack(prefix)[2:6]
+        self.kinds.append(wire.Kind(kind))
+        rest = body_len
+        if kind == wire.Kind.DATA and not flags & wire.Flag.OUT_OF_BAND:
+            rest += payload_len + (wire.TAG_BYTES if flags & wire.Flag.MAC_TRAILER else 0)
+        tail = _recv_exact(src, rest)
+        return None if tail is None else prefix + tail
+
+
+def _recv_exact(sock: socket.socket, nbytes: int) -> bytes | None:
+    buf = bytearray(nbytes)
+    view = memoryview(buf)
+    while len(view):
+        got = sock.recv_into(view)
+        if got == 0:
+            return None
+        view = view[got:]
+    return bytes(buf)
+
+
+class Pki:
+    """A cluster CA with a receiver ("127.0.0.1", "localhost") and a sender certificate, and a second,
+    unrelated CA with a sender certificate (``pdrouter.testing.pki``)."""
+
+    def __init__(self, folder: Path) -> None:
+        cluster, other = TestCa(folder, "cluster"), TestCa(folder, "other")
+        self.other_ca = str(other.ca_path)
+        self._receiver = cluster.issue("receiver")
+        self._sender = cluster.issue("sender", "prefill.kv.test")
+        self._stranger = other.issue("stranger", "prefill.kv.test", trust=cluster)
+
+    def receiver_tls(self) -> TlsFiles:
+        return self._receiver
+
+    def sender_tls(self) -> TlsFiles:
+        return self._sender
+
+    def stranger_tls(self) -> TlsFiles:
+        """A sender with a certificate from another CA (it still trusts the cluster CA)."""
+        return self._stranger

@@ -60,9 +60,9 @@ def test_corrupted_payload_fails_both_sides_with_checksum_error(make_pair: Calla
     proxies.append(proxy := FaultyProxy(pair.receiver.address, flip=(4, 5000)))  # inside the 2nd frame's payload
     handle = pair.receiver.expect("req-1", list(range(8)), timeout_s=30)
     transfer = send_all(pair, through(proxy, handle.target), list(range(8, 16)))
-    with pytest.raises(ChecksumError, match="frame 1 payload checksum mismatch"):
+    with pytest.raises(ChecksumError, match="frame 1 payload failed its integrity check"):
         handle.wait_all(30)
-    with pytest.raises(ChecksumError, match="checksum"):
+    with pytest.raises(ChecksumError, match="integrity"):
         transfer.finish(30)  # type: ignore[attr-defined]
     assert proxy.fired.is_set()
     assert handle.layer_done(0) and not handle.layer_done(1)
@@ -78,12 +78,12 @@ def test_corrupted_payload_fails_both_sides_with_checksum_error(make_pair: Calla
 def test_corrupted_header_fails_the_connection_with_checksum_error(make_pair: Callable[..., Pair],
                                                                    proxies: list[FaultyProxy]) -> None:
     pair = frame_per_layer_pair(make_pair)
-    proxies.append(proxy := FaultyProxy(pair.receiver.address, flip=(4, 40)))  # inside the 2nd DATA header
+    proxies.append(proxy := FaultyProxy(pair.receiver.address, flip=(4, 40)))  # the 2nd DATA header's MAC
     handle = pair.receiver.expect("req-1", list(range(8)), timeout_s=30)
     transfer = send_all(pair, through(proxy, handle.target), list(range(8, 16)))
-    with pytest.raises(ChecksumError, match="header checksum"):
+    with pytest.raises(ChecksumError, match="header MAC mismatch"):
         handle.wait_all(30)
-    with pytest.raises(ChecksumError, match="header checksum"):
+    with pytest.raises(ChecksumError, match="header MAC mismatch"):
         transfer.finish(30)  # type: ignore[attr-defined]
     pair.assert_released()
 
@@ -144,7 +144,7 @@ def test_wrong_compat_hash_refuses_and_tells_the_receiver(make_pair: Callable[..
 
 def test_wrong_auth_token_is_refused(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair()
-    with KvSender(pair.src, pair.layout, make_config(token="not-the-token")) as intruder:
+    with KvSender(pair.src, pair.layout, make_config(token="not-the-right-token-at-all")) as intruder:
         handle = pair.receiver.expect("req-1", [1], timeout_s=0.5)
         with pytest.raises(AuthError, match="auth token"):
             intruder.open_transfer(handle.target)

@@ -12,13 +12,16 @@ from pdrouter.transfer.frame_plan import FrameSpan
 
 
 def split(message: bytes) -> tuple[bytes, bytes]:
-    return message[:wire.PREFIX.size], message[wire.PREFIX.size:]
+    """An encoded message sealed with the handshake's tag, as (prefix, body)."""
+    prefix, _ = wire.seal(message, wire.plain_tag)
+    return prefix, message[wire.PREFIX.size:]
 
 
 @pytest.mark.parametrize("msg", [
     wire.ClientHello(epoch=5, compat_hash="c", backend="tcp", nonce="n1", ack_every=1 << 24),
-    wire.ServerHello(epoch=6, compat_hash="c", backend="gloo", nonce="n2", mac="m"),
-    wire.ClientAuth(mac="m"),
+    wire.ServerHello(epoch=6, compat_hash="c", backend="gloo", nonce="n2"),
+    wire.ClientAuth(proof="ab" * 32),
+    wire.ServerAuth(proof="cd" * 32),
     wire.Ready("127.0.0.1", 1234, "p/"),
     wire.Begin("req-1", 9, "c", (4, 5, 6), 1, 0, 32),
     wire.End("req-1", 3, 4096),
@@ -32,11 +35,11 @@ def test_control_messages_round_trip(msg: wire.Control) -> None:
 
 def test_data_header_round_trip() -> None:
     span = FrameSpan(2, 5, ((7, 3), (40, 1)))
-    message = wire.encode_data("req-9", 17, span, flags=wire.Flag.CHECKSUM_TRAILER, payload_len=12345,
+    message = wire.encode_data("req-9", 17, span, flags=wire.Flag.MAC_TRAILER, payload_len=12345,
                                payload_checksum=99)
     header = wire.verify(*split(message))
     assert (header.kind, header.flags, header.payload_len, header.payload_checksum) == (
-        wire.Kind.DATA, wire.Flag.CHECKSUM_TRAILER, 12345, 99)
+        wire.Kind.DATA, wire.Flag.MAC_TRAILER, 12345, 99)
     data = wire.decode_data(header)
     assert (data.transfer_id, data.seq, data.span) == ("req-9", 17, span)
     assert np.array_equal(data.runs, [[7, 3], [40, 1]])
@@ -46,14 +49,14 @@ def test_ack_round_trip() -> None:
     assert wire.decode_ack(wire.verify(*split(wire.encode_ack(1 << 40)))) == 1 << 40
 
 
-@pytest.mark.parametrize("offset", [5, 12, 20, 40, 60])
+@pytest.mark.parametrize("offset", [5, 12, 20, 30, 40, 50, 60])
 def test_any_flipped_header_byte_is_caught(offset: int) -> None:
-    message = bytearray(wire.encode_data("req-1", 0, FrameSpan(0, 1, ((3, 4),)), flags=wire.Flag.NONE,
-                                         payload_len=800, payload_checksum=1))
-    message[offset] ^= 0x10
+    prefix, body = split(wire.encode_data("req-1", 0, FrameSpan(0, 1, ((3, 4),)), flags=wire.Flag.NONE,
+                                          payload_len=800, payload_checksum=1))
+    sealed = bytearray(prefix + body)
+    sealed[offset] ^= 0x10
     with pytest.raises((ChecksumError, ProtocolError, IncompatibleError)):
-        prefix, body = split(bytes(message))
-        wire.verify(prefix, body)
+        wire.verify(bytes(sealed[:wire.PREFIX.size]), bytes(sealed[wire.PREFIX.size:]))
 
 
 def test_header_checksum_mismatch_is_a_checksum_error() -> None:
@@ -68,6 +71,8 @@ def test_wrong_magic_and_version() -> None:
         wire.parse_prefix(b"HTTP" + prefix[4:])
     with pytest.raises(IncompatibleError, match="wire version 9"):
         wire.parse_prefix(prefix[:4] + bytes([9]) + prefix[5:])
+    with pytest.raises(IncompatibleError, match="wire version 1"):  # the checksummed format before MACs
+        wire.parse_prefix(prefix[:4] + bytes([1]) + prefix[5:])
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[]", b'{"transfer_id": 5}', b'{"transfer_id": "x", "extra": 1}'])

@@ -1,0 +1,223 @@
+"""What the handshake derives from the token, and the MACs every message carries after it.
+
+Key schedule (HKDF-SHA256, RFC 5869, from the token and the transcript of the two hellos)::
+
+    transcript = SHA-256(label | len+CLIENT_HELLO body | len+SERVER_HELLO body)
+                 (both nonces, both epochs, compat hashes, backends, the sender's ack window)
+    prk        = HKDF-Extract(salt=transcript, ikm=token)
+    client proof, server proof, key client→server, key server→client
+               = HKDF-Expand(prk, "<label>", 32) each
+
+A proof is only ever sent after the other side's hello, so each is fresh; the connecting side sends
+its proof first and the receiver answers with its own only once that verified (a client without
+the token learns nothing derived from it). Each direction has its own 256-bit key.
+
+Frame MACs are AES-GMAC (AES-GCM over associated data only, no plaintext): chosen by measurement
+as the fastest keyed MAC at hand (about 5.5 GB/s on one core with AES-NI and PCLMULQDQ, and
+``cryptography`` releases the GIL while it hashes, so it overlaps with socket I/O on another
+thread); keyed BLAKE2b ran at 0.57 GB/s, BLAKE3 1.7, Poly1305 2.2. Message ``n`` of a direction
+(counted from 0 once the keys are installed) is authenticated with the nonce ``(n, 0)`` for its
+prefix and body and ``(n, 1)`` for its payload, which also covers the header's tag: a frame
+replayed, reordered, dropped or moved to another connection fails its MAC. Nonces never repeat
+under a key (a key lives for one connection; ``n`` only grows).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import struct
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from pdrouter.transfer.errors import ProtocolError
+
+TAG_BYTES = 16
+PROOF_BYTES = 32
+_NONCE = struct.Struct("<QI")
+_LABEL = b"pdrouter kvtransfer v2"
+_HEADER, _PAYLOAD = 0, 1
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True)
+class SessionSecrets:
+    """Everything one connection derives from the token and the hellos (never logged or sent, but the proofs)."""
+
+    client_proof: bytes = field(repr=False)
+    server_proof: bytes = field(repr=False)
+    client_to_server: bytes = field(repr=False)
+    server_to_client: bytes = field(repr=False)
+
+
+def derive_session(token: str, client_hello: bytes, server_hello: bytes) -> SessionSecrets:
+    """The proofs and direction keys of one connection, from the token and the two hello bodies as sent."""
+    transcript = hashlib.sha256(_framed(_LABEL + b" transcript") + _framed(client_hello)
+                                + _framed(server_hello)).digest()
+    prk = hmac.new(transcript, token.encode(), hashlib.sha256).digest()
+    return SessionSecrets(*(_expand(prk, label) for label in (
+        b"client proof", b"server proof", b"key client->server", b"key server->client")))
+
+
+def proof_matches(presented: object, expected: bytes) -> bool:
+    """Constant-time check of a hex proof from the wire; anything malformed (not a string, not hex,
+    not ASCII, a lone surrogate, the wrong length) is simply a wrong proof."""
+    try:
+        got = bytes.fromhex(presented) if isinstance(presented, str) else b""
+    except ValueError:
+        got = b""
+    return hmac.compare_digest(got, expected)
+
+
+def _expand(prk: bytes, label: bytes) -> bytes:
+    """HKDF-Expand for one SHA-256 block (32 bytes)."""
+    return hmac.new(prk, _LABEL + b" " + label + b"\x01", hashlib.sha256).digest()
+
+
+def _framed(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+class MacKey:
+    """One direction's key: tags for that direction's message ``seq``."""
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != 32:
+            raise ValueError("a MAC key has 32 bytes")
+        self._aead = AESGCM(key)
+        self._aes = algorithms.AES(key)
+
+    def header_tag(self, seq: int, data: Buffer) -> bytes:
+        """The tag of a message's prefix (tag field zero) and body."""
+        return self._aead.encrypt(_NONCE.pack(seq, _HEADER), b"", bytes(data))
+
+    def payload_mac(self, seq: int, header_tag: bytes) -> PayloadMac:
+        """A running MAC of message ``seq``'s payload, bound to its header's tag."""
+        mac = PayloadMac(Cipher(self._aes, modes.GCM(_NONCE.pack(seq, _PAYLOAD))).encryptor())
+        mac.update(header_tag)
+        return mac
+
+
+class PayloadMac:
+    """A payload's MAC, fed in order (one thread at a time), then ``tag()`` once."""
+
+    def __init__(self, context: object) -> None:
+        self._ctx = context
+
+    def update(self, data: Buffer) -> None:
+        self._ctx.authenticate_additional_data(data)  # type: ignore[attr-defined]
+
+    def tag(self) -> bytes:
+        self._ctx.finalize()  # type: ignore[attr-defined]
+        return bytes(self._ctx.tag)  # type: ignore[attr-defined]
+
+
+class MacHelper:
+    """A thread that feeds payload pieces to their MACs in the order given, so that the socket's
+    thread moves the next piece meanwhile (socket calls and AES-GMAC both release the GIL).
+
+    One user at a time (the connection's reader, or its writer under the send lock). ``wait``
+    returns once every piece handed over has been hashed (no piece of pool memory is read after it).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._jobs: deque[tuple[PayloadMac, Sequence[Buffer]]] = deque()
+        self._error: BaseException | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, mac: PayloadMac, pieces: Sequence[Buffer]) -> None:
+        with self._cv:
+            if self._closed:
+                raise ProtocolError("the MAC helper is closed")
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+            self._jobs.append((mac, pieces))
+            self._cv.notify_all()
+
+    def wait(self) -> None:
+        """Until every piece submitted so far is hashed; re-raises what the helper hit."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._jobs)
+            error, self._error = self._error, None
+        if error is not None:
+            raise ProtocolError(f"payload MAC failed: {error!r}")
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._jobs or self._closed)
+                if not self._jobs:
+                    return
+                mac, pieces = self._jobs[0]
+            try:
+                for piece in pieces:
+                    mac.update(piece)
+            except BaseException as exc:  # handed to the waiting side, which fails the frame
+                with self._cv:
+                    self._error = exc
+            with self._cv:
+                self._jobs.popleft()
+                self._cv.notify_all()
+
+
+class MacFeed:
+    """The pieces of one payload on their way to its MAC: batched to a helper thread, or inline."""
+
+    def __init__(self, mac: PayloadMac, helper: MacHelper | None, batch_bytes: int) -> None:
+        self._mac = mac
+        self._helper = helper
+        self._batch_bytes = batch_bytes
+        self._batch: list[Buffer] = []
+        self._size = 0
+
+    def add(self, piece: Buffer) -> None:
+        if self._helper is None:
+            self._mac.update(piece)
+            return
+        self._batch.append(piece)
+        self._size += len(piece)
+        if self._size >= self._batch_bytes:
+            self._flush()
+
+    def add_all(self, pieces: Sequence[Buffer]) -> None:
+        for piece in pieces:
+            self.add(piece)
+
+    def finish(self) -> bytes:
+        """The payload's tag (every piece added so far)."""
+        if self._helper is not None:
+            self._flush()
+            self._helper.wait()
+        return self._mac.tag()
+
+    def settle(self) -> None:
+        """Wait until no piece is being read any more (after a failure midway; the tag is dropped)."""
+        if self._helper is not None:
+            self._batch = []
+            with contextlib.suppress(ProtocolError):
+                self._helper.wait()
+
+    def _flush(self) -> None:
+        if self._batch:
+            assert self._helper is not None
+            self._helper.submit(self._mac, self._batch)
+            self._batch, self._size = [], 0
