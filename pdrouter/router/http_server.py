@@ -64,22 +64,41 @@ Entry points of a request (``tests/router/test_http_server.py`` serves each over
    ``Expect: 100-continue``, a request pipelined behind one in progress, a ``root_path``, a
    concurrency limit) takes uvicorn's ``RequestResponseCycle`` into the ASGI application (whose
    generation POSTs go straight to their endpoint and everything else through Starlette).
+
+Limits (:class:`pdrouter.router.limits.HttpLimits`, one set per server, ``docs/limits.md``), the
+same on every entry point: a deadline for each request head (from the connection's start, or from
+a kept-alive connection's first byte of the next request) and for each body (from the end of its
+head, longer for a large body arriving at the minimum rate), uvicorn's keep-alive idle timeout, a
+cap on the head's size (431), on open connections and on requests in flight (503 with
+``Retry-After``; a connection past the cap is answered before anything of it is read). An error
+answer is an OpenAI-shaped JSON body with ``connection: close``; the request in progress is
+abandoned (its endpoint's ``receive()`` says ``http.disconnect``), the connection is half-closed,
+and what the client still sends is dropped until it closes (at most ``LINGER_S``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import http
+import json
 import logging
+import math
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any, Protocol, TypeVar, cast, runtime_checkable
+import time
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
+from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from pdrouter.core.tls import TlsFiles
+from pdrouter.router.limits import HttpLimits
+
 log = logging.getLogger(__name__)
+
+PROBE_PATHS = frozenset({b"/health", b"/healthz"})
+"""Paths the in-flight cap never refuses."""
 
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -407,37 +426,135 @@ class _CorkedTransport:
         return getattr(self._transport, name)
 
 
+_HEAD, _BODY, _BUSY, _IDLE = 0, 1, 2, 3
+"""A connection's phase for the deadlines of :class:`HttpLimits`: reading a request head (its
+deadline), reading a body (its deadline), serving (none of this server's), kept alive between
+requests (uvicorn's ``timeout_keep_alive``)."""
+LINGER_S = 1.0
+"""How long a connection that was answered with an error and half-closed keeps reading (and
+dropping) what its client still sends, so that the answer is not lost to a TCP reset."""
+_DISCARD_READ_SIZE = 4096
+_LOG_EVERY_S = 10.0
+_last_logged: dict[str, float] = {}
+_ERROR_TYPES = {408: "invalid_request_error", 431: "invalid_request_error", 503: "server_error"}
+
+
+def _log_limit(what: str, message: str, *args: object) -> None:
+    """A warning about a limit reached, at most once per ``_LOG_EVERY_S`` per kind (floods stay quiet)."""
+    now = time.monotonic()
+    if now - _last_logged.get(what, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+        _last_logged[what] = now
+        log.warning(message, *args)
+
+
+def error_response(status: int, code: str, message: str, default_headers: Sequence[tuple[bytes, bytes]] = (),
+                   retry_after_s: int | None = None) -> bytes:
+    """A whole ``connection: close`` error response with an OpenAI-shaped JSON body."""
+    body = json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
+                                 "param": None, "code": code}}, separators=(",", ":")).encode()
+    parts = [status_line(status)]
+    for name, value in default_headers:
+        parts += (name, b": ", value, b"\r\n")
+    parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
+    if retry_after_s is not None:
+        parts.append(b"retry-after: %d\r\n" % retry_after_s)
+    parts += (b"connection: close\r\n\r\n", body)
+    return b"".join(parts)
+
+
+class _Gate:
+    """The requests in flight on one server's connections, for :attr:`HttpLimits.max_inflight`."""
+
+    __slots__ = ("inflight",)
+
+    def __init__(self) -> None:
+        self.inflight = 0
+
+
 class HttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools HTTP/1.1 protocol with the entry points of the module docstring, reading
-    at most :data:`READ_SIZE` bytes at a time, writing through a :class:`_CorkedTransport`.
+    at most :data:`READ_SIZE` bytes at a time, writing through a :class:`_CorkedTransport`, under
+    the :class:`HttpLimits` of its server (``limits``; :func:`make_server` makes a subclass per
+    server holding them and the server's in-flight count).
 
     asyncio's socket transport receives into a fresh buffer of its ``max_size`` (256 KiB) per
     read. An allocation that large is at glibc's mmap threshold, and depending on the process's
     allocation history each small read can then cost ``mmap`` + ``mremap`` + ``munmap`` and two
     page faults: tens of microseconds per request. A 64 KiB buffer comes from the heap.
+
+    The deadlines share one lazily re-armed timer per connection (``_watch``): a request read
+    whole in one read arms none, and a phase whose deadline is later than the armed one re-arms
+    nothing (the timer, when it fires, looks at the phase of the moment).
     """
 
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    gate: ClassVar[_Gate] = _Gate()
     _lost_callbacks: set[Callable[[], None]] | None = None
     _fast: Mapping[bytes, tuple[Handler, int]] | None = None
     _in_message = False  # the parser has begun a message it has not completed
+    _phase = _HEAD
+    _t0 = 0.0  # when the phase began (loop time)
+    _due = math.inf  # when a head must be complete (phase _HEAD)
+    _seen = 0  # bytes received in this phase (head bytes, or body bytes)
+    _watch: asyncio.TimerHandle | None = None
+    _linger: asyncio.TimerHandle | None = None
+    _admitted = 0  # this connection's requests counted in the server's in-flight count
+    _discarding = False  # answered and closing: everything read from now on is dropped
 
     def data_received(self, data: bytes) -> None:
+        if self._discarding:
+            return
         if (self._fast is not None and not self._in_message and not self.pipeline
                 and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
             whole = whole_request_with_authorization(data, self._fast)
-            if whole is not None:  # entry point 1: one plain generation request, whole
+            if whole is not None and len(data) - len(whole[2]) <= self.limits.max_header_bytes:
+                # entry point 1: one plain generation request, whole
                 (handler, body_limit), keep_alive, body, authorization = whole
                 self._unset_keepalive_if_required()
+                if not self._admit():
+                    return
+                self._phase = _BUSY
                 self.cycle = FastCycle(self, handler, keep_alive, body_limit, body,  # type: ignore[assignment]
                                        authorization)
                 return
+        if self._phase == _IDLE:  # the first bytes of a request on a kept-alive connection
+            self._start(_HEAD)
+        if self._phase == _HEAD:
+            self._seen += len(data)
         super().data_received(data)
+        if self._phase == _HEAD and self._seen > self.limits.max_header_bytes and not self._discarding:
+            self._head_too_large()
+
+    def on_body(self, body: bytes) -> None:
+        if self._discarding:
+            return
+        self._seen += len(body)
+        super().on_body(body)
 
     def on_message_complete(self) -> None:
+        if self._discarding:
+            return
         self._in_message = False
+        if self._phase == _BODY:
+            cycle = self.cycle
+            self._phase = _IDLE if cycle is not None and cycle.response_complete else _BUSY
         super().on_message_complete()
 
     def on_headers_complete(self) -> None:
+        if self._discarding:
+            return
+        limits = self.limits
+        if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limits.max_header_bytes:
+            self._head_too_large()
+            return
+        if (self.cycle is not None and not self.cycle.response_complete) or bytes(self.url) in PROBE_PATHS:
+            # Pipelined behind a response in progress (queued), or a liveness probe (an overloaded
+            # router is alive: a probe refused for load would get it restarted): counted, not refused.
+            self._admitted += 1
+            self.gate.inflight += 1
+        elif not self._admit():
+            return
+        self._start(_BODY)
         fast = self._fast_handler()
         if fast is None:  # entry point 3: uvicorn's cycle
             super().on_headers_complete()
@@ -472,6 +589,14 @@ class HttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope["extensions"] = {DISCONNECT_EXTENSION: {"register": self._on_disconnect}}
 
+    def on_response_complete(self) -> None:
+        if self._admitted:
+            self._admitted -= 1
+            self.gate.inflight -= 1
+        if self._phase == _BUSY:
+            self._phase = _IDLE
+        super().on_response_complete()
+
     def _on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
         if self._lost_callbacks is None:
             self._lost_callbacks = set()
@@ -480,12 +605,22 @@ class HttpProtocol(HttpToolsProtocol):
         return lambda: callbacks.discard(callback)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._discarding = True
+        self._release()
+        for timer in (self._watch, self._linger):
+            if timer is not None:
+                timer.cancel()
+        self._watch = self._linger = None
         super().connection_lost(exc)
         callbacks, self._lost_callbacks = self._lost_callbacks, None
         for callback in callbacks or ():
             callback()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        limits = self.limits
+        if len(self.connections) >= limits.max_connections:
+            self._refuse(cast(asyncio.Transport, transport))
+            return
         if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
@@ -493,6 +628,134 @@ class HttpProtocol(HttpToolsProtocol):
         app = self.app
         if isinstance(app, FastRoutes) and not self.root_path:
             self._fast = app.fast_handlers(self._on_disconnect)
+        self._start(_HEAD)
+
+    # -- limits ---------------------------------------------------------------------------------
+    def _start(self, phase: int) -> None:
+        """Enter ``_HEAD`` or ``_BODY`` now, with its deadline."""
+        now = self.loop.time()
+        self._phase, self._t0, self._seen = phase, now, 0
+        if phase == _HEAD:
+            self._due = due = now + self.limits.header_timeout_s
+        else:
+            due = now + self.limits.body_timeout_s
+        self._arm(due)
+
+    def _arm(self, when: float) -> None:
+        watch = self._watch
+        if watch is not None:
+            if watch.when() <= when:
+                return  # fires first, and re-arms for the phase of the moment
+            watch.cancel()
+        self._watch = self.loop.call_at(when, self._on_watch)
+
+    def _on_watch(self) -> None:
+        self._watch = None
+        if self._discarding:
+            return
+        limits = self.limits
+        if self._phase == _HEAD:
+            due = self._due
+        elif self._phase == _BODY:
+            due = self._t0 + max(limits.body_timeout_s, self._seen / limits.body_min_rate_bps)
+        else:
+            return
+        if self.loop.time() < due - 0.001:
+            self._arm(due)
+        elif self._phase == _HEAD:
+            self._head_timed_out()
+        else:
+            self._body_timed_out()
+
+    def _head_timed_out(self) -> None:
+        timeout = self.limits.header_timeout_s
+        cycle = self.cycle
+        if not (self._in_message or self._seen) or (cycle is not None and not cycle.response_complete):
+            _log_limit("idle", "HTTP: closing connections that sent no request within %g s", timeout)
+            self._discarding = True
+            self.transport.close()
+            return
+        _log_limit("head", "HTTP: closing connections whose request head took longer than %g s "
+                   "(--http-header-timeout)", timeout)
+        self._answer(408, "request_timeout",
+                     f"the request's headers did not arrive within {timeout:g} s (--http-header-timeout)")
+
+    def _body_timed_out(self) -> None:
+        limits = self.limits
+        allowed = max(limits.body_timeout_s, self._seen / limits.body_min_rate_bps)
+        _log_limit("body", "HTTP: closing connections whose request body took longer than %g s "
+                   "(--http-body-timeout, at least %d bytes/s past it)", limits.body_timeout_s,
+                   limits.body_min_rate_bps)
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started:
+            self._discarding = True
+            cycle.keep_alive = False
+            self.transport.close()
+            return
+        self._answer(408, "request_timeout",
+                     f"the request body did not arrive within {allowed:.3g} s ({self._seen} bytes came; the body "
+                     f"has {limits.body_timeout_s:g} s, or longer at {limits.body_min_rate_bps} bytes/s)")
+
+    def _head_too_large(self) -> None:
+        cap = self.limits.max_header_bytes
+        _log_limit("header-size", "HTTP: refusing request heads over %d bytes (--http-max-header-bytes)", cap)
+        self._answer(431, "request_header_fields_too_large",
+                     f"the request's headers are larger than {cap} bytes (--http-max-header-bytes)")
+
+    def _admit(self) -> bool:
+        """Count one more request in flight, or (at the cap) answer 503 and close: False."""
+        gate, cap = self.gate, self.limits.max_inflight
+        if gate.inflight >= cap:
+            _log_limit("inflight", "HTTP: answering 503: %d requests in flight (--http-max-inflight)", cap)
+            self._answer(503, "overloaded", f"the server is serving its limit of {cap} requests at once; "
+                         f"retry shortly", retry_after_s=self.limits.retry_after_s)
+            return False
+        gate.inflight += 1
+        self._admitted += 1
+        return True
+
+    def _release(self) -> None:
+        if self._admitted:
+            self.gate.inflight -= self._admitted
+            self._admitted = 0
+
+    def _refuse(self, transport: asyncio.Transport) -> None:
+        """A connection past ``max_connections``: 503 at once, its request never read (nor buffered)."""
+        self.transport = transport
+        if isinstance(getattr(transport, "max_size", None), int):
+            transport.max_size = _DISCARD_READ_SIZE  # type: ignore[attr-defined]
+        cap = self.limits.max_connections
+        _log_limit("connections", "HTTP: answering 503: %d connections open (--http-max-connections)", cap)
+        self._answer(503, "overloaded", f"the server has its limit of {cap} connections open; retry shortly",
+                     retry_after_s=self.limits.retry_after_s)
+
+    def _answer(self, status: int, code: str, message: str, retry_after_s: int | None = None) -> None:
+        """Answer ``status`` (the request in progress, if any, is abandoned), then close the connection.
+
+        What the client sends after the answer is read and dropped for up to :data:`LINGER_S` (the
+        connection is half-closed at once), so that closing with unread data does not reset the
+        connection before the client has read the answer.
+        """
+        transport = self.transport
+        self._discarding = True
+        self._phase = _BUSY
+        self._release()
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the endpoint stops: its receive() says http.disconnect, its sends are dropped
+            cycle.message_event.set()
+        if transport.is_closing():
+            return
+        response = error_response(status, code, message, self.server_state.default_headers, retry_after_s)
+        getattr(transport, "write_now", transport.write)(response)
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+                self._linger = self.loop.call_later(LINGER_S, transport.close)
+                return
+        except (OSError, RuntimeError, NotImplementedError):
+            pass
+        transport.close()
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -509,7 +772,8 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
-                log_level: str = "warning") -> uvicorn.Server:
+                log_level: str = "warning", tls: TlsFiles | None = None,
+                limits: HttpLimits | None = None) -> uvicorn.Server:
     """A uvicorn server for ``app`` tuned for the router: :class:`HttpProtocol`, no lifespan, no
     access log, no ``server`` header.
 
@@ -517,9 +781,23 @@ def make_server(app: ASGIApp, host: str = "127.0.0.1", port: int = 8000,
     configures logging once for every component.
 
     Run it with ``await server.serve()``, or ``await server.serve(sockets=[bind_socket(host, 0)])``
-    to serve on a free port; stop it with ``server.should_exit = True``.
+    to serve on a free port; stop it with ``server.should_exit = True``. ``tls``: serve HTTPS with
+    its certificate (no client certificate asked: API keys authenticate clients). ``limits``: the
+    slow-client and overload limits (default :class:`HttpLimits`' defaults), with an in-flight
+    count of this server's own.
     """
-    config = uvicorn.Config(app, host=host, port=port, http=HttpProtocol, ws="none", lifespan="off",
+    limits = HttpLimits() if limits is None else limits
+    protocol = protocol_class(limits)
+    config = uvicorn.Config(app, host=host, port=port, http=protocol, ws="none", lifespan="off",
                             access_log=False, log_config=None, log_level=log_level,
-                            server_header=False, proxy_headers=False)
+                            server_header=False, proxy_headers=False,
+                            ssl_certfile=tls.cert if tls else None, ssl_keyfile=tls.key if tls else None,
+                            # uvicorn types it int; it is a delay for call_later, and seconds may be fractional
+                            timeout_keep_alive=cast(int, limits.idle_timeout_s))
     return uvicorn.Server(config)
+
+
+def protocol_class(limits: HttpLimits) -> type[HttpProtocol]:
+    """:class:`HttpProtocol` for one server: ``limits``, and an in-flight count of its own."""
+    return cast("type[HttpProtocol]", type("HttpProtocol", (HttpProtocol,),
+                                           {"limits": limits, "gate": _Gate(), "__module__": __name__}))

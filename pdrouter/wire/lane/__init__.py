@@ -12,7 +12,8 @@ a lane call a few tens of µs (``benchmarks/router_overhead.py`` shows the end-t
 The contract:
 
 * a frame is a 16-byte header (body length, stream id, kind, arg, reserved, timeout in ms) and a
-  body of at most ``MAX_BODY`` bytes, after an 8-byte greeting that both ends must agree on. A call
+  body of at most ``MAX_BODY`` bytes, after an 8-byte greeting that both ends must agree on (and,
+  when the worker holds a token, the proof of it). A call
   is one stream id: a ``CALL`` (method id, deadline, serialized request), then ``MESSAGE`` frames
   (one per response of a streaming method) and one ``END`` (status code; the unary response, or the
   status details). ``frames`` holds the format;
@@ -28,11 +29,19 @@ The contract:
   worker cancels the handler; using a call cancelled here raises ``asyncio.CancelledError``, as
   with grpc.aio;
 * a lost connection fails every open call with UNAVAILABLE on the client and cancels every handler
-  on the server (what gRPC does when a peer goes away).
+  on the server (what gRPC does when a peer goes away);
+* a worker given a token serves a connection only once it has proved the token (a
+  challenge-response at connection start); one given an ``ssl`` context speaks TLS only (mutual TLS
+  when the context requires client certificates). A refused connection fails its calls with the
+  worker's reason: UNAUTHENTICATED for a missing or wrong token;
+* every connection is held to the worker's ``LaneLimits``: a handshake deadline, a deadline for
+  each begun frame that trickling cannot move, a cap on its buffered bytes (a few KiB before the
+  proof) and a cap on connections (``docs/limits.md``).
 
-Modules: ``frames`` (the format and vocabulary, shared by both ends), ``server`` (the worker end:
-``LaneServer``, ``serve_servicer``), ``client`` (the router's end: ``LaneChannel``, its calls, the
-typed stubs, ``request_stubs``). ``server`` and ``client`` import ``frames`` and not each other.
+Modules: ``frames`` (the format and vocabulary, shared by both ends), ``limits`` (``LaneLimits``),
+``server`` (the worker end: ``LaneServer``, ``serve_servicer``), ``client`` (the router's end:
+``LaneChannel``, its calls, the typed stubs, ``request_stubs``). ``server`` and ``client`` import
+``frames`` and not each other.
 """
 
 from pdrouter.wire.lane.client import (
@@ -47,6 +56,7 @@ from pdrouter.wire.lane.client import (
 )
 from pdrouter.wire.lane.frames import (
     ALLOCATE,
+    AUTH,
     CALL,
     CANCEL,
     COLOCATED,
@@ -63,11 +73,14 @@ from pdrouter.wire.lane.frames import (
     SERVE,
     VERSION,
     LaneMethod,
+    lane_proof,
 )
+from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.lane.server import Handler, LaneAbort, LaneContext, LaneServer, serve_servicer
 
 __all__ = [
     "ALLOCATE",
+    "AUTH",
     "CALL",
     "CANCEL",
     "COLOCATED",
@@ -90,11 +103,13 @@ __all__ = [
     "LaneChannel",
     "LaneContext",
     "LaneError",
+    "LaneLimits",
     "LaneMethod",
     "LaneServer",
     "PrefillLane",
     "StreamCall",
     "UnaryCall",
+    "lane_proof",
     "request_stubs",
     "serve_servicer",
 ]

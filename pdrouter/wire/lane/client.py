@@ -4,6 +4,10 @@ A ``LaneChannel`` is one worker's connection: opened on first use, reopened afte
 (``UnaryCall``, ``StreamCall``) are sent on first use and cancellable at any time, like grpc.aio
 calls; a non-OK status raises ``LaneError`` (a ``grpc.RpcError``). ``PrefillLane``, ``DecodeLane``
 and ``ColocatedLane`` have the call shapes of the grpc.aio stubs, so ``request_stubs`` hands either.
+
+A channel given a ``token`` proves it when the worker asks (``frames``' challenge-response); one
+given an ``ssl`` context speaks TLS. A worker that refuses the connection says why, and the calls
+fail with its status (UNAUTHENTICATED for a missing or wrong token).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Generator
+from ssl import SSLContext
 from typing import Any, Generic, TypeVar, cast
 
 import grpc
@@ -20,12 +25,15 @@ from google.protobuf.message import Message
 
 from pdrouter.wire.lane.frames import (
     ALLOCATE,
+    AUTH,
+    AUTH_REQUIRED,
     CALL,
     CANCEL,
     COLOCATED,
     DECODE,
     END,
     HELLO,
+    NONCE_SIZE,
     PREFILL,
     RELEASE,
     SERVE,
@@ -34,6 +42,7 @@ from pdrouter.wire.lane.frames import (
     _Corked,
     _frame,
     _Frames,
+    lane_proof,
 )
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -78,14 +87,21 @@ class _Inbox:
         return self.items.popleft()
 
 
+_HELLO_STAGE, _CHALLENGE_STAGE, _ACCEPT_STAGE, _READY_STAGE = 0, 1, 2, 3
+
+
 class _ClientConnection(_Corked):
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, token: bytes | None = None) -> None:
         super().__init__()
         self.address = address
+        self.token = token
         self.frames = _Frames()
         self.calls: dict[int, _Inbox] = {}
         self.greeted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.lost: str | None = None
+        self.lost_code = grpc.StatusCode.UNAVAILABLE
+        """The status of the calls the connection's end fails (the server's, when it said why)."""
+        self._stage = _HELLO_STAGE
         self._next = 1
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,30 +110,40 @@ class _ClientConnection(_Corked):
         transport.write(HELLO)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = f"lost the lane connection to {self.address}" + (f": {exc}" if exc else "")
+        if self.lost is None:
+            self.lost = f"lost the lane connection to {self.address}" + (f": {exc}" if exc else "")
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        assert self.lost is not None
         if not self.greeted.done():
-            self.greeted.set_exception(LaneError(grpc.StatusCode.UNAVAILABLE, self.lost))
-        status = grpc.StatusCode.UNAVAILABLE.value[0]
+            self.greeted.set_exception(LaneError(self.lost_code, self.lost))
+        status = self.lost_code.value[0]
         for inbox in self.calls.values():
             inbox.put((END, status, self.lost.encode()))
         self.calls.clear()
 
+    def _fail(self, code: grpc.StatusCode, details: str) -> None:
+        """End the connection with ``code``: the greeting (if pending) and every open call fail with it."""
+        if self.lost is None:
+            self.lost, self.lost_code = details, code
+        self._fail_all()
+        if self.transport is not None:
+            self.transport.close()
+
+    def _closed_by_server(self, arg: int, body: bytes) -> None:
+        code = _STATUS_BY_VALUE.get(arg, grpc.StatusCode.UNAVAILABLE)
+        self._fail(code, f"the worker lane at {self.address} closed the connection: "
+                         f"{body.decode('utf-8', 'replace')}")
+
     def data_received(self, data: bytes) -> None:
-        if not self.greeted.done():
-            pending = bytes(self.frames._buf) + data
-            if len(pending) < len(HELLO):
-                self.frames._buf = bytearray(pending)
+        if self.lost is not None:
+            return
+        if self._stage != _READY_STAGE:
+            rest = self._handshake(data)
+            if rest is None:
                 return
-            self.frames._buf = bytearray()
-            if pending[:len(HELLO)] != HELLO:
-                self.greeted.set_exception(LaneError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"the worker at {self.address} speaks lane {pending[:len(HELLO)]!r}, not version {VERSION}"))
-                assert self.transport is not None
-                self.transport.close()
-                return
-            self.greeted.set_result(None)
-            data = pending[len(HELLO):]
+            data = rest
         try:
             frames = self.frames.feed(data)
         except ValueError as exc:
@@ -126,6 +152,11 @@ class _ClientConnection(_Corked):
             log.warning("lane: %s: %s", self.address, exc)
             return
         for stream, kind, arg, _, body in frames:
+            if stream == 0:
+                if kind == END:  # the server says why it ends the connection
+                    self._closed_by_server(arg, body)
+                    return
+                continue
             inbox = self.calls.get(stream)
             if inbox is None:
                 continue  # a call this side already gave up
@@ -133,9 +164,59 @@ class _ClientConnection(_Corked):
                 del self.calls[stream]
             inbox.put((kind, arg, body))
 
+    def _handshake(self, data: bytes) -> bytes | None:
+        """The greeting and, when the server asks, the proof of the token: the bytes after them once
+        done (the connection is then greeted), None until then or when it failed."""
+        if self._stage == _HELLO_STAGE:
+            pending = bytes(self.frames._buf) + data
+            if len(pending) < len(HELLO):
+                self.frames._buf = bytearray(pending)
+                return None
+            self.frames._buf = bytearray()
+            hello, data = pending[:len(HELLO)], pending[len(HELLO):]
+            if hello[:5] != HELLO[:5] or hello[6:] != HELLO[6:] or hello[5] & ~AUTH_REQUIRED:
+                self._fail(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"the worker at {self.address} speaks lane {hello!r}, not version {VERSION}")
+                return None
+            if not hello[5] & AUTH_REQUIRED:
+                self._stage = _READY_STAGE
+                self.greeted.set_result(None)
+                return data
+            if self.token is None:
+                self._fail(grpc.StatusCode.UNAUTHENTICATED,
+                           f"the worker lane at {self.address} requires the internal token "
+                           f"(PDROUTER_INTERNAL_TOKEN), and this side has none")
+                return None
+            self._stage = _CHALLENGE_STAGE
+        try:
+            frames = self.frames.feed(data)
+        except ValueError as exc:
+            self._fail(grpc.StatusCode.FAILED_PRECONDITION, f"the worker lane at {self.address}: {exc}")
+            return None
+        assert self.transport is not None and self.token is not None
+        for stream, kind, arg, _, body in frames:
+            if stream == 0 and kind == END:
+                self._closed_by_server(arg, body)
+                return None
+            if stream == 0 and kind == AUTH and self._stage == _CHALLENGE_STAGE and len(body) == NONCE_SIZE:
+                self.transport.write(_frame(0, AUTH, 0, lane_proof(self.token, body)))
+                self._stage = _ACCEPT_STAGE
+            elif stream == 0 and kind == AUTH and self._stage == _ACCEPT_STAGE and not body:
+                self._stage = _READY_STAGE
+                self.greeted.set_result(None)
+            elif self._stage == _READY_STAGE:
+                continue  # no call is open yet: nothing after the acceptance but an END on stream 0 concerns it
+            else:
+                self._fail(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"the worker lane at {self.address} sent an unexpected frame (kind {kind}) "
+                           f"during the handshake")
+                return None
+        # Accepted: what is buffered stays in the parser for the next read.
+        return b"" if self._stage == _READY_STAGE else None
+
     def open(self, method: LaneMethod, body: bytes, timeout_ms: int) -> tuple[int, _Inbox]:
         if self.lost is not None or self.transport is None or self.transport.is_closing():
-            raise LaneError(grpc.StatusCode.UNAVAILABLE, self.lost or f"the lane to {self.address} is closed")
+            raise LaneError(self.lost_code, self.lost or f"the lane to {self.address} is closed")
         stream = self._next
         self._next = stream + 1 if stream < 0xFFFFFFFF else 1
         inbox = _Inbox()
@@ -150,11 +231,20 @@ class _ClientConnection(_Corked):
 
 
 class LaneChannel:
-    """The client end of one worker's lane: connects on first use, reconnects after a loss."""
+    """The client end of one worker's lane: connects on first use, reconnects after a loss.
 
-    def __init__(self, address: str, connect_timeout_s: float = 2.0) -> None:
+    ``token``: the secret to prove when the worker asks (None: a worker that asks is refused here
+    with UNAUTHENTICATED); ``ssl``: speak TLS, verifying the worker against the context's CA as
+    ``server_hostname`` (default: the host of ``address``) and presenting its certificate, if any.
+    """
+
+    def __init__(self, address: str, connect_timeout_s: float = 2.0, *, token: bytes | None = None,
+                 ssl: SSLContext | None = None, server_hostname: str | None = None) -> None:
         self.address = address
         self.connect_timeout_s = connect_timeout_s
+        self.token = token or None
+        self.ssl = ssl
+        self.server_hostname = server_hostname
         self._conn: _ClientConnection | None = None
         self._connecting: asyncio.Future[_ClientConnection] | None = None
         self._closed = False
@@ -175,12 +265,16 @@ class LaneChannel:
 
     async def _connect(self) -> _ClientConnection:
         host, _, port = self.address.rpartition(":")
+        host = host.strip("[]")
         loop = asyncio.get_running_loop()
         conn: _ClientConnection | None = None
+        tls: dict[str, Any] = {} if self.ssl is None else {
+            "ssl": self.ssl, "server_hostname": self.server_hostname or host,
+            "ssl_handshake_timeout": self.connect_timeout_s}
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _ClientConnection(self.address), host.strip("[]"),
-                                                       int(port))
+                _, conn = await loop.create_connection(lambda: _ClientConnection(self.address, self.token), host,
+                                                       int(port), **tls)
                 await conn.greeted
         except BaseException as exc:
             if conn is not None and conn.transport is not None:
@@ -190,6 +284,8 @@ class LaneChannel:
                                 f"cannot reach the worker lane at {self.address}: "
                                 f"{str(exc) or f'timed out after {self.connect_timeout_s}s'}") from None
             raise
+        if conn.lost is not None:  # greeted, then told at once why the connection ends
+            raise LaneError(conn.lost_code, conn.lost)
         self._conn = conn
         return conn
 

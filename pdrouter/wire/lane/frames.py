@@ -1,21 +1,46 @@
 """The lane's frames and vocabulary, shared by both ends: the greeting, the header, the frame kinds,
-the method table, the frame parser and the corked writer.
+the method table, the token proof, the frame parser and the corked writer.
 
-Wire format (version 1). The client opens with ``HELLO`` = ``b"PDRL"`` + version (u8) + 3 zero
-bytes; the server answers the same 8 bytes with its version, or closes. Then frames, each a
-16-byte header ``!IIBBHI`` (body length, stream id, kind, arg, reserved, timeout ms) and a body:
+Wire format (version 2), over TCP or, when both ends are given an ``ssl`` context, inside TLS.
+
+Greeting. The client opens with ``HELLO`` = ``b"PDRL"`` + version (u8) + 3 zero bytes. The server
+answers 8 bytes: ``b"PDRL"`` + its version + flags (u8) + 2 zero bytes; when the client's version is
+not its own it answers its ``HELLO`` and closes. Flag ``AUTH_REQUIRED`` (bit 0) says the server
+holds a token and serves nothing before the client has proved it knows it (challenge-response):
+
+1. server → client, right after its greeting: an ``AUTH`` frame (stream 0), body = a random
+   ``NONCE_SIZE``-byte nonce, new for every connection;
+2. client → server, its first frame: ``AUTH`` (stream 0), body = :func:`lane_proof` =
+   HMAC-SHA256(token, nonce + ``PROOF_LABEL``);
+3. server → client: ``AUTH`` (stream 0, empty body) when the proof matches (compared in constant
+   time); else ``END`` (stream 0, UNAUTHENTICATED) and the connection closes. A first frame that is
+   not the proof is refused the same way. The client sends its calls after the acceptance.
+
+A server refusing a connection outright (too many open) sends a plain greeting and, at once, an
+``END`` on stream 0 saying why.
+
+Frames, each a 16-byte header ``!IIBBHI`` (body length, stream id, kind, arg, reserved, timeout ms)
+and a body:
 
 * ``CALL`` (client → server): ``arg`` = method id, ``timeout`` = deadline in ms (0: none), body =
   the serialized request;
 * ``MESSAGE`` (server → client): one response of a streaming method;
 * ``END`` (server → client): ``arg`` = status code; body = the response of a unary method when
-  OK, the status details (UTF-8) otherwise. The stream is over;
-* ``CANCEL`` (client → server): the caller gave up; the server cancels the handler.
+  OK, the status details (UTF-8) otherwise. The stream is over. On stream 0 it ends the
+  connection: the server says why it closes it (a refused proof, too many connections, the
+  handshake or a frame past its deadline), and the client fails every open call with that status;
+* ``CANCEL`` (client → server): the caller gave up; the server cancels the handler;
+* ``AUTH`` (stream 0, both ways): the challenge, the proof and the acceptance above.
+
+The server's ``LaneLimits`` (``pdrouter.wire.lane.limits``) bound a connection's handshake time,
+the time a begun frame may take, its buffered bytes (so the frame size) and the connections open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 
@@ -23,13 +48,27 @@ from google.protobuf.message import Message
 
 from pdrouter.wire.v1 import common_pb2, worker_pb2
 
-VERSION = 1
+VERSION = 2
 MAGIC = b"PDRL"
 HELLO = MAGIC + bytes([VERSION, 0, 0, 0])
+"""The client's greeting, and the server's answer when it asks for no proof."""
+AUTH_REQUIRED = 0x01
+"""Flag (byte 5) of the server's greeting: prove the token (an ``AUTH`` challenge follows)."""
+HELLO_AUTH = MAGIC + bytes([VERSION, AUTH_REQUIRED, 0, 0])
+"""The server's greeting when it holds a token."""
 HEADER = struct.Struct("!IIBBHI")
 MAX_BODY = 64 * 1024 * 1024
 """Largest frame body accepted (the gRPC channels' message limit)."""
-CALL, MESSAGE, END, CANCEL = 1, 2, 3, 4
+CALL, MESSAGE, END, CANCEL, AUTH = 1, 2, 3, 4, 5
+NONCE_SIZE = 32
+PROOF_SIZE = 32
+PROOF_LABEL = b"pdrouter lane v2: client proof"
+"""Bound into the proof, so that it answers this challenge of this protocol and nothing else."""
+
+
+def lane_proof(token: bytes, nonce: bytes) -> bytes:
+    """The client's answer to the server's challenge ``nonce``: HMAC-SHA256(token, nonce + PROOF_LABEL)."""
+    return hmac.new(token, nonce + PROOF_LABEL, hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
@@ -60,8 +99,10 @@ METHODS = {m.id: m for m in (PREFILL, ALLOCATE, DECODE, RELEASE, COLOCATED, SERV
 class _Frames:
     """Incremental frame parser shared by both ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_body: int = MAX_BODY) -> None:
         self._buf = bytearray()
+        self.max_body = max_body
+        """The largest body accepted: a header announcing more raises ``ValueError`` before it is buffered."""
 
     def feed(self, data: bytes) -> list[tuple[int, int, int, int, bytes]]:
         """Append ``data``; the complete frames so far as (stream, kind, arg, timeout_ms, body)."""
@@ -71,8 +112,9 @@ class _Frames:
         pos, size = 0, len(buf)
         while size - pos >= HEADER.size:
             length, stream, kind, arg, _, timeout_ms = HEADER.unpack_from(buf, pos)
-            if length > MAX_BODY:
-                raise ValueError(f"lane frame of {length} bytes exceeds the {MAX_BODY}-byte limit")
+            if length > self.max_body:
+                del buf[:]
+                raise ValueError(f"lane frame of {length} bytes exceeds the {self.max_body}-byte limit")
             end = pos + HEADER.size + length
             if end > size:
                 break

@@ -4,15 +4,25 @@ Each ``CALL`` runs its handler in a task under the call's deadline, with a ``Lan
 part of ``grpc.aio.ServicerContext`` the servicers use; a handler's failure becomes the ``END``
 status, as a gRPC server would send it (``LaneContext.abort``'s code, a ``PdRouterError``'s gRPC
 code, else UNKNOWN). A ``CANCEL`` or a lost connection cancels the handler: nobody is left to answer.
+
+Who may call: with a ``token`` a connection is served only once it has proved it (the
+challenge-response of ``frames``); with an ``ssl`` context the port speaks TLS only (a context
+that requires client certificates makes it mutual TLS). Every connection is held to the server's
+``LaneLimits``: a handshake deadline, a deadline per begun frame that trickling cannot move, a cap
+on its buffered bytes (a few KiB before the proof) and a cap on connections. A connection refused
+or closed for any of these gets, where it can still be told, an ``END`` on stream 0 saying why.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Callable
+from ssl import SSLContext
 from typing import Any, cast
 
 import grpc
@@ -20,23 +30,42 @@ from google.protobuf.message import DecodeError, Message
 
 from pdrouter.core.errors import PdRouterError
 from pdrouter.wire.lane.frames import (
+    AUTH,
     CALL,
     CANCEL,
     END,
+    HEADER,
     HELLO,
+    HELLO_AUTH,
     MAGIC,
     MESSAGE,
     METHODS,
+    NONCE_SIZE,
     VERSION,
     LaneMethod,
     _Corked,
     _frame,
     _Frames,
+    lane_proof,
 )
+from pdrouter.wire.lane.limits import LaneLimits
 
 log = logging.getLogger(__name__)
 
 _WRITE_HIGH_WATER = 1 << 20
+LINGER_S = 1.0
+"""How long a connection told why it is closed keeps reading (and dropping) before it closes, so the
+reason is not lost to a TCP reset."""
+_LOG_EVERY_S = 10.0
+_last_logged: dict[str, float] = {}
+
+
+def _log_limit(what: str, message: str, *args: object) -> None:
+    """A warning about a refused or closed peer, at most once per ``_LOG_EVERY_S`` per kind."""
+    now = time.monotonic()
+    if now - _last_logged.get(what, -_LOG_EVERY_S) >= _LOG_EVERY_S:
+        _last_logged[what] = now
+        log.warning(message, *args)
 
 Handler = Callable[[Any, Any], Any]
 """A servicer method: ``(request, context)`` → response (unary) or an async iterator (streaming)."""
@@ -75,15 +104,27 @@ def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class LaneServer:
-    """Serves registered worker methods on one TCP port."""
+    """Serves registered worker methods on one TCP port.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    ``token``: serve only connections that prove it (None: anyone who greets); ``ssl``: speak TLS
+    (a context requiring client certificates makes it mutual TLS); ``limits``: what each connection
+    may take (default :class:`LaneLimits`' defaults).
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None = None,
+                 ssl: SSLContext | None = None, limits: LaneLimits | None = None) -> None:
+        if token is not None and not token:
+            raise ValueError("the lane token must not be empty (None: no token)")
         self.host = host
         self.requested_port = port
         self.port = 0
+        self.token = token
+        self.ssl = ssl
+        self.limits = LaneLimits() if limits is None else limits
         self._handlers: dict[int, tuple[LaneMethod, Handler]] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
+        self._refused: set[_ServerConnection] = set()
 
     def add(self, method: LaneMethod, handler: Handler) -> None:
         self._handlers[method.id] = (method, handler)
@@ -98,8 +139,9 @@ class LaneServer:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerConnection(self), self.host, self.requested_port,
-                                                reuse_address=True)
+        self._server = await loop.create_server(
+            lambda: _ServerConnection(self), self.host, self.requested_port, reuse_address=True, ssl=self.ssl,
+            ssl_handshake_timeout=self.limits.handshake_timeout_s if self.ssl is not None else None)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -111,7 +153,7 @@ class LaneServer:
         calls = [t for c in self._connections for t in c.calls.values()]
         if calls:
             await asyncio.wait(calls, timeout=grace)
-        for conn in list(self._connections):
+        for conn in [*self._connections, *self._refused]:
             conn.abort()
         if self._server is not None:
             await self._server.wait_closed()
@@ -122,10 +164,19 @@ class _ServerConnection(_Corked):
     def __init__(self, server: LaneServer) -> None:
         super().__init__()
         self.server = server
-        self.frames = _Frames()
+        self.limits = server.limits
+        self.frames = _Frames(self.limits.max_preauth_body)
         self.calls: dict[int, asyncio.Task[None]] = {}
         self.greeted = False
+        self.ready = False
+        """Greeted and, with a token, proved: calls are served."""
         self.closing = False
+        self.refused = False
+        """Refused or being closed: nothing more is read."""
+        self._nonce = b""
+        self._frame_t0: float | None = None
+        """When the incomplete frame in the buffer began (loop time), None without one."""
+        self._timers: dict[str, asyncio.TimerHandle] = {}
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -134,10 +185,27 @@ class _ServerConnection(_Corked):
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        self.server._connections.add(self)
+        server, limits = self.server, self.limits
+        if len(server._connections) >= limits.max_connections:
+            server._refused.add(self)
+            _log_limit("connections", "lane: refusing connections past %d open (--lane-max-connections)",
+                       limits.max_connections)
+            self._close_with(grpc.StatusCode.UNAVAILABLE,
+                             f"the worker lane has its limit of {limits.max_connections} connections open "
+                             f"(--lane-max-connections); retry later", hello=True)
+            return
+        server._connections.add(self)
+        self._timers["handshake"] = asyncio.get_running_loop().call_later(limits.handshake_timeout_s,
+                                                                           self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.refused = True
         self.server._connections.discard(self)
+        self.server._refused.discard(self)
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        self.frames._buf = bytearray()
         for task in self.calls.values():
             task.cancel()
         self._writable.set()
@@ -153,7 +221,7 @@ class _ServerConnection(_Corked):
             self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
-        if self.transport is None or self.transport.is_closing():
+        if self.refused or self.transport is None or self.transport.is_closing():
             return  # refused or going away: nothing more is read
         if not self.greeted:
             data = self._greet(data)
@@ -162,9 +230,15 @@ class _ServerConnection(_Corked):
         try:
             frames = self.frames.feed(data)
         except ValueError as exc:
-            log.warning("lane: closing a connection: %s", exc)
+            _log_limit("size", "lane: closing connections whose frames exceed their limit (--lane-max-buffered-bytes; "
+                       "%d bytes before the proof, --lane-max-preauth-bytes): %s", self.limits.max_preauth_bytes, exc)
             self.abort()
             return
+        completed = bool(frames)
+        if not self.ready:
+            frames = self._authenticate(frames)
+            if self.refused:
+                return
         for stream, kind, arg, timeout_ms, body in frames:
             if kind == CALL:
                 self._call(stream, arg, timeout_ms, body)
@@ -172,7 +246,9 @@ class _ServerConnection(_Corked):
                 task = self.calls.get(stream)
                 if task is not None:
                     task.cancel()
+        self._watch_frame(completed)
 
+    # -- the handshake ----------------------------------------------------------------------------
     def _greet(self, data: bytes) -> bytes:
         pending = bytes(self.frames._buf) + data
         if len(pending) < len(HELLO):
@@ -184,13 +260,130 @@ class _ServerConnection(_Corked):
         if hello[:4] != MAGIC or hello[4] != VERSION:
             log.warning("lane: refusing a peer that speaks %r (this worker speaks lane version %d)",
                         hello, VERSION)
+            self.refused = True
             self.transport.write(HELLO)  # tell it what this side speaks, then hang up
             self.transport.close()
             return b""
-        self.transport.write(HELLO)
         self.greeted = True
+        if self.server.token is None:
+            self.transport.write(HELLO)
+            self._ready()
+        else:
+            self._nonce = secrets.token_bytes(NONCE_SIZE)
+            self.transport.write(HELLO_AUTH + _frame(0, AUTH, 0, self._nonce))
         return rest
 
+    def _authenticate(self, frames: list[tuple[int, int, int, int, bytes]]) -> list[tuple[int, int, int, int, bytes]]:
+        """The frames after a valid proof (the connection is then ready); none while the proof has
+        not come; after a first frame that is not a valid proof, none, and the connection is refused."""
+        if not frames:
+            return frames
+        token = self.server.token
+        assert token is not None and self.transport is not None
+        stream, kind, _, _, body = frames[0]
+        if stream != 0 or kind != AUTH:
+            _log_limit("no-proof", "lane: refusing a connection that sent no proof of the internal token")
+            self._close_with(grpc.StatusCode.UNAUTHENTICATED,
+                             "this worker lane requires the internal token (PDROUTER_INTERNAL_TOKEN), and the "
+                             "connection sent a call before proving it")
+            return []
+        if not hmac.compare_digest(body, lane_proof(token, self._nonce)):
+            _log_limit("wrong-proof", "lane: refusing a connection with a wrong proof of the internal token")
+            self._close_with(grpc.StatusCode.UNAUTHENTICATED,
+                             "wrong internal token: the lane proof does not match this worker's "
+                             "PDROUTER_INTERNAL_TOKEN")
+            return []
+        self.transport.write(_frame(0, AUTH))
+        self._ready()
+        return frames[1:]
+
+    def _ready(self) -> None:
+        self.ready = True
+        self.frames.max_body = self.limits.max_body
+        timer = self._timers.pop("handshake", None)
+        if timer is not None:
+            timer.cancel()
+
+    def _handshake_expired(self) -> None:
+        self._timers.pop("handshake", None)
+        if self.ready or self.refused or self.transport is None:
+            return
+        timeout = self.limits.handshake_timeout_s
+        _log_limit("handshake", "lane: closing connections that did not complete the handshake within %g s "
+                   "(--lane-handshake-timeout)", timeout)
+        if not self.greeted:  # it never spoke the lane: nothing it would understand to say
+            self.refused = True
+            self.frames._buf = bytearray()
+            self.transport.close()
+            return
+        self._close_with(grpc.StatusCode.UNAUTHENTICATED,
+                         f"no proof of the internal token within {timeout:g} s (--lane-handshake-timeout)")
+
+    # -- limits -----------------------------------------------------------------------------------
+    def _watch_frame(self, completed: bool) -> None:
+        """After a read: start the deadline of a frame begun in it (one that completed frames and
+        left the start of another, or the first bytes after none); a frame still incomplete keeps
+        the deadline it had."""
+        if not self.frames._buf:
+            self._frame_t0 = None
+            return
+        if not completed and self._frame_t0 is not None:
+            return
+        loop = asyncio.get_running_loop()
+        now = self._frame_t0 = loop.time()
+        due = now + self.limits.frame_timeout_s
+        timer = self._timers.get("frame")
+        if timer is not None:
+            if timer.when() <= due:
+                return  # fires first and re-arms for the frame of the moment
+            timer.cancel()
+        self._timers["frame"] = loop.call_at(due, self._frame_expired)
+
+    def _frame_expired(self) -> None:
+        self._timers.pop("frame", None)
+        t0 = self._frame_t0
+        if t0 is None or self.refused:
+            return
+        limits, buf = self.limits, self.frames._buf
+        size = HEADER.size + (HEADER.unpack_from(buf)[0] if len(buf) >= HEADER.size else 0)
+        due = t0 + max(limits.frame_timeout_s, size / limits.frame_min_rate_bps)
+        loop = asyncio.get_running_loop()
+        if loop.time() < due - 0.001:
+            self._timers["frame"] = loop.call_at(due, self._frame_expired)
+            return
+        _log_limit("frame", "lane: closing connections whose frame did not complete in time (--lane-frame-timeout "
+                   "%g s, --lane-frame-min-rate %d bytes/s)", limits.frame_timeout_s, limits.frame_min_rate_bps)
+        came = len(buf)
+        self.frames._buf = bytearray()  # the partial frame is dropped now, not when the connection goes
+        self._close_with(grpc.StatusCode.UNAVAILABLE,
+                         f"a lane frame did not complete within {due - t0:.3g} s ({came} of {size} bytes came; "
+                         f"--lane-frame-timeout {limits.frame_timeout_s:g} s, --lane-frame-min-rate "
+                         f"{limits.frame_min_rate_bps} bytes/s)")
+
+    def _close_with(self, code: grpc.StatusCode, details: str, hello: bool = False) -> None:
+        """Tell the peer why (an ``END`` on stream 0, after a greeting when ``hello``), then close.
+
+        The connection is half-closed at once, and what the peer still sends is read and dropped
+        for up to :data:`LINGER_S`, so that closing with unread data does not reset the connection
+        before the peer has read the reason.
+        """
+        transport = self.transport
+        self.refused = True
+        self.frames._buf = bytearray()
+        if transport is None or transport.is_closing():
+            return
+        self._flush()  # what was corked leaves first
+        transport.write((HELLO if hello else b"") + _frame(0, END, code.value[0], details.encode()))
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+                self._timers["linger"] = asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+                return
+        except (OSError, RuntimeError, NotImplementedError):
+            pass
+        transport.close()
+
+    # -- calls ------------------------------------------------------------------------------------
     def _end(self, stream: int, code: grpc.StatusCode, body: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self._send(_frame(stream, END, code.value[0], body))

@@ -1,0 +1,107 @@
+"""The flags of the slow-client and overload limits: the router's HTTP doors (``--http-*``) and the
+workers' lane (``--lane-*``). ``docs/limits.md`` describes each limit and what a client sees.
+
+Each ``add_*`` adds its flags to a subcommand's parser; each ``*_from_args`` builds the frozen limits
+from the parsed flags, refusing a bad value with one line naming the flag (``ConfigError``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from pdrouter.core.errors import ConfigError
+from pdrouter.router.limits import HttpLimits
+from pdrouter.wire.lane.limits import LaneLimits
+
+_HTTP = HttpLimits()
+_LANE = LaneLimits()
+
+
+def add_http_limit_flags(p: argparse.ArgumentParser) -> None:
+    """``--http-header-timeout`` … ``--http-max-inflight``: the limits of both HTTP doors (API and metrics)."""
+    g = p.add_argument_group("HTTP limits", "slow clients and overload, on the HTTP door and the metrics listener")
+    g.add_argument("--http-header-timeout", type=float, default=_HTTP.header_timeout_s, metavar="S",
+                   help="a request's headers must have arrived this long after its connection (or, on a kept-alive "
+                        "connection, its first byte) came; trickling does not extend it. Past it: 408 and close "
+                        "(default %(default)g)")
+    g.add_argument("--http-body-timeout", type=float, default=_HTTP.body_timeout_s, metavar="S",
+                   help="a request body has this long to arrive, or longer at --http-body-min-rate; past it: 408 and "
+                        "close, the partial body dropped (default %(default)g)")
+    g.add_argument("--http-body-min-rate", type=int, default=_HTTP.body_min_rate_bps, metavar="BYTES_PER_S",
+                   help="past --http-body-timeout, a body keeps going only while it has averaged this rate "
+                        "(default %(default)d)")
+    g.add_argument("--http-idle-timeout", type=float, default=_HTTP.idle_timeout_s, metavar="S",
+                   help="a kept-alive connection with no request for this long is closed (default %(default)g)")
+    g.add_argument("--http-max-header-bytes", type=int, default=_HTTP.max_header_bytes, metavar="N",
+                   help="largest request head (target and headers) accepted; larger: 431 (default %(default)d)")
+    g.add_argument("--http-max-connections", type=int, default=_HTTP.max_connections, metavar="N",
+                   help="open connections per door; one more is answered 503 with Retry-After and closed "
+                        "(default %(default)d)")
+    g.add_argument("--http-max-inflight", type=int, default=_HTTP.max_inflight, metavar="N",
+                   help="requests served at once per door; one more is answered 503 with Retry-After "
+                        "(default %(default)d)")
+
+
+def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
+    """The :class:`HttpLimits` of :func:`add_http_limit_flags`' flags; ConfigError naming a bad one."""
+    return HttpLimits(
+        header_timeout_s=_seconds(args.http_header_timeout, "--http-header-timeout"),
+        body_timeout_s=_seconds(args.http_body_timeout, "--http-body-timeout"),
+        body_min_rate_bps=_count(args.http_body_min_rate, "--http-body-min-rate"),
+        idle_timeout_s=_seconds(args.http_idle_timeout, "--http-idle-timeout"),
+        max_header_bytes=_count(args.http_max_header_bytes, "--http-max-header-bytes", 1024),
+        max_connections=_count(args.http_max_connections, "--http-max-connections"),
+        max_inflight=_count(args.http_max_inflight, "--http-max-inflight"))
+
+
+def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:
+    """``--lane-handshake-timeout`` … ``--lane-max-buffered-bytes``: the limits of a worker's lane."""
+    g = p.add_argument_group("lane limits", "slow or unauthenticated peers on the worker lane")
+    g.add_argument("--lane-handshake-timeout", type=float, default=_LANE.handshake_timeout_s, metavar="S",
+                   help="a lane connection must have greeted (and proved the internal token) this long after it "
+                        "opened (after its TLS handshake, itself bounded by the same time); else it is closed "
+                        "(default %(default)g)")
+    g.add_argument("--lane-frame-timeout", type=float, default=_LANE.frame_timeout_s, metavar="S",
+                   help="a frame, once begun, must be complete within this long, or longer at "
+                        "--lane-frame-min-rate; trickling does not extend it (default %(default)g)")
+    g.add_argument("--lane-frame-min-rate", type=int, default=_LANE.frame_min_rate_bps, metavar="BYTES_PER_S",
+                   help="a large frame has its size at this rate to arrive, if longer than --lane-frame-timeout "
+                        "(default %(default)d)")
+    g.add_argument("--lane-max-connections", type=int, default=_LANE.max_connections, metavar="N",
+                   help="open lane connections; one more is refused (default %(default)d)")
+    g.add_argument("--lane-max-buffered-bytes", type=int, default=_LANE.max_buffered_bytes, metavar="N",
+                   help="bytes of an incomplete frame a connection may hold, so also the largest frame "
+                        "(default %(default)d)")
+    g.add_argument("--lane-max-preauth-bytes", type=int, default=_LANE.max_preauth_bytes, metavar="N",
+                   help="the same, before a connection has proved the internal token (default %(default)d)")
+
+
+def lane_limits_from_args(args: argparse.Namespace) -> LaneLimits:
+    """The :class:`LaneLimits` of :func:`add_lane_limit_flags`' flags; ConfigError naming a bad one."""
+    buffered = _count(args.lane_max_buffered_bytes, "--lane-max-buffered-bytes", 1024)
+    if buffered > _LANE.max_buffered_bytes:
+        raise ConfigError(f"--lane-max-buffered-bytes must be at most {_LANE.max_buffered_bytes} (the lane's largest "
+                          f"frame), got {buffered}")
+    preauth = _count(args.lane_max_preauth_bytes, "--lane-max-preauth-bytes", 256)
+    if preauth > buffered:
+        raise ConfigError(f"--lane-max-preauth-bytes ({preauth}) must not exceed --lane-max-buffered-bytes "
+                          f"({buffered})")
+    return LaneLimits(
+        handshake_timeout_s=_seconds(args.lane_handshake_timeout, "--lane-handshake-timeout"),
+        frame_timeout_s=_seconds(args.lane_frame_timeout, "--lane-frame-timeout"),
+        frame_min_rate_bps=_count(args.lane_frame_min_rate, "--lane-frame-min-rate"),
+        max_connections=_count(args.lane_max_connections, "--lane-max-connections"),
+        max_buffered_bytes=buffered, max_preauth_bytes=preauth)
+
+
+def _seconds(value: float, flag: str) -> float:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{flag} must be a number of seconds > 0, got {value:g}")
+    return float(value)
+
+
+def _count(value: int, flag: str, least: int = 1) -> int:
+    if value < least:
+        raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    return int(value)
