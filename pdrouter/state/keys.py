@@ -37,12 +37,37 @@ class PoolKeys:
         return f"{self.tag}:epoch"
 
     def prefix_set(self, worker_id: str, epoch: int) -> str:
-        """Set of the chained block hashes one worker incarnation holds (expires unless refreshed)."""
+        """Set of the chained block hashes one worker incarnation holds (its own record in the prefix index)."""
         return f"{self.tag}:px:{worker_id}:{epoch}"
 
     @property
     def prefix_set_pattern(self) -> str:
         return f"{self.tag}:px:*"
+
+    @property
+    def prefix_set_prefix(self) -> str:
+        """``prefix_set(w, e)`` is this followed by the incarnation name ``incarnation(w, e)``."""
+        return f"{self.tag}:px:"
+
+    @staticmethod
+    def incarnation(worker_id: str, epoch: int) -> str:
+        """The name of one worker incarnation in the prefix index: ``<worker_id>:<epoch>``."""
+        return f"{worker_id}:{epoch}"
+
+    @property
+    def prefix_block_prefix(self) -> str:
+        """The key of one block in the prefix index is this followed by the block's raw hash bytes."""
+        return f"{self.tag}:pxb:"
+
+    def prefix_block(self, block_hash: bytes) -> bytes:
+        """Set of the member ids (integers, ``PrefixIndex.member_id``) of the incarnations holding the block."""
+        return self.prefix_block_prefix.encode() + block_hash
+
+    @property
+    def prefix_live(self) -> str:
+        """Sorted set ``<member id>:<incarnation>`` → liveness deadline (ms, Redis clock) of the
+        incarnations in the prefix index, pushed on by every write and touch."""
+        return f"{self.tag}:pxlive"
 
     def kv_bookings(self, worker_id: str, epoch: int) -> str:
         """Hash booking id (router-assigned) → booked blocks on one decode worker incarnation."""

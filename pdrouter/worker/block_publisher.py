@@ -5,6 +5,12 @@ thread-safe buffer and keeps a mirror of the hashes currently stored. An asyncio
 buffer in one pipeline per round. If Redis is unreachable the buffer is dropped and the index is
 marked dirty; once Redis answers again (or after it restarted empty) the whole mirror is
 republished, so hit rates come back without the engine's help.
+
+About once a second (``maintenance_interval_s``) the task also refreshes the incarnation's
+liveness in the index and sweeps the entries of lapsed incarnations (workers that died without
+clearing theirs), so the index stays bounded while any worker of the pool runs. A write or
+refresh that finds this incarnation unknown or lapsed in the index (swept after a long stall,
+cleared by a router that saw it leave, lost with Redis) republishes the whole mirror too.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ class RedisBlockPublisher:
     """A ``BlockEventSink`` that feeds one worker incarnation's entries in the prefix index."""
 
     def __init__(self, index: PrefixIndex, worker_id: str, epoch: int,
-                 flush_interval_s: float = 0.01) -> None:
+                 flush_interval_s: float = 0.01, maintenance_interval_s: float = 1.0) -> None:
         self.index = index
         self.worker_id = worker_id
         self.epoch = epoch
         self.flush_interval_s = flush_interval_s
+        self.maintenance_interval_s = maintenance_interval_s
         self._lock = threading.Lock()
         self._pending: list[tuple[bool, tuple[BlockHash, ...]]] = []
         self._live: set[BlockHash] = set()
@@ -41,6 +48,10 @@ class RedisBlockPublisher:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self.published_events = 0
+        self.republishes = 0
+        """Full republishes after the first (Redis came back, or the index had lost this incarnation)."""
+        self.swept_entries = 0
+        """Entries of lapsed incarnations this publisher's sweeps removed."""
 
     # -- BlockEventSink (any thread) --------------------------------------------------------
     def blocks_stored(self, hashes: Sequence[BlockHash]) -> None:
@@ -81,16 +92,34 @@ class RedisBlockPublisher:
         try:
             if dirty:
                 await self.index.clear(self.worker_id, self.epoch)
-            await self.index.apply(self.worker_id, self.epoch, events)
+                await self.index.apply(self.worker_id, self.epoch, events)
+                self.republishes += self.published_events > 0
+            elif not await self.index.apply(self.worker_id, self.epoch, events):
+                log.info("worker %s: the prefix index had lost this incarnation; republishing", self.worker_id)
+                self.mark_dirty()
             self.published_events += len(events)
         except (RedisError, OSError) as exc:
             log.warning("worker %s: prefix index update failed (%s); will republish", self.worker_id, exc)
             self.mark_dirty()
             raise
 
+    async def maintain(self) -> None:
+        """Refresh this incarnation's liveness (republish if the index lost it) and sweep lapsed ones."""
+        if not await self.index.touch(self.worker_id, self.epoch):
+            with self._lock:
+                dirty = self._dirty
+            if not dirty:
+                log.info("worker %s: the prefix index had lost this incarnation; republishing", self.worker_id)
+                self.mark_dirty()
+        self.swept_entries += await self.index.sweep()
+
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_maintenance = loop.time() + self.maintenance_interval_s
         while True:
-            await self._wake.wait()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.0, next_maintenance - loop.time())):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self.flush()
@@ -98,6 +127,12 @@ class RedisBlockPublisher:
                 await asyncio.sleep(0.5)
                 self._wake.set()
                 continue
+            if loop.time() >= next_maintenance:
+                next_maintenance = loop.time() + self.maintenance_interval_s
+                try:
+                    await self.maintain()
+                except (RedisError, OSError) as exc:  # the next flush finds out whether Redis is gone
+                    log.debug("worker %s: prefix index maintenance failed: %s", self.worker_id, exc)
             await asyncio.sleep(self.flush_interval_s)
 
     def start(self) -> None:
