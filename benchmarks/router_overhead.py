@@ -28,19 +28,43 @@ stall would show as tens of milliseconds. ``target_met_*`` compare with the targ
 concurrency 1 ≤ 0.4 ms colocated and ≤ 0.5 ms disaggregated, router CPU ≤ 250 µs per request at
 concurrency 32; first-chunk extra ≤ 1 ms).
 
+The token path (``peers_*``), on the workload the peer routers were measured with: OpenAI
+``/v1/completions`` with text prompts at concurrency 32, the router in colocated mode over two
+workers; prompts short (``PEER_SHORT_PROMPT``, ≈ 20 characters) or long (one of
+``PEER_GROUPS`` shared ≈ 2,000-character prefixes plus a unique suffix), 2, 16 and 64 output
+tokens, streamed and not (and the gRPC door streaming the short prompt). Per line: the router's CPU
+per request; for non-streamed requests its growth from 16 to 64 tokens as a ratio
+(``..._growth_16_to_64``, target ≤ ``TARGET_PEER_GROWTH``); for streamed ones the CPU each further
+token costs, ``(cpu(64) - cpu(16)) / 48`` (``..._per_token``, target ≤ ``TARGET_STREAM_TOKEN_US``,
+half of ``BEFORE_STREAM_TOKEN_US``, what it cost before, measured here; both the median over the
+rounds, so that a burst of other load on the machine moves one round only), and
+the tokens per response write (``..._tokens_per_write``: 1 when every token leaves on its own,
+more when the router, behind its workers, merged the chunks that were already waiting; with
+simulated workers in instant mode it is behind, so this is the router at its limit). Kinds take
+turns phase by phase, the order reversed every round. At a fixed concurrency a longer request
+also means fewer requests a second: the router sleeps more between them and the same work costs
+it a few per cent more CPU (a 16-token request made to last as long as a 64-token one costs what
+the 64-token one does), which the growth figure includes.
+
 ``--backend sim`` runs the workers as simulated GPUs in instant mode (``--time-scale 0``: no
 sleeping, no model compute), so the figures are the router's and the transport's own, without the
 tiny model's compute (on the tiny model's geometry; tokens are the simulator's).
 
     python benchmarks/router_overhead.py [--quick] [--json] [--max-tokens N] [--prompt TEXT]
                                          [--worker-transport lane|grpc] [--backend torch|sim]
+                                         [--workloads all|short|peers]
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import os
+import random
+import secrets
+import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -54,9 +78,10 @@ from _report import Report, base_parser
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.cli.serve import freeze_startup_heap
+from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import load_tokenizer
-from pdrouter.engine.model_io import make_model
+from pdrouter.engine.model_io import make_model, write_random_model
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
@@ -72,6 +97,21 @@ STREAM_TOKENS = 8
 TARGET_ADDED_MS = {"colocated": 0.4, "disaggregated": 0.5}
 TARGET_CPU_US = 250.0
 TARGET_STREAM_EXTRA_MS = 1.0
+PEER_SHORT_PROMPT = "Tell me about cats."
+"""The peers' short prompt: ≈ 20 characters (a counter makes each one unique)."""
+PEER_PREFIX_CHARS = 2_000
+PEER_GROUPS = 4
+"""Shared ≈ 2,000-character prefixes; each long prompt is one of them plus a unique suffix."""
+PEER_TOKENS = (2, 16, 64)
+PEER_CONTEXT = 4096
+"""The long prompts are ≈ 2,050 byte-level tokens: the peers' model is the tiny one with this context."""
+PEER_BLOCKS = 8192
+"""Blocks per peers' worker: admission books prompt + output blocks for each of the 32 in flight."""
+TARGET_PEER_GROWTH = 1.10
+BEFORE_STREAM_TOKEN_US = 43.0
+"""Router CPU per streamed token before non-streamed requests left the per-token path and chunks
+were merged (this script, simulated workers, lane; 42.6–44.8 µs short and long, one run)."""
+TARGET_STREAM_TOKEN_US = 0.5 * BEFORE_STREAM_TOKEN_US
 
 
 class Client(Protocol):
@@ -213,10 +253,17 @@ class Plan:
     c32: int
     rounds: int
     stream: int
+    peers: int
+    """Requests per phase of the token-path workload, streamed kinds."""
+    peers_unary: int
+    """Requests per phase of the token-path workload, non-streamed kinds (cheap, and their growth
+    from 16 to 64 tokens is a few per cent: more of them, for a steadier ratio)."""
+    peer_rounds: int
+    """Phases of each kind of the token-path workload: many short ones, so drift hits every kind alike."""
 
 
-QUICK = Plan(warmup=48, c1=50, c32=160, rounds=2, stream=30)
-FULL = Plan(warmup=200, c1=150, c32=640, rounds=4, stream=100)
+QUICK = Plan(warmup=48, c1=50, c32=160, rounds=2, stream=30, peers=32, peers_unary=128, peer_rounds=3)
+FULL = Plan(warmup=200, c1=150, c32=640, rounds=4, stream=100, peers=96, peers_unary=192, peer_rounds=6)
 
 
 @dataclass
@@ -249,8 +296,11 @@ class Bench:
     def worker_args(self, role: str) -> list[str]:
         # One torch thread per worker: the workers, the router and this load generator share the
         # machine's cores, and torch's default (a thread per core) spins on the cores the others need.
+        return self.worker_args_for(role, self.model, self.redis_url, 2048)
+
+    def worker_args_for(self, role: str, model: Path, redis_url: str, num_blocks: int) -> list[str]:
         sim = ["--gpu", "h100", "--time-scale", "0"] if self.backend == "sim" else None
-        return worker_args(role, self.model, redis_url=self.redis_url, num_blocks=2048, torch_threads=1, sim=sim)
+        return worker_args(role, model, redis_url=redis_url, num_blocks=num_blocks, torch_threads=1, sim=sim)
 
 
 async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples], router_pid: int) -> None:
@@ -334,6 +384,21 @@ def started(name: str, args: list[str]) -> Iterator[ManagedProcess]:
         proc.stop()
 
 
+@contextlib.contextmanager
+def all_started(named: dict[str, list[str]]) -> Iterator[list[ManagedProcess]]:
+    """Start every process at once, then wait for each (they start side by side)."""
+    procs: list[ManagedProcess] = []
+    try:
+        for name, args in named.items():
+            procs.append(ManagedProcess(name, args))
+        for proc in procs:
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 def _split(address: str | None) -> tuple[str, int]:
     assert address is not None
     host, _, port = address.rpartition(":")
@@ -381,7 +446,127 @@ async def disaggregated(bench: Bench) -> None:
         await _closing(clients)
 
 
-def add_targets(bench: Bench) -> None:
+def peer_prompts(kind: str, seed: int) -> Iterator[str]:
+    """The peers' prompts of ``kind`` ("short" or "long"), each one unique."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(400)]
+    prefixes = []
+    for g in range(PEER_GROUPS):
+        text = f"Document {g}:"
+        while len(text) < PEER_PREFIX_CHARS:
+            text += " " + rng.choice(words)
+        prefixes.append(text[:PEER_PREFIX_CHARS])
+    for i in itertools.count():
+        if kind == "short":
+            yield f"{PEER_SHORT_PROMPT} {i % 1000:03d}"
+        else:
+            yield f"{prefixes[i % PEER_GROUPS]}\nQuestion {i}: {' '.join(rng.choices(words, k=6))}?"
+
+
+async def peers(bench: Bench, tmp: Path) -> None:
+    """The token path on the peers' workload (see the module docstring); its own model, Redis, workers, router."""
+    spec = dataclasses.replace(get_model_preset(MODEL), max_context=PEER_CONTEXT)
+    model = write_random_model(spec, 0, tmp / "peers" / MODEL)
+    plan, report = bench.plan, bench.report
+    with EmbeddedRedis() as redis_server, all_started({
+            "worker-a": bench.worker_args_for("worker", model, redis_server.url, PEER_BLOCKS),
+            "worker-b": bench.worker_args_for("worker", model, redis_server.url, PEER_BLOCKS),
+            "router": ["router", "--model", str(model), "--redis", redis_server.url, "--mode", "colocated",
+                       "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING",
+                       "--worker-transport", bench.transport]}) as (_, _, router):
+        assert router.grpc_address is not None
+        host, port = _split(router.address)
+        await _wait_for_workers(host, port, 2)
+        clients: dict[str, Client] = {}
+        connections: dict[int, tuple[asyncio.StreamReader, asyncio.StreamWriter]] = {}  # one per slot, shared
+        for prompt in ("short", "long"):
+            for tokens in PEER_TOKENS:
+                for stream in (False, True):
+                    name = f"{prompt}_{'stream' if stream else 'unary'}_{tokens}"
+                    clients[name] = HttpCompletions(host, port, MODEL, [], tokens, stream,
+                                                    prompts=peer_prompts(prompt, len(clients)), connections=connections)
+        for tokens in PEER_TOKENS[1:]:
+            clients[f"grpc_short_stream_{tokens}"] = RouterGenerate(
+                router.grpc_address, MODEL, [], tokens, texts=peer_prompts("short", len(clients)))
+        for kind, client in clients.items():  # the HTTP kinds share their connections: warm them once
+            if isinstance(client, RouterGenerate) or kind in ("short_unary_2", "short_stream_2", "long_unary_2"):
+                await run_phase(client, 32, 32, Samples(), None)
+        freeze_startup_heap()
+        samples = {kind: Samples() for kind in clients}
+        per_round: dict[str, list[float]] = {kind: [] for kind in clients}
+        writes = dict.fromkeys(clients, 0)
+        for r in range(plan.peer_rounds):
+            for kind in (list(clients) if r % 2 == 0 else list(reversed(clients))):
+                client = clients[kind]
+                before, phase = _writes(client), Samples()
+                n = plan.peers_unary if "_unary_" in kind else plan.peers
+                await run_phase(client, 32, n, phase, router.proc.pid)
+                writes[kind] += _writes(client) - before
+                per_round[kind].append(phase.cpu_seconds / len(phase.totals) * 1e6)
+                whole = samples[kind]
+                whole.totals += phase.totals
+                whole.firsts += phase.firsts
+                whole.seconds += phase.seconds
+                whole.cpu_seconds += phase.cpu_seconds
+        await _closing(clients)
+    cpu = {kind: s.cpu_seconds / len(s.totals) * 1e6 for kind, s in samples.items()}
+    report.add("peers_stream_router_cpu_per_token_before_recorded", BEFORE_STREAM_TOKEN_US, "us/token")
+    report.add("peers_prompt_short_chars", len(PEER_SHORT_PROMPT) + 4, "chars")
+    report.add("peers_prompt_long_chars", len(next(peer_prompts("long", 0))), "chars")
+    for door, prompts in (("", ("short", "long")), ("grpc_", ("short",))):
+        for prompt in prompts:
+            for stream in (("unary", "stream") if not door else ("stream",)):
+                base = f"{door}{prompt}_{stream}"
+                for tokens in PEER_TOKENS if not door else PEER_TOKENS[1:]:
+                    kind = f"{base}_{tokens}"
+                    report.add(f"peers_{kind}_router_cpu", cpu[kind], "us/req")
+                    report.add(f"peers_{kind}_p50", samples[kind].p(0.5) * 1e3, "ms")
+                    if stream == "stream" and tokens == PEER_TOKENS[-1]:
+                        # Tokens per response write: 1 when each token goes out on its own; more when
+                        # the router, behind its workers, merged the chunks that were waiting.
+                        per_write = tokens * len(samples[kind].totals) / max(writes[kind], 1)
+                        report.add(f"peers_{kind}_tokens_per_write", per_write, "tokens")
+                # The median over the rounds: a burst of other load on the machine moves one round only.
+                lo, hi = PEER_TOKENS[1], PEER_TOKENS[2]
+                pairs = list(zip(per_round[f"{base}_{lo}"], per_round[f"{base}_{hi}"], strict=True))
+                per_token = statistics.median((b - a) / (hi - lo) for a, b in pairs)
+                report.add(f"peers_{base}_router_cpu_per_token", per_token, "us/token")
+                if stream == "unary":
+                    report.add(f"peers_{base}_growth_16_to_64", statistics.median(b / a for a, b in pairs), "x")
+
+
+def _writes(client: Client) -> int:
+    """Streamed writes (HTTP chunks, gRPC messages) a client received so far."""
+    return int(getattr(client, "events", 0) or getattr(client, "messages", 0))
+
+
+async def _wait_for_workers(host: str, port: int, n: int, timeout: float = 30.0) -> None:
+    """Until ``n`` requests in a row were served (the router has seen the workers register)."""
+    deadline = time.monotonic() + timeout
+    served = 0
+    while served < n:
+        probe = HttpCompletions(host, port, MODEL, [1, 2, 3], 1, stream=False)
+        try:
+            await probe.once(0)
+            served += 1
+        except (RuntimeError, OSError, asyncio.IncompleteReadError):
+            served = 0  # (a refusal's body is left unread: the next probe takes a new connection)
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+        finally:
+            await probe.close()
+
+
+def add_targets(bench: Bench, workloads: str) -> None:
+    if workloads in ("all", "peers"):
+        growth = all(bench.figure(f"peers_{p}_unary_growth_16_to_64") <= TARGET_PEER_GROWTH for p in ("short", "long"))
+        bench.report.add("target_met_peers_unary_growth", int(growth), "bool")
+        per_token = all(bench.figure(f"peers_{p}_stream_router_cpu_per_token") <= TARGET_STREAM_TOKEN_US
+                        for p in ("short", "long"))
+        bench.report.add("target_met_peers_stream_token", int(per_token), "bool")
+    if workloads == "peers":
+        return
     for kind in ("grpc", "http"):
         met = all(bench.figure(f"{mode}_c1_{kind}_added_p50") <= limit
                   and bench.figure(f"{mode}_c32_{kind}_router_cpu") <= TARGET_CPU_US
@@ -400,7 +585,14 @@ async def main_async() -> None:
                         help="how the router (and the direct client) reach the workers")
     parser.add_argument("--backend", choices=["torch", "sim"], default="torch",
                         help="the workers' engine: the tiny torch model, or simulated GPUs in instant mode")
+    parser.add_argument("--workloads", choices=["all", "short", "peers"], default="all",
+                        help="the short requests (colocated, disaggregated, streaming check), the token path "
+                             "on the peers' workload, or both")
     args = parser.parse_args()
+    # Prefill and decode workers refuse to start without the deployment's KV secret: the ones
+    # started here (they inherit this environment) share one made for the run.
+    if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):
+        os.environ["PDROUTER_KV_TOKEN"] = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="router-overhead-") as tmp, EmbeddedRedis() as redis_server:
         model = make_model(MODEL, 0, Path(tmp) / MODEL)
         tokenizer = load_tokenizer(model)
@@ -410,9 +602,12 @@ async def main_async() -> None:
         bench.report.add("max_tokens", args.max_tokens, "tokens")
         bench.report.add("worker_transport_lane", int(args.worker_transport == "lane"), "bool")
         bench.report.add("backend_sim", int(args.backend == "sim"), "bool")
-        await colocated(bench)
-        await disaggregated(bench)
-    add_targets(bench)
+        if args.workloads in ("all", "short"):
+            await colocated(bench)
+            await disaggregated(bench)
+        if args.workloads in ("all", "peers"):
+            await peers(bench, Path(tmp))
+    add_targets(bench, args.workloads)
     bench.report.emit(args.json)
 
 

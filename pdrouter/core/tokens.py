@@ -28,9 +28,13 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TokenDelta:
-    """New tokens of a stream; the last delta has ``finish_reason`` and ``usage``."""
+    """New tokens of a stream; the last delta has ``finish_reason`` and ``usage``.
+
+    Built for every chunk a stream delivers, so a plain slotted dataclass (a frozen one sets each
+    field through ``object.__setattr__``, three times the cost): treat it as a value.
+    """
 
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None

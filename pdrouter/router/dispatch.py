@@ -25,6 +25,10 @@ workers (looked up while admission runs), then one call does the rest::
   ``TransferStats.admission_redis_errors`` counts it, by outcome.
 
 Colocated: the request goes to one colocated worker, which streams every token.
+
+Either way, a request the front door marks ``whole`` (not streamed, no stop strings) asks its
+worker for the tokens in one chunk at the end (``Serve``: after the first token, which brings the
+prefill report), so its cost here does not grow with its output.
 """
 from __future__ import annotations
 
@@ -165,7 +169,7 @@ class Dispatcher:
         start = time.perf_counter()
         hashes = self.hasher.hash_blocks(request.prompt_token_ids)
         try:
-            matches = await self.prefix_index.lookup(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
+            held = await self.prefix_index.matched_blocks(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
         except (RedisError, OSError) as exc:
             if self.index_ok:
                 log.warning("prefix index unreachable (%s): placing by load alone", exc)
@@ -177,7 +181,7 @@ class Dispatcher:
         self.index_ok = True
         self.stats.lookup_seconds += time.perf_counter() - start
         self.stats.lookups += 1
-        return {m.worker_id: m.blocks * self.model.block_size for m in matches}
+        return {w: blocks * self.model.block_size for w, blocks in held.items()}
 
     def _early_lookup(self, request: RouterRequest) -> asyncio.Task[dict[WorkerId, int]] | None:
         """Start the prefill placement's index lookup now, to run while admission does.
@@ -203,7 +207,7 @@ class Dispatcher:
         call: TokenStream | None = None
         try:
             call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
-                                          timeout=self._timeout(request))
+                                          timeout=self._timeout(request), whole=request.whole)
             async for delta in call:
                 yield delta
             handle.breaker.on_success()
@@ -321,7 +325,8 @@ class Dispatcher:
                 routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
                                      lane_address=h.record.lane_address if h.lane is not None else "",
                                      cached_tokens=cached)
-                        for h, cached in handles])
+                        for h, cached in handles],
+                whole=request.whole)
             if handles:
                 # The best candidate is charged with the prompt until its report arrives.
                 accounted, cached = handles[0]

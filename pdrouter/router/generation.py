@@ -18,9 +18,13 @@ from pdrouter.router.metrics import FrontdoorMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest, TokenDelta, Usage
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Piece:
-    """New output of a stream: tokens and the text they completed. The last piece is finished."""
+    """New output of a stream: tokens and the text they completed. The last piece is finished.
+
+    One per delta of the stream, so a plain slotted dataclass (a frozen one costs three times as
+    much to build): treat it as a value.
+    """
 
     text: str
     token_ids: tuple[int, ...]
@@ -34,8 +38,19 @@ async def _close(stream: AsyncIterator[TokenDelta]) -> None:
         await aclose()
 
 
+def _push_each(text: TextStream, ids: tuple[int, ...]) -> tuple[str, int]:
+    """Push ``ids`` one by one until a stop string completes: (their text, how many were taken)."""
+    parts = []
+    for i, token in enumerate(ids):
+        parts.append(text.push((token,)))
+        if text.stopped:
+            return "".join(parts), i + 1
+    return "".join(parts), len(ids)
+
+
 async def stream_pieces(orchestrator: Orchestrator, request: RouterRequest, text: TextStream,
-                        metrics: FrontdoorMetrics, arrival: float) -> AsyncGenerator[Piece, None]:
+                        metrics: FrontdoorMetrics, arrival: float,
+                        stop_strings: bool = False) -> AsyncGenerator[Piece, None]:
     """Pieces of ``request``'s output; the last one has ``finish_reason`` and ``usage``.
 
     ``arrival`` is the ``time.perf_counter()`` at which the front door received the request.
@@ -43,8 +58,17 @@ async def stream_pieces(orchestrator: Orchestrator, request: RouterRequest, text
     (so the request finishes normally on the workers), unless a stop string cut the output, in
     which case the stream is closed at once. Errors of the orchestrator propagate unchanged; the
     caller must close this generator (``contextlib.aclosing``) when it stops early.
+
+    Time to first token and inter-token latency go to ``metrics`` as the deltas come, except the
+    time to first token of a ``whole`` request whose tokens all came at once (it is not known).
+
+    A delta of several tokens is one piece (its text decoded at once). ``stop_strings``: ``text``
+    cuts at stop strings; such a delta is then decoded token by token, so the output ends at the
+    token that completed the stop string and ``usage`` counts the tokens up to it, exactly as if
+    the tokens had come one by one.
     """
     deltas = orchestrator.generate(request)
+    whole = request.whole
     prompt_len = len(request.prompt_token_ids)
     metrics.prompt_tokens.inc(prompt_len)
     generated = 0
@@ -57,13 +81,19 @@ async def stream_pieces(orchestrator: Orchestrator, request: RouterRequest, text
                 now = time.perf_counter()
                 if generated:
                     metrics.itl.observe((now - last_token_at) / len(ids))
-                else:
-                    metrics.ttft.observe(now - arrival)
+                elif not (whole and delta.finish_reason is not None and len(ids) > 1):
+                    metrics.ttft.observe(now - arrival)  # (not known when every token came at once)
                 last_token_at = now
-                generated += len(ids)
-                chunk = text.push(ids)
+                if stop_strings and len(ids) > 1:
+                    chunk, taken = _push_each(text, ids)
+                else:
+                    chunk, taken = text.push(ids), len(ids)
+                generated += taken
                 if text.stopped:  # a stop string: end here, and cancel the rest on the workers
-                    usage = delta.usage if delta.usage is not None else Usage(prompt_len, generated)
+                    if taken < len(ids):  # it ended before the delta's last token
+                        ids, usage = ids[:taken], Usage(prompt_len, generated)
+                    else:
+                        usage = delta.usage if delta.usage is not None else Usage(prompt_len, generated)
                     yield Piece(chunk, ids, FinishReason.STOP, usage)
                     return
             if delta.finish_reason is not None:

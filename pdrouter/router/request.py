@@ -29,6 +29,11 @@ class RouterRequest:
     """``time.monotonic()`` by which the request must finish (None: no deadline)."""
     priority: int = 0
     """Admission order among waiting requests: higher first, FIFO within a priority."""
+    whole: bool = False
+    """The caller takes the output in one piece and nothing needs to see it token by token (a
+    non-streamed response without stop strings): the worker may then send the tokens in one chunk
+    at the end (a decode worker's ``Serve``: after the first one, with its prefill report). The
+    output is the same either way; the time to the first token is then not known."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import dataclasses
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import aclosing
 
 import grpc
 
@@ -15,10 +17,53 @@ from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 _FINISH_TO_PB = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
                  FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH}
 
+WHOLE_CHUNK_TOKENS = 1024
+"""The most tokens one chunk of a ``whole`` request carries (its size stays bounded, a few KiB)."""
 
-async def token_chunks(request_id: str, outputs: AsyncIterator[RequestOutput],
-                       cached_tokens: int | None = None) -> AsyncIterator[common_pb2.TokenChunk]:
-    """One chunk per engine output; the finished one carries finish_reason and usage."""
+
+async def whole_outputs(outputs: AsyncIterator[RequestOutput], first_alone: bool = False,
+                        limit: int = WHOLE_CHUNK_TOKENS) -> AsyncGenerator[RequestOutput, None]:
+    """The engine's outputs for a caller that does not stream (``whole``), merged.
+
+    Every token waits, and goes in one output with the finished one (or in outputs of ``limit``
+    tokens, the last one finished); with ``first_alone`` the first output with tokens is passed on
+    by itself first (``Serve``: its chunk carries the prefill report, which must not wait). The
+    merged output carries the finished output's counts and reason, so its tokens, reason and usage
+    are those of the outputs one by one. When ``outputs`` ends without finishing, what it had is
+    passed on unfinished.
+    """
+    held: list[int] = []
+    last: RequestOutput | None = None
+    async for out in outputs:
+        if first_alone and out.new_token_ids:
+            first_alone = False
+            yield out
+            continue
+        if out.finished:
+            yield dataclasses.replace(out, new_token_ids=(*held, *out.new_token_ids)) if held else out
+            return
+        held.extend(out.new_token_ids)
+        last = out
+        if len(held) >= limit:
+            yield dataclasses.replace(out, new_token_ids=tuple(held))
+            held = []
+    if held and last is not None:
+        yield dataclasses.replace(last, new_token_ids=tuple(held))
+
+
+async def token_chunks(request_id: str, outputs: AsyncIterator[RequestOutput], cached_tokens: int | None = None,
+                       whole: bool = False) -> AsyncGenerator[common_pb2.TokenChunk, None]:
+    """One chunk per engine output; the finished one carries finish_reason and usage.
+
+    ``whole`` (the caller does not stream): the outputs are merged first (:func:`whole_outputs`), so
+    a request is one chunk with every token and the finish, whatever its length (up to
+    ``WHOLE_CHUNK_TOKENS``).
+    """
+    if whole:
+        async with aclosing(whole_outputs(outputs)) as merged:
+            async for chunk in token_chunks(request_id, merged, cached_tokens):
+                yield chunk
+        return
     async for out in outputs:
         chunk = common_pb2.TokenChunk(request_id=request_id, token_ids=out.new_token_ids)
         if out.finished:

@@ -19,12 +19,18 @@ the orchestrator's stream itself, so that:
   ``data: {"error": {...}}`` that ends the stream;
 * a client disconnect (seen by a small task reading the ASGI ``receive`` channel) cancels the
   request's task, which closes the orchestrator's iterator and so cancels the request on the
-  workers, whether it is queued, prefilling or streaming, streamed or not.
+  workers, whether it is queued, prefilling or streaming, streamed or not;
+* a request that is not streamed and has no stop strings is ``RouterRequest.whole``: its worker
+  sends the tokens in one chunk at the end, so the door parses and decodes once however long the
+  output. Stop strings are matched here, on the decoded text, token by token (the worker has no
+  text), so a request with them keeps its tokens coming as they are made: it ends at the token
+  that completes one, its usage counts the tokens up to it, and the worker stops there.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -117,6 +123,10 @@ class HttpFrontdoor:
             timeout = self.config.request_timeout_s
             deadline = None if timeout is None else time.monotonic() + timeout
             router_request = to_router_request(parsed, served, self.config, deadline)
+            if not parsed.stream and not parsed.stop:
+                # Taken in one piece, and no stop string to watch token by token: the worker
+                # sends the tokens at once (the same output, one message instead of one a token).
+                router_request = dataclasses.replace(router_request, whole=True)
         except Exception as exc:
             self.finish(exc, arrival)
             reply = error_reply(exc, self.config.retry_after_s)
@@ -311,7 +321,7 @@ class _Generation:
         text = TextStream(self._served.tokenizer.stream_decoder(), parsed.stop, parsed.include_stop_str_in_output)
         door = self._door
         return aclosing(stream_pieces(door.orchestrator, self._request, text, door.door_metrics,
-                                      self._arrival))
+                                      self._arrival, stop_strings=bool(parsed.stop)))
 
     def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         return [*base, (b"x-request-id", self._request.request_id.encode())]

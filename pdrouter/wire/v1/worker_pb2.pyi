@@ -56,7 +56,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class ServeRequest(_message.Message):
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -71,7 +72,8 @@ class ServeRequest(_message.Message):
     backend: str
     local_prefill_tokens: int
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillRoute]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ...) -> None: ...
+    whole: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class PrefillRoute(_message.Message):
     __slots__ = ("worker_id", "address", "lane_address", "cached_tokens")
@@ -144,11 +146,13 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    whole: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ...) -> None: ...

@@ -18,7 +18,8 @@ from pdrouter.worker.streaming import token_chunks
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
-    """``ColocatedWorker.Generate``: prefill and decode on this worker's engine, every token streamed."""
+    """``ColocatedWorker.Generate``: prefill and decode on this worker's engine, every token streamed
+    (``whole``: every token in one chunk at the end)."""
 
     def __init__(self, driver: EngineDriver) -> None:
         self.driver = driver
@@ -32,7 +33,7 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         prompt = list(request.prompt_token_ids)
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
         async with aclosing(self.driver.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
-            async for chunk in token_chunks(request.request_id, outputs):
+            async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 
 

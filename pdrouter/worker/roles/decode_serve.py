@@ -11,7 +11,10 @@ then decode from the first token. A route is called only when it passes the regi
 * ``ReportChunk``: a chunk of its own with the ``PrefillReport`` and the prefill worker's first token
   (no token when every route failed; the call then ends with the last failure);
 * ``EngineStream``: the engine's outputs for the request, one chunk each (``report``, when set,
-  goes on the first one: the prompt was computed here).
+  goes on the first one: the prompt was computed here). For a caller that does not stream
+  (``ServeOrder.whole``) the outputs are merged (``pdrouter.worker.streaming.whole_outputs``): the
+  first token by itself (its chunk brings the report, which the caller's accounting of the prefill
+  workers waits for), then the rest in one output at the end, so the call is two chunks.
 
 The report is attached once. Leaving the stream early (a cancelled call) frees everything: the
 expectation is aborted, the blocks freed, a prefill call in flight cancelled.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
-from contextlib import aclosing
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
 from pdrouter.core.errors import InvalidRequestError, PdRouterError, UnavailableError, error_from_grpc_code
@@ -32,6 +35,7 @@ from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome
 from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
+from pdrouter.worker.streaming import whole_outputs
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,18 @@ def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[Prefil
         compute_ms=outcome.compute_ms if outcome is not None else 0.0,
         transfer_ms=outcome.transfer_ms if outcome is not None else 0.0,
         bytes_sent=outcome.bytes_sent if outcome is not None else 0, failures=tuple(failures))
+
+
+@asynccontextmanager
+async def _shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
+                  first_alone: bool) -> AsyncIterator[AsyncIterator[RequestOutput]]:
+    """The engine's outputs as the caller takes them: one by one, or (``whole``) merged, the
+    first token by itself unless it went with the report already (``whole_outputs``)."""
+    if not whole:
+        yield outputs
+        return
+    async with aclosing(whole_outputs(outputs, first_alone=first_alone)) as merged:
+        yield merged
 
 
 class DecodeServe:
@@ -122,8 +138,10 @@ class DecodeServe:
                         # The first token at once (with the report), then the decode stream from the landed KV.
                         yield ReportChunk(report, outcome.first_token)
                         cached = max(decode_cached, outcome.cached_tokens)
-                        async with aclosing(self.driver.decode_remote(RequestId(rid), outcome.first_token)) as outputs:
-                            yield EngineStream(outputs, cached_tokens=cached)
+                        decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token)
+                        async with aclosing(decoded) as outputs, \
+                                _shaped(outputs, order.whole, first_alone=False) as shaped:
+                            yield EngineStream(shaped, cached_tokens=cached)
                         finished = True
                     finally:
                         if not finished:
@@ -134,8 +152,9 @@ class DecodeServe:
                 # reuses it at once.
                 self.driver.abort(RequestId(rid))
                 report = _report(len(prompt), decode_cached, failures, local=True)
-                async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling)) as outputs:
-                    yield EngineStream(outputs, report=report)
+                async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling)) as outputs, \
+                        _shaped(outputs, order.whole, first_alone=True) as shaped:
+                    yield EngineStream(shaped, report=report)
                 return
             # Every prefill worker failed: the report names them all, then the last failure ends the call.
             yield ReportChunk(_report(len(prompt), decode_cached, failures), None)

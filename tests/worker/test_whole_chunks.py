@@ -1,0 +1,278 @@
+"""How tokens leave a worker and reach the router: ``whole`` requests in two chunks, merged deltas.
+
+* ``whole_outputs`` / ``token_chunks(whole=True)`` (pure logic): every token in one chunk with the
+  finish (or in chunks of at most ``WHOLE_CHUNK_TOKENS``), the first by itself before them when
+  asked, the same tokens, reason and usage as one chunk per engine output;
+* real worker processes: a colocated ``Generate`` with ``whole`` set sends one chunk, a decode
+  worker's ``Serve`` (remote and local prefill) two (the first token with the report, then the
+  rest), the same tokens and usage as without it;
+* the router's ``TokenStream``: chunks already there when one is read become one delta over a lane
+  (the same tokens, a failure after them still comes after them, closing it early is clean); over
+  gRPC every chunk stays a delta of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+
+from pdrouter.core.errors import NotFoundError, UnavailableError
+from pdrouter.core.ids import RequestId
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import FinishReason, TokenDelta
+from pdrouter.engine.outputs import FinishReason as EngineFinish
+from pdrouter.engine.outputs import RequestOutput
+from pdrouter.wire.convert import sampling_to_pb
+from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.lane import ColocatedLane, LaneChannel, LaneServer, serve_servicer
+from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from pdrouter.wire.worker_client import TokenStream
+from pdrouter.worker.streaming import WHOLE_CHUNK_TOKENS, token_chunks, whole_outputs
+
+from .conftest import SpawnWorker
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+PROMPT = [257, *b"the quick brown fox jumps over the lazy dog"]
+
+
+# -- the worker's merging, pure logic ---------------------------------------------------------
+def outputs(n: int, finished: bool = True, prompt: int = 5, cached: int = 3) -> list[RequestOutput]:
+    """``n`` engine outputs of one token each (token i is 100 + i); the last finished (LENGTH)."""
+    return [RequestOutput(RequestId("r"), (100 + i,), finished and i == n - 1,
+                          EngineFinish.LENGTH if finished and i == n - 1 else None, prompt, i + 1, cached)
+            for i in range(n)]
+
+
+async def replay(items: Sequence[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    for item in items:
+        yield item
+
+
+async def merged(items: Sequence[RequestOutput], **kw: object) -> list[RequestOutput]:
+    return [out async for out in whole_outputs(replay(items), **kw)]  # type: ignore[arg-type]
+
+
+async def test_whole_outputs_are_one_with_the_finish() -> None:
+    got = await merged(outputs(10))
+    assert [out.new_token_ids for out in got] == [tuple(range(100, 110))]
+    last = got[-1]
+    assert last.finished and (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                              last.num_cached_tokens) == (EngineFinish.LENGTH, 5, 10, 3)
+    # The first by itself (Serve: its chunk carries the prefill report), then the rest.
+    got = await merged(outputs(10), first_alone=True)
+    assert [out.new_token_ids for out in got] == [(100,), tuple(range(101, 110))]
+    assert [out.finished for out in got] == [False, True]
+    # One token in all: passed on as it is.
+    assert await merged(outputs(1)) == await merged(outputs(1), first_alone=True) == outputs(1)
+
+
+async def test_whole_outputs_bound_their_size_and_keep_an_unfinished_tail() -> None:
+    got = await merged(outputs(10), limit=4)
+    assert [out.new_token_ids for out in got] == [(100, 101, 102, 103), (104, 105, 106, 107), (108, 109)]
+    assert [out.finished for out in got] == [False, False, True]
+    got = await merged(outputs(10), first_alone=True, limit=4)
+    assert [out.new_token_ids for out in got] == [(100,), (101, 102, 103, 104), (105, 106, 107, 108), (109,)]
+    # A stream that ends without finishing (an abort) still hands on what it had, unfinished.
+    got = await merged(outputs(6, finished=False))
+    assert [out.new_token_ids for out in got] == [(100, 101, 102, 103, 104, 105)]
+    assert not any(out.finished for out in got)
+    assert WHOLE_CHUNK_TOKENS >= 256
+
+
+async def test_token_chunks_whole_is_one_chunk_with_the_same_usage() -> None:
+    one_by_one = [c async for c in token_chunks("r", replay(outputs(40)), cached_tokens=16)]
+    whole = [c async for c in token_chunks("r", replay(outputs(40)), cached_tokens=16, whole=True)]
+    assert len(one_by_one) == 40 and len(whole) == 1
+    assert list(whole[0].token_ids) == [t for c in one_by_one for t in c.token_ids]
+    assert whole[0].finish_reason == one_by_one[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert whole[0].usage == one_by_one[-1].usage and whole[0].usage.cached_tokens == 16
+
+
+# -- real workers -------------------------------------------------------------------------------
+async def chunks_of(call: AsyncIterator[common_pb2.TokenChunk]) -> list[common_pb2.TokenChunk]:
+    return [chunk async for chunk in call]
+
+
+def tokens(chunks: Sequence[common_pb2.TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+def generate(stub: worker_pb2_grpc.ColocatedWorkerStub | ColocatedLane, rid: str, whole: bool,
+             params: SamplingParams = GREEDY) -> AsyncIterator[common_pb2.TokenChunk]:
+    return stub.Generate(worker_pb2.WorkerGenerateRequest(  # type: ignore[return-value]
+        request_id=rid, prompt_token_ids=PROMPT, sampling=sampling_to_pb(params), whole=whole))
+
+
+async def test_colocated_worker_sends_whole_requests_in_one_chunk(spawn_worker: SpawnWorker) -> None:
+    worker = spawn_worker("worker")
+    async with grpc.aio.insecure_channel(worker.address or "") as channel:
+        info = await worker_pb2_grpc.WorkerInfoServiceStub(channel).GetInfo(worker_pb2.GetInfoRequest())
+        lane = LaneChannel(info.lane_address)
+        try:
+            for i, stub in enumerate((worker_pb2_grpc.ColocatedWorkerStub(channel), ColocatedLane(lane))):
+                streamed = await chunks_of(generate(stub, f"s{i}", whole=False))
+                whole = await chunks_of(generate(stub, f"w{i}", whole=True))
+                assert len(streamed) == GREEDY.max_tokens and len(whole) == 1
+                assert tokens(whole) == tokens(streamed)
+                assert whole[-1].finish_reason == streamed[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+                # (the second request finds the prompt in the prefix cache: cached tokens differ)
+                assert (whole[-1].usage.prompt_tokens, whole[-1].usage.completion_tokens) == \
+                    (streamed[-1].usage.prompt_tokens, streamed[-1].usage.completion_tokens) == \
+                    (len(PROMPT), GREEDY.max_tokens)
+                # One token: one chunk either way.
+                single = await chunks_of(generate(stub, f"one{i}", whole=True, params=SamplingParams(max_tokens=1)))
+                assert len(single) == 1 and len(single[0].token_ids) == 1 and single[0].finish_reason
+        finally:
+            await lane.close()
+
+
+async def test_decode_serve_sends_whole_requests_in_two_chunks(spawn_worker: SpawnWorker, redis_url: str) -> None:
+    prefill = spawn_worker("prefill", redis_url=redis_url)
+    decode = spawn_worker("decode", redis_url=redis_url)
+    async with grpc.aio.insecure_channel(prefill.address or "") as p_channel, \
+            grpc.aio.insecure_channel(decode.address or "") as d_channel:
+        p_info = await worker_pb2_grpc.WorkerInfoServiceStub(p_channel).GetInfo(worker_pb2.GetInfoRequest())
+        d_info = await worker_pb2_grpc.WorkerInfoServiceStub(d_channel).GetInfo(worker_pb2.GetInfoRequest())
+        stub = worker_pb2_grpc.DecodeWorkerStub(d_channel)
+        route = worker_pb2.PrefillRoute(worker_id=p_info.worker_id, address=p_info.address)
+
+        def serve(rid: str, whole: bool, local: bool) -> AsyncIterator[common_pb2.TokenChunk]:
+            return stub.Serve(worker_pb2.ServeRequest(
+                request_id=rid, prompt_token_ids=PROMPT, sampling=sampling_to_pb(GREEDY),
+                model_compat_hash=d_info.model_compat_hash, local_prefill_tokens=1000 if local else 0,
+                prefill=[] if local else [route], whole=whole))
+
+        for local in (False, True):
+            streamed = await chunks_of(serve(f"s-{local}", whole=False, local=local))
+            whole = await chunks_of(serve(f"w-{local}", whole=True, local=local))
+            assert len(streamed) == GREEDY.max_tokens and len(whole) == 2
+            # The report rides on the first chunk, with the first token, as without ``whole``.
+            assert whole[0].HasField("prefill") and whole[0].prefill.local == local
+            assert len(whole[0].token_ids) == 1 and not whole[1].HasField("prefill")
+            assert tokens(whole) == tokens(streamed)
+            assert whole[-1].finish_reason == streamed[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert (whole[-1].usage.prompt_tokens, whole[-1].usage.completion_tokens) == \
+                (len(PROMPT), GREEDY.max_tokens)
+
+
+# -- the router's side: merged deltas ----------------------------------------------------------------
+class Burst(worker_pb2_grpc.ColocatedWorkerServicer):
+    """Sends ``max_tokens`` one-token chunks at once (no wait between them), then the finish; a
+    request id starting with ``fail`` ends with NOT_FOUND instead of finishing, ``hold`` never ends."""
+
+    def __init__(self) -> None:
+        self.closed: list[str] = []
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
+                       context: object) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        try:
+            n = request.sampling.max_tokens
+            for i in range(n - 1):
+                yield common_pb2.TokenChunk(request_id=rid, token_ids=[i])
+            if rid.startswith("fail"):
+                raise NotFoundError("gone")
+            if rid.startswith("hold"):
+                yield common_pb2.TokenChunk(request_id=rid, token_ids=[n - 1])
+                await asyncio.sleep(30)
+            yield common_pb2.TokenChunk(request_id=rid, token_ids=[n - 1], finish_reason=common_pb2.FINISH_REASON_STOP,
+                                        usage=common_pb2.Usage(prompt_tokens=3, completion_tokens=n, cached_tokens=2))
+        finally:
+            self.closed.append(rid)
+
+
+def burst_request(rid: str, n: int) -> worker_pb2.WorkerGenerateRequest:
+    return worker_pb2.WorkerGenerateRequest(request_id=rid, prompt_token_ids=[1, 2, 3],
+                                            sampling=common_pb2.SamplingParams(max_tokens=n))
+
+
+async def deltas_after_a_pause(stream: TokenStream) -> list[TokenDelta]:
+    """Every delta, pausing after the first so that the rest of the chunks are all there."""
+    got: list[TokenDelta] = []
+    async for delta in stream:
+        got.append(delta)
+        if len(got) == 1:
+            await asyncio.sleep(0.2)
+    return got
+
+
+async def test_token_stream_merges_the_chunks_already_there_on_a_lane() -> None:
+    server = LaneServer()
+    servicer = Burst()
+    serve_servicer(server, servicer)
+    await server.start()
+    channel = LaneChannel(server.address)
+    lane = ColocatedLane(channel)
+    try:
+        got = await deltas_after_a_pause(TokenStream(lane.Generate(burst_request("r", 50)), "r", 3))
+        assert [t for d in got for t in d.token_ids] == list(range(50))
+        assert len(got) < 10  # the chunks that waited came as one (or a few) deltas
+        assert got[-1].finish_reason is FinishReason.STOP
+        assert got[-1].usage is not None and (got[-1].usage.completion_tokens, got[-1].usage.cached_tokens) == (50, 2)
+        # A failure after some chunks: their tokens first, then the error.
+        stream = TokenStream(lane.Generate(burst_request("fail", 20)), "fail", 3)
+        seen: list[int] = []
+        with pytest.raises(NotFoundError):
+            async for delta in stream:
+                seen.extend(delta.token_ids)
+                await asyncio.sleep(0.1)
+        assert seen == list(range(19))
+        # Left early while a read is pending: closing is clean and the worker's handler ends.
+        call = lane.Generate(burst_request("hold", 5))
+        stream = TokenStream(call, "hold", 3)
+        iterator = stream.__aiter__()
+        seen = []
+        while len(seen) < 5:
+            seen.extend((await asyncio.wait_for(anext(iterator), 5)).token_ids)
+            await asyncio.sleep(0.05)
+        assert seen == list(range(5))
+        await iterator.aclose()  # type: ignore[attr-defined]  # a read of the next chunk is pending
+        stream.cancel()
+        for _ in range(200):
+            if "hold" in servicer.closed:
+                break
+            await asyncio.sleep(0.01)
+        assert "hold" in servicer.closed
+    finally:
+        await channel.close()
+        await server.stop(grace=0.1)
+
+
+async def test_token_stream_over_grpc_keeps_one_delta_per_chunk() -> None:
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_ColocatedWorkerServicer_to_server(Burst(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.ColocatedWorkerStub(channel)
+            got = await deltas_after_a_pause(TokenStream(stub.Generate(burst_request("g", 20)), "g", 3))
+            assert [d.token_ids for d in got] == [(i,) for i in range(20)]
+            assert got[-1].usage is not None and got[-1].usage.completion_tokens == 20
+            # A failure is the worker's status, as before.
+            with pytest.raises(NotFoundError):
+                [d async for d in TokenStream(stub.Generate(burst_request("fail", 3)), "fail", 3)]
+    finally:
+        await server.stop(0)
+
+
+async def test_token_stream_that_ends_unfinished_is_unavailable() -> None:
+    class Unfinished:
+        def __aiter__(self) -> AsyncIterator[common_pb2.TokenChunk]:
+            return self._chunks()
+
+        async def _chunks(self) -> AsyncIterator[common_pb2.TokenChunk]:
+            yield common_pb2.TokenChunk(token_ids=[1])
+
+        def cancel(self) -> None:
+            return None
+
+    got: list[TokenDelta] = []
+    with pytest.raises(UnavailableError):
+        async for delta in TokenStream(Unfinished(), "u", 1):
+            got.append(delta)
+    assert [d.token_ids for d in got] == [(1,)]
