@@ -22,6 +22,7 @@ Figures per mode: ``<mode>_<process>_rss_mib`` after the last phase,
 from __future__ import annotations
 
 import asyncio
+import secrets
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.engine.model_io import make_model
 from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox"
@@ -72,8 +74,10 @@ async def soak(mode: str, model: Path, redis_url: str, ids: list[int], phases: i
                report: Report) -> None:
     """One cluster of ``mode``: workers, then the router; ``phases`` phases of ``per_phase`` requests."""
     roles = ("prefill", "decode") if mode == "disaggregated" else ("worker",)
+    # The run's own secrets: the KV transfer's, and the one the router and the workers share.
+    env = {"PDROUTER_KV_TOKEN": secrets.token_hex(16), INTERNAL_TOKEN_ENV: secrets.token_hex(16)}
     procs = {role: ManagedProcess(role, worker_args(role, model, redis_url=redis_url, num_blocks=2048,
-                                                    torch_threads=1))
+                                                    torch_threads=1), env=env)
              for role in roles}
     try:
         for proc in procs.values():
@@ -81,7 +85,7 @@ async def soak(mode: str, model: Path, redis_url: str, ids: list[int], phases: i
         # Started once the workers are registered, so its first look at the pool finds them.
         procs["router"] = ManagedProcess("router", [
             "router", "--model", str(model), "--redis", redis_url, "--mode", mode, "--http-port", "0",
-            "--grpc-port", "0", "--local-prefill-tokens", "0", "--log-level", "WARNING"])
+            "--grpc-port", "0", "--local-prefill-tokens", "0", "--log-level", "WARNING"], env=env)
         procs["router"].wait_ready()
         assert procs["router"].address is not None
         host, port = procs["router"].address.rsplit(":", 1)

@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
 from pdrouter.cli.local_cluster import check_ports_free, ready_line
+from pdrouter.cli.security_flags import add_tls_flags, internal_token_from_env, redis_url, tls_from_args
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.errors import ConfigError
 
@@ -62,6 +64,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template used instead of the model folder's (chat_template.jinja or "
                         "tokenizer_config.json); a model without one answers chat requests with 400")
+    add_tls_flags(p, server_help="the calls to the workers verify them and present --tls-cert (mutual TLS); "
+                  "the front doors serve --tls-cert to any client")
+    add_http_limit_flags(p)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
 
@@ -87,12 +92,17 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     if args.metrics_host is not None and args.metrics_port is None:
         raise ConfigError("--metrics-host needs --metrics-port")
     api_keys = collect_api_keys(args.api_key, args.api_key_file, os.environ.get(ENV_VAR))
+    tls = tls_from_args(args)
+    if tls is not None and not tls.ca:
+        raise ConfigError("--tls-ca is needed with --tls-cert: the router verifies its workers' certificates")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     chat_template = read_chat_template(args.chat_template)
     return RouterConfig(
-        model_dir=args.model, model_name=args.served_model_name, redis_url=args.redis, static_workers=workers,
+        model_dir=args.model, model_name=args.served_model_name, redis_url=redis_url(args.redis),
+        static_workers=workers,
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_keys=api_keys,
+        tls=tls, internal_token=internal_token_from_env(),
         block_size=args.block_size, worker_transport=args.worker_transport,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
@@ -100,6 +110,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
+        http_limits=http_limits_from_args(args),
         frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s, chat_template=chat_template))
 
 

@@ -30,10 +30,14 @@ import urllib.request
 from pathlib import Path
 
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, worker_args
-from pdrouter.cli.worker_cmd import TORCH_THREADS_ENV
+from pdrouter.cli.security_flags import internal_token_from_env
+from pdrouter.cli.worker_cmd import KV_TOKEN_ENV, TORCH_THREADS_ENV, kv_token_from_env
 from pdrouter.core.errors import ConfigError, UnavailableError
+from pdrouter.core.net import is_loopback
 from pdrouter.core.redact import redact_url
-from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys, is_loopback
+from pdrouter.core.secrets_env import secret_from_env
+from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 DEFAULT_MODEL_DIR = Path(".pdrouter") / "models" / "tiny"
 
@@ -171,7 +175,12 @@ def run(args: argparse.Namespace) -> int:
         make_model(args.preset, args.seed, args.model)
     num_blocks = args.num_blocks if args.num_blocks is not None or sim is not None else 512
     model_name = args.model.name
-    env = {"PDROUTER_KV_TOKEN": os.environ.get("PDROUTER_KV_TOKEN") or secrets.token_hex(16)}
+    # The workers' KV secret: PDROUTER_KV_TOKEN (or _FILE) when given, else one made for the run.
+    env = {KV_TOKEN_ENV: kv_token_from_env("up") if secret_from_env(KV_TOKEN_ENV) else secrets.token_hex(16),
+           f"{KV_TOKEN_ENV}_FILE": ""}  # read above; the children get the value
+    # The router and the workers share a secret for internal calls, made for the run unless given.
+    env[INTERNAL_TOKEN_ENV] = internal_token_from_env() or secrets.token_hex(16)
+    env[f"{INTERNAL_TOKEN_ENV}_FILE"] = ""  # read above; the children get the value
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[ManagedProcess] = []

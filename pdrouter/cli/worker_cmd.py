@@ -8,7 +8,9 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdrouter.cli.limits_flags import add_lane_limit_flags, lane_limits_from_args
 from pdrouter.cli.local_cluster import ready_line
+from pdrouter.cli.security_flags import add_tls_flags, internal_token_from_env, redis_url, tls_from_args
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.capacity import (
     DEFAULT_OVERHEAD_BYTES,
@@ -21,7 +23,10 @@ from pdrouter.core.capacity import (
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.model_spec import normalize_dtype
+from pdrouter.core.net import is_loopback
+from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 if TYPE_CHECKING:
     from pdrouter.engine.config import EngineConfig
@@ -30,7 +35,6 @@ if TYPE_CHECKING:
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
 TORCH_THREADS_ENV = "PDROUTER_TORCH_THREADS"
-DEV_KV_TOKEN = "pdrouter-dev-token"
 DEFAULT_UTILIZATION = 0.9
 TORCH_BATCHING = (64, 512)
 """Running requests and step tokens of the torch engine on a small CPU model."""
@@ -116,6 +120,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            help="without --redis: the decode workers' KV receiver addresses this worker may send "
                                 "KV to (with --redis: the decode workers registered in the pool; with neither: "
                                 "none)")
+        add_tls_flags(p, server_help="the gRPC port, the lane and the KV receiver ask for client certificates "
+                      "it signed (mutual TLS), and calls to other workers verify theirs")
+        add_lane_limit_flags(p)
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=run, role_name=name)
 
@@ -186,6 +193,39 @@ def _check_sim_only(args: argparse.Namespace) -> None:
         raise ConfigError(f"{', '.join(given)} only apply to --backend sim")
 
 
+def internal_credentials(args: argparse.Namespace) -> tuple[str | None, TlsFiles | None]:
+    """The worker's internal secret and TLS files. Without either a worker refuses to start unless it
+    binds a loopback address (then it warns): its ports would take calls from anyone."""
+    internal, tls = internal_token_from_env(), tls_from_args(args)
+    if tls is not None and not tls.ca:
+        raise ConfigError("--tls-ca is needed with --tls-cert: workers verify their callers' certificates")
+    if internal is None and tls is None:
+        if not is_loopback(args.host):
+            raise ConfigError(f"a worker bound to {args.host} needs {INTERNAL_TOKEN_ENV} (the secret the router "
+                              f"and the workers share; or {INTERNAL_TOKEN_ENV}_FILE) or --tls-ca/--tls-cert/"
+                              f"--tls-key (mutual TLS): without them anyone who reaches its ports can use it")
+        logging.getLogger(__name__).warning("%s is not set and no --tls-ca: the worker's ports on %s take "
+                                            "internal calls from any local process", INTERNAL_TOKEN_ENV, args.host)
+    return internal, tls
+
+
+def kv_token_from_env(role_name: str) -> str:
+    """The KV transfer secret (``PDROUTER_KV_TOKEN``, or the file ``PDROUTER_KV_TOKEN_FILE`` names); a
+    prefill or decode worker without one, or with one shorter than 16 bytes, refuses to start
+    (ConfigError: one line, exit code 2). A colocated worker moves no KV and needs none."""
+    from pdrouter.core.secrets_env import secret_from_env
+    from pdrouter.transfer.config import check_auth_token
+
+    token = secret_from_env(KV_TOKEN_ENV) or ""
+    if role_name == "worker":
+        return token
+    if not token:
+        raise ConfigError(f"a {role_name} worker needs {KV_TOKEN_ENV} (or {KV_TOKEN_ENV}_FILE, a file holding "
+                          f"it): the secret every prefill and decode worker of the deployment shares (make one "
+                          f"with: python -c 'import secrets; print(secrets.token_hex(16))')")
+    return check_auth_token(token, what=f"{KV_TOKEN_ENV} (or what {KV_TOKEN_ENV}_FILE holds)")
+
+
 def build_config(args: argparse.Namespace) -> WorkerConfig:
     from pdrouter.worker.config import WorkerConfig
 
@@ -204,21 +244,20 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         engine: EngineConfig | SimEngineConfig = _sim_config(args)
     else:
         engine = _torch_config(args)
-    token = os.environ.get(KV_TOKEN_ENV, "")
-    if not token and args.role_name != "worker":
-        logging.getLogger(__name__).warning("%s is not set: using the development KV token; set it to a "
-                                            "shared secret in any real deployment", KV_TOKEN_ENV)
-        token = DEV_KV_TOKEN
+    token = kv_token_from_env(args.role_name)
+    internal, tls = internal_credentials(args)
     return WorkerConfig(
         role=_ROLE[args.role_name], worker_id=args.worker_id or f"{args.role_name}-{os.getpid()}",
         engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
-        redis_url=args.redis, model_name=args.served_model_name,
+        redis_url=redis_url(args.redis), model_name=args.served_model_name,
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
         kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
         max_lease_ms=getattr(args, "max_lease_ms", 120_000),
         decode_kv_addresses=tuple(a.strip() for a in getattr(args, "decode_kv_addresses", "").split(",")
                                   if a.strip()),
-        lane_port=None if args.lane_port == -1 else args.lane_port)
+        lane_port=None if args.lane_port == -1 else args.lane_port,
+        lane_limits=lane_limits_from_args(args),
+        internal_token=internal, tls=tls)
 
 
 def _torch_config(args: argparse.Namespace) -> EngineConfig:

@@ -7,12 +7,15 @@ from pathlib import Path
 from typing import Literal
 
 from pdrouter.core.errors import ConfigError
+from pdrouter.core.tls import TlsFiles
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.frontdoor.auth import ApiKeys
+from pdrouter.router.limits import HttpLimits
 from pdrouter.router.placement.policy import CacheAwareConfig
 from pdrouter.router.served_models import FrontdoorConfig
 from pdrouter.state.client import MIN_CONNECTIONS
+from pdrouter.wire.security import PeerSecurity, check_token
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,11 @@ class RouterConfig:
     """Bind host of the metrics listener (None: ``host``)."""
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     """The keys both front doors ask for (none: the doors are open)."""
+    tls: TlsFiles | None = None
+    """TLS: the front doors serve ``cert``/``key`` (no client certificate asked), and the calls to
+    the workers verify them against ``ca`` and present ``cert`` (mutual TLS). None: plaintext."""
+    internal_token: str | None = field(default=None, repr=False)
+    """The secret the workers ask of every internal call (``PDROUTER_INTERNAL_TOKEN``); None: none sent."""
     block_size: int = 16
     hash_seed: int = 0
     cache_aware: bool = True
@@ -51,9 +59,18 @@ class RouterConfig:
     placement: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)
     frontdoor: FrontdoorConfig = field(default_factory=FrontdoorConfig)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Slow-client and overload limits of both HTTP doors (the API door and the metrics listener)."""
+
+    @property
+    def worker_security(self) -> PeerSecurity:
+        """The credentials of the router's calls to its workers."""
+        return PeerSecurity(self.internal_token, self.tls)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir))
+        if self.internal_token is not None:
+            check_token(self.internal_token)
         if not self.redis_url and not self.static_workers:
             raise ConfigError("the router needs --redis (worker registry) or --workers (a static list)")
         for port in (self.http_port, self.grpc_port, *([] if self.metrics_port is None else [self.metrics_port])):

@@ -21,17 +21,19 @@ from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.model_spec import ModelSpec
+from pdrouter.core.net import is_loopback
 from pdrouter.core.redact import redact_url
+from pdrouter.core.tls import TlsFiles
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import Dispatcher
 from pdrouter.router.frontdoor import grpc_api
-from pdrouter.router.frontdoor.auth import is_loopback
 from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app, metrics_app
 from pdrouter.router.http_server import bind_socket, make_server
+from pdrouter.router.limits import HttpLimits
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool
@@ -42,6 +44,7 @@ from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
 from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.security import grpc_server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +94,7 @@ class RouterProcess:
                 self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
                 self.admission.start()
         self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
-                               use_lane=cfg.worker_transport == "lane",
+                               use_lane=cfg.worker_transport == "lane", security=cfg.worker_security,
                                on_leave=self._forget_worker if index is not None else None)
         self._index = index
         await self.pool.start()
@@ -102,19 +105,24 @@ class RouterProcess:
         self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
         keys = cfg.api_keys
-        self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
+        door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
+        self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (),
+                               credentials=door_credentials)
         grpc_api.add_to_server(self.grpc, RouterServicer(self.dispatcher, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor))
         await self.grpc.start()
         app = create_app(self.dispatcher, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
                          serve_metrics=cfg.metrics_port is None)
-        self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http")
+        self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http",
+                                                                        cfg.tls, cfg.http_limits)
         if cfg.metrics_port is not None:
             self._metrics_server, self._metrics_server_task, self.metrics_port = await _serve(
-                metrics_app(self.metrics), cfg.metrics_host or cfg.host, cfg.metrics_port, "router-metrics-http")
+                metrics_app(self.metrics), cfg.metrics_host or cfg.host, cfg.metrics_port, "router-metrics-http",
+                cfg.tls, cfg.http_limits)
         self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
-        log.info("router for %s (%s) on http://%s:%d and grpc %s%s; API keys: %s", self.model_name, cfg.mode,
-                 cfg.host, self.http_port, self.grpc.address,
+        log.info("router for %s (%s) on %s://%s:%d and grpc%s %s%s; API keys: %s", self.model_name, cfg.mode,
+                 "http" if cfg.tls is None else "https", cfg.host, self.http_port,
+                 "" if cfg.tls is None else " (TLS)", self.grpc.address,
                  "" if self.metrics_port is None else f", metrics on port {self.metrics_port}",
                  len(keys) if keys.enabled else "none")
         if not keys.enabled and not is_loopback(cfg.host):
@@ -185,14 +193,15 @@ class RouterProcess:
             await _bounded("Redis client close", self.redis.aclose(), bound)
 
 
-async def _serve(app: Any, host: str, port: int, name: str) -> tuple[object, asyncio.Task[None], int]:
-    """Serve ``app`` with the router's HTTP server on ``host:port`` (0: any free port) once it
-    listens: ``(server, its task, the port)``."""
+async def _serve(app: Any, host: str, port: int, name: str, tls: TlsFiles | None = None,
+                 limits: HttpLimits | None = None) -> tuple[object, asyncio.Task[None], int]:
+    """Serve ``app`` with the router's HTTP server on ``host:port`` (0: any free port; HTTPS with
+    ``tls``; ``limits``: its slow-client and overload limits) once it listens: ``(server, its task, the port)``."""
     sock = bind_socket(host, port)  # IPPROTO_TCP: asyncio then sets TCP_NODELAY
     sock.listen(1024)
     sock.setblocking(False)
     bound_port = sock.getsockname()[1]
-    server = make_server(app, host, bound_port)
+    server = make_server(app, host, bound_port, tls=tls, limits=limits)
     task = asyncio.create_task(server.serve(sockets=[sock]), name=name)
     while not server.started:
         if task.done():

@@ -10,9 +10,15 @@ wait) raises ``redis.exceptions.ConnectionError`` / ``TimeoutError``.
 
 A pub/sub subscription holds one connection for as long as it listens, so the pool must be larger
 than the number of subscriptions the process keeps (``MIN_CONNECTIONS``).
+
+URLs are redis-py's: ``redis://[[user]:password@]host:port/db``, ``rediss://`` for TLS (with e.g.
+``?ssl_ca_certs=/path/ca.pem``), ``unix://``. :func:`url_with_password` adds a password kept out of
+the URL (``PDROUTER_REDIS_PASSWORD[_FILE]``, read by the CLI).
 """
 
 from __future__ import annotations
+
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 
@@ -38,3 +44,26 @@ def redis_client(url: str, *, max_connections: int, pool_timeout_s: float, conne
         url, max_connections=max_connections, timeout=pool_timeout_s,
         socket_connect_timeout=connect_timeout_s, socket_timeout=socket_timeout_s)
     return aioredis.Redis.from_pool(pool)
+
+
+PASSWORD_ENV = "PDROUTER_REDIS_PASSWORD"
+"""The Redis password, for URLs that carry none (or ``PDROUTER_REDIS_PASSWORD_FILE``: a file holding it)."""
+
+
+def url_with_password(url: str, password: str | None) -> str:
+    """``url`` with ``password`` as its password; ``url`` itself when there is none to add.
+
+    ConfigError when the URL already has a different password (two sources, one of them wrong).
+    """
+    if not password:
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss"):
+        raise ConfigError(f"{PASSWORD_ENV} applies to redis:// and rediss:// URLs, not {parts.scheme}://")
+    if parts.password is not None:
+        if parts.password != password:
+            raise ConfigError(f"the Redis URL has a password and {PASSWORD_ENV} another: give one")
+        return url
+    user = quote(parts.username or "", safe="")
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))

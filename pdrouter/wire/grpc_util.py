@@ -87,12 +87,17 @@ class GrpcServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
-        """``interceptors`` run before every call, the health service's included."""
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 credentials: grpc.ServerCredentials | None = None) -> None:
+        """``interceptors`` run before every call, the health service's included; ``credentials``:
+        TLS (``pdrouter.wire.security.grpc_server_credentials``), or None for plaintext."""
         self.server = grpc.aio.server(options=list(options), interceptors=list(interceptors) or None)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        self.tls = credentials is not None
+        self.port = (self.server.add_insecure_port(address) if credentials is None
+                     else self.server.add_secure_port(address, credentials))
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         self.host = host
@@ -122,9 +127,12 @@ class GrpcServer:
         await self.server.wait_for_termination()
 
 
-async def check_health(address: str, service: str = "", timeout: float = 2.0) -> bool:
-    """True when the server at ``address`` reports SERVING for ``service``."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def check_health(address: str, service: str = "", timeout: float = 2.0,
+                       credentials: grpc.ChannelCredentials | None = None) -> bool:
+    """True when the server at ``address`` reports SERVING for ``service`` (over TLS with ``credentials``)."""
+    channel = (grpc.aio.insecure_channel(address) if credentials is None
+               else grpc.aio.secure_channel(address, credentials))
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             resp = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)

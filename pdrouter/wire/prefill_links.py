@@ -30,6 +30,7 @@ from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
 from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.lane import LaneChannel, PrefillLane
+from pdrouter.wire.security import OPEN, PeerSecurity
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -69,9 +70,11 @@ class _Link:
 class PrefillLinks:
     """``prefill(route, …)``: one ``PrefillWorker.Prefill`` call; ``stub(route)``: that worker's stub."""
 
-    def __init__(self, max_links: int = 256, connect_timeout_s: float = 2.0) -> None:
+    def __init__(self, max_links: int = 256, connect_timeout_s: float = 2.0, security: PeerSecurity = OPEN) -> None:
+        """``security``: the credentials each call to a prefill worker presents (internal secret, TLS)."""
         if max_links <= 0:
             raise ValueError("max_links must be > 0")
+        self.security = security
         self.max_links = max_links
         self.connect_timeout_s = connect_timeout_s
         self._links: OrderedDict[tuple[str, str], _Link] = OrderedDict()
@@ -129,9 +132,10 @@ class PrefillLinks:
 
     def _open(self, kind: str, address: str) -> _Link:
         if kind == "lane":
-            lane = LaneChannel(address, connect_timeout_s=self.connect_timeout_s)
+            lane = LaneChannel(address, connect_timeout_s=self.connect_timeout_s, token=self.security.lane_token,
+                               ssl=self.security.client_ssl())
             return _Link(lane, PrefillLane(lane))
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = self.security.channel(address, CHANNEL_OPTIONS)
         return _Link(channel, worker_pb2_grpc.PrefillWorkerStub(channel))
 
     def _close_later(self, link: _Link) -> None:

@@ -19,11 +19,9 @@ The decode worker's ``Serve`` servicer uses the other direction of the same conv
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import grpc
 
 from pdrouter.core.errors import UnavailableError
 from pdrouter.core.sampling import SamplingParams
@@ -31,7 +29,8 @@ from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
 from pdrouter.wire.convert import load_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
-from pdrouter.wire.lane import LaneChannel, request_stubs
+from pdrouter.wire.lane import LaneChannel, StreamCall, request_stubs
+from pdrouter.wire.security import OPEN, PeerSecurity
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
@@ -65,6 +64,9 @@ class ServeOrder:
     local_prefill_tokens: int
     routes: Sequence[PrefillRoute] = ()
     """Prefill workers to try, best first (none: the decode worker computes the prompt)."""
+    whole: bool = False
+    """The caller does not stream: after the first token (and the report), the rest comes in one
+    chunk at the end."""
 
 
 @dataclass(slots=True)
@@ -114,7 +116,8 @@ def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
         sampling=sampling_to_pb(order.sampling), model_compat_hash=order.model_compat_hash,
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
-                                         cached_tokens=r.cached_tokens) for r in order.routes])
+                                         cached_tokens=r.cached_tokens) for r in order.routes],
+        whole=order.whole)
 
 
 def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
@@ -122,11 +125,67 @@ def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
     return ServeOrder(
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
         model_compat_hash=msg.model_compat_hash, backend=msg.backend, local_prefill_tokens=msg.local_prefill_tokens,
-        routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]))
+        routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]),
+        whole=msg.whole)
+
+
+def _at_once(step: Any) -> tuple[bool, Any]:
+    """Run ``step`` (a stream's ``__anext__()`` coroutine) until it first has to wait.
+
+    ``(True, message)`` when the message was already there; ``(False, what it waits on)`` when it
+    has to wait: :class:`_Resumed` then finishes it. The end of the stream (``StopAsyncIteration``)
+    and the call's errors raise.
+    """
+    try:
+        return False, step.send(None)
+    except StopIteration as done:
+        return True, done.value
+
+
+class _Resumed:
+    """Awaits the rest of a ``step`` that :func:`_at_once` found waiting on ``waiting``.
+
+    What the task sends or throws (a wake-up, a cancellation) goes to the step, as ``await step``
+    would have sent it from the start; ``close()`` drops a step that is not awaited after all.
+    """
+
+    __slots__ = ("_step", "_waiting")
+
+    def __init__(self, step: Any, waiting: Any) -> None:
+        self._step = step
+        self._waiting = waiting
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        step, signal = self._step, self._waiting
+        while True:
+            try:
+                sent = yield signal
+            except BaseException as exc:
+                try:
+                    signal = step.throw(exc)
+                except StopIteration as done:
+                    return done.value
+            else:
+                try:
+                    signal = step.send(sent)
+                except StopIteration as done:
+                    return done.value
+
+    def close(self) -> None:
+        self._step.close()
 
 
 class TokenStream:
-    """A worker's ``TokenChunk`` stream as ``TokenDelta`` s (see the module docstring); iterate once."""
+    """A worker's ``TokenChunk`` stream as ``TokenDelta`` s (see the module docstring); iterate once.
+
+    Chunks that have already arrived when one is read are merged into one delta (a lane call's
+    messages come in batches, and when the router falls behind a stream several of its chunks are
+    waiting): the tokens are the same and in order, in fewer, longer deltas, so what a delta costs
+    downstream (text, a response chunk, a write) is paid once per batch instead of once per token.
+    Nothing waits to be merged: a delta is handed on as soon as no further chunk is already there.
+    A failure after merged chunks comes after their delta, as it would after the chunks one by one.
+    gRPC calls are read one chunk at a time (a ``grpc.aio`` read always waits for the channel).
+    """
 
     __slots__ = ("_call", "_on_report", "_prompt_tokens", "_request_id")
 
@@ -143,33 +202,74 @@ class TokenStream:
 
     async def __aiter__(self) -> AsyncIterator[TokenDelta]:
         on_report = self._on_report
+        stream = self._call.__aiter__()
+        merge = isinstance(self._call, StreamCall)
+        resumed: _Resumed | None = None
         produced = 0
         try:
-            async for chunk in self._call:
+            while True:
+                try:
+                    chunk = await (stream.__anext__() if resumed is None else resumed)
+                except StopAsyncIteration:
+                    break
+                resumed = None
+                ids: Any = chunk.token_ids
+                reason = _FINISH.get(chunk.finish_reason)
                 if on_report is not None and chunk.HasField("prefill"):
                     on_report(report_from_pb(chunk.prefill))
                     on_report = None
-                produced += len(chunk.token_ids)
-                reason = _FINISH.get(chunk.finish_reason)
-                if reason is None:
-                    if chunk.token_ids:
-                        yield TokenDelta(tuple(chunk.token_ids))
-                    continue
-                yield TokenDelta(tuple(chunk.token_ids), reason,
-                                 Usage(self._prompt_tokens, produced, chunk.usage.cached_tokens))
-                return
+                ended = False
+                failure: Exception | None = None
+                while reason is None and merge:  # take the chunks that are here already
+                    step = stream.__anext__()
+                    try:
+                        ready, got = _at_once(step)
+                    except StopAsyncIteration:
+                        ended = True
+                        break
+                    except Exception as exc:  # raised after the delta of the chunks before it
+                        failure = exc
+                        break
+                    if not ready:
+                        resumed = _Resumed(step, got)
+                        break
+                    if on_report is not None and got.HasField("prefill"):
+                        on_report(report_from_pb(got.prefill))
+                        on_report = None
+                    if got.token_ids:
+                        if type(ids) is not list:
+                            ids = list(ids)
+                        ids.extend(got.token_ids)
+                    reason = _FINISH.get(got.finish_reason)
+                    chunk = got
+                produced += len(ids)
+                if reason is not None:
+                    yield TokenDelta(tuple(ids), reason,
+                                     Usage(self._prompt_tokens, produced, chunk.usage.cached_tokens))
+                    return
+                if ids:
+                    yield TokenDelta(tuple(ids))
+                if failure is not None:
+                    raise failure
+                if ended:
+                    break
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
+        finally:
+            if resumed is not None:
+                resumed.close()
         raise UnavailableError(f"request {self._request_id}: the worker ended the stream without finishing")
 
 
 class WorkerClient:
     """Calls to one worker incarnation over its lane (request RPCs, when given) and gRPC."""
 
-    def __init__(self, address: str, lane_address: str = "") -> None:
-        """``lane_address``: the worker's lane, used for request RPCs ("" : gRPC only)."""
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
-        self.lane = LaneChannel(lane_address) if lane_address else None
+    def __init__(self, address: str, lane_address: str = "", security: PeerSecurity = OPEN) -> None:
+        """``lane_address``: the worker's lane, used for request RPCs ("" : gRPC only); ``security``:
+        the credentials every call presents (internal secret, TLS)."""
+        self.channel = security.channel(address, CHANNEL_OPTIONS)
+        self.lane = LaneChannel(lane_address, token=security.lane_token,
+                                ssl=security.client_ssl()) if lane_address else None
         self._info = worker_pb2_grpc.WorkerInfoServiceStub(self.channel)
         _, self._decode, self._colocated = request_stubs(self.channel, self.lane)
 
@@ -183,10 +283,11 @@ class WorkerClient:
         return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 timeout: float | None) -> TokenStream:
-        """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token."""
+                 timeout: float | None, whole: bool = False) -> TokenStream:
+        """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
+        (``whole``: every token in one chunk at the end)."""
         msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                               sampling=sampling_to_pb(sampling))
+                                               sampling=sampling_to_pb(sampling), whole=whole)
         try:
             call = self._colocated.Generate(msg, timeout=timeout)
         except RPC_ERRORS as exc:

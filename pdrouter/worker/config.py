@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdrouter.core.errors import ConfigError
+from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.wire.lane.limits import LaneLimits
+from pdrouter.wire.security import PeerSecurity
 
 KV_BACKENDS = ("tcp", "gloo", "nccl")
 
@@ -48,6 +51,13 @@ class WorkerConfig:
     drain_grace_s: float = 10.0
     lane_port: int | None = 0
     """Port of the worker lane, the router's fast path (0: any free port; None: gRPC only)."""
+    lane_limits: LaneLimits = field(default_factory=LaneLimits)
+    """What one lane connection may take: handshake and per-frame deadlines, buffered bytes, connections."""
+    internal_token: str | None = field(default=None, repr=False)
+    """The secret every internal caller (router, decode workers) must present (``PDROUTER_INTERNAL_TOKEN``);
+    None: no secret (then only mutual TLS, if any, authenticates callers)."""
+    tls: TlsFiles | None = None
+    """TLS for the worker's ports (gRPC, lane, KV) and its own calls out; with a CA, mutual TLS."""
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c in self.worker_id for c in " :{}"):
@@ -71,6 +81,11 @@ class WorkerConfig:
             host, sep, number = address.rpartition(":")
             if not sep or not host or not number.isdigit() or not 0 < int(number) < 65536:
                 raise ConfigError(f"--decode-kv-addresses takes host:port entries, got {address!r}")
+
+    @property
+    def security(self) -> PeerSecurity:
+        """The credentials of the worker's servers and of its calls to other workers."""
+        return PeerSecurity(self.internal_token, self.tls)
 
     @property
     def public_host(self) -> str:

@@ -16,6 +16,7 @@ from redis.exceptions import RedisError
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.errors import StaleEpochError
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
+from pdrouter.state.client import redis_client
 from pdrouter.state.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,12 @@ class Presence:
             log.warning("worker %s: could not deregister: %s", self.record.worker_id, exc)
 
 
+WORKER_REDIS_CONNECTIONS = 16
+"""The worker's Redis pool: heartbeats, block events, the registry view; callers wait for a free one."""
+
+
 async def connect_redis(url: str) -> aioredis.Redis:
-    """An asyncio Redis client for ``url`` (connection checked with PING)."""
-    client = aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    """An asyncio Redis client for ``url`` over a bounded, blocking pool (connection checked with PING)."""
+    client = redis_client(url, max_connections=WORKER_REDIS_CONNECTIONS, pool_timeout_s=5.0)
     await client.ping()
     return client

@@ -91,9 +91,12 @@ class WorkerProcess:
             self.epoch = Epoch(time.time_ns())
         self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher)
         self.driver = EngineDriver(self.engine)
-        self.server = GrpcServer(cfg.host, cfg.port)
+        security = cfg.security
+        self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
+                                 credentials=security.server_credentials())
         if cfg.lane_port is not None:
-            self.lane = LaneServer(cfg.host, cfg.lane_port)
+            self.lane = LaneServer(cfg.host, cfg.lane_port, token=security.lane_token, ssl=security.lane_server_ssl(),
+                                   limits=cfg.lane_limits)
         spec = self.engine.spec
         layout = self.engine.kv_layout
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)

@@ -43,12 +43,13 @@ class RoleContext:
         return kv_pool(self.engine)
 
     def transfer(self) -> TransferConfig:
-        """The KV transport's identity for this incarnation: shared token, this epoch, the backend.
+        """The KV transport's identity for this incarnation: shared token, this epoch, the backend, TLS.
 
         Raises ``ConfigError`` without a token; only roles that move KV ask for it.
         """
         cfg = self.config
-        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend))
+        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend),
+                              tls=cfg.tls)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 
 @pytest.fixture(scope="session")
@@ -36,6 +38,8 @@ class Cluster:
     redis_url: str
     backend: str = "torch"
     """The engine of the workers ``spawn`` starts: torch or sim."""
+    internal_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    """The secret the cluster's router and workers share (internal calls without it are refused)."""
     procs: list[ManagedProcess] = field(default_factory=list)
     routers: list[RouterProcess] = field(default_factory=list)
 
@@ -49,7 +53,8 @@ class Cluster:
         ident = worker_id or f"{role}-{len(self.procs)}"
         sim = ["--gpu", "h100", "--time-scale", f"{time_scale:g}"] if self.backend == "sim" else None
         proc = ManagedProcess(ident, worker_args(role, self.model, redis_url=self.redis_url, num_blocks=num_blocks,
-                                                 torch_threads=1, sim=sim, extra=("--worker-id", ident, *extra)))
+                                                 torch_threads=1, sim=sim, extra=("--worker-id", ident, *extra)),
+                              env={INTERNAL_TOKEN_ENV: self.internal_token})
         self.procs.append(proc)
         proc.wait_ready()
         return proc
@@ -59,7 +64,7 @@ class Cluster:
         adm = kw.pop("admission_config", AdmissionConfig(queue_timeout_s=2.0))
         config = RouterConfig(model_dir=self.model, redis_url=self.redis_url, mode=mode,  # type: ignore[arg-type]
                               http_port=0, grpc_port=0, refresh_interval_s=0.2, dispatch=orch,
-                              admission_config=adm, **kw)
+                              admission_config=adm, **{"internal_token": self.internal_token, **kw})
         router = RouterProcess(config)
         await router.start()
         self.routers.append(router)

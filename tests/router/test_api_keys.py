@@ -24,10 +24,11 @@ from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.cli.main import main
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.model_spec import get_model_preset
+from pdrouter.core.net import is_loopback
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.router.config import RouterConfig
-from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys, is_loopback
+from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, ApiKeyInterceptor, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.http_server import whole_request_with_authorization

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -134,13 +133,3 @@ def collect_api_keys(flags: Sequence[str] = (), files: Sequence[Path] = (), env:
         keys += found
     keys += [_checked(k.strip(), ENV_VAR) for k in (env or "").split(",") if k.strip()]
     return ApiKeys(keys)
-
-
-def is_loopback(host: str) -> bool:
-    """True when ``host`` (a bind address) is reachable from this machine only."""
-    if host.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False

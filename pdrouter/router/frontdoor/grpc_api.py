@@ -23,7 +23,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -40,6 +39,7 @@ from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
+from pdrouter.wire.security import refusal
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -197,23 +197,8 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
             self._keys.check(values[0] if values else None)
         except AuthenticationError as exc:
             handler = await continuation(handler_call_details)
-            return None if handler is None else _refusal(handler, exc.message)
+            return None if handler is None else refusal(handler, grpc.StatusCode.UNAUTHENTICATED, exc.message)
         return await continuation(handler_call_details)
-
-
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call UNAUTHENTICATED with ``message``."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 class Undecodable:

@@ -27,6 +27,7 @@ from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.router.placement.circuit_breaker import CircuitBreaker
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.lane import LaneChannel
+from pdrouter.wire.security import OPEN, PeerSecurity
 from pdrouter.wire.worker_client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,14 @@ class WorkerPool:
                  breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
                  missing_grace_s: float = 2.0,
                  on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None,
-                 use_lane: bool = True) -> None:
+                 use_lane: bool = True, security: PeerSecurity = OPEN) -> None:
         """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries).
 
-        ``use_lane``: send requests over a worker's lane when its record names one (else gRPC).
+        ``use_lane``: send requests over a worker's lane when its record names one (else gRPC);
+        ``security``: the credentials every call to a worker presents (internal secret, TLS).
         """
         self.use_lane = use_lane
+        self.security = security
         self.model = model
         self.registry = registry
         self.static_addresses = list(static_addresses)
@@ -150,7 +153,7 @@ class WorkerPool:
         self._apply(seen)
 
     async def _probe_static(self, address: str) -> tuple[WorkerRecord, WorkerLoad] | None:
-        client = WorkerClient(address)
+        client = WorkerClient(address, security=self.security)
         try:
             return await client.info(timeout=2.0)
         except grpc.RpcError as exc:
@@ -191,7 +194,7 @@ class WorkerPool:
             if existing is not None:
                 existing.load = load
                 continue
-            client = WorkerClient(record.address, record.lane_address if self.use_lane else "")
+            client = WorkerClient(record.address, record.lane_address if self.use_lane else "", self.security)
             self._handles[worker_id] = WorkerHandle(record, load, client, CircuitBreaker(*self._breaker_args))
             self.model_compat_hash = self.model_compat_hash or record.model_compat_hash
             lane = client.lane

@@ -66,7 +66,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         """``registered``: the check every prefill route passes before it is called (None: none);
         ``max_lease_ms``: the longest lease an ``Allocate`` may ask for."""
         self.driver = driver
-        self.links = links or PrefillLinks()
+        self.links = links if links is not None else PrefillLinks()  # an empty one is falsy
         self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
                                    prefill_timeout_s=prefill_timeout_s, registered=registered)
         """``Serve``'s logic (``prefill_timeout_s``: the limit of one prefill call without a deadline)."""
@@ -247,7 +247,8 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     registered = RegisteredPrefillWorkers(ctx.registry) if ctx.registry is not None else None
     if registered is None:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
+    links = PrefillLinks(connect_timeout_s=cfg.kv_wait_s, security=cfg.security)
     servicer = DecodeServicer(ctx.driver, receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
-                              cfg.lease_ms, cfg.kv_wait_s, PrefillLinks(connect_timeout_s=cfg.kv_wait_s),
+                              cfg.lease_ms, cfg.kv_wait_s, links,
                               registered=registered, max_lease_ms=cfg.max_lease_ms)
     return DecodeRole(receiver, servicer)

@@ -1,0 +1,132 @@
+"""Internal calls are authenticated: the shared secret on plaintext ports, mutual TLS end to end.
+
+Real worker processes (simulated GPUs, no sleeping), real Redis, a real router, certificates from
+two independent test CAs (``pdrouter.testing.pki``).
+"""
+
+from __future__ import annotations
+
+import ssl
+
+import grpc
+import httpx
+import pytest
+
+from pdrouter.core.tls import TlsFiles
+from pdrouter.core.workers import WorkerRole
+from pdrouter.testing.pki import TestCa, tls_flags
+from pdrouter.wire.security import TOKEN_METADATA, PeerSecurity, grpc_channel_credentials
+from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdrouter.wire.worker_client import WorkerClient
+
+from .conftest import Cluster
+from .test_router_e2e import wait_workers
+
+PROMPT = "Mutual TLS from the front door to the KV"
+
+
+@pytest.fixture
+def backend() -> str:
+    return "sim"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """A certificate for this machine from the cluster's CA."""
+    return TestCa(tmp_path_factory.mktemp("pki"), "cluster").issue("member")
+
+
+@pytest.fixture(scope="module")
+def other_pki(tmp_path_factory: pytest.TempPathFactory) -> TlsFiles:
+    """The same names, from another CA."""
+    return TestCa(tmp_path_factory.mktemp("pki"), "other").issue("stranger")
+
+
+async def _code_of(call: object) -> grpc.StatusCode:
+    try:
+        await call  # type: ignore[misc]
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+async def test_worker_refuses_internal_calls_without_the_secret(cluster: Cluster) -> None:
+    decode = cluster.spawn("decode")
+    assert decode.address is not None
+    allocate = worker_pb2.AllocateRequest(request_id="intruder", prompt_token_ids=[1] * 64, max_tokens=1, lease_ms=1000)
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        stub = worker_pb2_grpc.DecodeWorkerStub(channel)
+        info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+        assert await _code_of(stub.Allocate(allocate)) == grpc.StatusCode.UNAUTHENTICATED
+        assert await _code_of(stub.Allocate(allocate, metadata=((TOKEN_METADATA, "w" * 32),))) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        assert await _code_of(info.GetLoad(worker_pb2.GetLoadRequest())) == grpc.StatusCode.UNAUTHENTICATED
+        # The secret opens the same calls; nothing the refused ones asked for was booked.
+        load = await info.GetLoad(worker_pb2.GetLoadRequest(), metadata=((TOKEN_METADATA, cluster.internal_token),))
+        assert load.free_blocks == load.total_blocks
+    # The router, which has the secret, is served (WorkerClient presents it on every call).
+    client = WorkerClient(decode.address, security=PeerSecurity(cluster.internal_token))
+    try:
+        record, _ = await client.info()
+        assert record.role is WorkerRole.DECODE
+    finally:
+        await client.close()
+
+
+async def test_disaggregated_request_over_tls_doors_and_mutual_tls(cluster: Cluster, pki: TlsFiles) -> None:
+    cluster.spawn("prefill", extra=tls_flags(pki))
+    decode = cluster.spawn("decode", extra=tls_flags(pki))
+    router = await cluster.router(tls=pki)
+    await wait_workers(router, {WorkerRole.PREFILL: 1, WorkerRole.DECODE: 1})
+    verify = ssl.create_default_context(cafile=pki.ca)
+    async with httpx.AsyncClient(base_url=f"https://127.0.0.1:{router.http_port}", verify=verify) as http:
+        answer = await http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 6,
+                                                          "temperature": 0})
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["usage"]["completion_tokens"] > 0
+    assert router.metrics is not None
+    # The gRPC door over TLS gives the same tokens' count.
+    credentials = grpc.ssl_channel_credentials(root_certificates=pki.pem()[0])
+    async with grpc.aio.secure_channel(router.grpc_address, credentials) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        got = [msg async for msg in stub.Generate(router_pb2.GenerateRequest(
+            model="tiny", text=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=6, temperature=0)))]
+        assert got[-1].usage.completion_tokens == body["usage"]["completion_tokens"]
+    # Plaintext clients on TLS ports are refused: the HTTP door and a worker's gRPC port.
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}") as plain:
+        with pytest.raises(httpx.HTTPError):
+            await plain.get("/health")
+    assert decode.address is not None
+    async with grpc.aio.insecure_channel(decode.address) as channel:
+        info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+        assert await _code_of(info.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, pki: TlsFiles, other_pki: TlsFiles) -> None:
+    stranger = cluster.spawn("decode", extra=tls_flags(other_pki))
+    member = cluster.spawn("decode", extra=tls_flags(pki))
+    assert stranger.address is not None and member.address is not None
+    token = cluster.internal_token
+    # The router's side (CA a) does not accept a worker whose certificate CA b signed...
+    client = WorkerClient(stranger.address, security=PeerSecurity(token, pki))
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.info(timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await client.close()
+    # ...and a worker of CA a does not accept a caller presenting CA b's certificate, secret or not.
+    credentials = grpc_channel_credentials(TlsFiles(pki.ca, other_pki.cert, other_pki.key))
+    async with grpc.aio.secure_channel(member.address, credentials) as channel:
+        info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+        code = await _code_of(info.GetLoad(worker_pb2.GetLoadRequest(), timeout=5,
+                                           metadata=((TOKEN_METADATA, token),)))
+        assert code == grpc.StatusCode.UNAVAILABLE
+    # The member's own CA opens it.
+    client = WorkerClient(member.address, security=PeerSecurity(token, pki))
+    try:
+        record, _ = await client.info(timeout=5)
+        assert record.role is WorkerRole.DECODE
+    finally:
+        await client.close()
