@@ -18,6 +18,7 @@ from pdrouter.engine.config import EngineConfig
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 from .conftest import Cluster
 
@@ -36,7 +37,8 @@ def test_planner_capacity_equals_the_capacity_math() -> None:
 def spawn_router(cluster: Cluster, name: str) -> ManagedProcess:
     proc = ManagedProcess(name, ["router", "--model", str(cluster.model), "--redis", cluster.redis_url,
                                  "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "0.05",
-                                 "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"])
+                                 "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"],
+                          env={INTERNAL_TOKEN_ENV: cluster.internal_token})
     cluster.procs.append(proc)
     proc.wait_ready()
     return proc
