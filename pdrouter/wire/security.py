@@ -141,32 +141,51 @@ def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str)
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-class TokenInterceptor(grpc.aio.ServerInterceptor):
-    """Serves a call only when its metadata carries the internal secret; else UNAUTHENTICATED before
-    the handler runs. The health service stays open."""
+class CredentialInterceptor(grpc.aio.ServerInterceptor):
+    """Serves a call only when :meth:`refusal_reason` finds its metadata acceptable; else the call
+    ends UNAUTHENTICATED with that reason before its handler runs (its request is not even parsed).
+    The standard health service stays open for probes."""
 
-    def __init__(self, token: str) -> None:
-        self._digest = hashlib.sha256(token.encode()).digest()
+    def refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        """Why a call with ``metadata`` is refused, or None to serve it."""
+        raise NotImplementedError
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
             handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         method: str = handler_call_details.method
-        if method.startswith(OPEN_GRPC_PREFIX):
-            return await continuation(handler_call_details)
-        values = [value for key, value in handler_call_details.invocation_metadata or () if key == TOKEN_METADATA]
         message = None
-        if len(values) != 1:
-            message = MISSING_TOKEN if not values else "several internal-secret metadata entries: send one"
-        else:
-            presented = values[0]
-            raw = presented if isinstance(presented, bytes) else presented.encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(hashlib.sha256(raw).digest(), self._digest):
-                message = WRONG_TOKEN
-        if message is None:
-            return await continuation(handler_call_details)
+        if not method.startswith(OPEN_GRPC_PREFIX):
+            message = self.refusal_reason(handler_call_details.invocation_metadata or ())
         handler = await continuation(handler_call_details)
-        return None if handler is None else refusal(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+        if message is None or handler is None:
+            return handler
+        return refusal(handler, grpc.StatusCode.UNAUTHENTICATED, message)
+
+
+def single_entry(metadata: Sequence[tuple[str, str | bytes]], key: str) -> tuple[str | bytes | None, str | None]:
+    """``(value, None)`` for the one ``key`` entry of ``metadata`` (None when absent), or ``(None,
+    reason)`` when there are several."""
+    values = [value for name, value in metadata if name == key]
+    if len(values) > 1:
+        return None, f"several {key} metadata entries: send one"
+    return (values[0] if values else None), None
+
+
+class TokenInterceptor(CredentialInterceptor):
+    """Serves a call only when its metadata carries the internal secret."""
+
+    def __init__(self, token: str) -> None:
+        self._digest = hashlib.sha256(token.encode()).digest()
+
+    def refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        presented, reason = single_entry(metadata, TOKEN_METADATA)
+        if reason is not None:
+            return reason
+        if presented is None:
+            return MISSING_TOKEN
+        raw = presented if isinstance(presented, bytes) else presented.encode("utf-8", "surrogateescape")
+        return None if hmac.compare_digest(hashlib.sha256(raw).digest(), self._digest) else WRONG_TOKEN
 
 
 def _token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:

@@ -16,7 +16,7 @@ import gc
 import json
 import os
 import weakref
-from collections.abc import AsyncIterator, Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import pytest
@@ -25,8 +25,9 @@ import uvloop
 
 from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.http_server import Handler, OnDisconnect, Receive, Send, bind_socket, make_server
+from pdrouter.router.http_server import Handler, OnDisconnect, Receive, Send
 from pdrouter.router.limits import HttpLimits
+from pdrouter.testing import http as testing_http
 
 WAIT_S = 30.0  # hang guard, not a latency bound
 
@@ -72,22 +73,8 @@ class App:
         self.finished += 1
 
 
-@contextlib.asynccontextmanager
-async def serving(app: Any, limits: HttpLimits) -> AsyncIterator[tuple[uvicorn.Server, int]]:
-    sock = bind_socket("127.0.0.1", 0)
-    sock.listen(1024)
-    sock.setblocking(False)
-    server = make_server(app, limits=limits)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        while not server.started:
-            assert not task.done(), "the server stopped before it started"
-            await asyncio.sleep(0.01)
-        yield server, sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, WAIT_S)
-        sock.close()
+def serving(app: Any, limits: HttpLimits) -> contextlib.AbstractAsyncContextManager[tuple[uvicorn.Server, int]]:
+    return testing_http.serving(app, WAIT_S, limits)
 
 
 def get(path: str = "/x", extra: bytes = b"") -> bytes:

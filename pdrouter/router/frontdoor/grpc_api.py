@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 
 import grpc
@@ -31,7 +31,7 @@ from pdrouter.core.errors import InvalidRequestError, PdRouterError
 from pdrouter.core.ids import RequestId, new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import Tokenizer
-from pdrouter.router.frontdoor.auth import OPEN_GRPC_PREFIX, ApiKeys, AuthenticationError
+from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS
 from pdrouter.router.generation import Piece, stream_pieces
@@ -39,7 +39,7 @@ from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
-from pdrouter.wire.security import refusal
+from pdrouter.wire.security import CredentialInterceptor, single_entry
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -175,7 +175,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=cards)
 
 
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+class ApiKeyInterceptor(CredentialInterceptor):
     """Serves a call only when its metadata has ``authorization: Bearer <key>`` for one of ``keys``;
     else the call ends UNAUTHENTICATED before its handler runs (its request is not even parsed).
     The health service (``grpc.health.v1.Health``) stays open for probes."""
@@ -183,22 +183,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, keys: ApiKeys) -> None:
         self._keys = keys
 
-    async def intercept_service(
-            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
-            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        method: str = handler_call_details.method
-        if method.startswith(OPEN_GRPC_PREFIX):
-            return await continuation(handler_call_details)
-        metadata = handler_call_details.invocation_metadata or ()
-        values = [value for key, value in metadata if key == "authorization"]
+    def refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        presented, reason = single_entry(metadata, "authorization")
+        if reason is not None:
+            return reason
         try:
-            if len(values) > 1:
-                raise AuthenticationError("several authorization metadata entries: send one")
-            self._keys.check(values[0] if values else None)
+            self._keys.check(presented)
         except AuthenticationError as exc:
-            handler = await continuation(handler_call_details)
-            return None if handler is None else refusal(handler, grpc.StatusCode.UNAUTHENTICATED, exc.message)
-        return await continuation(handler_call_details)
+            return exc.message
+        return None
 
 
 class Undecodable:
