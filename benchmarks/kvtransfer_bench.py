@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.tls import TlsFiles
@@ -116,19 +117,30 @@ def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
 
 
-def _raw_sink(listener: socket.socket, memory: memoryview, nbytes: int) -> None:
+def _gmac() -> Any:
+    """An AES-GMAC context as the transport's payload MACs use (``raw_gmac``: the cost of the MAC alone)."""
+    return Cipher(algorithms.AES(bytes(32)), modes.GCM(bytes(12))).encryptor()
+
+
+def _raw_sink(listener: socket.socket, memory: memoryview, nbytes: int, mac: bool = False) -> None:
     conn, _ = listener.accept()
     listener.close()
     _tune(conn)
     with conn:
         while True:
+            ctx = _gmac() if mac else None
             for start in range(0, nbytes, RECV_PIECE):
                 view = memory[start:min(start + RECV_PIECE, nbytes)]
+                piece = view
                 while len(view):
                     got = conn.recv_into(view, 0, socket.MSG_WAITALL)
                     if not got:
                         return
                     view = view[got:]
+                if ctx is not None:
+                    ctx.authenticate_additional_data(piece)
+            if ctx is not None:
+                ctx.finalize()
             conn.sendall(b"k")
 
 
@@ -146,7 +158,7 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str) -> No
             if cmd == "raw":
                 listener = socket.create_server(("127.0.0.1", 0))
                 memory = pool.view(-1).view(torch.uint8).numpy().data
-                threading.Thread(target=_raw_sink, args=(listener, memory, args[0]), daemon=True).start()
+                threading.Thread(target=_raw_sink, args=(listener, memory, *args), daemon=True).start()
                 pipe.send(listener.getsockname()[1])
             elif cmd == "expect":
                 variant, tid, blocks = args
@@ -184,20 +196,35 @@ class Bench:
         self.senders = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN)) for v in VARIANTS}
         self.blocks = list(range(plan.blocks))
         self._seq = 0
-        self.raw = socket.create_connection(("127.0.0.1", self.call("raw", plan.transfer_bytes())))
-        _tune(self.raw)
+        self.raw = self._raw_link(plan.transfer_bytes(), mac=False)
+        self.raw_gmac = self._raw_link(plan.transfer_bytes(), mac=True)
+        self.raw_block = self._raw_link(self.layout.block_bytes, mac=False)
+
+    def _raw_link(self, nbytes: int, *, mac: bool) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.call("raw", nbytes, mac)))
+        _tune(sock)
+        return sock
 
     def call(self, *msg: Any) -> Any:
         self.pipe.send(msg)
         return self.pipe.recv()
 
-    def raw_round(self) -> float:
-        nbytes = self.plan.transfer_bytes()
+    def raw_round(self, *, mac: bool = False, one_block: bool = False) -> float:
+        """One round over a plain socket: the whole transfer (with ``mac``, AES-GMAC on both ends as
+        each piece moves), or one block's bytes; until the sink's one-byte answer."""
+        sock = self.raw_block if one_block else self.raw_gmac if mac else self.raw
+        nbytes = self.layout.block_bytes if one_block else self.plan.transfer_bytes()
         memory = self.pool.view(-1).view(torch.uint8).numpy().data
         start = time.perf_counter()
+        ctx = _gmac() if mac else None
         for offset in range(0, nbytes, SEND_PIECE):
-            self.raw.sendall(memory[offset:min(offset + SEND_PIECE, nbytes)])
-        if self.raw.recv(1) != b"k":
+            piece = memory[offset:min(offset + SEND_PIECE, nbytes)]
+            sock.sendall(piece)
+            if ctx is not None:
+                ctx.authenticate_additional_data(piece)
+        if ctx is not None:
+            ctx.finalize()
+        if sock.recv(1) != b"k":
             raise RuntimeError("the raw sink went away")
         return time.perf_counter() - start
 
@@ -228,7 +255,8 @@ class Bench:
             raise RuntimeError("received blocks differ from the sent ones")
 
     def close(self) -> None:
-        self.raw.close()
+        for sock in (self.raw, self.raw_gmac, self.raw_block):
+            sock.close()
         for sender in self.senders.values():
             sender.close()
         self.pipe.send(("quit",))
@@ -240,7 +268,7 @@ def run(plan: Plan) -> dict[str, float]:
         bench = Bench(plan, Pki.create(Path(folder)))
         try:
             nbytes = plan.transfer_bytes()
-            times: dict[str, list[float]] = {name: [] for name in ("raw", *VARIANTS)}
+            times: dict[str, list[float]] = {name: [] for name in ("raw", "raw_gmac", *VARIANTS)}
             cpu = dict.fromkeys(times, 0.0)
 
             def timed(name: str, run: Callable[[], float]) -> None:
@@ -249,10 +277,12 @@ def run(plan: Plan) -> dict[str, float]:
                 cpu[name] += time.process_time() - ours + bench.call("cpu") - theirs
 
             bench.raw_round()  # warm-ups: connect, fault pages in
+            bench.raw_round(mac=True)
             for variant in VARIANTS:
                 bench.transfer(variant, bench.blocks, layerwise=True)
             for _ in range(plan.reps):
                 timed("raw", bench.raw_round)
+                timed("raw_gmac", functools.partial(bench.raw_round, mac=True))
                 for variant in VARIANTS:
                     timed(variant, functools.partial(bench.transfer, variant, bench.blocks, layerwise=True))
                     if variant == "mac":
@@ -260,6 +290,9 @@ def run(plan: Plan) -> dict[str, float]:
             one_block = [bench.blocks[0]]
             latency = {v: statistics.median([bench.transfer(v, one_block, layerwise=False)
                                              for _ in range(plan.latency_reps)]) for v in ("mac", "tls_mac", "gloo")}
+            latency["mac_layerwise"] = statistics.median([bench.transfer("mac", one_block, layerwise=True)
+                                                          for _ in range(plan.latency_reps)])
+            latency["raw"] = statistics.median([bench.raw_round(one_block=True) for _ in range(plan.latency_reps)])
         finally:
             bench.close()
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
@@ -269,6 +302,9 @@ def run(plan: Plan) -> dict[str, float]:
         "raw_socket_gbps": gbps["raw"],
         "tcp_mac_gbps": gbps["mac"],
         "tcp_mac_vs_raw_ratio": gbps["mac"] / gbps["raw"],
+        "raw_gmac_gbps": gbps["raw_gmac"],
+        "raw_gmac_vs_raw_ratio": gbps["raw_gmac"] / gbps["raw"],
+        "tcp_mac_vs_raw_gmac_ratio": gbps["mac"] / gbps["raw_gmac"],
         "tcp_mac_offload_gbps": gbps["mac_offload"],
         "tcp_mac_inline_gbps": gbps["mac_inline"],
         "tls_mac_gbps": gbps["tls_mac"],
@@ -276,17 +312,20 @@ def run(plan: Plan) -> dict[str, float]:
         "tls_mac_vs_raw_ratio": gbps["tls_mac"] / gbps["raw"],
         "gloo_layerwise_gbps": gbps["gloo"],
         "raw_cpu_ns_per_byte": cpu_ns["raw"],
+        "raw_gmac_cpu_ns_per_byte": cpu_ns["raw_gmac"],
         "tcp_mac_cpu_ns_per_byte": cpu_ns["mac"],
         "tcp_mac_offload_cpu_ns_per_byte": cpu_ns["mac_offload"],
         "tcp_mac_inline_cpu_ns_per_byte": cpu_ns["mac_inline"],
         "tls_mac_cpu_ns_per_byte": cpu_ns["tls_mac"],
+        "raw_one_block_latency_ms": latency["raw"] * 1e3,
         "tcp_one_block_latency_ms": latency["mac"] * 1e3,
+        "tcp_one_block_layerwise_latency_ms": latency["mac_layerwise"] * 1e3,
         "tls_one_block_latency_ms": latency["tls_mac"] * 1e3,
         "gloo_one_block_latency_ms": latency["gloo"] * 1e3,
     }
 
 
-UNITS = {"transfer_mib": "MiB", "tcp_mac_vs_raw_ratio": "x", "tls_mac_vs_raw_ratio": "x"}
+UNITS = {"transfer_mib": "MiB"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, value in figures.items():
             unit = UNITS.get(name) or ("GB/s" if name.endswith("gbps") else "ns/B" if name.endswith("per_byte")
-                                       else "ms")
+                                       else "x" if name.endswith("ratio") else "ms")
             print(f"{name}: {value:.3f} {unit}")
     return 0
 

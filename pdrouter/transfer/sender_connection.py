@@ -18,6 +18,7 @@ from pdrouter.transfer import wire
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane
 from pdrouter.transfer.errors import PeerLostError, code_for_error, error_for_code
+from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo
 from pdrouter.transfer.outgoing import BeginItem, DataItem, EndItem, OutgoingTransfer, OutItem
@@ -112,6 +113,8 @@ class SenderConnection:
                 if self._queues:
                     tid, queue = next(iter(self._queues.items()))
                     item = queue.popleft()
+                    if isinstance(item, DataItem) and queue:
+                        item = _coalesce(item, queue, self._config.max_frame_bytes)
                     if queue:
                         self._queues.move_to_end(tid)
                     else:
@@ -198,6 +201,26 @@ class SenderConnection:
                 f"transfer {transfer.transfer_id}: {exc.message}")
             transfer.fail(err, tell_peer=False)
         self._on_dead(self)
+
+
+def _coalesce(item: DataItem, queue: deque[OutItem], max_bytes: int) -> DataItem:
+    """``item`` merged with the frames queued right behind it that carry the next layers of the same
+    blocks, up to ``max_bytes``: a writer that fell behind the layers being computed catches up in
+    fewer, larger frames (per-frame work on both sides costs far more than a few KiB of bytes)."""
+    frame = item.frame
+    while queue:
+        nxt = queue[0]
+        if not isinstance(nxt, DataItem) or frame.nbytes + nxt.frame.nbytes > max_bytes \
+                or not (_follows(frame.src, nxt.frame.src) and _follows(frame.dst, nxt.frame.dst)):
+            break
+        queue.popleft()
+        frame = PlannedFrame(frame.src._replace(layer_end=nxt.frame.src.layer_end),
+                             frame.dst._replace(layer_end=nxt.frame.dst.layer_end), frame.nbytes + nxt.frame.nbytes)
+    return item if frame is item.frame else DataItem(item.transfer, item.seq, frame)
+
+
+def _follows(span: FrameSpan, nxt: FrameSpan) -> bool:
+    return span.layer_end == nxt.layer_start and span.runs == nxt.runs
 
 
 def _begin(transfer: OutgoingTransfer, compat_hash: str) -> wire.Begin:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import struct
 import threading
 
 import pytest
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdrouter.transfer.integrity import MacFeed, MacHelper, MacKey, derive_session, proof_matches
+from pdrouter.transfer.integrity import ONE_SHOT_BYTES, MacFeed, MacHelper, MacKey, derive_session, proof_matches
 
 HELLO_C, HELLO_S = b'{"nonce":"aa"}', b'{"nonce":"bb"}'
 
@@ -67,6 +69,21 @@ def test_a_payload_mac_does_not_depend_on_how_the_payload_is_cut(data: bytes, cu
         pieces.update(memoryview(data)[offset:offset + step])
         offset, i = offset + step, i + 1
     assert pieces.tag() == whole.tag()
+
+
+@pytest.mark.parametrize("size", [0, 1000, ONE_SHOT_BYTES - 1, ONE_SHOT_BYTES, ONE_SHOT_BYTES + 1,
+                                  3 * ONE_SHOT_BYTES + 7])
+def test_small_payloads_hashed_in_one_call_get_the_incremental_tag(size: int) -> None:
+    """Below ONE_SHOT_BYTES pieces are gathered and hashed at once, above it incrementally: either way
+    the tag is AES-GMAC over the header tag and the payload, computed here independently."""
+    raw_key, header, data = os.urandom(32), os.urandom(16), os.urandom(size)
+    reference = Cipher(algorithms.AES(raw_key), modes.GCM(struct.pack("<QI", 5, 1))).encryptor()
+    reference.authenticate_additional_data(header + data)
+    reference.finalize()
+    mac = MacKey(raw_key).payload_mac(5, header)
+    for start in range(0, size, 100_000):
+        mac.update(memoryview(data)[start:start + 100_000])
+    assert mac.tag() == reference.tag
 
 
 def test_the_payload_mac_binds_header_tag_and_sequence_number() -> None:

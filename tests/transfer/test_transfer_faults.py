@@ -25,7 +25,7 @@ from pdrouter.transfer import (
 from .factories import FaultyProxy, Pair, make_config, make_layout, make_pool, wait_until
 
 BIG_LAYOUT = make_layout(num_layers=4, num_blocks=32, block_size=16, num_kv_heads=2, head_dim=32)
-"""16 KiB per block and layer: with 8 blocks and one frame per layer, frames are 128 KiB."""
+"""8 KiB per block and layer (K and V): with 8 blocks and one frame per layer, frames are 64 KiB."""
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def through(proxy: FaultyProxy, target: object) -> object:
 def frame_per_layer_pair(make_pair: Callable[..., Pair]) -> Pair:
     pair = make_pair(BIG_LAYOUT)
     pair.sender.close()
-    pair.sender = KvSender(pair.src, BIG_LAYOUT, make_config(max_frame_bytes=128 << 10))
+    pair.sender = KvSender(pair.src, BIG_LAYOUT, make_config(max_frame_bytes=64 << 10))  # one layer: nothing to coalesce
     return pair
 
 
