@@ -1,8 +1,9 @@
 """Secrets out of what is printed and logged: URLs with their credentials masked.
 
 A Redis URL carries its password in the userinfo (``redis://:pw@host``, ``redis://user:pw@host``,
-``rediss://…``) or in the query string (``?password=pw``, as redis-py accepts); either is shown as
-``***``. Use :func:`redact_url` wherever a URL may reach a log line, a banner or an error message.
+``rediss://…``, ``redis+cluster://:pw@a:7000,b:7001``) or in the query string (``?password=pw``,
+as redis-py accepts); either is shown as ``***``. Use :func:`redact_url` wherever a URL may reach a
+log line, a banner or an error message.
 """
 
 from __future__ import annotations

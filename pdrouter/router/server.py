@@ -16,7 +16,6 @@ import logging
 from collections.abc import Awaitable
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
@@ -39,7 +38,7 @@ from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementP
 from pdrouter.router.placement.worker_pool import WorkerPool
 from pdrouter.router.request import ModelInfo
 from pdrouter.router.state_metrics import StateMetrics
-from pdrouter.state.client import redis_client
+from pdrouter.state.client import RedisClient, redis_client
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
@@ -60,7 +59,7 @@ class RouterProcess:
                                block_size=config.block_size)
         self.tokenizer = load_tokenizer(config.model_dir)
         self.metrics = RouterMetrics()
-        self.redis: aioredis.Redis | None = None
+        self.redis: RedisClient | None = None
         self.pool: WorkerPool | None = None
         self.admission: Admission | None = None
         self.dispatcher: Dispatcher | None = None

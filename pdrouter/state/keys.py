@@ -1,20 +1,51 @@
-"""The Redis key layout, in one place."""
+"""The Redis key layout, in one place.
+
+Every key of a pool carries a hash tag, so each script and multi-key command touches one slot:
+
+* ``<ns>:{<pool>}:…`` — the registry (``workers``, ``hb:*``, ``epoch``), the prefix index (``px:*``,
+  ``pxb:*``, ``pxlive``) and the ``credit-wanted`` channel;
+* the KV bookings (``kv:book:*``, ``kv:lease:*``, ``kv:used:*``): under the same tag on one Redis,
+  and under a tag of their own, ``<ns>:{<pool>#kv}:kv:…``, with ``bookings_apart`` (what the state
+  classes pick on a Redis Cluster), so a cluster can serve a pool's bookings and the rest of the
+  pool from two shards.
+
+What must stay in one slot: all bookings of a pool (one booking script drops expired leases on,
+and picks among, every candidate decode worker of the pool at once), and the whole prefix index
+(a lookup reads the per-block sets of every block of a prompt in one script, a write updates the
+liveness set, the incarnation's own set and the block sets together). No script touches keys of
+both, so the two can live apart. On one Redis the tag does nothing, and the bookings keep the
+names they always had (routers of two versions sharing one Redis keep one ledger). See
+docs/scale.md, "Redis Cluster".
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+BOOKINGS_TAG_SUFFIX = "#kv"
+"""Appended to the pool's name in the hash tag of its bookings when they live apart."""
+
 
 @dataclass(frozen=True)
 class PoolKeys:
-    """Keys of one pool (one model); all carry the same hash tag."""
+    """Keys of one pool (one model). ``bookings_apart``: the bookings carry a hash tag of their own
+    (``bookings_tag``); otherwise every key carries ``tag``."""
 
     namespace: str
     pool: str
+    bookings_apart: bool = False
 
     @property
     def tag(self) -> str:
+        """The prefix of the registry's, the prefix index's and the channel's names: ``<ns>:{<pool>}``."""
         return f"{self.namespace}:{{{self.pool}}}"
+
+    @property
+    def bookings_tag(self) -> str:
+        """The prefix of the bookings' names: ``<ns>:{<pool>#kv}`` when apart, else ``tag``."""
+        if self.bookings_apart:
+            return f"{self.namespace}:{{{self.pool}{BOOKINGS_TAG_SUFFIX}}}"
+        return self.tag
 
     @property
     def workers(self) -> str:
@@ -71,12 +102,12 @@ class PoolKeys:
 
     def kv_bookings(self, worker_id: str, epoch: int) -> str:
         """Hash booking id (router-assigned) → booked blocks on one decode worker incarnation."""
-        return f"{self.tag}:kv:book:{worker_id}:{epoch}"
+        return f"{self.bookings_tag}:kv:book:{worker_id}:{epoch}"
 
     def kv_leases(self, worker_id: str, epoch: int) -> str:
         """Sorted set booking id → lease expiry (ms, Redis clock) for the same bookings."""
-        return f"{self.tag}:kv:lease:{worker_id}:{epoch}"
+        return f"{self.bookings_tag}:kv:lease:{worker_id}:{epoch}"
 
     def kv_used(self, worker_id: str, epoch: int) -> str:
         """Integer: blocks booked on one decode worker incarnation (sum of the bookings hash)."""
-        return f"{self.tag}:kv:used:{worker_id}:{epoch}"
+        return f"{self.bookings_tag}:kv:used:{worker_id}:{epoch}"

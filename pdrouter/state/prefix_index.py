@@ -43,10 +43,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.exceptions import NoScriptError
 
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
+from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
 
 HASH_BYTES = 16
@@ -261,7 +261,7 @@ class PrefixIndex:
     they are swept. ``lookup_budget``: see ``LOOKUP_BUDGET``.
     """
 
-    def __init__(self, client: aioredis.Redis, pool: str, namespace: str = "pdr",
+    def __init__(self, client: RedisClient, pool: str, namespace: str = "pdr",
                  ttl_ms: int = 10_000, lookup_budget: int = LOOKUP_BUDGET) -> None:
         self._r = client
         self.keys = PoolKeys(namespace, pool)
@@ -410,15 +410,17 @@ class PrefixIndex:
             return [await script(keys=calls[0][:num_keys], args=calls[0][num_keys:])]
 
         async def send() -> list[Any]:
+            # The raw EVALSHA: redis-py's cluster pipeline blocks its ``evalsha`` method, but routes
+            # the command itself by its keys (all in the pool's slot, so one node, in order).
             async with self._r.pipeline(transaction=False) as pipe:
                 for call in calls:
-                    pipe.evalsha(script.sha, num_keys, *call)
+                    pipe.execute_command("EVALSHA", script.sha, num_keys, *call)
                 return list(await pipe.execute())
 
         return await _loading(self._r, script, send)
 
 
-async def _loading(client: aioredis.Redis, script: Any, send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
+async def _loading(client: RedisClient, script: Any, send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:
     """``send()``; when Redis lost the script (it restarted), load it and send again (the writes are
     idempotent and in order, so resending a partly applied batch leaves the same state)."""
     try:

@@ -11,11 +11,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-import redis.asyncio as aioredis
-
 from pdrouter.core.errors import StaleEpochError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.workers import LiveWorker, WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
 
 DEFAULT_HEARTBEAT_TTL_MS = 3000
@@ -59,7 +58,7 @@ return 1
 class WorkerRegistry:
     """Registry of one pool's workers. Safe to share between tasks of one event loop."""
 
-    def __init__(self, client: aioredis.Redis, pool: str, namespace: str = "pdr",
+    def __init__(self, client: RedisClient, pool: str, namespace: str = "pdr",
                  heartbeat_ttl_ms: int = DEFAULT_HEARTBEAT_TTL_MS) -> None:
         self._r = client
         self.keys = PoolKeys(namespace, pool)

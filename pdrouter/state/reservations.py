@@ -1,6 +1,7 @@
 """KV reservations in Redis: book decode blocks before any work starts, shared by every router.
 
-Per decode worker incarnation ``(worker_id, epoch)`` three keys (one hash tag per pool):
+Per decode worker incarnation ``(worker_id, epoch)`` three keys (all of a pool's bookings share one
+hash tag, on a Redis Cluster one of their own: ``PoolKeys.bookings_tag``):
 ``kv:book`` (booking → blocks), ``kv:lease`` (booking → expiry, ms on the Redis clock) and
 ``kv:used`` (their sum). ``reserve`` is one script: it first drops expired leases on every
 candidate, then picks a worker with room for the request (``most_free`` or ``best_fit``) and
@@ -23,11 +24,10 @@ from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, NewType
 
-import redis.asyncio as aioredis
-
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError, InvalidRequestError, RequestTooLargeError
 from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.state.client import RedisClient, is_cluster_client
 from pdrouter.state.coalesce import Coalescer
 from pdrouter.state.keys import PoolKeys
 
@@ -217,10 +217,15 @@ class KvReservations:
     instead of two per request.
     """
 
-    def __init__(self, client: aioredis.Redis, pool: str, namespace: str = "pdr",
-                 policy: PickPolicy = PickPolicy.MOST_FREE, resize_delay_s: float = 0.002) -> None:
+    def __init__(self, client: RedisClient, pool: str, namespace: str = "pdr",
+                 policy: PickPolicy = PickPolicy.MOST_FREE, resize_delay_s: float = 0.002,
+                 bookings_apart: bool | None = None) -> None:
+        """``bookings_apart``: the bookings under a hash tag of their own (``PoolKeys.bookings_tag``);
+        by default on a Redis Cluster (so they may live on another shard than the rest of the pool),
+        not on one Redis (where the names stay those every version uses)."""
         self._r = client
-        self.keys = PoolKeys(namespace, pool)
+        apart = is_cluster_client(client) if bookings_apart is None else bookings_apart
+        self.keys = PoolKeys(namespace, pool, bookings_apart=apart)
         self.policy = policy
         self.resize_delay_s = resize_delay_s
         self._admit = client.register_script(_ADMIT)
@@ -234,7 +239,7 @@ class KvReservations:
         self.script_calls = 0
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> RedisClient:
         return self._r
 
     def _worker_keys(self, worker_id: str, epoch: int) -> list[str]:

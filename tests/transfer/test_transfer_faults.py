@@ -43,7 +43,7 @@ def through(proxy: FaultyProxy, target: object) -> object:
 def frame_per_layer_pair(make_pair: Callable[..., Pair]) -> Pair:
     pair = make_pair(BIG_LAYOUT)
     pair.sender.close()
-    pair.sender = KvSender(pair.src, BIG_LAYOUT, make_config(max_frame_bytes=64 << 10))  # one layer: nothing to coalesce
+    pair.sender = KvSender(pair.src, BIG_LAYOUT, make_config(max_frame_bytes=64 << 10))  # one layer a frame
     return pair
 
 

@@ -3,6 +3,17 @@
 A request that waits tells the other routers (a Redis pub/sub message, repeated while it waits):
 they give back their unused credit at once and book no more for a while, so one router's spare
 credit does not hold another's requests back.
+
+On a Redis Cluster this is classic pub/sub (``PUBLISH`` / ``SUBSCRIBE``): a cluster forwards every
+``PUBLISH`` to every node over its bus, so a subscriber on any node hears every router. The
+subscription is opened on the master owning the channel's slot (the pool's hash tag: the shard
+that holds the pool's keys). Before each subscription the listener makes one keyed call through
+the client: a cluster client learns the slots on its first call, and refreshes them when the
+channel's master failed over (the subscription broke, the old master is gone), so it subscribes
+on the slot's current owner. Sharded pub/sub (``SSUBSCRIBE`` / ``SPUBLISH``, Redis 7+) would keep
+the messages on the pool's shard; it is not used because Redis 6.2 (the bundled server) lacks it,
+and the messages are rare (at most one per ``ask_every_s`` per router with a request waiting), so
+the broadcast costs the other shards next to nothing.
 """
 
 from __future__ import annotations
@@ -13,9 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
-import redis.asyncio as aioredis
-
 from pdrouter.core.aio import BackgroundTasks, cancel_and_wait
+from pdrouter.state.client import RedisClient
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +40,7 @@ class CreditWanted:
     second later. With ``enabled`` false (no credit) nothing is published and nothing listened to.
     """
 
-    def __init__(self, client: aioredis.Redis, channel: str, sender: str, *, enabled: bool, ask_every_s: float,
+    def __init__(self, client: RedisClient, channel: str, sender: str, *, enabled: bool, ask_every_s: float,
                  tasks: BackgroundTasks, on_wanted: Callable[[], None]) -> None:
         self.client = client
         self.channel = channel
@@ -68,6 +78,7 @@ class CreditWanted:
     async def _listen(self) -> None:
         """Call ``on_wanted`` whenever another router has a request waiting for room."""
         while True:
+            await self._reroute()
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.channel)
@@ -85,3 +96,11 @@ class CreditWanted:
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
             await asyncio.sleep(1.0)
+
+    async def _reroute(self) -> None:
+        """One keyed call through the client before each subscription: a cluster client learns the
+        slots on its first call, and one whose view is stale (the channel's master failed over)
+        refreshes it on the way, so the subscription goes to the slot's current owner. Failures
+        are left to the subscription that follows."""
+        with contextlib.suppress(Exception):
+            await self.client.exists(self.channel)
