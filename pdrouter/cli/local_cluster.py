@@ -5,6 +5,8 @@ Each child is a ``pdrouter`` subcommand that prints one ready line once it serve
 line); the parent waits for that line, keeps the process handle, and stops it with SIGTERM (then
 SIGKILL). Only a whole line in that form counts, so the parent never takes an address from
 anything else the child prints (a traceback quoting the code that prints the line, a log line).
+A fleet of simulated workers (``pdrouter prefill|decode --backend sim --count N``) prints one
+such line per worker: ``ManagedProcess.wait_ready_all(N)`` waits for all of them.
 """
 
 from __future__ import annotations
@@ -76,8 +78,12 @@ class ManagedProcess:
         self.tail: deque[str] = deque(maxlen=200)
         self.address: str | None = None
         self.grpc_address: str | None = None
+        self.ready: list[tuple[str, str | None]] = []
+        """Every ready line's (address, gRPC address or None), in the order printed."""
         self._ready = threading.Event()
+        self._changed = threading.Condition()
         self._log = log_file.open("a") if log_file else None
+        self._ended = False
         self._reader = threading.Thread(target=self._read, name=f"{name}-output", daemon=True)
         self._reader.start()
 
@@ -88,11 +94,17 @@ class ManagedProcess:
             if self._log:
                 self._log.write(line)
                 self._log.flush()
-            if self.address is None:
-                ready = parse_ready_line(line)
-                if ready is not None:
-                    self.address, self.grpc_address = ready
-                    self._ready.set()
+            ready = parse_ready_line(line)
+            if ready is not None:
+                with self._changed:
+                    self.ready.append(ready)
+                    if self.address is None:
+                        self.address, self.grpc_address = ready
+                    self._changed.notify_all()
+                self._ready.set()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
         self._ready.set()
 
     def wait_ready(self, timeout: float = 120.0) -> str:
@@ -106,6 +118,26 @@ class ManagedProcess:
             raise UnavailableError(f"{self.name} exited with {self.proc.wait()}:\n" + "\n".join(self.tail))
         return self.address
 
+    def wait_ready_all(self, count: int, timeout: float = 120.0) -> list[str]:
+        """The addresses of the child's first ``count`` ready lines (a fleet prints one per worker);
+        UnavailableError with its output if it died, or hung, before printing them all."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while len(self.ready) < count and not self._ended:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._changed.wait(min(left, 0.5))
+            got = len(self.ready)
+        if got < count:
+            if self._ended:
+                raise UnavailableError(f"{self.name} exited with {self.proc.wait()} after {got} of {count} ready "
+                                       f"lines:\n" + "\n".join(self.tail))
+            self.stop()
+            raise UnavailableError(f"{self.name}: {got} of {count} ready lines after {timeout}s:\n"
+                                   + "\n".join(self.tail))
+        return [address for address, _ in self.ready[:count]]
+
     @property
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -115,6 +147,11 @@ class ManagedProcess:
         if self.alive:
             self.proc.kill()
             self.proc.wait()
+
+    def terminate(self) -> None:
+        """SIGTERM now, without waiting (``stop`` then waits; :func:`stop_all` stops many at once)."""
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM, wait for a graceful exit, SIGKILL if it does not come."""
@@ -139,6 +176,14 @@ class ManagedProcess:
         self.stop()
 
 
+def stop_all(procs: Sequence[ManagedProcess], timeout: float = 15.0) -> None:
+    """SIGTERM every process at once, then ``stop`` each (SIGKILL for one still running after ``timeout``)."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.stop(timeout)
+
+
 def cores_each(processes: int) -> int:
     """Cores per process when ``processes`` share the CPUs this process may use (its affinity mask,
     capped by its cgroup CPU limit: ``pdrouter.worker.cpus``); at least 1."""
@@ -149,8 +194,13 @@ def cores_each(processes: int) -> int:
 
 def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = None, num_blocks: int | None = None,
                 kv_backend: str | None = None, torch_threads: int | None = None,
-                sim: Sequence[str] | None = None, extra: Sequence[str] = ()) -> list[str]:
+                sim: Sequence[str] | None = None, count: int | None = None, first_index: int = 0,
+                extra: Sequence[str] = ()) -> list[str]:
     """Command-line arguments of ``pdrouter worker|prefill|decode``.
+
+    ``count`` (with ``sim``): a fleet of that many simulated workers in the one process, ids
+    ``<--worker-id>-<first_index + i>`` (pass ``--worker-id`` in ``extra``); wait for it with
+    ``ManagedProcess.wait_ready_all(count)``.
 
     ``torch_threads``: the worker's torch intra-op threads (None: the worker's default). Workers
     sharing a machine should split its cores (:func:`cores_each`): torch's default gives each of
@@ -168,4 +218,6 @@ def worker_args(role: str, model_dir: Path | str, *, redis_url: str | None = Non
         args += ["--num-blocks", str(num_blocks)]
     if kv_backend and role != "worker":
         args += ["--kv-backend", kv_backend]
+    if count is not None:
+        args += ["--count", str(count), "--first-index", str(first_index)]
     return [*args, *extra]

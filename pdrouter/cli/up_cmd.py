@@ -1,7 +1,11 @@
 """``pdrouter up``: an embedded Redis, workers and a router on a small model, in one command.
 
 With ``--backend sim`` the workers are simulated GPUs (``--gpu``, ``--model-preset``, ``--tp``,
-``--time-scale``): a fleet of H100s serving Llama-3-8B fits on a laptop. It makes the model
+``--time-scale``): a fleet of H100s serving Llama-3-8B fits on a laptop. Beyond
+``FLEET_THRESHOLD`` simulated workers in all, the workers of each role are grouped into fleet
+processes of up to ``--per-process`` (default ``FLEET_SIZE``) workers each
+(``pdrouter prefill|decode --count N``, ``pdrouter.worker.fleet``) instead of one process per
+worker, so ``--prefill 128 --decode 128`` runs in eight processes. It makes the model
 folder if it is missing (for a simulated fleet: only ``config.json`` and the tokenizer), starts
 every part as a child process, prints the endpoints and a sample request, and stops everything
 on Ctrl-C (``--once`` instead sends the sample request itself, prints the answer and stops).
@@ -27,9 +31,10 @@ import signal
 import sys
 import threading
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
-from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, worker_args
+from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, stop_all, worker_args
 from pdrouter.cli.security_flags import internal_token_from_env
 from pdrouter.cli.worker_cmd import KV_TOKEN_ENV, TORCH_THREADS_ENV, kv_token_from_env
 from pdrouter.core.errors import ConfigError, UnavailableError
@@ -70,10 +75,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="--backend sim: simulated time runs this many times slower than the wall clock")
     p.add_argument("--calibration", type=Path, default=None, help="--backend sim: calibration file")
+    p.add_argument("--per-process", type=int, default=None, metavar="N",
+                   help=f"--backend sim: simulated workers per process, grouped by role (default: one per "
+                        f"process up to {FLEET_THRESHOLD} workers in all, else up to {FLEET_SIZE})")
     p.add_argument("--kv-backend", choices=["tcp", "gloo"], default="tcp")
     p.add_argument("--once", action="store_true", help="answer one sample request, print it, and stop")
     p.add_argument("--log-dir", type=Path, default=None, help="write each child's output to a file here")
     p.set_defaults(func=run)
+
+
+FLEET_THRESHOLD = 16
+"""Up to this many simulated workers in all, each runs in a process of its own (as torch workers do)."""
+
+FLEET_SIZE = 32
+"""Beyond ``FLEET_THRESHOLD``, the most simulated workers one fleet process runs (by default)."""
+
+
+def worker_groups(roles: list[tuple[str, int]], per_process: int) -> list[tuple[str, int, int]]:
+    """``(role, first index, count)`` per process: each role's workers cut into runs of at most
+    ``per_process``, numbered ``<role>-0`` upwards across the runs."""
+    groups = []
+    for role, n in roles:
+        for first in range(0, n, per_process):
+            groups.append((role, first, min(per_process, n - first)))
+    return groups
+
+
+def per_process(args: argparse.Namespace, total: int) -> int | None:
+    """Simulated workers per fleet process, or None for one process per worker (no fleets).
+
+    ConfigError for ``--per-process`` below 1 or with the torch backend."""
+    if args.per_process is not None:
+        if args.backend != "sim":
+            raise ConfigError("--per-process groups simulated workers only (--backend sim): a torch worker is "
+                              "one process")
+        if args.per_process < 1:
+            raise ConfigError(f"--per-process must be >= 1, got {args.per_process}")
+        return args.per_process
+    if args.backend != "sim" or total <= FLEET_THRESHOLD:
+        return None
+    return FLEET_SIZE
 
 
 KEY_LABEL = "api key"
@@ -149,6 +190,21 @@ def wait_for_router(router: ManagedProcess, host: str, ports: list[tuple[int, st
         raise
 
 
+def start_fleets(spawn: Callable[[str, list[str]], ManagedProcess], *, groups: list[tuple[str, int, int]],
+                 model: Path, redis_url: str, num_blocks: int | None, sim: list[str]) -> list[ManagedProcess]:
+    """Start one fleet process per group (``worker_groups``), all at once, and wait for each
+    worker's ready line; prints one line per process (its workers' ids and first address)."""
+    fleets = [(spawn(f"{role}-{first}" if n == 1 else f"{role}-{first}..{first + n - 1}",
+                     worker_args(role, model, redis_url=redis_url, num_blocks=num_blocks, sim=sim, count=n,
+                                 first_index=first, extra=("--worker-id", role))), n)
+              for role, first, n in groups]
+    for proc, n in fleets:
+        addresses = proc.wait_ready_all(n, timeout=120.0 + n)
+        where = addresses[0] if n == 1 else f"{n} workers at {addresses[0]} … {addresses[-1]}"
+        print(f"{proc.name:<10} {where}", flush=True)
+    return [proc for proc, _ in fleets]
+
+
 def run(args: argparse.Namespace) -> int:
     from pdrouter.core.model_spec import get_model_preset
     from pdrouter.engine.model_folder import write_config_folder
@@ -158,6 +214,9 @@ def run(args: argparse.Namespace) -> int:
     if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
     ports = router_ports(args)
+    roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
+             else [("worker", args.workers)])
+    group_size = per_process(args, sum(n for _, n in roles))
     api_key, router_keys = router_api_keys(args)
     check_ports_free(args.host, ports)  # before anything starts: a taken port is one line, not a traceback
     sim: list[str] | None = None
@@ -197,17 +256,19 @@ def run(args: argparse.Namespace) -> int:
     with EmbeddedRedis() as redis_server:
         try:
             print(f"redis      {redact_url(redis_server.url)}", flush=True)
-            roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
-                     else [("worker", args.workers)])
-            # The workers split the cores, the router counting as one (unless the environment says).
-            threads = None if os.environ.get(TORCH_THREADS_ENV) else cores_each(1 + sum(n for _, n in roles))
-            workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
-                                                        num_blocks=num_blocks, kv_backend=args.kv_backend,
-                                                        torch_threads=threads, sim=sim,
-                                                        extra=("--worker-id", f"{role}-{i}")))
-                       for role, n in roles for i in range(n)]
-            for w in workers:
-                print(f"{w.name:<10} {w.wait_ready()}", flush=True)
+            if group_size is None:
+                # The workers split the cores, the router counting as one (unless the environment says).
+                threads = None if os.environ.get(TORCH_THREADS_ENV) else cores_each(1 + sum(n for _, n in roles))
+                workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
+                                                            num_blocks=num_blocks, kv_backend=args.kv_backend,
+                                                            torch_threads=threads, sim=sim,
+                                                            extra=("--worker-id", f"{role}-{i}")))
+                           for role, n in roles for i in range(n)]
+                for w in workers:
+                    print(f"{w.name:<10} {w.wait_ready()}", flush=True)
+            else:
+                start_fleets(spawn, groups=worker_groups(roles, group_size), model=args.model,
+                             redis_url=redis_server.url, num_blocks=num_blocks, sim=sim or [])
             # The keys go by the environment (empty: none), never on the command line, which `ps` shows.
             router = spawn("router", ["router", "--model", str(args.model), "--redis", redis_server.url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
@@ -244,7 +305,13 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if not failed:
                 print("stopping...", file=sys.stderr, flush=True)
-            for proc in reversed(procs):
-                proc.stop()
+            if group_size is None:
+                for proc in reversed(procs):
+                    proc.stop()
+            else:  # the router first, then the fleets together (each stops its workers at once)
+                for proc in procs:
+                    if proc.name == "router":
+                        proc.stop()
+                stop_all([p for p in procs if p.name != "router"])
             for sig, handler in previous.items():
                 signal.signal(sig, handler)

@@ -1,4 +1,9 @@
-"""``pdrouter worker | prefill | decode``: run one worker process until SIGINT / SIGTERM."""
+"""``pdrouter worker | prefill | decode``: run one worker process until SIGINT / SIGTERM.
+
+With ``--backend sim --count N`` the process runs N simulated workers of the role instead
+(``pdrouter.worker.fleet``): ids ``<--worker-id>-<i>`` (``i`` from ``--first-index``), each port
+flag a base (worker ``i`` takes it plus ``i``; 0 stays any free port), and one ready line per worker.
+"""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ if TYPE_CHECKING:
     from pdrouter.engine.config import EngineConfig
     from pdrouter.engine.sim.config import SimEngineConfig
     from pdrouter.worker.config import WorkerConfig
+    from pdrouter.worker.fleet import Fleet
 
 KV_TOKEN_ENV = "PDROUTER_KV_TOKEN"
 TORCH_THREADS_ENV = "PDROUTER_TORCH_THREADS"
@@ -74,7 +80,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--link-unshared", action="store_true",
                        help="--backend sim: each concurrent KV transfer gets the link's whole bandwidth")
         p.add_argument("--served-model-name", default=None, help="model name clients use (default: folder name)")
-        p.add_argument("--worker-id", default=None, help=f"registry id (default: {name}-<port>)")
+        p.add_argument("--worker-id", default=None,
+                       help=f"registry id (default: {name}-<pid>); with --count, the prefix of the ids")
+        p.add_argument("--count", type=int, default=None,
+                       help="--backend sim: run this many workers of the role in this one process, ids "
+                            "<worker-id>-<i>; a nonzero --port, --lane-port or --kv-port is the first worker's, "
+                            "worker i takes it plus i (default: one worker, this process)")
+        p.add_argument("--first-index", type=int, default=0,
+                       help="with --count: the <i> of the first worker's id (default 0)")
         p.add_argument("--host", default="127.0.0.1", help="gRPC bind host")
         p.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
         p.add_argument("--lane-port", type=int, default=0,
@@ -358,12 +371,49 @@ def run(args: argparse.Namespace) -> int:
     from pdrouter.worker.roles import build_role
 
     configure_logging(args.log_level)
+    if args.count is not None or args.first_index:
+        return run_fleet(args)
     config = build_config(args)
     if args.backend == "torch":
         _set_torch_threads(args)
     process = WorkerProcess(config, build_role)
     serve_until_signal(process, lambda: ready_line(f"{process.config.role.value} worker {process.config.worker_id}",
                                                    process.address))
+    return 0
+
+
+def fleet_from_args(args: argparse.Namespace) -> list[WorkerConfig]:
+    """The configurations of ``--count`` simulated workers (``pdrouter.worker.fleet.fleet_configs``);
+    ConfigError (one line, exit 2) for a bad count, index or port range, or without ``--backend sim``."""
+    from pdrouter.worker.fleet import fleet_configs
+
+    if args.count is None:
+        raise ConfigError("--first-index only applies with --count")
+    if args.count < 1:
+        raise ConfigError(f"--count must be >= 1, got {args.count}")
+    if args.backend != "sim":
+        raise ConfigError("--count runs simulated workers only (--backend sim): a torch worker is one process")
+    if args.first_index < 0:
+        raise ConfigError(f"--first-index must be >= 0, got {args.first_index}")
+    base = build_config(args)
+    prefix = args.worker_id or f"{args.role_name}-{os.getpid()}"
+    return fleet_configs(base, args.count, id_prefix=prefix, first_index=args.first_index)
+
+
+def fleet_ready_lines(fleet: Fleet) -> str:
+    """One ready line per running worker of ``fleet``, in the single worker's format."""
+    return "\n".join(ready_line(f"{w.config.role.value} worker {w.config.worker_id}", w.address)
+                     for w in fleet.running)
+
+
+def run_fleet(args: argparse.Namespace) -> int:
+    """``--count N``: N simulated workers in this process until SIGINT / SIGTERM."""
+    from pdrouter.worker.fleet import Fleet, fleet_executor_threads
+    from pdrouter.worker.roles import build_role
+
+    configs = fleet_from_args(args)
+    fleet = Fleet(configs, build_role, executor_threads=fleet_executor_threads(len(configs)))
+    serve_until_signal(fleet, lambda: fleet_ready_lines(fleet))
     return 0
 
 

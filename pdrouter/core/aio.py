@@ -11,13 +11,27 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a background task and wait until it has really ended (None: nothing to do)."""
+RECANCEL_S = 0.5
+"""How long ``cancel_and_wait`` waits for a cancelled task before cancelling it again."""
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None, recancel_s: float = RECANCEL_S) -> None:
+    """Cancel a background task and wait until it has really ended (None: nothing to do); an error
+    it ended with (other than the cancellation) is raised here.
+
+    The task is cancelled again every ``recancel_s`` while it runs on, because one cancellation can
+    be lost: redis-py's blocking connection pool, with its connections contended (many workers of a
+    fleet sharing one pool, all stopping at once), was seen to hand a connection to a task whose
+    cancellation had been requested without raising ``CancelledError`` in it; a loop like a
+    heartbeat's then ran on, and a single cancel-and-wait never returned.
+    """
     if task is None:
         return
-    task.cancel()
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=recancel_s)
     with contextlib.suppress(asyncio.CancelledError):
-        await task
+        task.result()
 
 
 class BackgroundTasks:

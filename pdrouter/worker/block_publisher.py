@@ -23,9 +23,9 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
-from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.ids import BlockHash
 from pdrouter.state.prefix_index import PrefixIndex
+from pdrouter.worker.presence import cancel_until_done
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class RedisBlockPublisher:
         self._wake.set()
 
     async def stop(self, clear: bool = True) -> None:
-        await cancel_and_wait(self._task)
+        await cancel_until_done(self._task)  # one cancel can be lost in a shared Redis pool
         self._task = None
         if clear:
             with contextlib.suppress(RedisError, OSError):

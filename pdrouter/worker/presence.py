@@ -10,16 +10,23 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.errors import StaleEpochError
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
-from pdrouter.state.client import redis_client
+from pdrouter.state.client import RedisClient, redis_client
 from pdrouter.state.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
+
+async def cancel_until_done(task: asyncio.Task[None] | None) -> None:
+    """``cancel_and_wait`` (which cancels again until the task has ended), with an error the task
+    ended with logged instead of raised: it is stopping anyway."""
+    try:
+        await cancel_and_wait(task)
+    except Exception as exc:  # the loop's own failure, already past
+        log.debug("task %s ended with %r while stopping", task.get_name() if task else "?", exc)
 
 
 class Presence:
@@ -78,7 +85,7 @@ class Presence:
                 self.redis_ok = False
 
     async def stop(self) -> None:
-        await cancel_and_wait(self._task)
+        await cancel_until_done(self._task)
         self._task = None
         try:
             await self.registry.deregister(self.record.worker_id, self.record.epoch)
@@ -90,8 +97,9 @@ WORKER_REDIS_CONNECTIONS = 16
 """The worker's Redis pool: heartbeats, block events, the registry view; callers wait for a free one."""
 
 
-async def connect_redis(url: str) -> aioredis.Redis:
-    """An asyncio Redis client for ``url`` over a bounded, blocking pool (connection checked with PING)."""
-    client = redis_client(url, max_connections=WORKER_REDIS_CONNECTIONS, pool_timeout_s=5.0)
+async def connect_redis(url: str, max_connections: int = WORKER_REDIS_CONNECTIONS) -> RedisClient:
+    """An asyncio Redis client for ``url`` over a bounded, blocking pool of ``max_connections``
+    (connection checked with PING). A process hosting many workers shares one (``pdrouter.worker.fleet``)."""
+    client = redis_client(url, max_connections=max_connections, pool_timeout_s=5.0)
     await client.ping()
     return client

@@ -7,6 +7,10 @@ Shutdown runs the other way and lets in-flight requests finish within ``drain_gr
 
 Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
 lane (``pdrouter.wire.lane``, the same messages; the router's fast path) unless ``lane_port`` is None.
+
+Several workers may share one process (``pdrouter.worker.fleet``): each is its own
+``WorkerProcess`` (identity, ports, record, heartbeats, block events), and they may share one
+Redis client, which then belongs to the fleet, not to any of them.
 """
 
 from __future__ import annotations
@@ -19,14 +23,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.state.client import RedisClient
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.grpc_util import GrpcServer
@@ -47,13 +50,16 @@ class WorkerProcess:
     """Owns every part of one worker; ``start`` then ``serve_forever`` or ``stop``.
 
     ``build_role`` makes the role's part once the engine is up (``pdrouter.worker.roles.build_role``
-    picks it from ``config.role``).
+    picks it from ``config.role``). ``redis``: a client of ``config.redis_url`` shared with other
+    workers of this process; it is used instead of connecting one, and left open by ``stop`` (its
+    owner closes it). Without ``config.redis_url`` it is ignored.
     """
 
-    def __init__(self, config: WorkerConfig, build_role: RoleFactory) -> None:
+    def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None) -> None:
         self.config = config
         self.build_role = build_role
-        self.redis: aioredis.Redis | None = None
+        self._shared_redis = redis
+        self.redis: RedisClient | None = None
         self.registry: WorkerRegistry | None = None
         self.index: PrefixIndex | None = None
         self.publisher: RedisBlockPublisher | None = None
@@ -82,7 +88,8 @@ class WorkerProcess:
         spec_name = cfg.model_name or _model_name(cfg)
         pool_name = cfg.pool or spec_name
         if cfg.redis_url:
-            self.redis = await connect_redis(cfg.redis_url)
+            shared = self._shared_redis
+            self.redis = shared if shared is not None else await connect_redis(cfg.redis_url)
             self.registry = WorkerRegistry(self.redis, pool_name, heartbeat_ttl_ms=cfg.heartbeat_ttl_ms)
             self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms))
             self.epoch = await self.registry.new_epoch()
@@ -161,6 +168,11 @@ class WorkerProcess:
     async def serve_forever(self) -> None:
         await self._stopped.wait()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether ``stop`` has run to its end."""
+        return self._stopped.is_set()
+
     async def stop(self) -> None:
         """Deregister, drain in-flight requests, then tear everything down."""
         cfg = self.config
@@ -174,7 +186,7 @@ class WorkerProcess:
             await self.publisher.stop(clear=True)
         if self.driver is not None:
             await self.driver.close()
-        if self.redis is not None:
+        if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
         self._stopped.set()
