@@ -40,8 +40,18 @@ probes every worker; kept here for the comparison, figures prefixed ``per_worker
 ``--redis URL`` uses an existing Redis (its slowlog settings are restored; its memory figures
 include whatever else runs there) instead of starting one.
 
+Two more parts follow the index (``--parts``, default all three):
+
+* ``replicas`` (``_replicas.measure_replicas``): 1, 2 and 4 router processes on one Redis in
+  front of simulated decode workers: throughput and its ratio to one replica, router RSS and CPU
+  per request, Redis CPU per request, reservations/s, over-commit violations seen by a 2 ms
+  poller, and what bounds the throughput (figures ``replicas_*``);
+* ``shards`` (``_cluster_shards.measure_shards``): a real 3-master Redis Cluster on loopback
+  driven by the real registry, index and booking code: commands per second and share per master,
+  for one pool and for several (figures ``cluster_*``).
+
     python benchmarks/fleet_scale.py [--quick] [--json] [--layout current|per-worker|both] [--workers 16,64,256]
-                                     [--rounds N] [--redis URL] [--pin]
+                                     [--rounds N] [--redis URL] [--pin] [--parts index,replicas,shards]
 """
 
 from __future__ import annotations
@@ -58,6 +68,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from _cluster_shards import measure_shards
+from _replicas import measure_replicas
 from _report import Report, base_parser
 
 from pdrouter.core.hashing import BlockHasher
@@ -470,6 +482,8 @@ async def main_async() -> None:
     parser.add_argument("--workers", default=None, help="fleet sizes, e.g. 16,64,256 (default; --quick: 16,64)")
     parser.add_argument("--rounds", type=int, default=None, help="timed lookups of each kind per fleet size")
     parser.add_argument("--redis", default=None, help="use this Redis instead of starting one")
+    parser.add_argument("--parts", default="index,replicas,shards",
+                        help="what to measure, comma-separated: index, replicas, shards (default: all)")
     parser.add_argument("--pin", action="store_true",
                         help="run the Redis it starts on the last CPU and this client on the others "
                              "(helps on an idle machine, hurts on a busy one)")
@@ -477,17 +491,26 @@ async def main_async() -> None:
     sizes = [int(x) for x in (args.workers or ("16,64" if args.quick else "16,64,256")).split(",")]
     rounds = args.rounds or (150 if args.quick else 500)
     layouts = ["current", "per-worker"] if args.layout == "both" else [args.layout]
+    parts = {part.strip() for part in args.parts.split(",") if part.strip()}
+    unknown = parts - {"index", "replicas", "shards"}
+    if unknown:
+        parser.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))} (index, replicas, shards)")
     report = Report()
     start = time.perf_counter()
-    if args.redis:
-        await run(args.redis, sizes, layouts, rounds, report)
-    else:
-        with EmbeddedRedis() as server:
-            if args.pin:
-                await pin(server.url)
-            await run(server.url, sizes, layouts, rounds, report)
-    if "current" in layouts:  # the acceptance lines, at the largest fleet measured
-        big, fig = max(sizes), {name: float(value) for name, value, _ in report.figures}
+    if "index" in parts:
+        if args.redis:
+            await run(args.redis, sizes, layouts, rounds, report)
+        else:
+            with EmbeddedRedis() as server:
+                if args.pin:
+                    await pin(server.url)
+                await run(server.url, sizes, layouts, rounds, report)
+    if "replicas" in parts:
+        await measure_replicas(report, quick=args.quick)
+    if "shards" in parts:
+        await measure_shards(report, quick=args.quick)
+    if "index" in parts and "current" in layouts:  # the acceptance lines, at the largest fleet measured
+        big, fig = max(sizes), {name: float(value) for name, value, _ in report.figures if not isinstance(value, str)}
         met = (fig[f"lookup_hit_p50_vs_ping_w{big}"] <= 4 and fig[f"lookup_miss_p50_vs_ping_w{big}"] <= 4
                and max(fig[f"lookup_{k}_max_script_w{big}"] for k in ("hit", "miss")) <= 1000)
         report.add(f"target_met_w{big}", int(met), "bool")

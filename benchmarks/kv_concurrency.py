@@ -217,7 +217,7 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(plan: Plan) -> dict[str, float]:
+def run(plan: Plan) -> dict[str, float | int]:
     bench = Bench(plan)
     nbytes = plan.transfer_bytes
     everyone = list(range(plan.pairs))
@@ -290,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             if unit is None:
                 unit = "GB/s" if name.endswith(("gbps", "gbps_p50", "gbps_min")) else "x" if name.endswith("ratio") \
                     else "ms"
-            print(f"{name}: {value:.3f} {unit}".rstrip())
+            shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+            print(f"{name}: {shown} {unit}".rstrip())
     return 0 if figures["bit_exact_transfers"] == figures["transfers"] else 1
 
 
