@@ -18,8 +18,8 @@ Figures:
   what the dead incarnations held in Redis just after the kill (bookings, the blocks they book,
   prefix index entries);
 * ``leaked_bookings`` (the dead decode incarnations' booking entries, leases and booked blocks
-  together), ``dead_index_entries_left``, ``stranded_work`` (requests running and blocks
-  allocated on the live workers) and ``bookings_left`` (blocks booked on any incarnation), once
+  together), ``dead_index_entries``, ``stranded_work`` (requests running and blocks
+  allocated on the live workers) and ``bookings`` (blocks booked on any incarnation), once
   clean or after the bound: all must be 0;
 * ``seconds_until_dead_bookings_gone`` and ``seconds_until_dead_index_gone``: from the kill until
   the dead incarnations' bookings, and their index entries, were all gone (polled every 0.25 s
@@ -53,7 +53,6 @@ from _report import Report, base_parser
 
 from pdrouter.cli.local_cluster import ManagedProcess, stop_all, worker_args
 from pdrouter.core.model_spec import get_model_preset
-from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.config import RouterConfig
@@ -61,8 +60,8 @@ from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.keys import PoolKeys
-from pdrouter.state.prefix_index import member_id
 from pdrouter.state.registry import WorkerRegistry
+from pdrouter.testing.leftovers import booking_parts, count_leftovers, dead_bookings, dead_index_entries
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 MODEL, GPU = "llama-3-8b", "h100"
@@ -144,50 +143,6 @@ async def drive(port: int, concurrency: int, until: float, out: Outcomes) -> Non
         await asyncio.gather(*(slot(i) for i in range(concurrency)))
 
 
-async def booking_parts(client: aioredis.Redis, keys: PoolKeys, dead: list[tuple[str, int]]) -> tuple[int, int, int]:
-    """(booking entries, leases, booked blocks) left on the dead decode incarnations."""
-    entries = leases = blocks = 0
-    for worker, epoch in dead:
-        entries += int(await client.hlen(keys.kv_bookings(worker, epoch)))
-        leases += int(await client.zcard(keys.kv_leases(worker, epoch)))
-        blocks += int(await client.get(keys.kv_used(worker, epoch)) or 0)
-    return entries, leases, blocks
-
-
-async def dead_bookings(client: aioredis.Redis, keys: PoolKeys, dead: list[tuple[str, int]]) -> int:
-    """Everything of the dead decode incarnations' bookings: entries, leases and booked blocks together."""
-    return sum(await booking_parts(client, keys, dead))
-
-
-async def dead_index_entries(client: aioredis.Redis, keys: PoolKeys, dead: list[tuple[str, int]]) -> int:
-    left = sum([int(await client.scard(keys.prefix_set(w, e))) for w, e in dead])
-    names = {PoolKeys.incarnation(w, e) for w, e in dead}
-    members = [m.decode() if isinstance(m, bytes) else str(m) for m in await client.zrange(keys.prefix_live, 0, -1)]
-    left += sum(1 for m in members if m.partition(":")[2] in names)
-    ids = [str(member_id(w, e)) for w, e in dead]
-    cursor, match = 0, keys.prefix_block_prefix.encode() + b"*"
-    while True:  # one pipeline of SMISMEMBER per page of block keys
-        cursor, page = await client.scan(cursor, match=match, count=1000)
-        if page:
-            async with client.pipeline(transaction=False) as pipe:
-                for key in page:
-                    pipe.smismember(key, ids)
-                left += sum(int(x) for held in await pipe.execute() for x in held)
-        if not cursor:
-            return left
-
-
-async def leftovers(client: aioredis.Redis, registry: WorkerRegistry, keys: PoolKeys, dead: list[tuple[str, int]],
-                    dead_decode: list[tuple[str, int]]) -> dict[str, int]:
-    live = await registry.live_workers()
-    incarnations = dead_decode + [(w.record.worker_id, int(w.record.epoch)) for w in live
-                                  if w.record.role is WorkerRole.DECODE]
-    return {"leaked_bookings": await dead_bookings(client, keys, dead_decode),
-            "dead_index_entries_left": await dead_index_entries(client, keys, dead),
-            "stranded_work": sum(w.load.running + w.load.allocated_blocks for w in live),
-            "bookings_left": sum([int(await client.get(keys.kv_used(w, e)) or 0) for w, e in incarnations])}
-
-
 async def run(args: argparse.Namespace, report: Report) -> None:
     per = args.per_process
     per_role = math.ceil(args.workers / 2 / per)
@@ -262,7 +217,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             load_ended = time.monotonic()
             census: dict[str, int] = {}
             while True:
-                census = await leftovers(client, registry, keys, dead, dead_decode)
+                census = await count_leftovers(client, registry, keys, dead, dead_decode)
                 if not any(census.values()) or time.monotonic() - load_ended > CLEAN_BOUND_S:
                     break
                 await asyncio.sleep(0.5)

@@ -27,4 +27,4 @@ mypy pdrouter
 echo "== import contract"
 lint-imports --no-cache
 echo "== pytest"
-timeout --signal=INT --kill-after=60 45m python -m pytest -q -p no:cacheprovider "$@"
+timeout --signal=INT --kill-after=60 45m python -m pytest -q -p no:cacheprovider --durations=15 "$@"

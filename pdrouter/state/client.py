@@ -204,6 +204,15 @@ class BoundedRedisCluster(RedisCluster):
                 return await super().execute_command(*args, **kwargs)
             except SlotNotCoveredError as exc:
                 raise _unreachable(exc) from exc
+            except AttributeError as exc:
+                # redis-py's cluster client, refreshing its node table after a failover, disconnects a
+                # node's connections while calls are using them; such a call then fails inside the
+                # library on the vanished stream ("'NoneType' object has no attribute 'writelines'")
+                # instead of with a ConnectionError. It is the same outage, so it is raised as one.
+                if "NoneType" not in str(exc):
+                    raise
+                raise RedisConnectionError(f"a Redis Cluster connection closed under a call while the "
+                                           f"cluster changed: {exc}") from exc
 
     async def initialize(self, additional_startup_nodes_info: list[tuple[str, int]] | None = None,
                          last_failed_node_name: str | None = None) -> RedisCluster:

@@ -104,17 +104,7 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stderr:
-            proc.stderr.close()
+        _end_process(proc, signal.SIGTERM)
 
     def close(self) -> None:
         self.stop()
@@ -480,6 +470,11 @@ class EmbeddedRedisCluster:
 
 def _kill(n: ClusterNodeProcess, sig: signal.Signals) -> None:
     proc, n.proc = n.proc, None
+    _end_process(proc, sig)
+
+
+def _end_process(proc: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
+    """Send ``sig`` to a redis-server still running, SIGKILL it after 5 s, reap it, close its stderr."""
     if proc is None:
         return
     if proc.poll() is None:

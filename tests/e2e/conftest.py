@@ -71,6 +71,18 @@ class Cluster:
         return router
 
 
+def spawn_router(cluster: Cluster, name: str) -> ManagedProcess:
+    """A router as its own process (``pdrouter router``) on the cluster's Redis, with short queue and lease
+    times, every prompt prefilled remotely; tracked by the cluster and stopped with it."""
+    proc = ManagedProcess(name, ["router", "--model", str(cluster.model), "--redis", cluster.redis_url,
+                                 "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "0.05",
+                                 "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"],
+                          env={INTERNAL_TOKEN_ENV: cluster.internal_token})
+    cluster.procs.append(proc)
+    proc.wait_ready()
+    return proc
+
+
 @pytest.fixture
 def backend() -> str:
     """The engine of the ``cluster``'s workers: torch, or the test's parameter."""

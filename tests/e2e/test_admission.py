@@ -18,9 +18,8 @@ from pdrouter.engine.config import EngineConfig
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
-from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
-from .conftest import Cluster
+from .conftest import Cluster, spawn_router
 
 DECODE_BLOCKS = 64
 PROMPT = "Summarise the following text in one line: " + "pack my box with five dozen liquor jugs " * 2
@@ -32,16 +31,6 @@ def test_planner_capacity_equals_the_capacity_math() -> None:
     config = EngineConfig(model_dir=Path("unused"), memory_budget_bytes=gpu.memory_bytes, memory_utilization=0.9,
                           overhead_bytes=2 * GiB)
     assert config.pool_blocks(spec, None) == plan.num_blocks
-
-
-def spawn_router(cluster: Cluster, name: str) -> ManagedProcess:
-    proc = ManagedProcess(name, ["router", "--model", str(cluster.model), "--redis", cluster.redis_url,
-                                 "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "0.05",
-                                 "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"],
-                          env={INTERNAL_TOKEN_ENV: cluster.internal_token})
-    cluster.procs.append(proc)
-    proc.wait_ready()
-    return proc
 
 
 async def send(http: httpx.AsyncClient, address: str, max_tokens: int = 150) -> int:

@@ -28,12 +28,11 @@ import httpx
 import redis.asyncio as aioredis
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
-from pdrouter.core.workers import WorkerRole
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.state.keys import PoolKeys
-from pdrouter.state.prefix_index import member_id
 from pdrouter.state.registry import WorkerRegistry
+from pdrouter.testing.leftovers import count_leftovers, dead_bookings, dead_index_entries
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 from .conftest import Cluster
@@ -101,52 +100,6 @@ async def load(port: int, until: float, outcomes: Outcomes) -> None:
                     outcomes.broken.append(f"{resp.status_code} {resp.text[:200]}")
 
         await asyncio.gather(*(slot(i) for i in range(CONCURRENCY)))
-
-
-async def dead_bookings(client: aioredis.Redis, keys: PoolKeys, dead: list[tuple[str, int]]) -> int:
-    """Booking entries, leases and booked blocks left on the dead decode incarnations."""
-    left = 0
-    for worker, epoch in dead:
-        left += int(await client.hlen(keys.kv_bookings(worker, epoch)))
-        left += int(await client.zcard(keys.kv_leases(worker, epoch)))
-        left += int(await client.get(keys.kv_used(worker, epoch)) or 0)
-    return left
-
-
-async def dead_index_entries(client: aioredis.Redis, keys: PoolKeys, dead: list[tuple[str, int]]) -> int:
-    """Entries of the dead incarnations anywhere in the prefix index."""
-    left = 0
-    for worker, epoch in dead:
-        left += int(await client.scard(keys.prefix_set(worker, epoch)))
-    raw = await client.zrange(keys.prefix_live, 0, -1)
-    live_members = [m.decode() if isinstance(m, bytes) else str(m) for m in raw]
-    names = {PoolKeys.incarnation(w, e) for w, e in dead}
-    left += sum(1 for m in live_members if m.partition(":")[2] in names)
-    ids = [str(member_id(w, e)) for w, e in dead]
-    cursor, match = 0, keys.prefix_block_prefix.encode() + b"*"
-    while True:  # one pipeline of SMISMEMBER per page of block keys
-        cursor, page = await client.scan(cursor, match=match, count=1000)
-        if page:
-            async with client.pipeline(transaction=False) as pipe:
-                for key in page:
-                    pipe.smismember(key, ids)
-                left += sum(int(x) for held in await pipe.execute() for x in held)
-        if not cursor:
-            return left
-
-
-async def count_leftovers(client: aioredis.Redis, registry: WorkerRegistry, keys: PoolKeys,
-                          dead: list[tuple[str, int]], dead_decode: list[tuple[str, int]]) -> dict[str, int]:
-    """What must reach zero: the dead incarnations' bookings and index entries, requests running or
-    blocks allocated on the live workers, and blocks booked anywhere (dead or live incarnations)."""
-    live = await registry.live_workers()
-    incarnations = dead_decode + [(w.record.worker_id, int(w.record.epoch)) for w in live
-                                  if w.record.role is WorkerRole.DECODE]
-    booked = [int(await client.get(keys.kv_used(w, e)) or 0) for w, e in incarnations]
-    return {"leaked_bookings": await dead_bookings(client, keys, dead_decode),
-            "dead_index_entries": await dead_index_entries(client, keys, dead),
-            "stranded_work": sum(w.load.running + w.load.allocated_blocks for w in live),
-            "bookings": sum(booked)}
 
 
 async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(cluster: Cluster) -> None:

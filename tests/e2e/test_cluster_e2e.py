@@ -10,7 +10,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRole
 from pdrouter.router.dispatch import DispatchConfig
@@ -18,9 +17,8 @@ from pdrouter.router.server import RouterProcess
 from pdrouter.state.client import redis_client
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
-from .conftest import Cluster
+from .conftest import Cluster, spawn_router
 
 DECODE_BLOCKS = 64
 PROMPT = "Summarise the following text in one line: " + "pack my box with five dozen liquor jugs " * 2
@@ -38,16 +36,6 @@ async def on_cluster(tiny_model: Path, redis_cluster_url: str) -> AsyncIterator[
     finally:
         for p in c.procs:
             p.stop()
-
-
-def spawn_router(cluster: Cluster, name: str) -> ManagedProcess:
-    proc = ManagedProcess(name, ["router", "--model", str(cluster.model), "--redis", cluster.redis_url,
-                                 "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "0.05",
-                                 "--lease-ms", "1500", "--local-prefill-tokens", "0", "--log-level", "WARNING"],
-                          env={INTERNAL_TOKEN_ENV: cluster.internal_token})
-    cluster.procs.append(proc)
-    proc.wait_ready()
-    return proc
 
 
 async def send(http: httpx.AsyncClient, address: str, max_tokens: int) -> int:

@@ -1,0 +1,65 @@
+"""What dead worker incarnations may leave behind in Redis, counted (the churn test and benchmark).
+
+Each count must reach zero once the leases and the index's liveness deadlines have passed: the
+booking entries, leases and booked blocks of dead decode incarnations, their prefix-index entries
+(own sets, liveness members and member ids in the per-block sets), work still running or blocks
+still allocated on the live workers, and blocks booked anywhere.
+"""
+
+from __future__ import annotations
+
+from pdrouter.core.workers import WorkerRole
+from pdrouter.state.client import RedisClient
+from pdrouter.state.keys import PoolKeys
+from pdrouter.state.prefix_index import member_id
+from pdrouter.state.registry import WorkerRegistry
+
+Incarnation = tuple[str, int]
+"""(worker id, epoch)."""
+
+
+async def booking_parts(client: RedisClient, keys: PoolKeys, dead: list[Incarnation]) -> tuple[int, int, int]:
+    """(booking entries, leases, booked blocks) left on the dead decode incarnations."""
+    entries = leases = blocks = 0
+    for worker, epoch in dead:
+        entries += int(await client.hlen(keys.kv_bookings(worker, epoch)))
+        leases += int(await client.zcard(keys.kv_leases(worker, epoch)))
+        blocks += int(await client.get(keys.kv_used(worker, epoch)) or 0)
+    return entries, leases, blocks
+
+
+async def dead_bookings(client: RedisClient, keys: PoolKeys, dead: list[Incarnation]) -> int:
+    """Everything of the dead decode incarnations' bookings: entries, leases and booked blocks together."""
+    return sum(await booking_parts(client, keys, dead))
+
+
+async def dead_index_entries(client: RedisClient, keys: PoolKeys, dead: list[Incarnation]) -> int:
+    """Entries of the dead incarnations anywhere in the prefix index (one Redis: SCAN of the block keys)."""
+    left = sum([int(await client.scard(keys.prefix_set(w, e))) for w, e in dead])
+    names = {PoolKeys.incarnation(w, e) for w, e in dead}
+    members = [m.decode() if isinstance(m, bytes) else str(m) for m in await client.zrange(keys.prefix_live, 0, -1)]
+    left += sum(1 for m in members if m.partition(":")[2] in names)
+    ids = [str(member_id(w, e)) for w, e in dead]
+    cursor, match = 0, keys.prefix_block_prefix.encode() + b"*"
+    while True:  # one pipeline of SMISMEMBER per page of block keys
+        cursor, page = await client.scan(cursor, match=match, count=1000)
+        if page:
+            async with client.pipeline(transaction=False) as pipe:
+                for key in page:
+                    pipe.smismember(key, ids)
+                left += sum(int(x) for held in await pipe.execute() for x in held)
+        if not cursor:
+            return left
+
+
+async def count_leftovers(client: RedisClient, registry: WorkerRegistry, keys: PoolKeys, dead: list[Incarnation],
+                          dead_decode: list[Incarnation]) -> dict[str, int]:
+    """``leaked_bookings``, ``dead_index_entries``, ``stranded_work`` (requests running and blocks
+    allocated on the live workers) and ``bookings`` (blocks booked on any decode incarnation)."""
+    live = await registry.live_workers()
+    incarnations = dead_decode + [(w.record.worker_id, int(w.record.epoch)) for w in live
+                                  if w.record.role is WorkerRole.DECODE]
+    return {"leaked_bookings": await dead_bookings(client, keys, dead_decode),
+            "dead_index_entries": await dead_index_entries(client, keys, dead),
+            "stranded_work": sum(w.load.running + w.load.allocated_blocks for w in live),
+            "bookings": sum([int(await client.get(keys.kv_used(w, e)) or 0) for w, e in incarnations])}
