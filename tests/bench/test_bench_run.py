@@ -96,7 +96,9 @@ def test_tpot_and_itl_are_the_modeled_decode_steps(cluster: str, tmp_path: Path)
     assert summary["itl"]["p50"] == pytest.approx(step, rel=0.1)
     for r in document(tmp_path)["requests"]:
         assert r["tpot_s"] == pytest.approx((r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1))
-        assert len(r["itl_s"]) == r["output_tokens"] - 1
+        # one gap per streamed chunk after the first, as vllm bench serve counts them; a router that
+        # fell behind sends the tokens already waiting as one chunk, so there may be fewer gaps than tokens
+        assert 0 < len(r["itl_s"]) <= r["output_tokens"] - 1
 
 
 def test_the_scraped_water_level_is_the_admission_bookings(cluster: str, tmp_path: Path) -> None:
