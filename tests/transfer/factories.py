@@ -86,31 +86,19 @@ class Pair:
                                    self.sender.stats().inflight_bytes) == (0, 0, 0))
 
 
-class FaultyProxy:
-    """A TCP relay in front of a receiver that corrupts or cuts the sender-to-receiver stream.
+class _Relay:
+    """A TCP relay on a free loopback port in front of ``upstream``: each accepted connection is
+    dialled through and pumped both ways by ``_relay`` (a thread per direction); ``close`` ends all."""
 
-    Messages are counted by the wire magic in the sender's stream (0: CLIENT_HELLO, 1: CLIENT_AUTH,
-    2: BEGIN, 3: first DATA, ...); ``flip=(k, d)`` flips the byte ``d`` bytes into message ``k``,
-    ``cut=(k, d)`` forwards up to that byte and then drops both connections, ``stall=(k, d)``
-    forwards up to that byte and then stops reading (a hung receiver). ``flip_at=n`` flips the
-    ``n``-th byte of the stream, whatever it carries (TLS records, say).
-    """
-
-    def __init__(self, upstream: str, *, flip: tuple[int, int] | None = None,
-                 cut: tuple[int, int] | None = None, stall: tuple[int, int] | None = None,
-                 flip_at: int | None = None) -> None:
+    def __init__(self, upstream: str) -> None:
         self._upstream = upstream
-        self._flip = flip
-        self._flip_at = flip_at
-        self._cut = cut
-        self._stall = stall
         self._stop = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self.fired = threading.Event()
-        self._start(self._accept)
+        """Set once the relay did what it was made to do to the stream."""
 
     def close(self) -> None:
         self._stop.set()
@@ -138,8 +126,35 @@ class FaultyProxy:
             host, port = self._upstream.rsplit(":", 1)
             server = socket.create_connection((host, int(port)))
             self._socks += [client, server]
-            self._start(self._pump, client, server, True)
-            self._start(self._pump, server, client, False)
+            self._relay(client, server)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class FaultyProxy(_Relay):
+    """A TCP relay in front of a receiver that corrupts or cuts the sender-to-receiver stream.
+
+    Messages are counted by the wire magic in the sender's stream (0: CLIENT_HELLO, 1: CLIENT_AUTH,
+    2: BEGIN, 3: first DATA, ...); ``flip=(k, d)`` flips the byte ``d`` bytes into message ``k``,
+    ``cut=(k, d)`` forwards up to that byte and then drops both connections, ``stall=(k, d)``
+    forwards up to that byte and then stops reading (a hung receiver). ``flip_at=n`` flips the
+    ``n``-th byte of the stream, whatever it carries (TLS records, say).
+    """
+
+    def __init__(self, upstream: str, *, flip: tuple[int, int] | None = None,
+                 cut: tuple[int, int] | None = None, stall: tuple[int, int] | None = None,
+                 flip_at: int | None = None) -> None:
+        super().__init__(upstream)
+        self._flip = flip
+        self._flip_at = flip_at
+        self._cut = cut
+        self._stall = stall
+        self._start(self._accept)
+
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        self._start(self._pump, client, server, True)
+        self._start(self._pump, server, client, False)
 
     def _pump(self, src: socket.socket, dst: socket.socket, faulty: bool) -> None:
         seen = b""
@@ -188,7 +203,7 @@ class FaultyProxy:
             dst.shutdown(socket.SHUT_WR)
 
 
-class MessageProxy:
+class MessageProxy(_Relay):
     """A TCP relay in front of a receiver that parses the sender's stream message by message (wire v2)
     and tampers with it: messages are counted from 0 (CLIENT_HELLO, CLIENT_AUTH, BEGIN, DATA...).
 
@@ -199,44 +214,15 @@ class MessageProxy:
 
     def __init__(self, upstream: str, *, flip: tuple[int, int] | None = None, replay: int | None = None,
                  drop: int | None = None, swap: int | None = None) -> None:
-        self._upstream = upstream
+        super().__init__(upstream)
         self._flip, self._replay, self._drop, self._swap = flip, replay, drop, swap
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{self._listener.getsockname()[1]}"
-        self._socks: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
         self.kinds: list[wire.Kind] = []
         """The kinds of the sender's messages seen so far."""
-        self.fired = threading.Event()
         self._start(self._accept)
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for sock in list(self._socks):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-        for thread in self._threads:
-            thread.join(10)
-
-    def _start(self, target: Callable[..., None], *args: object) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        self._threads.append(thread)
-        thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            host, port = self._upstream.rsplit(":", 1)
-            server = socket.create_connection((host, int(port)))
-            self._socks += [client, server]
-            self._start(self._pump_messages, client, server)
-            self._start(self._pump_raw, server, client)
+    def _relay(self, client: socket.socket, server: socket.socket) -> None:
+        self._start(self._pump_messages, client, server)
+        self._start(self._pump_raw, server, client)
 
     def _pump_raw(self, src: socket.socket, dst: socket.socket) -> None:
         try:
