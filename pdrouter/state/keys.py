@@ -3,7 +3,7 @@
 Every key of a pool carries a hash tag, so each script and multi-key command touches one slot:
 
 * ``<ns>:{<pool>}:…`` — the registry (``workers``, ``hb:*``, ``epoch``), the prefix index (``px:*``,
-  ``pxb:*``, ``pxlive``) and the ``credit-wanted`` channel;
+  ``pxb:*``, ``pxlive``, ``pxslots``, ``pxfree``) and the ``credit-wanted`` channel;
 * the KV bookings (``kv:book:*``, ``kv:lease:*``, ``kv:used:*``): under the same tag on one Redis,
   and under a tag of their own, ``<ns>:{<pool>#kv}:kv:…``, with ``bookings_apart`` (what the state
   classes pick on a Redis Cluster), so a cluster can serve a pool's bookings and the rest of the
@@ -91,14 +91,27 @@ class PoolKeys:
         return f"{self.tag}:pxb:"
 
     def prefix_block(self, block_hash: bytes) -> bytes:
-        """Set of the member ids (integers, ``PrefixIndex.member_id``) of the incarnations holding the block."""
+        """Bitmap of the slots (``prefix_slots``) of the incarnations holding the block: bit ``s``
+        (``SETBIT``/``GETBIT`` offset) is set when slot ``s``'s incarnation holds it."""
         return self.prefix_block_prefix.encode() + block_hash
 
     @property
     def prefix_live(self) -> str:
-        """Sorted set ``<member id>:<incarnation>`` → liveness deadline (ms, Redis clock) of the
-        incarnations in the prefix index, pushed on by every write and touch."""
+        """Sorted set ``<incarnation>`` → liveness deadline (ms, Redis clock) of the incarnations in
+        the prefix index, pushed on by every write and touch."""
         return f"{self.tag}:pxlive"
+
+    @property
+    def prefix_slots(self) -> str:
+        """Hash of the index's slots: ``<incarnation>`` → slot, ``#<slot>`` → ``<version>:<incarnation>``
+        (the version it was given at), ``~next`` (the next slot never used) and ``~ver`` (grows
+        whenever a slot is given or freed)."""
+        return f"{self.tag}:pxslots"
+
+    @property
+    def prefix_free(self) -> str:
+        """Sorted set of the freed slots (score: the slot), given out again lowest first."""
+        return f"{self.tag}:pxfree"
 
     def kv_bookings(self, worker_id: str, epoch: int) -> str:
         """Hash booking id (router-assigned) → booked blocks on one decode worker incarnation."""

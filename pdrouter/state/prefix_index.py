@@ -3,42 +3,49 @@
 Layout (every key carries the pool's hash tag, so each script touches one Cluster slot; see
 ``pdrouter/state/keys.py`` and docs/scale.md):
 
-* ``pxb:<16 hash bytes>`` — per block, the set of the *member ids* of the incarnations holding it.
-  A member id is a 62-bit integer hashed from the incarnation's name ``<worker_id>:<epoch>``
-  (``member_id``), so these sets are Redis intsets (8 bytes per holder) and anyone can compute
-  the id of an incarnation without asking Redis.
+* ``pxslots`` — each live incarnation ``<worker_id>:<epoch>`` has a *slot*, a small integer given
+  at its first write (the lowest freed one, else the next never used) and freed once its entries
+  are all gone; the hash maps both ways and carries a version (``~ver``) that changes with every
+  slot given or freed. Freed slots wait in ``pxfree``.
+* ``pxb:<16 hash bytes>`` — per block, a bitmap of the slots holding it (``SETBIT`` offset = slot):
+  ``ceil(slots / 8)`` bytes, 32 for 256 workers. The key is gone when its last bit is cleared.
 * ``px:<worker_id>:<epoch>`` — the incarnation's own set of the hashes it holds: its size, and
-  what to remove when it goes.
-* ``pxlive`` — sorted set ``<member id>:<worker_id>:<epoch>`` → liveness deadline (ms, Redis
-  clock). Every write and every ``touch`` (each heartbeat) pushes it ``ttl_ms`` ahead.
+  what to clear when it goes.
+* ``pxlive`` — sorted set ``<worker_id>:<epoch>`` → liveness deadline (ms, Redis clock). Every
+  write and every ``touch`` (each heartbeat) pushes it ``ttl_ms`` ahead.
 
-Lookup is one script whose work follows the prompt, not the fleet: ``SCARD`` of the per-block
-sets, bisecting the prompt for the blocks where the number of holders drops, then per drop one
-``SDIFF`` naming the members that stop there. A miss is one ``SCARD``; a prompt the whole fleet
-holds entirely is two and one set read, whatever the number of workers. Chained hashes make
-block ``i`` imply the prompt's blocks before it, and a worker's cache evicts the tail of a
-sequence first, so the holders of block ``i + 1`` are (almost always) among those of block ``i``
-and the drops are exact. A member holding a block without the one before shows up as holder
-counts that do not add up; then only the members holding block 1 are reported. The search stops
-after ``lookup_budget`` work; the depths it has not found by then are returned as lower bounds.
-The index is a placement hint: a worker's engine still matches its own cache exactly.
+Lookup is one script whose work follows the prompt, not the fleet: it reads the bitmaps of the
+blocks it probes, bisecting the prompt for the blocks where the holders change, and returns the
+bitmaps of the blocks just before each change (a few dozen bytes each, whatever the number of
+holders); the client reads each holder's depth off them. Chained hashes make block ``i`` imply
+the prompt's blocks before it, and a worker's cache evicts the tail of a sequence first, so the
+holders of block ``i + 1`` are among those of block ``i``: a slot's depth is the deepest block
+returned whose bitmap has it, exact at every change found. A miss is one ``GET``; a prompt the
+whole fleet holds entirely is two, whatever the number of workers. Only slots holding block 1
+are reported (a cache holding a block without the one before cannot serve the prompt). The
+search stops after ``lookup_budget`` reads; the depths it has not found by then are returned as
+lower bounds. The index is a placement hint: a worker's engine still matches its own cache exactly.
+
+Slots to incarnations: the router keeps the slot table, read again (``HGETALL``) when a lookup
+returns a newer version than the one it holds. Each slot records the version it was given at, so
+a slot given after the lookup ran (its bits then were a former owner's) is left out, never
+attributed to its new owner.
 
 Fencing and expiry: the router passes the incarnations it considers live (the registry's worker
 id and current epoch); entries of any other incarnation never match, whatever is still stored.
 An incarnation that stops refreshing lapses after ``ttl_ms``; ``sweep`` (run by every worker's
 publisher about once a second, and by anyone) removes the entries of lapsed incarnations in
 batches, and ``clear`` removes one incarnation's at once (a worker stopping, a router seeing it
-leave). A write or touch that finds its incarnation lapsed or unknown (swept, cleared, Redis
-restarted empty) says so, and the worker republishes everything it holds.
+leave). A slot is only given again once its last bit is cleared, so a bit always belongs to the
+slot's current incarnation. A write or touch that finds its incarnation lapsed or unknown (swept,
+cleared, Redis restarted empty) says so, and the worker republishes everything it holds.
 
 Every write script changes at most ``SCRIPT_BATCH`` (``DROP_BATCH`` when removing a whole
 incarnation) entries, so none holds Redis for long.
-Needs Redis 6.2 or later (``SMISMEMBER``).
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,15 +62,15 @@ SCRIPT_BATCH = 64
 """The most entries one write script adds or removes (a larger change is sent as several, pipelined)."""
 
 DROP_BATCH = 32
-"""The most entries one ``clear`` or ``sweep`` script removes (popping from a set costs more than adding)."""
+"""The most entries one ``clear`` or ``sweep`` script removes (clearing a bit costs more than setting it)."""
 
-LOOKUP_BUDGET = 2048
-"""The most work one lookup's search does, in set elements touched plus 16 per command (an ``SCARD``
-costs 16, an ``SDIFF`` 16 and the size of the set it reads); past it the depths not yet found are
-returned as lower bounds. A 32k-token prompt 256 workers hold to three depths costs about 700; one
-held to 16 different depths, evenly spread, reaches it (the 2 shallowest come back as lower bounds)."""
-
-_ID_CACHE = 65_536
+LOOKUP_BUDGET = 48
+"""The most block bitmaps one lookup reads (about 4 µs each inside Redis on the development
+machine, nearly all of it the script's own work per read: fewer reads is what makes a lookup
+cheap, so the search bisects); past it the depths not yet found are returned as lower bounds. A
+32k-token prompt held to three depths reads 23, whatever the number of holders; one held to 256
+different depths (every worker of a 256-worker fleet at its own depth) reaches it, and its deepest
+holders come back exact."""
 
 _NOW = """
 redis.replicate_commands()
@@ -71,38 +78,61 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: live, own set. ARGV: live member, member id, ttl ms, block key prefix, ops, hash size.
-# ops: records of one byte ('+' stored, '-' removed) and the hash, applied in order (a run of one
-# kind: one variadic SADD/SREM on the own set, then one call per block key).
+# Slot bookkeeping shared by the write scripts. A new slot table starts its version at the clock
+# (µs), so a Redis that lost its data never hands out a version a router cached before.
+_SLOTS = """
+local function slot_of(slots, free, member)
+  local s = redis.call('HGET', slots, member)
+  if s then return tonumber(s) end
+  if redis.call('HEXISTS', slots, '~ver') == 0 then
+    redis.call('HSET', slots, '~ver', t[1] .. string.format('%06d', tonumber(t[2])))
+  end
+  local got = redis.call('ZPOPMIN', free)
+  if #got > 0 then s = tonumber(got[1]) else s = redis.call('HINCRBY', slots, '~next', 1) - 1 end
+  local ver = redis.call('HINCRBY', slots, '~ver', 1)
+  redis.call('HSET', slots, member, s, '#' .. s, string.format('%.0f', ver) .. ':' .. member)
+  return s
+end
+local function unset(key, slot)
+  redis.call('SETBIT', key, slot, 0)
+  if redis.call('BITCOUNT', key) == 0 then redis.call('DEL', key) end
+end
+"""
+
+# KEYS: live, own set, slots, free. ARGV: member (incarnation), ttl ms, block key prefix, ops, hash size.
+# ops: records of one byte ('+' stored, '-' removed) and the hash, applied in order (a run of
+# stores: one variadic SADD on the own set, then one SETBIT per block; a removal clears the bit
+# only if the own set held the hash).
 # Returns 1 when the incarnation was known and live, 0 when it was new, lapsed or forgotten.
-_APPLY = _NOW + """
-local member, id, ttl, pre, ops, hs = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], tonumber(ARGV[6])
+_APPLY = _NOW + _SLOTS + """
+local member, ttl, pre, ops, hs = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4], tonumber(ARGV[5])
 local own = KEYS[2]
 local deadline = redis.call('ZSCORE', KEYS[1], member)
 local known = 1
 if not deadline or tonumber(deadline) < now then known = 0 end
 redis.call('ZADD', KEYS[1], now + ttl, member)
-local run, kind = {}, nil
+local slot = slot_of(KEYS[3], KEYS[4], member)
+local run = {}
 local function flush()
   if #run == 0 then return end
-  local op = (kind == 43) and 'SADD' or 'SREM'
-  redis.call(op, own, unpack(run))
-  for _, h in ipairs(run) do redis.call(op, pre .. h, id) end
+  redis.call('SADD', own, unpack(run))
+  for _, h in ipairs(run) do redis.call('SETBIT', pre .. h, slot, 1) end
   run = {}
 end
 for i = 1, #ops, hs + 1 do
-  local k = string.byte(ops, i)
-  if k ~= kind then
+  local h = string.sub(ops, i + 1, i + hs)
+  if string.byte(ops, i) == 43 then
+    run[#run + 1] = h
+  else
     flush()
-    kind = k
+    if redis.call('SREM', own, h) == 1 then unset(pre .. h, slot) end
   end
-  run[#run + 1] = string.sub(ops, i + 1, i + hs)
 end
 flush()
 return known
 """
 
-# KEYS: live. ARGV: live member, ttl ms. 1: refreshed; 0: unknown or lapsed (nothing changed).
+# KEYS: live. ARGV: member, ttl ms. 1: refreshed; 0: unknown or lapsed (nothing changed).
 _TOUCH = _NOW + """
 local deadline = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if not deadline or tonumber(deadline) < now then return 0 end
@@ -110,129 +140,129 @@ redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 return 1
 """
 
-# Removes up to `batch` entries of the live member `member` (id `id`, own set `own`); forgets it
-# when none is left. Returns {entries removed, 1 if done}.
-_DROP = """
-local function drop(live, member, id, own, pre, batch)
+# Removes up to `batch` entries of `member` (own set `own`); once none is left, forgets it and
+# frees its slot (and drops the slot table when no incarnation is left). Returns {removed, 1 if done}.
+_DROP = _SLOTS + """
+local function drop(live, slots, free, member, own, pre, batch)
+  local s = redis.call('HGET', slots, member)
   local hs = redis.call('SPOP', own, batch)
-  for _, h in ipairs(hs) do redis.call('SREM', pre .. h, id) end
+  if s then
+    local slot = tonumber(s)
+    for _, h in ipairs(hs) do unset(pre .. h, slot) end
+  end
   if redis.call('EXISTS', own) == 1 then return {#hs, 0} end
   redis.call('ZREM', live, member)
+  if s then
+    redis.call('HDEL', slots, member, '#' .. s)
+    redis.call('ZADD', free, s, s)
+    redis.call('HINCRBY', slots, '~ver', 1)
+  end
+  if redis.call('ZCARD', live) == 0 then redis.call('DEL', slots, free) end
   return {#hs, 1}
 end
 """
 
-# KEYS: live, own set. ARGV: live member, member id, block key prefix, batch.
-_CLEAR = "redis.replicate_commands()\n" + _DROP + """
-return drop(KEYS[1], ARGV[1], ARGV[2], KEYS[2], ARGV[3], tonumber(ARGV[4]))
+# KEYS: live, own set, slots, free. ARGV: member, block key prefix, batch.
+_CLEAR = _NOW + _DROP + """
+return drop(KEYS[1], KEYS[3], KEYS[4], ARGV[1], KEYS[2], ARGV[2], tonumber(ARGV[3]))
 """
 
-# KEYS: live. ARGV: own set key prefix, block key prefix, batch. Works on the first lapsed
-# incarnation. Returns {entries removed, 1 if a lapsed one was found}.
+# KEYS: live, slots, free. ARGV: own set key prefix, block key prefix, batch. Works on the first
+# lapsed incarnation. Returns {entries removed, 1 if a lapsed one was found}.
 _SWEEP = _NOW + _DROP + """
 local dead = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now, 'LIMIT', 0, 1)
 if #dead == 0 then return {0, 0} end
-local member = dead[1]
-local sep = string.find(member, ':', 1, true)
-local res = drop(KEYS[1], member, string.sub(member, 1, sep - 1), ARGV[1] .. string.sub(member, sep + 1),
-                 ARGV[2], tonumber(ARGV[3]))
+local res = drop(KEYS[1], KEYS[2], KEYS[3], dead[1], ARGV[1] .. dead[1], ARGV[2], tonumber(ARGV[3]))
 return {res[1], 1}
 """
 
-# KEYS[1]: live (unused: it routes the call to the pool's slot). ARGV: block key prefix, the
-# prompt's hashes concatenated, hash size, work budget. Returns {blocks, "id,id,...", ...}: the
-# members holding the prompt's first block grouped by how many leading blocks they hold, deepest
-# first (a member listed twice, which only a cache holding a block without the one before can
-# cause, holds the smaller number). Work is counted in set elements touched plus CALL per command
-# (an SCARD costs CALL, an SDIFF CALL and the size of its first set).
+# KEYS[1]: slots (``#<slot>`` → ``<version given at>:<incarnation>``). ARGV: block key prefix, the
+# prompt's hashes concatenated, hash size, budget (GETs).
+# Returns {} (nobody holds block 1) or {version, 1, bitmap, i, bitmap, ...}: the slot table's
+# version, then block numbers and their bitmaps (trailing zero bytes cut): block 1, the last block
+# if anyone holds it, the block before each change of holders found, and the lower end of each
+# interval the budget left unsearched. Bitmaps of one prompt nest (holders only drop), so two
+# blocks have the same holders exactly when their cut bitmaps are equal.
 _LOOKUP = """
 local pre, blob, hs, budget = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
-local CALL = 16
 local n = math.floor(#blob / hs)
-local keys, card, work = {}, {}, 0
-local function key(i)
-  local k = keys[i]
-  if not k then
-    k = pre .. string.sub(blob, (i - 1) * hs + 1, i * hs)
-    keys[i] = k
-  end
-  return k
-end
-local function c(i)
-  local v = card[i]
-  if not v then
-    v = redis.call('SCARD', key(i))
-    card[i] = v
-    work = work + CALL
+if n == 0 then return {} end
+local maps, work = {}, 0
+local function m(i)
+  local v = maps[i]
+  if v == nil then
+    v = redis.call('GET', pre .. string.sub(blob, (i - 1) * hs + 1, i * hs))
+    if v then
+      local e = #v
+      while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
+      v = string.sub(v, 1, e)
+    else
+      v = ''
+    end
+    maps[i] = v
+    work = work + 1
   end
   return v
 end
-if n == 0 or c(1) == 0 then return {} end
-local groups, named, regular = {}, 0, true
-local function settle(ids, blocks)
-  if #ids > 0 then
-    groups[#groups + 1] = {blocks, ids}
-    named = named + #ids
+if m(1) == '' then return {} end
+local out, sent = {redis.call('HGET', KEYS[1], '~ver') or '0'}, {}
+local function emit(i)
+  if not sent[i] and maps[i] ~= '' then
+    sent[i] = true
+    out[#out + 1] = i
+    out[#out + 1] = maps[i]
   end
 end
-if c(n) > 0 then settle(redis.call('SMEMBERS', key(n)), n) end
--- Bisect [1, n] for the blocks whose holders are not those of the next block probed, deepest
--- first; each drop is named by one SDIFF (the members that stop there).
+emit(1)
+m(n)
+emit(n)
+-- Bisect [1, n] deepest first; an interval whose ends have equal bitmaps has no change inside.
 local stack = {}
-if c(n) ~= c(1) then stack[1] = {1, n} end
+if maps[n] ~= maps[1] then stack[1] = {1, n} end
 while #stack > 0 do
   local top = stack[#stack]
   local lo, hi = top[1], top[2]
   if hi - lo == 1 then
-    if work + CALL + card[lo] > budget then break end
-    work = work + CALL + card[lo]
-    local gone = redis.call('SDIFF', key(lo), key(hi))
-    if #gone ~= card[lo] - card[hi] then regular = false end
-    settle(gone, lo)
+    emit(lo)
     stack[#stack] = nil
   else
     if work >= budget then break end
     stack[#stack] = nil
     local mid = math.floor((lo + hi) / 2)
-    local cm = c(mid)
-    if cm ~= card[lo] then stack[#stack + 1] = {lo, mid} end
-    if cm ~= card[hi] then stack[#stack + 1] = {mid, hi} end
+    local v = m(mid)
+    if v ~= maps[lo] then stack[#stack + 1] = {lo, mid} end
+    if v ~= maps[hi] then stack[#stack + 1] = {mid, hi} end
   end
 end
-if #stack > 0 then
-  -- Out of budget. The search went deepest first, so everything above the top open interval is
-  -- done: the members not named yet are those of block 1 without its upper end, and each stops
-  -- inside an open interval, so holds at least the blocks up to the lowest one.
-  local floor = n
-  for _, iv in ipairs(stack) do
-    if iv[1] < floor then floor = iv[1] end
-  end
-  settle(redis.call('SDIFF', key(1), key(stack[#stack][2])), floor)
-end
-if named ~= card[1] then regular = false end
-local out = {}
-for _, g in ipairs(groups) do
-  local ids = g[2]
-  if not regular then
-    -- Holders of a block without the one before (not a chain's tail evicted first): keep only
-    -- the members holding block 1.
-    local kept = {}
-    for s = 1, #ids, 1024 do
-      local part = {unpack(ids, s, math.min(s + 1023, #ids))}
-      local held = redis.call('SMISMEMBER', key(1), unpack(part))
-      for j = 1, #part do
-        if held[j] == 1 then kept[#kept + 1] = part[j] end
-      end
-    end
-    ids = kept
-  end
-  if #ids > 0 then
-    out[#out + 1] = g[1]
-    out[#out + 1] = table.concat(ids, ',')
-  end
-end
+for _, iv in ipairs(stack) do emit(iv[1]) end
 return out
 """
+
+_REVERSED = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+
+
+def slots_in(bitmap: bytes) -> int:
+    """A Redis bitmap as an integer whose bit ``s`` is the bitmap's ``SETBIT`` offset ``s``."""
+    return int.from_bytes(bitmap.translate(_REVERSED), "little")
+
+
+def depths_of(found: Sequence[tuple[int, bytes]]) -> dict[int, int]:
+    """Slot → leading blocks held, from a lookup's (block, bitmap) pairs: each slot holding the
+    first block gets the deepest block whose bitmap has it."""
+    if not found:
+        return {}
+    remaining = slots_in(found[0][1])  # the first block's holders: nobody else can serve the prompt
+    depth: dict[int, int] = {}
+    for blocks, bitmap in sorted(found, reverse=True):
+        hit = remaining & slots_in(bitmap)
+        if not hit:
+            continue
+        remaining &= ~hit
+        while hit:
+            low = hit & -hit
+            depth[low.bit_length() - 1] = blocks
+            hit ^= low
+    return depth
 
 
 @dataclass(frozen=True)
@@ -244,14 +274,7 @@ class PrefixMatch:
     blocks: int
 
 
-def member_id(worker_id: str, epoch: int) -> int:
-    """The incarnation's member id in the per-block sets: 62 bits of a hash of ``<worker_id>:<epoch>``.
-
-    Two incarnations sharing one (odds ~n²/2⁶³ for n incarnations alive at once) would see each
-    other's entries as their own: a placement hint gone wrong, never a wrong answer.
-    """
-    digest = hashlib.blake2b(PoolKeys.incarnation(worker_id, epoch).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+Incarnation = tuple[WorkerId, Epoch]
 
 
 class PrefixIndex:
@@ -268,33 +291,18 @@ class PrefixIndex:
         self.ttl_ms = ttl_ms
         self.lookup_budget = lookup_budget
         self._block_prefix = self.keys.prefix_block_prefix.encode()
-        self._ids: dict[tuple[str, int], bytes] = {}
-        self._owners: dict[bytes, tuple[WorkerId, Epoch]] = {}
-        self._known: dict[WorkerId, Epoch] = {}  # candidates whose member ids are all in _owners
+        self._slot_keys = [self.keys.prefix_slots, self.keys.prefix_free]
+        self._table: dict[int, tuple[int, Incarnation]] = {}  # slot → (version it was given at, owner)
+        self._version = -1
         self._apply = client.register_script(_APPLY)
         self._touch = client.register_script(_TOUCH)
         self._clear = client.register_script(_CLEAR)
         self._sweep = client.register_script(_SWEEP)
         self._lookup = client.register_script(_LOOKUP)
 
-    def _id(self, worker_id: str, epoch: int) -> bytes:
-        """``member_id`` as Redis returns it (decimal bytes), cached both ways."""
-        got = self._ids.get((worker_id, epoch))
-        if got is None:
-            if len(self._ids) >= _ID_CACHE:
-                self._forget_ids()
-            got = self._ids[(worker_id, epoch)] = str(member_id(worker_id, epoch)).encode()
-            self._owners[got] = (WorkerId(worker_id), Epoch(epoch))
-        return got
-
-    def _forget_ids(self) -> None:
-        self._ids.clear()
-        self._owners.clear()
-        self._known = {}
-
-    def _member(self, worker_id: str, epoch: int) -> bytes:
-        """The incarnation's member of the liveness set: ``<member id>:<worker_id>:<epoch>``."""
-        return self._id(worker_id, epoch) + b":" + self.keys.incarnation(worker_id, epoch).encode()
+    @staticmethod
+    def _member(worker_id: str, epoch: int) -> bytes:
+        return PoolKeys.incarnation(worker_id, epoch).encode()
 
     # -- writers (workers) ------------------------------------------------------------------
     async def add(self, worker_id: str, epoch: int, hashes: Sequence[bytes]) -> None:
@@ -314,8 +322,8 @@ class PrefixIndex:
         Large changes go as several scripts of ``SCRIPT_BATCH`` entries, in order, pipelined.
         """
         ops = [(b"+" if stored else b"-") + h for stored, hashes in events for h in hashes]
-        keys = [self.keys.prefix_live, self.keys.prefix_set(worker_id, epoch)]
-        head = [self._member(worker_id, epoch), self._id(worker_id, epoch), self.ttl_ms, self._block_prefix]
+        keys = [self.keys.prefix_live, self.keys.prefix_set(worker_id, epoch), *self._slot_keys]
+        head = [self._member(worker_id, epoch), self.ttl_ms, self._block_prefix]
         calls = [[*keys, *head, b"".join(ops[i:i + SCRIPT_BATCH]), HASH_BYTES]
                  for i in range(0, max(1, len(ops)), SCRIPT_BATCH)]
         results = await self._run_batch(self._apply, len(keys), calls)
@@ -332,9 +340,8 @@ class PrefixIndex:
 
     async def clear(self, worker_id: str, epoch: int) -> int:
         """Remove every entry of one incarnation and forget it; the number of entries removed."""
-        keys = [self.keys.prefix_live, self.keys.prefix_set(worker_id, epoch)]
-        args: list[bytes | int] = [self._member(worker_id, epoch), self._id(worker_id, epoch), self._block_prefix,
-                                   DROP_BATCH]
+        keys = [self.keys.prefix_live, self.keys.prefix_set(worker_id, epoch), *self._slot_keys]
+        args: list[bytes | int] = [self._member(worker_id, epoch), self._block_prefix, DROP_BATCH]
         removed = 0
         while True:
             got, done = await self._clear(keys=keys, args=args)
@@ -348,7 +355,7 @@ class PrefixIndex:
         args: list[str | bytes | int] = [self.keys.prefix_set_prefix, self._block_prefix, DROP_BATCH]
         removed = 0
         for _ in range(max_calls):
-            got, found = await self._sweep(keys=[self.keys.prefix_live], args=args)
+            got, found = await self._sweep(keys=[self.keys.prefix_live, *self._slot_keys], args=args)
             removed += int(got)
             if not int(found):
                 break
@@ -358,50 +365,76 @@ class PrefixIndex:
         """Blocks the incarnation has in the index."""
         return int(await self._r.scard(self.keys.prefix_set(worker_id, epoch)))
 
+    async def slot(self, worker_id: str, epoch: int) -> int | None:
+        """The incarnation's slot, or None when it has none (never wrote, or forgotten)."""
+        got = await self._r.hget(self.keys.prefix_slots, self._member(worker_id, epoch))
+        return None if got is None else int(got)
+
+    async def holders(self, block_hash: bytes) -> set[Incarnation]:
+        """The incarnations holding one block (reads the slot table afresh)."""
+        bitmap = await self._r.get(self.keys.prefix_block(block_hash))
+        if not bitmap:
+            return set()
+        await self._read_table()
+        bits = slots_in(_raw(bitmap))
+        return {owner for slot, (_, owner) in self._table.items() if bits >> slot & 1}
+
     # -- reader (router) --------------------------------------------------------------------
     async def lookup(self, hashes: Sequence[BlockHash],
                      workers: Sequence[tuple[WorkerId, Epoch]]) -> list[PrefixMatch]:
-        """Per incarnation in ``workers``, the number of leading ``hashes`` it holds (one round trip).
+        """Per incarnation in ``workers``, the number of leading ``hashes`` it holds (one round trip,
+        and one more when the slot table changed since the last lookup).
 
         Only these incarnations can match: an entry of another epoch of the same worker never does.
         """
         depth = await self._depths(hashes) if workers else {}
-        ids = self._id
-        return [PrefixMatch(w, e, depth.get(ids(w, e), 0)) for w, e in workers]
+        return [PrefixMatch(w, e, depth.get((w, e), 0)) for w, e in workers]
 
     async def matched_blocks(self, hashes: Sequence[BlockHash],
                              workers: Sequence[tuple[WorkerId, Epoch]]) -> dict[WorkerId, int]:
         """``lookup`` for the hot path: worker id → blocks, for the incarnations of ``workers``
-        (distinct worker ids) holding one block or more. Its Python work per worker holding
-        nothing is one dict insertion (and, for a candidate list not seen before, one hash)."""
+        (distinct worker ids) holding one block or more. Its Python work follows the holders of
+        the prompt's first block, not the candidates."""
         depth = await self._depths(hashes) if workers else {}
         if not depth:
             return {}
         wanted = dict(workers)
-        if wanted != self._known:  # a candidate list not seen before: learn its member ids
-            if len(self._ids) + len(wanted) > _ID_CACHE:
-                self._forget_ids()
-            for w, e in wanted.items():
-                self._id(w, e)
-            self._known = wanted
-        owners = self._owners
-        held: dict[WorkerId, int] = {}
-        for mid, blocks in depth.items():
-            owner = owners.get(mid)
-            if owner is not None and wanted.get(owner[0]) == owner[1]:
-                held[owner[0]] = blocks
-        return held
+        return {w: blocks for (w, e), blocks in depth.items() if wanted.get(w) == e}
 
-    async def _depths(self, hashes: Sequence[BlockHash]) -> dict[bytes, int]:
-        """Member id (as Redis returns it) → leading blocks held, for every member holding block 1."""
+    async def _depths(self, hashes: Sequence[BlockHash]) -> dict[Incarnation, int]:
+        """Incarnation → leading blocks held, for every incarnation holding block 1."""
         if not hashes:
             return {}
-        flat = await self._lookup(keys=[self.keys.prefix_live],
+        flat = await self._lookup(keys=[self.keys.prefix_slots],
                                   args=[self._block_prefix, b"".join(hashes), HASH_BYTES, self.lookup_budget])
-        depth: dict[bytes, int] = {}
-        for i in range(0, len(flat), 2):  # deepest first: a member listed again keeps the smaller depth
-            depth.update(dict.fromkeys(_raw(flat[i + 1]).split(b","), int(flat[i])))
+        if not flat:
+            return {}
+        version = int(flat[0])
+        if version > self._version:
+            await self._read_table()
+        table = self._table
+        found = [(int(flat[i]), _raw(flat[i + 1])) for i in range(1, len(flat), 2)]
+        depth: dict[Incarnation, int] = {}
+        for slot, blocks in depths_of(found).items():
+            given = table.get(slot)
+            if given is not None and given[0] <= version:  # a slot given since the lookup had other bits
+                depth[given[1]] = blocks
         return depth
+
+    async def _read_table(self) -> None:
+        """Read the slot table and its version (one ``HGETALL``: one consistent view)."""
+        raw = await self._r.hgetall(self.keys.prefix_slots)
+        table: dict[int, tuple[int, Incarnation]] = {}
+        version = 0
+        for field, value in raw.items():
+            name = _raw(field)
+            if name[:1] == b"#":
+                given, _, incarnation = _raw(value).decode().partition(":")
+                worker, _, epoch = incarnation.rpartition(":")
+                table[int(name[1:])] = (int(given), (WorkerId(worker), Epoch(int(epoch))))
+            elif name == b"~ver":
+                version = int(value)
+        self._table, self._version = table, version
 
     # -- helpers ----------------------------------------------------------------------------
     async def _run_batch(self, script: Any, num_keys: int, calls: list[list[Any]]) -> list[Any]:

@@ -2,7 +2,7 @@
 
 Each count must reach zero once the leases and the index's liveness deadlines have passed: the
 booking entries, leases and booked blocks of dead decode incarnations, their prefix-index entries
-(own sets, liveness members and member ids in the per-block sets), work still running or blocks
+(own sets, liveness members, slots and their bits in the block bitmaps), work still running or blocks
 still allocated on the live workers, and blocks booked anywhere.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 from pdrouter.core.workers import WorkerRole
 from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
-from pdrouter.state.prefix_index import member_id
 from pdrouter.state.registry import WorkerRegistry
 
 Incarnation = tuple[str, int]
@@ -34,22 +33,26 @@ async def dead_bookings(client: RedisClient, keys: PoolKeys, dead: list[Incarnat
 
 
 async def dead_index_entries(client: RedisClient, keys: PoolKeys, dead: list[Incarnation]) -> int:
-    """Entries of the dead incarnations anywhere in the prefix index (one Redis: SCAN of the block keys)."""
+    """Entries of the dead incarnations anywhere in the prefix index: own sets, liveness members,
+    slots still given to them and their bits in the block bitmaps (one Redis: SCAN of the block keys)."""
     left = sum([int(await client.scard(keys.prefix_set(w, e))) for w, e in dead])
-    names = {PoolKeys.incarnation(w, e) for w, e in dead}
-    members = [m.decode() if isinstance(m, bytes) else str(m) for m in await client.zrange(keys.prefix_live, 0, -1)]
-    left += sum(1 for m in members if m.partition(":")[2] in names)
-    ids = [str(member_id(w, e)) for w, e in dead]
+    names = [PoolKeys.incarnation(w, e) for w, e in dead]
+    live = {m.decode() if isinstance(m, bytes) else str(m) for m in await client.zrange(keys.prefix_live, 0, -1)}
+    left += sum(1 for name in names if name in live)
+    slots = [int(s) for s in await client.hmget(keys.prefix_slots, names) if s is not None]
+    left += len(slots)
     cursor, match = 0, keys.prefix_block_prefix.encode() + b"*"
-    while True:  # one pipeline of SMISMEMBER per page of block keys
+    while slots:  # one pipeline of GETBITs per page of block keys
         cursor, page = await client.scan(cursor, match=match, count=1000)
         if page:
             async with client.pipeline(transaction=False) as pipe:
                 for key in page:
-                    pipe.smismember(key, ids)
-                left += sum(int(x) for held in await pipe.execute() for x in held)
+                    for slot in slots:
+                        pipe.getbit(key, slot)
+                left += sum(int(x) for x in await pipe.execute())
         if not cursor:
-            return left
+            break
+    return left
 
 
 async def count_leftovers(client: RedisClient, registry: WorkerRegistry, keys: PoolKeys, dead: list[Incarnation],

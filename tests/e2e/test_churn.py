@@ -10,7 +10,8 @@ new epochs). After the load every one of these must be zero:
   incarnation (``PoolKeys.kv_bookings`` / ``kv_leases`` / ``kv_used``), once the lease has passed;
   and bookings anywhere, once the router's unused credit went back;
 * index entries of dead incarnations: their own sets (``px:<worker>:<epoch>``), their members of
-  the ``pxlive`` set, and their member ids in the per-block ``pxb:`` sets, once the index TTL passed;
+  the ``pxlive`` set, the slots still given to them (``pxslots``) and their bits in the per-block
+  ``pxb:`` bitmaps, once the index TTL passed;
 * hung requests: every request ended (200, or a clean error answer) within ``REQUEST_BOUND_S``;
 * stranded work on the live workers: requests running or blocks allocated once all is idle.
 

@@ -215,8 +215,10 @@ async def test_keys_of_a_pool_land_in_their_two_slots(client: RedisClient,
     assert keys.kv_used("decode-0", 1) == "pdr:{tiny#kv}:kv:used:decode-0:1"
     assert key_slot(keys.workers.encode()) == key_slot(keys.credit_wanted.encode()) == pool_slot
     assert key_slot(keys.prefix_block(HASHES[0])) == key_slot(keys.prefix_live.encode()) == pool_slot
+    assert key_slot(keys.prefix_slots.encode()) == key_slot(keys.prefix_free.encode()) == pool_slot
     found = every_key(redis_cluster)
-    assert len(found) == 3 + 1 + 1 + 70 + 3  # workers, hb, epoch; pxlive, px own set, 70 blocks; 3 booking keys
+    # workers, hb, epoch; pxlive, pxslots, px own set, 70 blocks; 3 booking keys
+    assert len(found) == 3 + 1 + 1 + 1 + 70 + 3
     owners = {s.master_port: s for s in redis_cluster.shards()}
     for key, port in found.items():
         slot = key_slot(key)

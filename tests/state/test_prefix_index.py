@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 
 from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
-from pdrouter.state.prefix_index import DROP_BATCH, SCRIPT_BATCH, PrefixIndex, member_id
+from pdrouter.state.prefix_index import DROP_BATCH, SCRIPT_BATCH, PrefixIndex
 from pdrouter.worker.block_publisher import RedisBlockPublisher
 
 W0, W1, W2 = WorkerId("p0"), WorkerId("p1"), WorkerId("p2")
@@ -32,9 +32,9 @@ async def index(client: aioredis.Redis) -> PrefixIndex:
     return PrefixIndex(client, pool="tiny", ttl_ms=400)
 
 
-async def holders(client: aioredis.Redis, index: PrefixIndex, block: BlockHash) -> set[int]:
-    """The member ids in one block's set."""
-    return {int(m) for m in await client.smembers(index.keys.prefix_block(block))}
+async def holders(client: aioredis.Redis, index: PrefixIndex, block: BlockHash) -> set[tuple[str, int]]:
+    """The incarnations whose slots are set in one block's bitmap."""
+    return await index.holders(block)
 
 
 async def commands_in(client: aioredis.Redis, call: Awaitable[object]) -> int:
@@ -75,7 +75,7 @@ async def test_many_depths_at_once(index: PrefixIndex) -> None:
 
 
 async def test_out_of_budget_depths_are_lower_bounds(client: aioredis.Redis) -> None:
-    index = PrefixIndex(client, pool="tiny", lookup_budget=64)
+    index = PrefixIndex(client, pool="tiny", lookup_budget=16)
     workers = [(WorkerId(f"w{i}"), Epoch(1)) for i in range(40)]
     for i, (w, e) in enumerate(workers):
         await index.add(w, e, HASHES[:i + 1])
@@ -98,7 +98,7 @@ async def test_eviction_removes_entries(client: aioredis.Redis, index: PrefixInd
     workers = [(W0, Epoch(1)), (W1, Epoch(1))]
     assert [m.blocks for m in await index.lookup(HASHES, workers)] == [12, 15]
     assert await index.size(W0, 1) == 12
-    assert await holders(client, index, HASHES[13]) == {member_id(W1, 1)}  # W0 left the block's set
+    assert await holders(client, index, HASHES[13]) == {(W1, 1)}  # W0 left the block's set
     assert await holders(client, index, HASHES[17]) == set()
     assert not await client.exists(index.keys.prefix_block(HASHES[17]))  # an empty block key is gone
 
@@ -109,7 +109,7 @@ async def test_large_changes_are_applied_in_order(client: aioredis.Redis, index:
     await index.apply(W0, 1, [(True, many), (False, many[b:]), (True, many[b:b + 5])])
     assert await index.size(W0, 1) == b + 5
     assert (await index.lookup(many, [(W0, Epoch(1))]))[0].blocks == b + 5
-    assert await holders(client, index, many[b + 4]) == {member_id(W0, 1)}
+    assert await holders(client, index, many[b + 4]) == {(W0, 1)}
     assert await holders(client, index, many[-1]) == set()
     # Redis lost its scripts (a restart): the next batch loads them again.
     await client.script_flush()
@@ -125,8 +125,8 @@ async def test_old_epoch_entries_never_match(client: aioredis.Redis, index: Pref
     assert await index.matched_blocks(HASHES, [(W0, Epoch(2))]) == {"p0": 5}
     assert (await index.lookup(HASHES, [(W0, Epoch(3))]))[0].blocks == 0
     # Both are stored, side by side, until the old one lapses and is swept.
-    assert await holders(client, index, HASHES[30]) == {member_id(W0, 1)}
-    assert await holders(client, index, HASHES[0]) == {member_id(W0, 1), member_id(W0, 2)}
+    assert await holders(client, index, HASHES[30]) == {(W0, 1)}
+    assert await holders(client, index, HASHES[0]) == {(W0, 1), (W0, 2)}
 
 
 async def test_lapsed_entries_are_swept_and_memory_is_bounded(client: aioredis.Redis,
@@ -134,8 +134,8 @@ async def test_lapsed_entries_are_swept_and_memory_is_bounded(client: aioredis.R
     other = hash_blocks(list(range(9000, 9000 + 16 * 10)), 16)
     await index.add(W0, 1, HASHES)
     await index.add(W1, 1, HASHES[:10] + other)
-    before = await client.dbsize()  # 40 + 10 block keys, 2 own sets, the liveness set
-    assert before == 40 + 10 + 2 + 1
+    before = await client.dbsize()  # 40 + 10 block keys, 2 own sets, the liveness set, the slots
+    assert before == 40 + 10 + 2 + 1 + 1
     for _ in range(3):
         await asyncio.sleep(0.2)
         assert await index.touch(W1, 1)
@@ -144,8 +144,10 @@ async def test_lapsed_entries_are_swept_and_memory_is_bounded(client: aioredis.R
     assert await index.sweep() == 0
     assert await index.size(W0, 1) == 0
     assert await index.size(W1, 1) == 20
-    assert await client.dbsize() == 10 + 10 + 1 + 1  # W1's blocks, its own set, the liveness set
-    assert await holders(client, index, HASHES[0]) == {member_id(W1, 1)}
+    # W1's blocks, its own set, the liveness set, the slots, the freed slot
+    assert await client.dbsize() == 10 + 10 + 1 + 1 + 1 + 1
+    assert await index.slot(W0, 1) is None
+    assert await holders(client, index, HASHES[0]) == {(W1, 1)}
     assert await client.zcard(index.keys.prefix_live) == 1
     workers = [(W0, Epoch(1)), (W1, Epoch(1))]
     assert [m.blocks for m in await index.lookup(HASHES, workers)] == [0, 10]
@@ -175,8 +177,8 @@ async def test_clear_removes_everything(client: aioredis.Redis, index: PrefixInd
     assert await index.clear(W0, 1) == 600
     assert await index.clear(W0, 1) == 0
     assert await index.clear(W2, 7) == 0  # unknown: nothing to do
-    assert await client.dbsize() == 100 + 1 + 1
-    assert await holders(client, index, many[0]) == {member_id(W1, 1)}
+    assert await client.dbsize() == 100 + 1 + 1 + 1 + 1  # W1's blocks, own set, live, slots, free
+    assert await holders(client, index, many[0]) == {(W1, 1)}
     assert not await index.touch(W0, 1)
 
 
@@ -242,7 +244,7 @@ async def test_publisher_republishes_after_its_entries_were_swept(client: aiored
     await alive.flush()
     assert await index.matched_blocks(HASHES, [(W0, Epoch(1)), (W1, Epoch(5))]) == {"p0": 40}
     assert await index.size(W1, 5) == 0
-    assert await client.dbsize() == 40 + 1 + 1
+    assert await client.dbsize() == 40 + 1 + 1 + 1  # W0's blocks, own set, live, slots
 
 
 async def test_empty_inputs(index: PrefixIndex) -> None:
@@ -252,3 +254,39 @@ async def test_empty_inputs(index: PrefixIndex) -> None:
     assert await index.apply(W0, 1, []) is False  # registers the incarnation, nothing else
     assert await index.touch(W0, 1)
     assert await index.size(W0, 1) == 0
+
+
+async def test_slots_are_given_again_only_once_empty(client: aioredis.Redis, index: PrefixIndex) -> None:
+    """A freed slot goes to the next new incarnation, and a router holding the old slot table
+    attributes its bits to the new owner only (also after Redis lost everything)."""
+    router = PrefixIndex(client, pool="tiny")
+    await index.add(W0, 1, HASHES[:20])
+    await index.add(W1, 1, HASHES[:5])
+    assert (await index.slot(W0, 1), await index.slot(W1, 1)) == (0, 1)
+    workers = [(W0, Epoch(1)), (W1, Epoch(1)), (W2, Epoch(1))]
+    assert await router.matched_blocks(HASHES, workers) == {"p0": 20, "p1": 5}  # the router reads the table
+    await index.clear(W0, 1)
+    await index.add(W2, 1, HASHES[:3])
+    assert await index.slot(W2, 1) == 0  # W0's, freed once its bits were all cleared
+    assert await router.matched_blocks(HASHES, workers) == {"p1": 5, "p2": 3}
+    await index.add(W0, 2, HASHES[:30])  # a restart of W0 gets a new slot
+    assert await index.slot(W0, 2) == 2
+    assert await router.matched_blocks(HASHES, [(W0, Epoch(2)), *workers[1:]]) == {"p0": 30, "p1": 5, "p2": 3}
+    await client.flushall()  # Redis restarted empty: slots start again from 0, under a newer version
+    await index.add(W1, 1, HASHES[:7])
+    assert await router.matched_blocks(HASHES, workers) == {"p1": 7}
+
+
+async def test_bitmaps_stay_small_and_lookups_name_holders_in_one_reply(client: aioredis.Redis,
+                                                                      index: PrefixIndex) -> None:
+    workers = [(WorkerId(f"w{i}"), Epoch(1)) for i in range(200)]
+    for i, (w, e) in enumerate(workers):
+        await index.add(w, e, HASHES[:10 if i % 2 else 40])
+    assert await client.strlen(index.keys.prefix_block(HASHES[0])) == 25  # 200 slots: 25 bytes
+    got = await index.matched_blocks(HASHES, workers)
+    assert got == {w: 10 if i % 2 else 40 for i, (w, _) in enumerate(workers)}
+    for w, e in workers[100:]:
+        await index.clear(w, e)
+    left = {w: 10 if i % 2 else 40 for i, (w, _) in enumerate(workers[:100])}
+    assert await index.matched_blocks(HASHES, workers) == left
+    assert await holders(client, index, HASHES[39]) == {(w, e) for w, e in workers[:100:2]}
