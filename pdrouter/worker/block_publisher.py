@@ -34,8 +34,15 @@ class RedisBlockPublisher:
     """A ``BlockEventSink`` that feeds one worker incarnation's entries in the prefix index."""
 
     def __init__(self, index: PrefixIndex, worker_id: str, epoch: int,
-                 flush_interval_s: float = 0.01, maintenance_interval_s: float = 1.0) -> None:
+                 flush_interval_s: float = 0.01, maintenance_interval_s: float = 1.0,
+                 sweep_turn: tuple[int, int] = (0, 1)) -> None:
+        """``sweep_turn`` ``(k, n)``: sweep on maintenance rounds ``k, k + n, k + 2n, ...`` only (the
+        ``n`` workers of one process take turns, so the process sweeps about once a round)."""
+        if not 0 <= sweep_turn[0] < sweep_turn[1]:
+            raise ValueError(f"sweep_turn {sweep_turn}: want (k, n) with 0 <= k < n")
         self.index = index
+        self.sweep_turn = sweep_turn
+        self._rounds = 0
         self.worker_id = worker_id
         self.epoch = epoch
         self.flush_interval_s = flush_interval_s
@@ -111,7 +118,10 @@ class RedisBlockPublisher:
             if not dirty:
                 log.info("worker %s: the prefix index had lost this incarnation; republishing", self.worker_id)
                 self.mark_dirty()
-        self.swept_entries += await self.index.sweep()
+        turn, every = self.sweep_turn
+        self._rounds += 1
+        if (self._rounds - 1) % every == turn:
+            self.swept_entries += await self.index.sweep()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

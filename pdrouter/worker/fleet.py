@@ -153,7 +153,9 @@ class Fleet:
                 ThreadPoolExecutor(max_workers=self.executor_threads, thread_name_prefix="fleet"))
         if self.redis_url:
             self.redis = await connect_redis(self.redis_url, max_connections=self.redis_connections)
-        self.workers = [WorkerProcess(c, self.build_role, redis=self.redis) for c in self.configs]
+        n = len(self.configs)  # the workers take turns sweeping the index: about one sweep a second
+        self.workers = [WorkerProcess(c, self.build_role, redis=self.redis, sweep_turn=(i, n))
+                        for i, c in enumerate(self.configs)]
         gate = asyncio.Semaphore(self.start_concurrency)
 
         async def start_one(worker: WorkerProcess) -> None:

@@ -55,10 +55,12 @@ class WorkerProcess:
     owner closes it). Without ``config.redis_url`` it is ignored.
     """
 
-    def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None) -> None:
+    def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None,
+                 sweep_turn: tuple[int, int] = (0, 1)) -> None:
         self.config = config
         self.build_role = build_role
         self._shared_redis = redis
+        self._sweep_turn = sweep_turn
         self.redis: RedisClient | None = None
         self.registry: WorkerRegistry | None = None
         self.index: PrefixIndex | None = None
@@ -93,7 +95,7 @@ class WorkerProcess:
             self.registry = WorkerRegistry(self.redis, pool_name, heartbeat_ttl_ms=cfg.heartbeat_ttl_ms)
             self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms))
             self.epoch = await self.registry.new_epoch()
-            self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch)
+            self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
         else:
             self.epoch = Epoch(time.time_ns())
         self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher)

@@ -290,3 +290,19 @@ async def test_bitmaps_stay_small_and_lookups_name_holders_in_one_reply(client: 
     left = {w: 10 if i % 2 else 40 for i, (w, _) in enumerate(workers[:100])}
     assert await index.matched_blocks(HASHES, workers) == left
     assert await holders(client, index, HASHES[39]) == {(w, e) for w, e in workers[:100:2]}
+
+
+async def test_publishers_of_one_process_take_turns_sweeping(client: aioredis.Redis) -> None:
+    index = PrefixIndex(client, pool="tiny", ttl_ms=10_000)
+    second = RedisBlockPublisher(index, W0, 1, sweep_turn=(1, 3))  # sweeps on rounds 2, 5, 8, ...
+    second.blocks_stored(HASHES[:4])
+    await second.flush()
+    await PrefixIndex(client, pool="tiny", ttl_ms=1).add(W1, 5, HASHES[:10])  # lapses at once
+    await asyncio.sleep(0.01)
+    await second.maintain()
+    assert second.swept_entries == 0 and await index.size(W1, 5) == 10  # not its turn
+    await second.maintain()
+    assert second.swept_entries == 10 and await index.size(W1, 5) == 0
+    with pytest.raises(ValueError, match="sweep_turn"):
+        RedisBlockPublisher(index, W0, 1, sweep_turn=(3, 3))
+    await second.stop(clear=True)
