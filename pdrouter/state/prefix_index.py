@@ -58,10 +58,10 @@ from pdrouter.state.keys import PoolKeys
 
 HASH_BYTES = 16
 
-SCRIPT_BATCH = 64
+SCRIPT_BATCH = 32
 """The most entries one write script adds or removes (a larger change is sent as several, pipelined)."""
 
-DROP_BATCH = 32
+DROP_BATCH = 16
 """The most entries one ``clear`` or ``sweep`` script removes (clearing a bit costs more than setting it)."""
 
 LOOKUP_BUDGET = 48
