@@ -52,6 +52,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.layout = layout
         self.model_compat_hash = model_compat_hash
         self.transfer_timeout_s = transfer_timeout_s
+        self._ending: set[asyncio.Future[None]] = set()  # request ends that outlived a cancelled call
 
     @grpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest,
@@ -85,12 +86,15 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await outgoing.finish_async(timeout=self.transfer_timeout_s)
             done = True
         finally:
-            if not done and outgoing is not None:
-                await asyncio.to_thread(outgoing.abort, "the prefill request ended early")
-            if done:
-                self.driver.release(RequestId(rid))
-            else:
-                self.driver.abort(RequestId(rid))
+            # Shielded: a call cancelled while its transfer stops must still free the engine's blocks
+            # (once the transfer no longer reads them), or they stay held for good.
+            ending = asyncio.ensure_future(self._end(RequestId(rid), outgoing, done))
+            try:
+                await asyncio.shield(ending)
+            except asyncio.CancelledError:
+                self._ending.add(ending)
+                ending.add_done_callback(self._ending.discard)
+                raise
         finished = time.perf_counter()
         sent = len(target.dst_block_ids) - target.skip_blocks
         stats = worker_pb2.PrefillStats(
@@ -103,6 +107,18 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         """Milliseconds as reported: a simulated worker reports simulated time (wall ÷ its time scale)."""
         scale = self.pacing.time_scale if self.pacing is not None else 1.0
         return wall_s * 1e3 / (scale if scale > 0 else 1.0)
+
+    async def _end(self, rid: RequestId, outgoing: OutgoingTransfer | None, done: bool) -> None:
+        """Stop the transfer if it did not finish (it reads the blocks until then), then give the
+        request's blocks back to the engine (released when done, aborted if not)."""
+        try:
+            if not done and outgoing is not None:
+                await asyncio.to_thread(outgoing.abort, "the prefill request ended early")
+        finally:
+            if done:
+                self.driver.release(rid)
+            else:
+                self.driver.abort(rid)
 
     async def _send(self, outgoing: OutgoingTransfer, block_ids: Sequence[int], blocks_sent: int) -> None:
         """Queue every layer; a simulated worker holds the last one back until the real bytes' modeled time."""
