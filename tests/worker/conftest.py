@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,22 +39,17 @@ def backend() -> str:
     return "torch"
 
 
-@pytest.fixture
-def spawn_worker(tiny_model: Path, backend: str) -> Iterator[SpawnWorker]:
-    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end.
-
-    ``backend``: torch or sim (default: the ``backend`` fixture's); ``time_scale``: a simulated
-    worker's (ignored by torch workers).
-    """
+@contextmanager
+def worker_spawner(default_model: Path, default_backend: str) -> Iterator[SpawnWorker]:
+    """A ``spawn`` function (``spawn_worker``'s) whose processes are all stopped when the block ends."""
     procs: list[ManagedProcess] = []
-    default_backend = backend
 
     def spawn(role: str, *, redis_url: str | None = None, num_blocks: int = 256,
               kv_backend: str | None = None, extra: tuple[str, ...] = (), model: Path | None = None,
               backend: str | None = None, time_scale: float = 0.0) -> ManagedProcess:
         engine = backend or default_backend
         assert engine in BACKENDS, engine
-        args = worker_args(role, model or tiny_model, redis_url=redis_url, num_blocks=num_blocks,
+        args = worker_args(role, model or default_model, redis_url=redis_url, num_blocks=num_blocks,
                            kv_backend=kv_backend, torch_threads=1,
                            sim=sim_args(time_scale) if engine == "sim" else None, extra=extra)
         proc = ManagedProcess(f"{role}-{len(procs)}", args)
@@ -61,9 +57,30 @@ def spawn_worker(tiny_model: Path, backend: str) -> Iterator[SpawnWorker]:
         proc.wait_ready()
         return proc
 
-    yield spawn
-    for proc in procs:
-        proc.stop()
+    try:
+        yield spawn
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture
+def spawn_worker(tiny_model: Path, backend: str) -> Iterator[SpawnWorker]:
+    """Start ``pdrouter worker|prefill|decode`` processes; every one is stopped at the end.
+
+    ``backend``: torch or sim (default: the ``backend`` fixture's); ``time_scale``: a simulated
+    worker's (ignored by torch workers).
+    """
+    with worker_spawner(tiny_model, backend) as spawn:
+        yield spawn
+
+
+@pytest.fixture(scope="module")
+def spawn_module_worker(tiny_model: Path) -> Iterator[SpawnWorker]:
+    """``spawn_worker`` for processes the tests of a module share (torch unless ``backend=`` says
+    otherwise); every one is stopped after the module's last test."""
+    with worker_spawner(tiny_model, "torch") as spawn:
+        yield spawn
 
 
 async def load_of(info: worker_pb2_grpc.WorkerInfoServiceStub) -> tuple[int, int]:

@@ -5,6 +5,9 @@ calls the prefill workers it is given (over their lanes or gRPC), and decodes; t
 outputs against the colocated engine, the report on the first chunk, local prefill, the retry on
 another prefill worker, cancellation at several points (nothing held afterwards on either side)
 and the statuses of bad requests.
+
+The worker processes are the module's (``workers``), shared by its tests: each test gets them
+idle, in a pool holding only them (``fleet``), with fresh ones in place of any a test killed.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from pdrouter.cli.local_cluster import ManagedProcess
@@ -25,6 +29,7 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.engine import Engine
+from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.lane import DecodeLane, LaneChannel
@@ -35,7 +40,11 @@ from .conftest import SpawnWorker, load_of, settle
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SHARED = [257, *(b"the quick brown fox jumps over the lazy dog " * 4)]
 PROMPTS = [[257, *b"hello world"], SHARED, [257, 65, 66], [*SHARED, *b"again"]]
-LONG = [257, *([7, 8, 9, 10] * 200)]
+
+
+def long_prompt(variant: int = 0) -> list[int]:
+    """801 tokens; prompts of different ``variant`` share no KV block."""
+    return [257, *([7 + variant, 8, 9, 10] * 200)]
 
 
 @dataclass
@@ -93,27 +102,96 @@ class Fleet:
         await client.aclose()
 
 
+ROLES = {"prefill-a": "prefill", "prefill-b": "prefill", "decode": "decode"}
+"""The module's shared workers, by name: their roles."""
+
+
+@dataclass
+class Workers:
+    """The worker processes the module's tests share (by name in ``ROLES``) and the Redis they register in."""
+
+    procs: dict[str, ManagedProcess]
+    spawn: SpawnWorker
+    redis_url: str
+
+    def replace(self, name: str) -> None:
+        """Stop worker ``name`` (if it still runs) and start a fresh one in its place."""
+        self.procs[name].stop()
+        self.procs[name] = self.spawn(ROLES[name], redis_url=self.redis_url)
+
+
+@pytest.fixture(scope="module")
+def workers(spawn_module_worker: SpawnWorker, redis_server: EmbeddedRedis) -> Workers:
+    """Two prefill workers and one decode worker for the whole module, in a Redis emptied before they
+    start (each test gets them through ``fleet``)."""
+    if not redis_server.running:
+        redis_server.start()
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    procs = {name: spawn_module_worker(role, redis_url=redis_server.url) for name, role in ROLES.items()}
+    return Workers(procs, spawn_module_worker, redis_server.url)
+
+
+async def idle(proc: ManagedProcess) -> bool:
+    """Whether ``proc`` runs and answers, within a few seconds, with every block free and nothing running."""
+    if not proc.alive:
+        return False
+    async with grpc.aio.insecure_channel(proc.address or "") as channel:
+        info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+        try:
+            total = (await info.GetLoad(worker_pb2.GetLoadRequest(), timeout=5.0)).total_blocks
+            return await settle(info, total) == (total, 0)
+        except grpc.RpcError:
+            return False
+
+
+async def keep_only(redis_url: str, worker_ids: set[str]) -> None:
+    """Deregister every worker of the pool but ``worker_ids`` (what a test registered, or one it
+    killed), then wait until exactly those are live."""
+    client = aioredis.Redis.from_url(redis_url)
+    registry = WorkerRegistry(client, "tiny")
+    try:
+        for record in await registry.records():
+            if record.worker_id not in worker_ids:
+                await registry.deregister(record.worker_id, record.epoch)
+        live: set[str] = set()
+        for _ in range(100):
+            live = {w.record.worker_id for w in await registry.live_workers()}
+            if live == worker_ids:
+                break
+            await asyncio.sleep(0.05)
+        assert live == worker_ids, f"pool {sorted(live)}, expected {sorted(worker_ids)}"
+    finally:
+        await client.aclose()
+
+
 @pytest.fixture
-async def fleet(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
-    """Two prefill workers and one decode worker; ``"lane"`` routes prefill calls (and ours) over lanes."""
+async def fleet(workers: Workers, request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    """The module's two prefill workers and decode worker, idle and the only ones in the pool;
+    ``"lane"`` routes prefill calls (and ours) over lanes.
+
+    A worker that died (a test killed it) or does not settle idle is replaced by a fresh one, and
+    workers a test registered leave the pool, so each test starts as if the workers were new.
+    """
     use_lane = getattr(request, "param", "grpc") == "lane"
-    procs = {"prefill-a": spawn_worker("prefill", redis_url=redis_url),
-             "prefill-b": spawn_worker("prefill", redis_url=redis_url),
-             "decode": spawn_worker("decode", redis_url=redis_url)}
+    for name, proc in workers.procs.items():
+        if not await idle(proc):
+            workers.replace(name)
+    procs = dict(workers.procs)
     channels = {name: grpc.aio.insecure_channel(p.address or "") for name, p in procs.items()}
     info_stubs = {name: worker_pb2_grpc.WorkerInfoServiceStub(ch) for name, ch in channels.items()}
     infos = {name: await stub.GetInfo(worker_pb2.GetInfoRequest()) for name, stub in info_stubs.items()}
+    await keep_only(workers.redis_url, {info.worker_id for info in infos.values()})
     lane = LaneChannel(infos["decode"].lane_address) if use_lane else None
     stub = DecodeLane(lane) if lane is not None else worker_pb2_grpc.DecodeWorkerStub(channels["decode"])
     yield Fleet([infos["prefill-a"], infos["prefill-b"]], infos["decode"], stub,
                 {infos[name].worker_id: s for name, s in info_stubs.items()},
-                {infos[name].worker_id: p for name, p in procs.items()}, use_lane, redis_url)
+                {infos[name].worker_id: p for name, p in procs.items()}, use_lane, workers.redis_url)
     if lane is not None:
         await lane.close()
     for ch in channels.values():
         await ch.close()
-
-
 
 
 @pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
@@ -216,8 +294,11 @@ async def test_routes_not_registered_in_the_pool_are_never_called(fleet: Fleet, 
 async def test_cancel_at_every_stage_frees_everything(fleet: Fleet) -> None:
     decode, prefill = fleet.decode.worker_id, fleet.prefills[0].worker_id
     d_free, p_free = (await fleet.load(decode))[0], (await fleet.load(prefill))[0]
+    # A prompt the shared workers have not cached (each variant its own): the calls are cancelled
+    # at the stages they reach on fresh workers, not with the KV already on the decode worker.
+    long = long_prompt(1 if fleet.use_lane else 0)
     for i, delay in enumerate((0.0, 0.002, 0.01, 0.03, 0.08)):
-        call = fleet.serve(f"c{i}", LONG, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        call = fleet.serve(f"c{i}", long, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
 
         async def drain(call: object = call) -> None:
             async for _ in call:  # type: ignore[attr-defined]
@@ -229,7 +310,7 @@ async def test_cancel_at_every_stage_frees_everything(fleet: Fleet) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
     # Mid-decode: stop reading after the first decoded tokens.
-    call = fleet.serve("m", LONG, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    call = fleet.serve("m", long, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
     seen = 0
     async for chunk in call:  # type: ignore[attr-defined]
         seen += len(chunk.token_ids)
