@@ -64,7 +64,7 @@ SCRIPT_BATCH = 32
 DROP_BATCH = 16
 """The most entries one ``clear`` or ``sweep`` script removes (clearing a bit costs more than setting it)."""
 
-LOOKUP_BUDGET = 48
+LOOKUP_BUDGET = 32
 """The most block bitmaps one lookup reads (about 4 µs each inside Redis on the development
 machine, nearly all of it the script's own work per read: fewer reads is what makes a lookup
 cheap, so the search bisects); past it the depths not yet found are returned as lower bounds. A
