@@ -47,7 +47,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import redis.asyncio as aioredis
 from _report import Report, base_parser
 
@@ -61,22 +60,20 @@ from pdrouter.router.server import RouterProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import booking_parts, count_leftovers, dead_bookings, dead_index_entries
+from pdrouter.testing.leftovers import (
+    LoadOutcomes,
+    booking_parts,
+    closed_loop,
+    count_leftovers,
+    dead_bookings,
+    dead_index_entries,
+)
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 MODEL, GPU = "llama-3-8b", "h100"
 REQUEST_BOUND_S = 30.0
 CLEAN_BOUND_S = 40.0
 SYSTEM_PROMPTS = [f"System prompt {i}: answer every question in one short line, politely. " * 8 for i in range(8)]
-
-
-@dataclass
-class Outcomes:
-    ok: int = 0
-    failed_cleanly: int = 0
-    hung: int = 0
-    broken: int = 0
-    samples: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -109,38 +106,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-async def drive(port: int, concurrency: int, until: float, out: Outcomes) -> None:
-    loop = asyncio.get_running_loop()
-    # Idle connections go before the router's keep-alive timeout (5 s) could close one under a new request.
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
-        async def slot(i: int) -> None:
-            n = 0
-            while loop.time() < until:
-                prompt = SYSTEM_PROMPTS[(i + n) % len(SYSTEM_PROMPTS)] + f"Question {i}-{n}: why is the sky blue?"
-                n += 1
-                try:
-                    resp = await http.post(f"http://127.0.0.1:{port}/v1/completions", json={
-                        "model": MODEL, "prompt": prompt, "max_tokens": 32, "ignore_eos": True})
-                except httpx.TimeoutException:
-                    out.hung += 1
-                    continue
-                except httpx.HTTPError as exc:
-                    out.broken += 1
-                    out.samples.append(repr(exc))
-                    continue
-                body = resp.json() if resp.headers.get("content-type", "").startswith("application/json") else {}
-                if resp.status_code == 200 and body.get("choices"):
-                    out.ok += 1
-                elif resp.status_code >= 400 and "error" in body:
-                    out.failed_cleanly += 1
-                else:
-                    out.broken += 1
-                    out.samples.append(f"{resp.status_code} {resp.text[:120]}")
-
-        await asyncio.gather(*(slot(i) for i in range(concurrency)))
 
 
 async def run(args: argparse.Namespace, report: Report) -> None:
@@ -177,9 +142,11 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             registry = WorkerRegistry(client, MODEL)
             keys = PoolKeys("pdr", MODEL)
             loop = asyncio.get_running_loop()
-            outcomes = Outcomes()
+            outcomes = LoadOutcomes()
             seconds = args.seconds
-            load = asyncio.create_task(drive(router.http_port, args.concurrency, loop.time() + seconds, outcomes))
+            load = asyncio.create_task(closed_loop(router.http_port, outcomes, model=MODEL, prompts=SYSTEM_PROMPTS,
+                                                   concurrency=args.concurrency, until=loop.time() + seconds,
+                                                   bound_s=REQUEST_BOUND_S))
             await asyncio.sleep(0.3 * seconds)
             victims = [(role, i) for role in ("prefill", "decode") for i in range(killed_per_role)]
             doomed = set().union(*(fleets.ids(*v) for v in victims))
@@ -227,7 +194,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             report.add("requests_ok", outcomes.ok, "requests")
             report.add("requests_failed_cleanly", outcomes.failed_cleanly, "requests")
             report.add("requests_hung", outcomes.hung, "requests")
-            report.add("requests_broken", outcomes.broken, "requests")
+            report.add("requests_broken", len(outcomes.broken), "requests")
             report.add("requests_per_s", (outcomes.ok + outcomes.failed_cleanly) / seconds, "requests/s")
             for name, value in census.items():
                 report.add(name, value, "entries" if name != "stranded_work" else "requests+blocks")
@@ -243,7 +210,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             report.add("fleet_rss_mib_max_process", max(rss), "MiB")
             report.add("fleet_threads_max_process", max(len(os.listdir(f"/proc/{p.proc.pid}/task")) for p in alive),
                        "threads")
-            for sample in outcomes.samples[:3]:
+            for sample in outcomes.broken[:3]:
                 print(f"# broken: {sample}")
         finally:
             if router is not None:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 
-import httpx
 import redis.asyncio as aioredis
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
@@ -33,7 +31,7 @@ from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import count_leftovers, dead_bookings, dead_index_entries
+from pdrouter.testing.leftovers import LoadOutcomes, closed_loop, count_leftovers, dead_bookings, dead_index_entries
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 from .conftest import Cluster
@@ -51,16 +49,6 @@ CLEAN_BOUND_S = 25.0
 SYSTEM_PROMPTS = [f"System prompt {i}: you answer in one short line. " * 3 for i in range(4)]
 
 
-@dataclass
-class Outcomes:
-    ok: int = 0
-    failed_cleanly: int = 0
-    hung: int = 0
-    broken: list[str] = field(default_factory=list)
-    """Answers that were neither a completion nor a clean error (a dropped connection, a body that
-    is not the API's error object)."""
-
-
 def spawn_fleet(cluster: Cluster, role: str, index: int) -> ManagedProcess:
     first = index * PER_PROCESS
     args = worker_args(role, cluster.model, redis_url=cluster.redis_url, num_blocks=256,
@@ -70,37 +58,6 @@ def spawn_fleet(cluster: Cluster, role: str, index: int) -> ManagedProcess:
     proc = ManagedProcess(f"{role}-fleet-{index}", args, env={INTERNAL_TOKEN_ENV: cluster.internal_token})
     cluster.procs.append(proc)
     return proc
-
-
-async def load(port: int, until: float, outcomes: Outcomes) -> None:
-    """Closed loop of ``CONCURRENCY`` slots until ``until`` (loop time), each request classified."""
-    loop = asyncio.get_running_loop()
-    # Idle connections go before the router's keep-alive timeout (5 s) could close one under a new
-    # request (a dropped connection the client would have to retry, not the router's doing).
-    limits = httpx.Limits(max_connections=CONCURRENCY, max_keepalive_connections=CONCURRENCY, keepalive_expiry=2.0)
-    async with httpx.AsyncClient(timeout=REQUEST_BOUND_S, limits=limits) as http:
-        async def slot(i: int) -> None:
-            n = 0
-            while loop.time() < until:
-                prompt = SYSTEM_PROMPTS[(i + n) % len(SYSTEM_PROMPTS)] + f"Question {i}-{n}: why?"
-                n += 1
-                try:
-                    resp = await http.post(f"http://127.0.0.1:{port}/v1/completions", json={
-                        "model": "tiny", "prompt": prompt, "max_tokens": 32, "ignore_eos": True})
-                except httpx.TimeoutException:
-                    outcomes.hung += 1
-                    continue
-                except httpx.HTTPError as exc:
-                    outcomes.broken.append(repr(exc))
-                    continue
-                if resp.status_code == 200 and resp.json().get("choices"):
-                    outcomes.ok += 1
-                elif resp.status_code >= 400 and "error" in resp.json():
-                    outcomes.failed_cleanly += 1
-                else:
-                    outcomes.broken.append(f"{resp.status_code} {resp.text[:200]}")
-
-        await asyncio.gather(*(slot(i) for i in range(CONCURRENCY)))
 
 
 async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(cluster: Cluster) -> None:
@@ -119,8 +76,10 @@ async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(clu
                 break
             await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
-        outcomes = Outcomes()
-        load_task = asyncio.create_task(load(router.http_port, loop.time() + LOAD_S, outcomes))
+        outcomes = LoadOutcomes()
+        load_task = asyncio.create_task(closed_loop(router.http_port, outcomes, model="tiny", prompts=SYSTEM_PROMPTS,
+                                                    concurrency=CONCURRENCY, until=loop.time() + LOAD_S,
+                                                    bound_s=REQUEST_BOUND_S))
         await asyncio.sleep(KILL_AT_S)
         victims = [("prefill", 0), ("decode", 0)]
         doomed = {f"churn-{role}-{i}" for role, index in victims
