@@ -31,6 +31,7 @@ from pdrouter.core.model_spec import normalize_dtype
 from pdrouter.core.net import is_loopback
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
+from pdrouter.engine.faults import ENGINE_FAULT_ENV, EngineFault
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -259,6 +260,10 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         engine = _torch_config(args)
     token = kv_token_from_env(args.role_name)
     internal, tls = internal_credentials(args)
+    fault = os.environ.get(ENGINE_FAULT_ENV)
+    if fault:
+        logging.getLogger(__name__).warning("%s=%s: this worker's engine fails on purpose (a test setting)",
+                                            ENGINE_FAULT_ENV, fault)
     return WorkerConfig(
         role=_ROLE[args.role_name], worker_id=args.worker_id or f"{args.role_name}-{os.getpid()}",
         engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
@@ -270,7 +275,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
                                   if a.strip()),
         lane_port=None if args.lane_port == -1 else args.lane_port,
         lane_limits=lane_limits_from_args(args),
-        internal_token=internal, tls=tls)
+        internal_token=internal, tls=tls, engine_fault=EngineFault.parse(fault) if fault else None)
 
 
 def _torch_config(args: argparse.Namespace) -> EngineConfig:

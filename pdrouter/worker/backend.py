@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.events import BlockEventSink
+from pdrouter.engine.faults import EngineFault, FaultyStep
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
 from pdrouter.engine.sim.link import SharedLink
@@ -26,13 +27,20 @@ EngineSettings = EngineConfig | SimEngineConfig
 """A worker's engine configuration: real or simulated."""
 
 
-def build_engine(config: EngineSettings, event_sink: BlockEventSink | None = None) -> BatchEngine:
-    """The engine ``config`` describes (blocking: the torch engine loads its weights)."""
+def build_engine(config: EngineSettings, event_sink: BlockEventSink | None = None,
+                 fault: EngineFault | None = None) -> BatchEngine:
+    """The engine ``config`` describes (blocking: the torch engine loads its weights), its model
+    step wrapped to inject ``fault`` when one is given (tests)."""
+    engine: BatchEngine
     if isinstance(config, SimEngineConfig):
-        return SimEngine(config, event_sink=event_sink)
-    from pdrouter.engine.engine import Engine  # torch, for the real engine only
+        engine = SimEngine(config, event_sink=event_sink)
+    else:
+        from pdrouter.engine.engine import Engine  # torch, for the real engine only
 
-    return Engine(config, event_sink=event_sink)
+        engine = Engine(config, event_sink=event_sink)
+    if fault is not None:
+        engine.model_step = FaultyStep(engine.model_step, fault)
+    return engine
 
 
 def kv_pool(engine: BatchEngine) -> PoolBytes:

@@ -8,6 +8,7 @@ from pdrouter.core.errors import ConfigError
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
+from pdrouter.engine.faults import EngineFault
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.security import PeerSecurity
@@ -58,6 +59,9 @@ class WorkerConfig:
     None: no secret (then only mutual TLS, if any, authenticates callers)."""
     tls: TlsFiles | None = None
     """TLS for the worker's ports (gRPC, lane, KV) and its own calls out; with a CA, mutual TLS."""
+    engine_fault: EngineFault | None = None
+    """A fault injected into the engine's model step, for tests (``PDROUTER_ENGINE_FAULT``,
+    ``pdrouter.engine.faults``); None in service."""
 
     def __post_init__(self) -> None:
         if not self.worker_id or any(c in self.worker_id for c in " :{}"):

@@ -98,7 +98,7 @@ class WorkerProcess:
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
         else:
             self.epoch = Epoch(time.time_ns())
-        self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher)
+        self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher, cfg.engine_fault)
         self.driver = EngineDriver(self.engine)
         security = cfg.security
         self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
