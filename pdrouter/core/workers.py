@@ -30,6 +30,8 @@ class WorkerLoad:
     """A simulated GPU's modeled step time so far (simulated seconds; 0 on real engines)."""
     sim_late_s: float = 0.0
     """Of that, how much the machine ran late (see ``SimStepStats.late_s``)."""
+    engine_failed: bool = False
+    """The worker's engine stopped (its gRPC health is NOT_SERVING): routers place nothing there."""
 
 
 @dataclass(frozen=True)

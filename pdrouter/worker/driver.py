@@ -3,6 +3,12 @@
 The step thread loops ``wait_for_work → step`` and hands each ``RequestOutput`` to the event
 loop with ``call_soon_threadsafe``; coroutines consume them through a per-request queue. Leaving
 a stream early (client cancelled, error) aborts the request in the engine, which frees its blocks.
+
+Health: a step that raises ends the engine for good (a request that fails alone never raises
+here: the engine finishes it with an error, see ``pdrouter.engine.batch_engine``). From then on
+``failure`` says why, every request waiting on the engine and every new one fails with
+UnavailableError, and the ``on_failure`` callbacks run once, on the event loop, before any
+waiter hears of it: the worker process reports itself NOT_SERVING there.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
@@ -24,6 +30,9 @@ log = logging.getLogger(__name__)
 _ENGINE_FAILED = object()
 _ABORTED = object()
 
+ENGINE_STOPPED = "this worker's engine stopped after an internal error and serves no more requests"
+"""What callers are told once the engine failed (the error itself is in the worker's log)."""
+
 
 class EngineDriver:
     """The asyncio face of one engine. Create and use it inside the worker's event loop."""
@@ -34,6 +43,8 @@ class EngineDriver:
         self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._failure: str | None = None
+        self._on_failure: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -47,10 +58,10 @@ class EngineDriver:
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)
         except BaseException as exc:  # the engine is broken: fail every waiter, refuse new work
-            log.exception("engine step failed")
+            log.exception("engine step failed; the engine serves no more requests")
             self._error = exc
             if not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all)
+                self._loop.call_soon_threadsafe(self._failed, f"{type(exc).__name__}: {exc}")
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -58,13 +69,34 @@ class EngineDriver:
             if queue is not None:
                 queue.put_nowait(out)
 
-    def _fail_all(self) -> None:
+    def _failed(self, reason: str) -> None:
+        """On the loop: tell the subscribers first, then every waiter."""
+        self._failure = reason
+        for callback in self._on_failure:
+            try:
+                callback(reason)
+            except Exception:  # one subscriber's failure must not keep the others from hearing
+                log.exception("engine failure callback %r failed", callback)
         for queue in self._queues.values():
             queue.put_nowait(_ENGINE_FAILED)
 
     def _check(self) -> None:
         if self._error is not None:
-            raise UnavailableError(f"the engine failed and serves no more requests: {self._error!r}")
+            raise UnavailableError(ENGINE_STOPPED)
+
+    # -- health -----------------------------------------------------------------------------
+    @property
+    def failure(self) -> str | None:
+        """None while the engine serves; once its step failed, the error (for logs and operators,
+        not for clients)."""
+        return self._failure
+
+    def on_failure(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(failure)`` once, on the event loop, when the engine fails (at once if it has)."""
+        if self._failure is not None:
+            callback(self._failure)
+            return
+        self._on_failure.append(callback)
 
     async def close(self) -> None:
         self._stop.set()
@@ -80,8 +112,7 @@ class EngineDriver:
     async def _next(self, queue: asyncio.Queue[RequestOutput | object]) -> RequestOutput:
         item = await queue.get()
         if item is _ENGINE_FAILED:
-            self._check()
-            raise UnavailableError("the engine failed")
+            raise UnavailableError(ENGINE_STOPPED)
         if item is _ABORTED:
             raise CancelledError("the request was released")
         assert isinstance(item, RequestOutput)
@@ -172,7 +203,7 @@ class EngineDriver:
                           queued_prefill_tokens=self.engine.queued_prefill_tokens(),
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
                           allocated_blocks=s.num_blocks - s.num_free_blocks,
-                          sim_modeled_s=modeled, sim_late_s=late)
+                          sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None)
 
 
 async def _finished_now(request_id: RequestId, reason: object) -> AsyncGenerator[RequestOutput, None]:
