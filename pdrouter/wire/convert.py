@@ -39,13 +39,15 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
     return pb.WorkerLoad(running=load.running, waiting=load.waiting,
                          queued_prefill_tokens=load.queued_prefill_tokens, free_blocks=load.free_blocks,
-                         total_blocks=load.total_blocks, allocated_blocks=load.allocated_blocks)
+                         total_blocks=load.total_blocks, allocated_blocks=load.allocated_blocks,
+                         engine_failed=load.engine_failed)
 
 
 def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(running=msg.running, waiting=msg.waiting,
                       queued_prefill_tokens=msg.queued_prefill_tokens, free_blocks=msg.free_blocks,
-                      total_blocks=msg.total_blocks, allocated_blocks=msg.allocated_blocks)
+                      total_blocks=msg.total_blocks, allocated_blocks=msg.allocated_blocks,
+                      engine_failed=msg.engine_failed)
 
 
 def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:

@@ -117,10 +117,14 @@ class GrpcServer:
         for name in ["", *self._service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Report NOT_SERVING, refuse new calls, and let in-flight ones finish within ``grace``."""
+    async def not_serving(self) -> None:
+        """Report NOT_SERVING for the server and every service (calls are still taken)."""
         for name in ["", *self._service_names]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, refuse new calls, and let in-flight ones finish within ``grace``."""
+        await self.not_serving()
         await self.server.stop(grace)
 
     async def wait(self) -> None:

@@ -5,6 +5,11 @@ KV transport and services, see ``pdrouter.worker.role``) → gRPC server and wor
 registration (only now can the router route to it) → heartbeats.
 Shutdown runs the other way and lets in-flight requests finish within ``drain_grace_s``.
 
+If the engine fails (``EngineDriver.on_failure``) the worker stays up but says so at once: its gRPC
+health turns NOT_SERVING for every service (what Kubernetes' probes read), and a heartbeat goes
+out with ``WorkerLoad.engine_failed`` (what routers read: they place nothing there), as will every
+later one. Restarting the process brings it back as a new incarnation.
+
 Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
 lane (``pdrouter.wire.lane``, the same messages; the router's fast path) unless ``lane_port`` is None.
 
@@ -23,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
 from pdrouter.core.model_spec import ModelSpec
@@ -75,6 +81,7 @@ class WorkerProcess:
         self.model_compat_hash = ""
         self.record: WorkerRecord | None = None
         self._stopped = asyncio.Event()
+        self._reports = BackgroundTasks(log, "reporting the engine's failure failed")
 
     @property
     def address(self) -> str:
@@ -100,6 +107,7 @@ class WorkerProcess:
             self.epoch = Epoch(time.time_ns())
         self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher, cfg.engine_fault)
         self.driver = EngineDriver(self.engine)
+        self.driver.on_failure(self._engine_failed)
         security = cfg.security
         self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
                                  credentials=security.server_credentials())
@@ -135,6 +143,8 @@ class WorkerProcess:
                         WorkerInfoServicer(lambda: self._record(), self.load, geometry, kv_pb),
                         "pdrouter.v1.WorkerInfoService")
         await self.server.start()
+        if self.driver.failure is not None:  # it failed while the rest started
+            await self.server.not_serving()
         self.record = self._record()
         if self.registry is not None:
             self.presence = Presence(self.registry, self.record, self.load, cfg.heartbeat_interval_s,
@@ -160,6 +170,18 @@ class WorkerProcess:
         if self.lane is not None:
             serve_servicer(self.lane, servicer)
 
+    def _engine_failed(self, failure: str) -> None:
+        """The engine stopped: NOT_SERVING now (before any caller hears of it), then a heartbeat saying so."""
+        log.error("%s worker %s: the engine failed (%s); serving no more requests, health NOT_SERVING "
+                  "until the process is restarted", self.config.role.value, self.config.worker_id, failure)
+        self._reports.spawn(self._report_failure(), name=f"engine-failed-{self.config.worker_id}")
+
+    async def _report_failure(self) -> None:
+        if self.server is not None:
+            await self.server.not_serving()
+        if self.presence is not None:
+            await self.presence.beat()
+
     async def _on_beat(self, reregistered: bool) -> None:
         if self.index is None:
             return
@@ -178,6 +200,7 @@ class WorkerProcess:
     async def stop(self) -> None:
         """Deregister, drain in-flight requests, then tear everything down."""
         cfg = self.config
+        await self._reports.cancel_all()
         if self.presence is not None:
             await self.presence.stop()
         drains = [part.stop(cfg.drain_grace_s) for part in (self.server, self.lane) if part is not None]

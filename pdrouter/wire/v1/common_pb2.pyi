@@ -148,20 +148,22 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks")
+    __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks", "engine_failed")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FAILED_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     queued_prefill_tokens: int
     free_blocks: int
     total_blocks: int
     allocated_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ...) -> None: ...
+    engine_failed: bool
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., engine_failed: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
