@@ -47,14 +47,16 @@ class Cluster:
         assert self.backend in BACKENDS, self.backend
 
     def spawn(self, role: str, *, num_blocks: int = 256, worker_id: str | None = None,
-              extra: tuple[str, ...] = (), time_scale: float = 0.0) -> ManagedProcess:
+              extra: tuple[str, ...] = (), time_scale: float = 0.0,
+              env: dict[str, str] | None = None) -> ManagedProcess:
         """Start a worker. ``time_scale``: a simulated worker's (0: no sleeping; a step of the tiny
-        model costs about 1.7 ms of modeled time); torch workers ignore it."""
+        model costs about 1.7 ms of modeled time); torch workers ignore it. ``env``: more variables
+        for the worker's environment (e.g. an injected engine fault)."""
         ident = worker_id or f"{role}-{len(self.procs)}"
         sim = ["--gpu", "h100", "--time-scale", f"{time_scale:g}"] if self.backend == "sim" else None
         proc = ManagedProcess(ident, worker_args(role, self.model, redis_url=self.redis_url, num_blocks=num_blocks,
                                                  torch_threads=1, sim=sim, extra=("--worker-id", ident, *extra)),
-                              env={INTERNAL_TOKEN_ENV: self.internal_token})
+                              env={INTERNAL_TOKEN_ENV: self.internal_token, **(env or {})})
         self.procs.append(proc)
         proc.wait_ready()
         return proc

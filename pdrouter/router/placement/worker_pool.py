@@ -6,7 +6,9 @@ the requests this router has in flight on it, and its circuit breaker. ``refresh
 registry (live workers only: heartbeat current, epoch fenced) and asks static workers for their
 info; a worker that disappears from both is dropped after ``missing_grace_s`` (long enough for every
 worker to re-register after a Redis restart) and its channel closed once no request uses it. With Redis down, the
-last known set is kept and ``registry_ok`` turns false.
+last known set is kept and ``registry_ok`` turns false. A worker whose heartbeat says its engine failed
+(``WorkerLoad.engine_failed``) stays known but is never ``available``: it serves nothing until it is
+restarted, and then comes back as a new incarnation.
 """
 
 from __future__ import annotations
@@ -100,12 +102,13 @@ class WorkerPool:
         return self._handles.get(worker_id)
 
     def available(self, role: WorkerRole) -> list[WorkerHandle]:
-        """Workers of ``role`` whose circuit breaker lets a request through now.
+        """Workers of ``role`` whose engine serves and whose circuit breaker lets a request through now.
 
         A worker missing from the registry stops counting at once, unless every worker of the role
         is missing (Redis restarted or is unreachable: better the last known workers than none).
         """
-        allowed = [h for h in self._handles.values() if h.role is role and h.breaker.allows()]
+        allowed = [h for h in self._handles.values()
+                   if h.role is role and not h.load.engine_failed and h.breaker.allows()]
         if not self._missing:
             return allowed
         present = [h for h in allowed if h.worker_id not in self._missing]
@@ -192,6 +195,9 @@ class WorkerPool:
                 continue
             existing = self._handles.get(worker_id)
             if existing is not None:
+                if load.engine_failed and not existing.load.engine_failed:
+                    log.warning("worker %s (epoch %s) reports its engine failed: nothing more is placed there",
+                                worker_id, record.epoch)
                 existing.load = load
                 continue
             client = WorkerClient(record.address, record.lane_address if self.use_lane else "", self.security)
