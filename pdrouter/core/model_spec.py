@@ -30,7 +30,13 @@ def normalize_dtype(name: str) -> str:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Geometry of a Llama-family decoder (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE)."""
+    """Geometry of a Llama-family decoder (grouped-query attention, SwiGLU MLP, RMSNorm, RoPE).
+
+    A mixture of experts (Mixtral, Qwen3-MoE) has ``num_experts`` > 1 SwiGLU experts of
+    ``intermediate_size`` each in every layer, ``experts_per_token`` of them chosen per token by a
+    router (``h × num_experts`` weights); every expert's weights count towards the memory, only the
+    chosen ones towards a token's FLOPs (``active_param_count``).
+    """
 
     name: str
     num_layers: int
@@ -46,12 +52,19 @@ class ModelSpec:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False
+    num_experts: int = 1
+    """SwiGLU experts per layer (1: a dense MLP)."""
+    experts_per_token: int = 1
+    """Experts each token is routed to (top-k)."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
                       "intermediate_size", "vocab_size", "max_context"):
             if getattr(self, field) <= 0:
                 raise ConfigError(f"model {self.name!r}: {field} must be > 0, got {getattr(self, field)}")
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(f"model {self.name!r}: experts_per_token must be in [1, num_experts={self.num_experts}], "
+                              f"got {self.experts_per_token}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")
@@ -62,14 +75,31 @@ class ModelSpec:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one layer's one SwiGLU MLP (gate, up, down): the dense MLP or one expert."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
     def param_count(self) -> int:
-        """Parameters of the whole model (embeddings, layers, final norm, LM head unless tied)."""
+        """Parameters of the whole model (embeddings, layers, final norm, LM head unless tied; every expert)."""
+        return self._params(self.num_experts)
+
+    @property
+    def active_param_count(self) -> int:
+        """Parameters one token computes with: ``param_count`` with only its routed experts' MLPs."""
+        return self._params(self.experts_per_token)
+
+    def _params(self, experts: int) -> int:
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        router = h * self.num_experts if self.is_moe else 0
+        per_layer = attn + experts * self.expert_params + router + 2 * h
         embed = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + head + h
@@ -84,8 +114,13 @@ class ModelSpec:
     # -- HF config.json ---------------------------------------------------------------------
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], name: str | None = None) -> ModelSpec:
-        """Build from a parsed HF ``config.json`` (Llama, Mistral and Qwen2 layouts)."""
+        """Build from a parsed HF ``config.json`` (Llama, Mistral, Qwen2; Mixtral and Qwen3-MoE experts)."""
         try:
+            experts = int(config.get("num_local_experts") or config.get("num_experts") or 1)
+            if experts > 1 and int(config.get("shared_expert_intermediate_size") or 0) > 0:
+                raise ConfigError("config.json describes shared experts (shared_expert_intermediate_size), "
+                                  "which this geometry cannot express")
+            inter = config.get("moe_intermediate_size") if experts > 1 else None
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
             rope = config.get("rope_theta")
@@ -100,7 +135,7 @@ class ModelSpec:
                 num_heads=heads,
                 num_kv_heads=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads),
-                intermediate_size=int(config["intermediate_size"]),
+                intermediate_size=int(inter or config["intermediate_size"]),
                 vocab_size=int(config["vocab_size"]),
                 max_context=int(config.get("max_position_embeddings", 4096)),
                 dtype=str(dtype),
@@ -108,6 +143,8 @@ class ModelSpec:
                 rope_theta=float(rope if rope is not None else 10000.0),
                 rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
                 attention_bias=bool(config.get("attention_bias", model_type == "qwen2")),
+                num_experts=experts,
+                experts_per_token=int(config.get("num_experts_per_tok") or 1) if experts > 1 else 1,
             )
         except KeyError as exc:
             raise ConfigError(f"config.json lacks required field {exc.args[0]!r}") from None
@@ -124,8 +161,8 @@ class ModelSpec:
             return cls.from_hf_config(json.load(f), name=Path(path).name)
 
     def to_hf_config(self) -> dict[str, Any]:
-        """An HF ``LlamaForCausalLM`` config.json dict for this geometry."""
-        return {
+        """An HF ``LlamaForCausalLM`` config.json dict for this geometry (``MixtralForCausalLM`` for experts)."""
+        config: dict[str, Any] = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_size": self.hidden_size,
@@ -144,6 +181,10 @@ class ModelSpec:
             "hidden_act": "silu",
             "torch_dtype": self.dtype,
         }
+        if self.is_moe:
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                          num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        return config
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv: int, inter: int, vocab: int,
@@ -165,6 +206,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _llama("qwen2.5-72b", 80, 8192, 64, 8, 29568, 152064, 32768, 1000000.0,
                rms_norm_eps=1e-6, attention_bias=True),
         _llama("mistral-7b", 32, 4096, 32, 8, 14336, 32768, 32768, 1000000.0),
+        _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768, 1000000.0, num_experts=8,
+               experts_per_token=2),
         # Small models the project builds itself with seeded random weights (tests, `pdrouter up`).
         ModelSpec(name="tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                   intermediate_size=176, vocab_size=512, max_context=1024, dtype="float32",

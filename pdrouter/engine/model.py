@@ -103,6 +103,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, o_bias: bool = False) -> None:
         super().__init__()
+        if spec.is_moe:
+            raise ConfigError(f"model {spec.name!r} is a mixture of {spec.num_experts} experts; the torch engine "
+                              f"runs dense Llama-family models only (a simulated GPU models experts: --backend sim)")
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, o_bias) for _ in range(spec.num_layers))

@@ -1,18 +1,27 @@
-"""How close a simulated GPU gets to its datasheet: utilization factors and fixed costs.
+"""How close a simulated GPU gets to its datasheet, per engine: efficiencies and fixed costs.
 
-The timing model (:mod:`pdrouter.engine.sim.timing`) divides a step's FLOPs by ``peak × mfu`` and
-its bytes by ``bandwidth × mbu``, then adds the fixed costs below. Each default is fitted to one
-published measurement (each field says which); ``benchmarks/sim_fidelity.py`` compares the model
-with them and with the measurements that were held out of the fit.
+The timing model (:mod:`pdrouter.engine.sim.timing`) turns a step's FLOPs and bytes into time with
+the efficiencies below, then adds the costs that are not arithmetic or memory traffic where they
+arise: per step, per layer, per sequence, per collective. These are properties of an engine and
+its release (which kernels, graph capture or not), so they come as presets:
 
-A file overrides any subset of the fields (JSON, or YAML for a ``.yaml``/``.yml`` suffix)::
+* ``vllm`` (the default): vLLM with CUDA-graph decode and FlashAttention-class kernels;
+* ``trtllm``: TensorRT-LLM (a compiled engine, fused kernels, its own all-reduce);
+* ``torch-eager``: the project's own torch engine (eager PyTorch: no graphs, no fused kernels).
 
-    {"mbu": 0.8, "step_overhead_s": 0.002}
+``benchmarks/sim_fidelity.py --fit`` fits the presets' fitted fields to the calibration rows of
+its table of published measurements; the rest come from operator profiles (cited per field).
 
-``Calibration.from_file`` refuses unknown keys, nulls, non-numbers, negative values and
-utilizations outside (0, 1] with a one-line ``ConfigError`` naming the field and the file. In code,
-``Calibration().with_overrides(mbu=0.8)`` (or ``dataclasses.replace``) derives a variant; both run
-the same validation.
+A file overrides any subset of the fields, on top of a preset (JSON, or YAML for a
+``.yaml``/``.yml`` suffix)::
+
+    {"preset": "trtllm", "mbu": 0.8, "decode_step_overhead_s": 0.0002}
+
+``Calibration.from_file`` refuses unknown keys, nulls, non-numbers, negative values, an unknown
+preset and out-of-range utilizations with a one-line ``ConfigError`` naming the field and the file.
+``resolve_calibration("trtllm" | "cal.yaml")`` is what ``--calibration PRESET|FILE`` runs. In
+code, ``Calibration().with_overrides(mbu=0.8)`` (or ``dataclasses.replace``) derives a variant;
+both run the same validation.
 """
 
 from __future__ import annotations
@@ -26,81 +35,116 @@ from typing import Any
 
 from pdrouter.core.errors import ConfigError
 
-_FRACTIONS = ("mfu", "mbu")
+_FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu")
 _UNIT_INTERVAL = ("serial_fraction",)
 _POSITIVE = ("fp8_speedup",)
+_INTEGERS = ("graph_max_batch",)
+PRESET_KEY = "preset"
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """Utilization factors and fixed per-step costs of one engine on one kind of GPU.
+    """Efficiencies and fixed costs of one engine (its kernels, its runtime) on any GPU.
 
-    The defaults are fitted, one field per published measurement, by ``benchmarks/sim_fidelity.py
-    --fit`` (rounded to two digits); the sources are cited there and in ``docs/simulation.md``.
+    The defaults are the ``vllm`` preset.
     """
 
     mfu: float = 0.71
-    """Fraction of peak FLOP/s a compute-bound step reaches. Fitted to TensorRT-LLM's first-token
-    latency of Llama-2-7B, FP16, 2048 tokens on one A100 (133 ms; TensorRT-LLM
-    ``docs/source/performance.md``, v0.5 figures)."""
-    mbu: float = 0.66
-    """Fraction of peak memory bandwidth a bandwidth-bound step reaches, before the fixed costs
-    below. Fitted so that Llama-2-70B FP16 at batch 1 on 2×H100 (TP 2) shows the end-to-end MBU
-    of 60% that Databricks measured on its TensorRT-LLM-based server ("LLM Inference Performance
-    Engineering: Best Practices", 2023)."""
-    step_overhead_s: float = 0.0016
-    """Fixed cost of one engine step (scheduling, input preparation, sampling, launch gaps) that
-    no roofline term covers. Fitted to vLLM's nightly latency test on one H200: Llama-3.1-8B,
-    8 prompts of 32 tokens, 128 tokens each, 833 ms (Buildkite ``performance-benchmark`` build
-    9515). Engine-specific: vLLM's own profile of v0.5.3 serving Llama-3-8B on an H100 found the
-    API server and the scheduler taking 33% and 29% of the time (vLLM blog, "vLLM v0.6.0: 2.7x
-    Throughput Improvement and 5x Latency Reduction", 2024)."""
-    serial_fraction: float = 0.59
-    """Fraction of the smaller of a step's compute and memory times that does not overlap with the
-    larger one: the step's roofline time is ``max(c, m) + serial_fraction × min(c, m)`` (0: perfect
-    overlap, the plain roofline; 1: none). It matters where the two are close: short prefills and
-    large decode batches. Fitted to TensorRT-LLM's first-token latency of Llama-2-7B, FP16, 128
-    tokens on one A100 (16 ms; the same v0.5 table as ``mfu``)."""
+    """Fraction of peak FLOP/s the matrix multiplications reach when compute-bound (large prefills)."""
+    mbu: float = 0.79
+    """Fraction of peak memory bandwidth reached streaming the weights (and activations, KV writes)."""
+    kv_mbu: float = 0.7
+    """Fraction of peak memory bandwidth the decode attention kernel reaches reading the KV cache: the
+    attention kernel's own efficiency (paged gathers, partial tiles). A kernel that re-reads the KV
+    once per query head of a group instead of once per group is this divided by the group size."""
+    attention_mfu: float = 0.5
+    """Fraction of the BF16 peak a prefill's attention (QKᵀ and AV) reaches, FlashAttention-class."""
+    serial_fraction: float = 0.45
+    """Fraction of the smaller of a step's matmul compute and weight-streaming times that does not
+    overlap with the larger one: ``max(c, m) + serial_fraction × min(c, m)`` (0: the plain
+    roofline). It matters where the two are close: prompts of a few hundred tokens, large batches."""
+    fp8_speedup: float = 1.6
+    """Matmul speedup of FP8 weights over BF16 on GPUs with FP8 tensor cores (the datasheets say 2;
+    elsewhere FP8 weights compute at the BF16 rate). Attention stays BF16."""
+    activation_traffic: float = 1.0
+    """Bytes the elementwise kernels (norms, rotary, SwiGLU, residual adds) move, as a multiple of an
+    unfused implementation's ``(10·h + 2(q+kv)/tp + 3·I/tp)`` activations per token and layer: 1 for
+    separate kernels, less where they are fused into the matmuls."""
+    step_overhead_s: float = 0.0005
+    """Fixed cost of a step that is not replayed from a captured graph (prefill or mixed steps, eager
+    decode): scheduling, input preparation, sampling, launch."""
+    decode_step_overhead_s: float = 0.0003
+    """Fixed cost of a decode-only step replayed from a captured graph (near 0 for engines that also
+    overlap their scheduling with the GPU)."""
+    layer_overhead_s: float = 2.5e-5
+    """Per layer, in a step that is not graph-captured: kernel launches and the floor of the small
+    kernels (norms, rotary, activation, residual), which cost 17–35 µs per layer at ≤ 128 tokens in
+    Vidur's eager operator profiles (H100, A100)."""
+    decode_layer_overhead_s: float = 8e-6
+    """Per layer, in a graph-captured decode step: the small kernels' floor without launch gaps."""
     per_seq_overhead_s: float = 0.0
-    """Additional cost per sequence in the step. No published figure isolates it from the step
-    overhead; 0 by default, set it from a profile of the engine being modeled."""
-    allreduce_latency_s: float = 8.8e-6
-    """Fixed latency of one tensor-parallel all-reduce, added to its bandwidth term. Fitted to
-    NVIDIA NIM 1.8.0's inter-token latency of Llama-3.3-70B FP8 on 2×H100 (TP 2) at concurrency
-    1, 500 prompt / 2000 output tokens: 18.91 ms (NIM benchmarking guide, "Performance")."""
-    fp8_speedup: float = 1.4
-    """Compute speedup of FP8 weights over BF16 on GPUs with FP8 tensor cores (elsewhere FP8
-    weights compute at the BF16 rate). The datasheets' peak ratio is 2; end to end it is less,
-    as attention and the elementwise kernels stay in BF16. Fitted to the same NIM table's time to
-    first token for a 5000-token prompt: 406.77 ms."""
+    """Per sequence of a step (input preparation, sampling): no published figure isolates it."""
+    allreduce_latency_s: float = 8e-6
+    """Latency of one small all-reduce with the engine's own kernels over NVLink; 0: NCCL's, the
+    interconnect's (``pdrouter.core.gpu.INTERCONNECT_PRESETS``). Over PCIe the interconnect's."""
+    graph_max_batch: int = 512
+    """Decode-only steps of up to this many sequences are replayed from captured graphs
+    (``decode_*`` costs); larger ones and every other step are not. 0: the engine captures none."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             _check_value(f.name, getattr(self, f.name))
 
+    @property
+    def graphs(self) -> bool:
+        """The engine replays decode steps from captured graphs."""
+        return self.graph_max_batch > 0
+
     def with_overrides(self, **overrides: Any) -> Calibration:
         """A copy with some fields replaced (validated like a file); ConfigError for unknown names."""
-        unknown = sorted(set(overrides) - _field_names())
+        unknown = sorted(set(overrides) - field_names())
         if unknown:
-            raise ConfigError(f"unknown calibration field {unknown[0]!r}; fields: {', '.join(sorted(_field_names()))}")
+            raise ConfigError(f"unknown calibration field {unknown[0]!r}; fields: {', '.join(sorted(field_names()))}")
         return dataclasses.replace(self, **overrides)
 
     @classmethod
+    def preset(cls, name: str) -> Calibration:
+        """A preset by name (``vllm``, ``trtllm``, ``torch-eager``); ConfigError listing them otherwise."""
+        cal = CALIBRATION_PRESETS.get(name.strip().lower().replace("_", "-"))
+        if cal is None:
+            raise ConfigError(f"unknown calibration preset {name!r}; presets: {', '.join(CALIBRATION_PRESETS)}")
+        return cal
+
+    @classmethod
     def from_mapping(cls, data: Any, source: str = "calibration") -> Calibration:
-        """Build from a parsed mapping (all keys optional); ``source`` names it in error messages."""
+        """Build from a parsed mapping (all keys optional, ``preset`` the base); ``source`` names it in errors."""
         if not isinstance(data, dict):
             raise ConfigError(f"{source}: a calibration must be a mapping of field to number, "
                               f"got {type(data).__name__}")
-        known = _field_names()
+        base = Calibration()
+        if PRESET_KEY in data:
+            name = data[PRESET_KEY]
+            if not isinstance(name, str):
+                raise ConfigError(f"{source}: '{PRESET_KEY}' must name a preset ({', '.join(CALIBRATION_PRESETS)}), "
+                                  f"got {name!r}")
+            try:
+                base = cls.preset(name)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc.message}") from None
+        known = field_names()
+        values: dict[str, Any] = {}
         for key, value in data.items():
+            if key == PRESET_KEY:
+                continue
             if key not in known:
                 raise ConfigError(f"{source}: unknown calibration field {key!r}; fields: "
-                                  f"{', '.join(sorted(known))}")
+                                  f"{', '.join(sorted(known | {PRESET_KEY}))}")
             try:
                 _check_value(str(key), value)
             except ConfigError as exc:
                 raise ConfigError(f"{source}: {exc.message}") from None
-        return cls(**{key: float(value) for key, value in data.items()})
+            values[key] = int(value) if key in _INTEGERS else float(value)
+        return dataclasses.replace(base, **values)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Calibration:
@@ -125,12 +169,26 @@ class Calibration:
         return cls.from_mapping({} if data is None else data, source=str(p))
 
 
-def _field_names() -> set[str]:
+def resolve_calibration(spec: str | Path | None) -> Calibration:
+    """``--calibration PRESET|FILE``: a preset name, else a calibration file; None: the default."""
+    if spec is None:
+        return Calibration()
+    text = str(spec)
+    if text.strip().lower().replace("_", "-") in CALIBRATION_PRESETS:
+        return Calibration.preset(text)
+    if not Path(text).exists() and "/" not in text and "." not in text:
+        raise ConfigError(f"--calibration {text!r} is neither a preset ({', '.join(CALIBRATION_PRESETS)}) "
+                          f"nor a file")
+    return Calibration.from_file(text)
+
+
+def field_names() -> set[str]:
     return {f.name for f in dataclasses.fields(Calibration)}
 
 
 def _check_value(name: str, value: Any) -> None:
-    """One field's value: a finite number >= 0; (0, 1] for the utilizations; > 0 for the FP8 speedup."""
+    """One field's value: a finite number >= 0; (0, 1] for the utilizations; > 0 for the FP8 speedup;
+    a whole number for the graph batch."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         shown = "null" if value is None else repr(value)
         raise ConfigError(f"calibration field {name!r} must be a number, got {shown}")
@@ -142,5 +200,15 @@ def _check_value(name: str, value: Any) -> None:
         raise ConfigError(f"calibration field {name!r} must be in (0, 1], got {value}")
     if name in _POSITIVE and value <= 0:
         raise ConfigError(f"calibration field {name!r} must be > 0, got {value}")
+    if name in _INTEGERS and value != int(value):
+        raise ConfigError(f"calibration field {name!r} must be a whole number, got {value}")
     if value < 0:
         raise ConfigError(f"calibration field {name!r} must be >= 0, got {value}")
+
+
+CALIBRATION_PRESETS: dict[str, Calibration] = {
+    "vllm": Calibration(),
+    "trtllm": Calibration(),
+    "torch-eager": Calibration(graph_max_batch=0, allreduce_latency_s=0.0),
+}
+"""Per-engine presets (placeholders until fitted; see benchmarks/sim_fidelity.py --fit)."""

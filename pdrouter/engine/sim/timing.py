@@ -1,38 +1,42 @@
-"""The timing model of a simulated GPU: one engine step's FLOPs and bytes → modeled seconds.
+"""The timing model of a simulated GPU: one engine step's work → modeled seconds, costed where it arises.
 
 A step computes, for each sequence of the batch, ``n`` new tokens at positions ``c … c+n−1``
-(``c`` = the tokens already in its KV cache). With ``P`` the non-embedding parameters (layers and
-final norm), ``h`` the hidden size, ``V`` the vocabulary, ``L`` layers, ``H × d`` query heads ×
-head dim, ``S`` the sequences that sample a token, and everything per TP rank (÷ ``tp``)::
+(``c`` = tokens already in its KV cache). Everything is per TP rank. With ``T = Σn`` tokens, ``S``
+sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` vocabulary::
 
-    FLOPs  = [ 2·P·Σn  +  2·h·V·S  +  4·L·H·d·Σ(n·c + n(n+1)/2) ] / tp
-             (matmuls)   (LM head)    (QKᵀ and AV: the token at position p sees p+1 keys, causal)
-    bytes  = W_layers/tp + [S > 0]·W_head/tp + Σ(c + n)·KV_tok + Σn·KV_tok
-             (weights, read once a step)       (KV read)         (KV written)
-    comm   = 2·L · [ 2(tp−1)/tp · Σn·h·a / (link/2) + t_ar ]          (tp > 1, else 0)
-    c, m   = FLOPs / (peak·mfu), bytes / (bandwidth·mbu)
-    time   = max(c, m) + σ·min(c, m) + comm + t_step + t_seq·len(batch)
+    matmuls    c = [2·P_act·T + 2·h·V·S] / tp / (peak·mfu)        m = W / (bw·mbu)
+               t_mm = max(c, m) + σ·min(c, m)
+    attention  t_att = Σᵢ max( 4·L·H·d·(nᵢcᵢ + nᵢ(nᵢ+1)/2) / tp / (peak_bf16·attention_mfu),
+                               (cᵢ + nᵢ)·KV / (bw·kv_mbu) )  +  T·KV / (bw·mbu)
+    elementwise t_el = activation_traffic · L·T·(10h + 2(q+kv)/tp + 3·k·I/tp)·a / (bw·mbu)
+    collectives t_cc = 2L · allreduce(T·h·a) + [S > 0]·allgather(S·V·a)        (tp > 1)
+    fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
+               any other step:             step_overhead + L·layer_overhead
+    seconds    = t_mm + t_att + t_el + t_cc + fixed + per_seq_overhead·B
 
-* ``KV_tok`` is :func:`pdrouter.core.capacity.kv_bytes_per_token` at this TP (heads replicated
-  when TP exceeds the KV heads) and the weights come from
-  :func:`pdrouter.core.capacity.weight_bytes_per_rank`, so the geometry is the admission's.
-* The embedding table is a gather of ``Σn`` rows (kilobytes): it is left out of the bytes. The LM
-  head (the same table when tied) is read only when some sequence samples; a step of partial
-  prefill chunks alone skips it.
-* KV read: each sequence's cached ``c`` tokens plus its ``n`` new ones, each read once (an ideal
-  attention kernel; a tiled one re-reads keys per query tile, mostly from L2).
-* ``peak`` is the GPU's dense BF16 rate; FP8 weights multiply it by the calibration's
-  ``fp8_speedup`` on GPUs with FP8 tensor cores (H100, H200, B200, L40S: recognised by name);
-  FP32 weights halve it (the TF32 rate).
-* ``comm``: two ring all-reduces per layer (after attention and after the MLP) of the step's
-  activations, ``a`` bytes each (2 for FP8 weights: activations stay BF16), over one direction of
-  the GPU's interconnect, each plus a fixed latency; not overlapped with compute. The embedding's
-  all-reduce and the logits' gather are not counted.
+* ``P_act`` are the non-embedding parameters a token computes with (all of them for a dense model;
+  the attention, norms, router and ``k`` routed experts for a mixture of experts). ``W`` are the
+  weight bytes the step reads: the dense part, the LM head when some sequence samples, and for a
+  mixture of ``E`` experts ``E·(1 − (1 − k/E)^T)`` experts per layer, the expected number a batch
+  of ``T`` tokens routes to (uniform routing). Geometry from ``pdrouter.core.capacity``, as the
+  admission's.
+* ``peak`` is the GPU's dense BF16 rate, × ``fp8_speedup`` for FP8 weights on FP8-capable GPUs,
+  ½ for FP32; attention runs at the BF16 peak. ``a`` is 2 (activations stay BF16 under FP8).
+* Attention is its own kernel: a prefill's is compute-bound at FlashAttention-class efficiency, a
+  decode's reads each sequence's KV at the attention kernel's bandwidth efficiency.
+* Collectives: the two all-reduces per layer (after attention, after the MLP) and the gather of the
+  logits, each a latency plus its bytes over the interconnect's bus bandwidth (``GpuSpec.link``);
+  the latency is the engine's own kernel's over NVLink (``allreduce_latency_s``), else NCCL's.
+  Not overlapped with compute.
+* A decode-only step of at most ``graph_max_batch`` sequences is replayed from a captured graph and
+  pays the decode costs; prefill and mixed steps pay the eager ones.
 
-* ``σ`` (``serial_fraction``): the part of the smaller term that does not hide under the larger
-  one (0 gives the plain roofline); it matters where compute and memory time are close.
+Measured mode (``profile``, :mod:`pdrouter.engine.sim.profile`): where an operator profile of this
+model, GPU and TP covers the step's token count, its interpolated per-layer operator times replace
+the matmul and elementwise terms (the LM head stays on the roofline), and a collective profile
+replaces the all-reduce formula within its message sizes; outside them the roofline answers.
 
-Everything is pure arithmetic; nothing here imports torch.
+Pure arithmetic; nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -45,9 +49,10 @@ from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GpuSpec
 from pdrouter.core.model_spec import DTYPE_BYTES, ModelSpec, normalize_dtype
 from pdrouter.engine.sim.calibration import Calibration
+from pdrouter.engine.sim.profile import OperatorProfile
 
-_FP8_GPU_PREFIXES = ("h100", "h200", "h20", "h800", "gh200", "b100", "b200", "gb200", "l40", "l4")
-"""GPUs with FP8 tensor cores (Hopper, Blackwell, Ada), recognised by their preset-style name."""
+ACTIVATION_BYTES = 2
+"""Activations (and the all-reduced hidden states) are BF16/FP16, whatever the weights."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +72,11 @@ class SeqWork:
 
 @dataclass(frozen=True)
 class StepCost:
-    """The modeled cost of one step; FLOPs and bytes are per GPU (TP rank)."""
+    """The modeled cost of one step; FLOPs and bytes are per GPU (TP rank), times in seconds.
+
+    ``seconds = matmul_s + attention_s + elementwise_s + comm_s + overhead_s``. ``compute_s`` and
+    ``memory_s`` are the step's FLOP and byte times at the calibrated efficiencies (before overlap).
+    """
 
     seconds: float
     flops: float
@@ -76,10 +85,17 @@ class StepCost:
     memory_s: float
     comm_s: float
     overhead_s: float
+    matmul_s: float = 0.0
+    attention_s: float = 0.0
+    elementwise_s: float = 0.0
+    graph: bool = False
+    """Replayed from a captured graph (a decode-only step within ``graph_max_batch``)."""
+    measured: bool = False
+    """The layers' operator times came from a profile (measured mode)."""
 
     @property
     def compute_bound(self) -> bool:
-        """The FLOPs term, not the bytes term, sets the step's roofline time."""
+        """The FLOPs term, not the bytes term, is the larger."""
         return self.compute_s >= self.memory_s
 
 
@@ -87,10 +103,10 @@ _ZERO = StepCost(seconds=0.0, flops=0.0, bytes=0.0, compute_s=0.0, memory_s=0.0,
 
 
 class TimingModel:
-    """The roofline step time of one model on one GPU type at one tensor-parallel size."""
+    """The step time of one model on one GPU type at one tensor-parallel size, for one engine."""
 
     def __init__(self, spec: ModelSpec, gpu: GpuSpec, *, tp: int = 1, calibration: Calibration | None = None,
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, profile: OperatorProfile | None = None) -> None:
         if tp <= 0:
             raise ConfigError(f"tensor parallel size must be >= 1, got {tp}")
         if spec.num_heads % tp:
@@ -98,48 +114,74 @@ class TimingModel:
         if tp > 1 and gpu.interconnect_bytes_per_s <= 0:
             raise ConfigError(f"gpu {gpu.name!r} has no interconnect bandwidth: tp={tp} needs "
                               f"interconnect_bytes_per_s > 0")
+        if profile is not None and profile.tp != tp:
+            raise ConfigError(f"the operator profile {profile.source} is for TP {profile.tp}, the model runs at "
+                              f"TP {tp}")
         self.spec = spec
         self.gpu = gpu
         self.tp = tp
-        self.calibration = calibration if calibration is not None else Calibration()
+        self.profile = profile
+        self.calibration = cal = calibration if calibration is not None else Calibration()
         self.kv_bytes_per_token = kv_bytes_per_token(spec, tp, kv_dtype)
         """KV bytes one token adds on one rank (K and V, every layer)."""
 
         table_params = spec.vocab_size * spec.hidden_size
         tables = 1 if spec.tie_word_embeddings else 2
         self.body_params = spec.param_count - tables * table_params
-        """Non-embedding parameters: the layers and the final norm (the matmul FLOPs' ``P``)."""
-        head_bytes = table_params * spec.dtype_bytes / tp
-        self.head_bytes = head_bytes
+        """Non-embedding parameters: the layers and the final norm (every expert)."""
+        self.active_body_params = spec.active_param_count - tables * table_params
+        """Non-embedding parameters one token computes with (the matmul FLOPs' ``P_act``)."""
+        wbytes = spec.dtype_bytes
+        self.head_bytes = table_params * wbytes / tp
         """LM head bytes per rank (read by a step in which some sequence samples)."""
-        self.body_bytes = weight_bytes_per_rank(spec, tp) - tables * head_bytes
-        """Weight bytes per rank every step reads: all but the embedding table and the LM head."""
+        self.body_bytes = weight_bytes_per_rank(spec, tp) - tables * self.head_bytes
+        """Weight bytes per rank of the layers and the final norm (every expert)."""
+        self.expert_bytes = spec.expert_params * wbytes / tp if spec.is_moe else 0.0
+        """Bytes per rank of one expert of one layer (0 for a dense model)."""
+        self.dense_bytes = self.body_bytes - spec.num_layers * spec.num_experts * self.expert_bytes
+        """Weight bytes per rank every step reads whatever its batch (all but the experts and the head)."""
 
-        cal = self.calibration
         self.peak_flops = gpu.bf16_flops * _dtype_flops_factor(spec.dtype, gpu, cal)
         """Dense FLOP/s of one GPU for this model's weight dtype (before ``mfu``)."""
-        self._flops_rate = self.peak_flops * cal.mfu
+        self._mm_rate = self.peak_flops * cal.mfu
+        self._attn_rate = gpu.bf16_flops * cal.attention_mfu
         self._bytes_rate = gpu.bandwidth_bytes_per_s * cal.mbu
-        self._attn_flops_per_key = 4 * spec.num_layers * spec.num_heads * spec.head_dim / tp
-        self._head_flops = 2 * spec.hidden_size * spec.vocab_size / tp
-        act_bytes = 2 if spec.dtype == "float8" else spec.dtype_bytes
-        self._allreduce_bytes_per_token = spec.hidden_size * act_bytes
-        self._allreduces = 2 * spec.num_layers
-        one_direction = gpu.interconnect_bytes_per_s / 2
-        self._ring_s_per_byte = 2 * (tp - 1) / tp / one_direction if tp > 1 else 0.0
+        self._kv_rate = gpu.bandwidth_bytes_per_s * cal.kv_mbu
+        layers, h = spec.num_layers, spec.hidden_size
+        self._attn_flops_per_key = 4 * layers * spec.num_heads * spec.head_dim / tp
+        self._mm_flops_per_token = 2 * self.active_body_params / tp
+        self._head_flops = 2 * h * spec.vocab_size / tp
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        per_token_layer = 10 * h + 2 * (q + kv) / tp + 3 * spec.experts_per_token * spec.intermediate_size / tp
+        self._act_bytes_per_token = cal.activation_traffic * layers * per_token_layer * ACTIVATION_BYTES
+        self._allreduce_bytes_per_token = h * ACTIVATION_BYTES
+        self._logit_bytes_per_seq = spec.vocab_size * ACTIVATION_BYTES
+        link = gpu.link
+        self._link = link
+        self._link_latency = cal.allreduce_latency_s if link.nvlink and cal.allreduce_latency_s > 0 else link.latency_s
+        self._eager_fixed = cal.step_overhead_s + layers * cal.layer_overhead_s
+        self._graph_fixed = cal.decode_step_overhead_s + layers * cal.decode_layer_overhead_s
 
+    # -- public shapes ------------------------------------------------------------------------
     def step(self, batch: Sequence[SeqWork]) -> StepCost:
         """The modeled cost of one step over ``batch``; an empty batch costs nothing."""
         if not batch:
             return _ZERO
-        tokens = sampled = keys = context = 0
+        tokens = sampled = 0
+        attn_c = attn_m = attn_s = attn_flops = 0.0
+        decode_only = True
         for work in batch:
             n, c = work.num_new_tokens, work.context_before
             tokens += n
             sampled += work.samples
-            keys += n * c + n * (n + 1) // 2
-            context += c
-        return self._cost(len(batch), tokens, sampled, keys, context)
+            decode_only = decode_only and n == 1
+            flops = self._attn_flops_per_key * (n * c + n * (n + 1) // 2)
+            ci, mi = flops / self._attn_rate, (c + n) * self.kv_bytes_per_token / self._kv_rate
+            attn_flops += flops
+            attn_c += ci
+            attn_m += mi
+            attn_s += ci if ci > mi else mi
+        return self._cost(len(batch), tokens, sampled, decode_only, attn_flops, attn_c, attn_m, attn_s)
 
     def decode_step(self, batch_size: int, context: int) -> StepCost:
         """One decode step of ``batch_size`` sequences, each with ``context`` tokens cached."""
@@ -148,7 +190,9 @@ class TimingModel:
         if batch_size == 0:
             return _ZERO
         b = batch_size
-        return self._cost(b, tokens=b, sampled=b, keys=b * (context + 1), context=b * context)
+        flops = self._attn_flops_per_key * (context + 1)
+        ci, mi = flops / self._attn_rate, (context + 1) * self.kv_bytes_per_token / self._kv_rate
+        return self._cost(b, b, b, True, b * flops, b * ci, b * mi, b * max(ci, mi))
 
     def prefill(self, tokens: int, cached: int = 0) -> StepCost:
         """One sequence's whole prompt of ``tokens`` tokens in one step, the first ``cached`` already in KV."""
@@ -162,32 +206,68 @@ class TimingModel:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         return batch_size / self.decode_step(batch_size, context).seconds
 
-    def _cost(self, seqs: int, tokens: int, sampled: int, keys: int, context: int) -> StepCost:
-        """The step's cost from its sums: sequences, new tokens, sampling sequences, attended keys
-        (Σ over new tokens) and cached tokens."""
-        flops = 2 * self.body_params * tokens / self.tp + self._head_flops * sampled \
-            + self._attn_flops_per_key * keys
-        weight_bytes = self.body_bytes + (self.head_bytes if sampled else 0.0)
-        # KV read: the cached context and the new tokens (each once); KV written: the new tokens.
-        nbytes = weight_bytes + (context + 2 * tokens) * self.kv_bytes_per_token
-        compute_s = flops / self._flops_rate
-        memory_s = nbytes / self._bytes_rate
+    def allreduce_s(self, nbytes: float) -> float:
+        """One all-reduce of ``nbytes`` per rank across this model's TP group (0 at TP 1)."""
+        if self.tp == 1:
+            return 0.0
+        if self.profile is not None:
+            measured = self.profile.allreduce_time(nbytes)
+            if measured is not None:
+                return measured
+        return self._link.allreduce_s(nbytes, self.tp, self._link_latency)
+
+    # -- the sums ------------------------------------------------------------------------------
+    def _weight_bytes(self, tokens: int, sampled: int) -> float:
+        spec = self.spec
+        nbytes = self.dense_bytes + (self.head_bytes if sampled else 0.0)
+        if spec.is_moe:
+            e, k = spec.num_experts, spec.experts_per_token
+            touched = e * (1.0 - (1.0 - k / e) ** tokens)
+            nbytes += spec.num_layers * touched * self.expert_bytes
+        return nbytes
+
+    def _cost(self, seqs: int, tokens: int, sampled: int, decode_only: bool, attn_flops: float, attn_c: float,
+              attn_m: float, attn_s: float) -> StepCost:
+        cal, layers = self.calibration, self.spec.num_layers
+        graph = decode_only and 0 < seqs <= cal.graph_max_batch
+        weight_bytes = self._weight_bytes(tokens, sampled)
+        mm_flops = self._mm_flops_per_token * tokens + self._head_flops * sampled
+        write_s = tokens * self.kv_bytes_per_token / self._bytes_rate
+        act_bytes = self._act_bytes_per_token * tokens
+        layer_ops = self.profile.layer_time(tokens) if self.profile is not None else None
+        if layer_ops is not None:
+            # Measured mode: the layers' matmuls and elementwise kernels from the profile; the LM head
+            # on the roofline.
+            head_c = self._head_flops * sampled / self._mm_rate
+            head_m = (self.head_bytes if sampled else 0.0) / self._bytes_rate
+            matmul_s = layers * layer_ops + max(head_c, head_m) + cal.serial_fraction * min(head_c, head_m)
+            elementwise_s = 0.0
+        else:
+            c, m = mm_flops / self._mm_rate, weight_bytes / self._bytes_rate
+            matmul_s = max(c, m) + cal.serial_fraction * min(c, m)
+            elementwise_s = act_bytes / self._bytes_rate
+        attention_s = attn_s + write_s
         comm_s = 0.0
         if self.tp > 1:
-            size = tokens * self._allreduce_bytes_per_token
-            comm_s = self._allreduces * (size * self._ring_s_per_byte + self.calibration.allreduce_latency_s)
-        cal = self.calibration
-        overhead_s = cal.step_overhead_s + cal.per_seq_overhead_s * seqs
-        roof_s = max(compute_s, memory_s) + cal.serial_fraction * min(compute_s, memory_s)
-        return StepCost(seconds=roof_s + comm_s + overhead_s, flops=flops, bytes=nbytes,
-                        compute_s=compute_s, memory_s=memory_s, comm_s=comm_s, overhead_s=overhead_s)
+            comm_s = 2 * layers * self.allreduce_s(tokens * self._allreduce_bytes_per_token)
+            if sampled:
+                comm_s += self._link.allgather_s(sampled * self._logit_bytes_per_seq, self.tp, self._link_latency)
+        overhead_s = (self._graph_fixed if graph else self._eager_fixed) + cal.per_seq_overhead_s * seqs
+        nbytes = weight_bytes + act_bytes + (attn_m * self._kv_rate) + tokens * self.kv_bytes_per_token
+        return StepCost(
+            seconds=matmul_s + attention_s + elementwise_s + comm_s + overhead_s,
+            flops=mm_flops + attn_flops, bytes=nbytes,
+            compute_s=mm_flops / self._mm_rate + attn_c,
+            memory_s=weight_bytes / self._bytes_rate + attn_m + write_s + act_bytes / self._bytes_rate,
+            comm_s=comm_s, overhead_s=overhead_s, matmul_s=matmul_s, attention_s=attention_s,
+            elementwise_s=elementwise_s, graph=graph, measured=layer_ops is not None)
 
 
 def _dtype_flops_factor(dtype: str, gpu: GpuSpec, cal: Calibration) -> float:
     """Peak FLOP/s for ``dtype`` weights relative to the GPU's dense BF16 rate."""
     dtype = normalize_dtype(dtype)
     if dtype == "float8":
-        return cal.fp8_speedup if gpu.name.lower().startswith(_FP8_GPU_PREFIXES) else 1.0
+        return cal.fp8_speedup if gpu.fp8 else 1.0
     if DTYPE_BYTES[dtype] == 4:
         return 0.5
     return 1.0
