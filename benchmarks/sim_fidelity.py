@@ -116,7 +116,9 @@ class Measurement:
     key: str
     source: str
     engine: str
-    """The calibration preset the row is simulated with."""
+    """The engine family: the split's group, and the preset whose fit the row may calibrate."""
+    preset: str
+    """The calibration preset the row is simulated with (the family's, or one of its releases')."""
     model: str
     dtype: str
     kv_dtype: str | None
@@ -138,7 +140,7 @@ class Measurement:
     def describe(self, calibrates: bool) -> str:
         role = "calibrates" if calibrates else "held out"
         return (f"{self.model} {self.dtype}, {self.tp}x {self.gpu}, batch {self.batch}, {self.input_len} in / "
-                f"{self.output_len} out, {self.kind}, {self.engine} preset [{role}]; source_{self.source}: "
+                f"{self.output_len} out, {self.kind}, {self.preset} preset [{role}]; source_{self.source}: "
                 f"{self.locator}")
 
 
@@ -146,7 +148,8 @@ def load_table(path: Path = TABLE) -> tuple[Measurement, ...]:
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))
     return tuple(Measurement(
-        key=r["key"], source=r["source"], engine=r["engine"], model=r["model"], dtype=r["dtype"],
+        key=r["key"], source=r["source"], engine=r["engine"], preset=r["preset"] or r["engine"], model=r["model"],
+        dtype=r["dtype"],
         kv_dtype=r["kv_dtype"] or None, gpu=r["gpu"], tp=int(r["tp"]), batch=int(r["batch"]),
         input_len=int(r["input_len"]), output_len=int(r["output_len"]), kind=r["kind"],
         published=float(r["published"]), unit=r["unit"], locator=r["locator"]) for r in rows)
@@ -214,20 +217,23 @@ PRIORS: dict[str, float] = {
     # decode kernels stream KV below the weights' efficiency.
     "attention_mfu": 0.5, "kv_mbu": 0.7,
     # The datasheet FP8 ratio is 2; the rest is not a published figure: middle-of-the-range starting points.
-    "fp8_speedup": 1.6, "serial_fraction": 0.5, "step_overhead_s": 0.5e-3, "decode_step_overhead_s": 0.3e-3,
-    "decode_layer_overhead_s": 8e-6, "allreduce_latency_s": 8e-6, "per_seq_overhead_s": 0.0,
+    "fp8_speedup": 1.6, "serial_fraction": 0.5, "expert_efficiency": 1.0, "step_overhead_s": 0.5e-3,
+    "decode_step_overhead_s": 0.3e-3, "decode_layer_overhead_s": 8e-6, "fp8_layer_overhead_s": 3e-5,
+    "allreduce_latency_s": 8e-6, "per_seq_overhead_s": 0.0,
 }
 FITTED: dict[str, tuple[str, ...]] = {
-    "trtllm": ("mfu", "mbu", "serial_fraction", "fp8_speedup", "attention_mfu", "layer_overhead_s",
-               "decode_step_overhead_s", "allreduce_latency_s"),
+    "trtllm": ("mbu", "kv_mbu", "serial_fraction", "fp8_speedup", "expert_efficiency", "layer_overhead_s",
+               "fp8_layer_overhead_s", "decode_step_overhead_s", "allreduce_latency_s"),
+    "trtllm-0.6": ("fp8_speedup",),
     "vllm": ("mbu", "decode_step_overhead_s", "allreduce_latency_s"),
 }
 """The fields each preset fits to its calibration rows; the others keep the preset's values."""
 BOUNDS: dict[str, tuple[float, float]] = {
     "mfu": (0.3, 0.95), "mbu": (0.4, 0.95), "kv_mbu": (0.2, 1.0), "attention_mfu": (0.15, 0.9),
-    "serial_fraction": (0.0, 1.0), "fp8_speedup": (1.0, 2.0), "activation_traffic": (0.0, 2.0),
-    "step_overhead_s": (0.0, 5e-3), "decode_step_overhead_s": (0.0, 3e-3), "layer_overhead_s": (0.0, 2e-4),
-    "decode_layer_overhead_s": (0.0, 5e-5), "allreduce_latency_s": (1e-6, 1e-4), "per_seq_overhead_s": (0.0, 1e-4),
+    "serial_fraction": (0.0, 1.0), "fp8_speedup": (1.0, 2.0), "expert_efficiency": (0.2, 1.0),
+    "activation_traffic": (0.0, 2.0), "step_overhead_s": (0.0, 5e-3), "decode_step_overhead_s": (0.0, 3e-3),
+    "layer_overhead_s": (0.0, 2e-4), "decode_layer_overhead_s": (0.0, 5e-5), "fp8_layer_overhead_s": (0.0, 2e-4),
+    "allreduce_latency_s": (1e-6, 1e-4), "per_seq_overhead_s": (0.0, 1e-4),
 }
 PRIOR_WEIGHT = 0.01
 """Weight of the priors against the rows (squared log-ratios): enough to keep a field no row pins down
@@ -250,11 +256,12 @@ def objective(engine: str, cal: Calibration, rows: Iterable[Measurement]) -> flo
     return loss
 
 
-def fit(engine: str, rows: Sequence[Measurement] = MEASUREMENTS, sweeps: int = 12) -> Calibration:
+def fit(engine: str, rows: Sequence[Measurement] = MEASUREMENTS, sweeps: int = 12,
+        start: Calibration | None = None) -> Calibration:
     """The preset ``engine`` with its ``FITTED`` fields fitted to its calibration rows (coordinate descent,
-    a golden-section search per field, from the preset's current values)."""
-    mine = [m for m in rows if m.engine == engine and m.key in calibration_rows(rows)]
-    cal = CALIBRATION_PRESETS[engine]
+    a golden-section search per field, from ``start``: by default the preset's current values)."""
+    mine = [m for m in rows if m.preset == engine and m.key in calibration_rows(rows)]
+    cal = start if start is not None else CALIBRATION_PRESETS[engine]
     score = objective(engine, cal, mine)
     for _ in range(sweeps):
         before = score
@@ -289,6 +296,23 @@ def _golden(f: Callable[[float], float], lo: float, hi: float, iterations: int =
     return (a + b) / 2
 
 
+PARENTS = {"trtllm-0.6": "trtllm"}
+"""A release preset is its family's preset with some fields of its own: fitted after the family's."""
+
+
+def fit_all() -> dict[str, Calibration]:
+    """Every preset of ``FITTED``, families before their releases."""
+    out: dict[str, Calibration] = {}
+    for engine in sorted(FITTED, key=lambda e: e in PARENTS):
+        start = CALIBRATION_PRESETS[engine]
+        parent = PARENTS.get(engine)
+        if parent is not None:
+            start = start.with_overrides(**{f: getattr(out[parent], f) for f in FITTED[parent]
+                                            if f not in FITTED[engine]})
+        out[engine] = fit(engine, start=start)
+    return out
+
+
 # -- targets --------------------------------------------------------------------------------------
 def target_rows(rows: Sequence[Measurement] = MEASUREMENTS) -> dict[str, list[Measurement]]:
     """The rows each stated target is checked on (held out or not)."""
@@ -305,36 +329,59 @@ TARGET_LIMITS = {"graph_batch1_decode": 10.0, "ttft_128": 15.0, "prefill_70b_tp4
 
 
 # -- measured mode ----------------------------------------------------------------------------------
+MEASURED_TOKENS = (1, 8, 64, 128, 512, 1024, 2048, 4096)
+
+
 def measured_mode(report: Report) -> None:
-    """Vidur's Llama-2-7B / H100 operator profile: interpolation at token counts the extract left out,
-    and the whole step from the profile against the roofline's."""
-    check = OperatorProfile.from_vidur(VIDUR / "h100_llama2_7b_check.csv", 1)
+    """Vidur's Llama-2-7B / H100 operator profile in the measured mode: its operator times against the
+    published ones, how far the published profile itself moves between neighbouring sizes (what the
+    interpolation cannot know), and whole steps from the profile against the roofline's."""
     profile = OperatorProfile.from_dir(VIDUR / "h100_llama2_7b", 1)
-    errors = []
-    for tokens in check.ops["mlp_up_proj"].sizes:
-        published = check.layer_time(tokens)
-        interpolated = profile.layer_time(tokens)
-        assert published is not None and interpolated is not None
-        errors.append(abs(relative_error_pct(interpolated, published)))
-        for op in LAYER_OPS:
-            pub, mine = check.op_time(op, tokens), profile.op_time(op, tokens)
-            assert pub is not None and mine is not None
-            errors.append(abs(relative_error_pct(mine, pub)) if pub > 2e-6 else 0.0)
-        report.add(f"measured_layer_{int(tokens)}_published", published * 1e6, "us")
-        report.add(f"measured_layer_{int(tokens)}_interpolated", interpolated * 1e6, "us")
-    report.add("measured_max_abs_error", max(errors), "%")
-    spec = MODELS["llama-2-7b"]
-    gpu = get_gpu_preset("h100")
-    cal = Calibration.preset("vllm")
+    published = _published_ops(VIDUR / "h100_llama2_7b" / "mlp.csv", tp=1)
+    worst = 0.0
+    for (op, tokens), seconds in published.items():
+        mine = profile.op_time(op, tokens)
+        assert mine is not None
+        worst = max(worst, abs(relative_error_pct(mine, seconds)) if seconds > 0 else abs(mine) * 1e6)
+    report.add("measured_published_points", len(published))
+    report.add("measured_max_abs_error", worst, "%")
+    # Leave one profiled size out at a time and interpolate it from its neighbours.
+    sizes = profile.ops[LAYER_OPS[0]].sizes
+    gaps = []
+    for i in range(1, len(sizes) - 1):
+        lo, mid, hi = sizes[i - 1], sizes[i], sizes[i + 1]
+        layer = {t: sum(published[(op, t)] for op in LAYER_OPS) for t in (lo, mid, hi)}
+        guess = layer[lo] + (layer[hi] - layer[lo]) * (mid - lo) / (hi - lo)
+        gaps.append(abs(relative_error_pct(guess, layer[mid])))
+    gaps.sort()
+    report.add("measured_leave_one_out_median_abs_error", statistics.median(gaps), "%")
+    report.add("measured_leave_one_out_p95_abs_error", gaps[int(0.95 * len(gaps))], "%")
+    spec, gpu, cal = MODELS["llama-2-7b"], get_gpu_preset("h100"), Calibration.preset("vllm")
     measured = TimingModel(spec, gpu, calibration=cal, profile=profile)
     roofline = TimingModel(spec, gpu, calibration=cal)
-    for tokens in (1, 16, 128, 512, 2048, 4096):
+    for tokens in MEASURED_TOKENS:
+        layer = profile.layer_time(tokens)
+        assert layer is not None
+        cost = roofline.prefill(tokens) if tokens > 1 else roofline.decode_step(1, 512)
+        roof_layer = (cost.matmul_s + cost.elementwise_s) / spec.num_layers
         m = measured.prefill(tokens) if tokens > 1 else measured.decode_step(1, 512)
-        r = roofline.prefill(tokens) if tokens > 1 else roofline.decode_step(1, 512)
-        name = f"measured_step_{tokens}" if tokens > 1 else "measured_step_decode_b1"
-        report.add(f"{name}_profile", m.seconds * 1e3, "ms")
-        report.add(f"{name}_roofline", r.seconds * 1e3, "ms")
-        report.add(f"{name}_roofline_vs_profile", relative_error_pct(r.seconds, m.seconds), "%")
+        name = f"measured_{tokens}_tokens" if tokens > 1 else "measured_decode_b1"
+        report.add(f"{name}_layer_profile", layer * 1e6, "us")
+        report.add(f"{name}_layer_roofline", roof_layer * 1e6, "us")
+        report.add(f"{name}_step_profile", m.seconds * 1e3, "ms")
+        report.add(f"{name}_step_roofline", cost.seconds * 1e3, "ms")
+        report.add(f"{name}_step_roofline_vs_profile", relative_error_pct(cost.seconds, m.seconds), "%")
+
+
+def _published_ops(path: Path, tp: int) -> dict[tuple[str, float], float]:
+    """(operator, tokens) → seconds, read straight from a Vidur mlp.csv (medians of its rows)."""
+    out: dict[tuple[str, float], list[float]] = defaultdict(list)
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if int(row["num_tensor_parallel_workers"]) == tp:
+                for op in LAYER_OPS:
+                    out[(op, float(row["num_tokens"]))].append(float(row[f"time_stats.{op}.median"]) * 1e-3)
+    return {key: statistics.median(values) for key, values in out.items()}
 
 
 def main() -> None:
@@ -349,7 +396,7 @@ def main() -> None:
         report.add(f"engine_{name}", text)
     errors: dict[str, float] = {}
     for m in MEASUREMENTS:
-        simulated = simulate(m, Calibration.preset(m.engine))
+        simulated = simulate(m, Calibration.preset(m.preset))
         errors[m.key] = error = relative_error_pct(simulated, m.published)
         report.add(m.key, m.describe(m.key in CALIBRATION))
         report.add(f"{m.key}_published", m.published, m.unit)
@@ -377,8 +424,7 @@ def main() -> None:
         report.add(f"target_{name}_limit", TARGET_LIMITS[name], "%")
     measured_mode(report)
     if args.fit:
-        for engine in FITTED:
-            refit = fit(engine)
+        for engine, refit in fit_all().items():
             preset = CALIBRATION_PRESETS[engine]
             for f in dataclasses.fields(Calibration):
                 if f.name in FITTED[engine]:

@@ -74,7 +74,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs per worker")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="--backend sim: simulated time runs this many times slower than the wall clock")
-    p.add_argument("--calibration", type=Path, default=None, help="--backend sim: calibration file")
+    p.add_argument("--calibration", default=None,
+                   help="--backend sim: the engine modelled, a preset (vllm | trtllm | torch-eager | ...) or a file")
     p.add_argument("--per-process", type=int, default=None, metavar="N",
                    help=f"--backend sim: simulated workers per process, grouped by role (default: one per "
                         f"process up to {FLEET_THRESHOLD} workers in all, else up to {FLEET_SIZE})")
@@ -136,7 +137,7 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     """The simulated workers' arguments, checked here so that a typo fails before anything starts."""
     from pdrouter.core.gpu import get_gpu_preset
     from pdrouter.core.model_spec import get_model_preset
-    from pdrouter.engine.sim.calibration import Calibration
+    from pdrouter.engine.sim.calibration import resolve_calibration
 
     get_gpu_preset(args.gpu)
     get_model_preset(args.model_preset)
@@ -146,7 +147,7 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError("simulated workers move their KV stand-in over tcp only")
     out = ["--gpu", args.gpu, "--tp", str(args.tp), "--time-scale", str(args.time_scale)]
     if args.calibration is not None:
-        Calibration.from_file(args.calibration)
+        resolve_calibration(args.calibration)
         out += ["--calibration", str(args.calibration)]
     return out
 

@@ -70,8 +70,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="--backend sim: the geometry of a model preset instead of --model (see "
                             "`pdrouter capacity --list`)")
         p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs of the worker")
-        p.add_argument("--calibration", type=Path, default=None,
-                       help="--backend sim: JSON/YAML file overriding MFU, MBU and overheads")
+        p.add_argument("--calibration", default=None,
+                       help="--backend sim: the engine modelled, a preset (vllm | vllm-v0 | trtllm | trtllm-0.6 | "
+                            "torch-eager; default vllm) or a JSON/YAML calibration file")
+        p.add_argument("--operator-profile", type=Path, default=None,
+                       help="--backend sim: a folder of profiled operator times for this model, GPU and TP "
+                            "(Vidur's mlp.csv and all_reduce.csv), used where they cover a step")
         p.add_argument("--time-scale", type=float, default=1.0,
                        help="--backend sim: simulated time runs this many times slower than the wall clock "
                             "(0: answer without sleeping)")
@@ -161,9 +165,10 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
     from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, load_tokenizer
     from pdrouter.engine.batch_engine import SchedulingConfig
     from pdrouter.engine.model_folder import read_model_folder
-    from pdrouter.engine.sim.calibration import Calibration
+    from pdrouter.engine.sim.calibration import resolve_calibration
     from pdrouter.engine.sim.config import BYTE_TEXT_TOKENS, SimEngineConfig
     from pdrouter.engine.sim.link import get_link_preset
+    from pdrouter.engine.sim.profile import OperatorProfile
 
     if (args.model is None) == (args.model_preset is None):
         raise ConfigError("--backend sim needs exactly one of --model FOLDER (its config.json) and "
@@ -187,7 +192,8 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
     seqs, tokens = args.max_num_seqs or SIM_BATCHING[0], args.max_batched_tokens or SIM_BATCHING[1]
     config = SimEngineConfig(
         spec=spec, gpu=gpu, eos_token_ids=eos, model_dir=args.model, tp=args.tp,
-        calibration=Calibration.from_file(args.calibration) if args.calibration else Calibration(),
+        calibration=resolve_calibration(args.calibration),
+        profile=OperatorProfile.from_dir(args.operator_profile, args.tp) if args.operator_profile else None,
         time_scale=args.time_scale, block_size=args.block_size, num_blocks=args.num_blocks,
         memory_utilization=utilization, memory_quota_bytes=None if quota is None else quota.bytes,
         scheduling=SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens),
@@ -201,6 +207,7 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
 def _check_sim_only(args: argparse.Namespace) -> None:
     given = [flag for flag, on in (("--model-preset", args.model_preset is not None), ("--tp", args.tp != 1),
                                    ("--calibration", args.calibration is not None),
+                                   ("--operator-profile", args.operator_profile is not None),
                                    ("--time-scale", args.time_scale != 1.0), ("--link", args.link != "rdma-400g"),
                                    ("--link-unshared", args.link_unshared)) if on]
     if given:

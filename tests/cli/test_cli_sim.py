@@ -27,6 +27,8 @@ def run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     ([], "exactly one of --model"),
     (["--model-preset", "llama-3-8b", "--kv-backend", "gloo"], "over tcp"),
     (["--model-preset", "llama-3-8b", "--device", "cuda"], "--device only apply to --backend torch"),
+    (["--model-preset", "llama-3-8b", "--calibration", "tensorrt"], "neither a preset (vllm, vllm-v0, trtllm"),
+    (["--model-preset", "llama-3-8b", "--operator-profile", "/nonexistent"], "needs mlp.csv"),
 ])
 def test_bad_simulated_workers_are_one_line_errors(extra: list[str], expected: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -54,3 +56,29 @@ def test_sim_options_are_refused_for_the_torch_engine(tmp_path: Path, capsys: py
 
 def test_up_checks_the_simulated_fleet_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
     assert "presets" in run_error(["up", "--backend", "sim", "--gpu", "h900"], capsys)
+    assert "neither a preset" in run_error(["up", "--backend", "sim", "--calibration", "trt"], capsys)
+
+
+def test_an_operator_profile_must_match_the_workers_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    profile = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "vidur" / "h100_llama2_7b"
+    err = run_error(["decode", "--backend", "sim", "--model-preset", "llama-3-70b", "--tp", "8",
+                     "--operator-profile", str(profile)], capsys)
+    assert "no rows for TP 8" in err
+
+
+def test_the_calibration_flag_and_the_profile_reach_the_simulated_engine(tmp_path: Path) -> None:
+    from pdrouter.cli.main import build_parser
+    from pdrouter.cli.worker_cmd import _sim_config
+    from pdrouter.engine.sim.calibration import Calibration
+
+    base = ["decode", "--backend", "sim", "--model-preset", "llama-3-8b", "--num-blocks", "64"]
+    assert _sim_config(build_parser().parse_args(base)).calibration == Calibration.preset("vllm")
+    config = _sim_config(build_parser().parse_args([*base, "--calibration", "trtllm"]))
+    assert config.calibration == Calibration.preset("trtllm")
+    path = tmp_path / "cal.yaml"
+    path.write_text("preset: torch-eager\nmbu: 0.5\n")
+    config = _sim_config(build_parser().parse_args([*base, "--calibration", str(path)]))
+    assert config.calibration == Calibration.preset("torch-eager").with_overrides(mbu=0.5)
+    profile = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "vidur" / "h100_llama2_7b"
+    config = _sim_config(build_parser().parse_args([*base, "--operator-profile", str(profile)]))
+    assert config.profile is not None and config.profile.tp == 1

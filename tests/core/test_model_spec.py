@@ -73,3 +73,25 @@ def test_kv_layout_and_compat_hashes() -> None:
     assert model_compat_hash(spec, 16) == model_compat_hash(get_model_preset("llama-3-8b"), 16)
     assert model_compat_hash(spec, 16) != model_compat_hash(get_model_preset("mistral-7b"), 16)
     assert model_compat_hash(spec, 16) != model_compat_hash(spec, 32)
+
+
+def test_mixtures_of_experts_count_every_expert_and_route_to_k() -> None:
+    mixtral = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 32,
+               "intermediate_size": 14336, "vocab_size": 32000, "num_local_experts": 8, "num_experts_per_tok": 2,
+               "model_type": "mixtral"}
+    spec = ModelSpec.from_hf_config(mixtral, name="m")
+    assert (spec.num_experts, spec.experts_per_token, spec.is_moe) == (8, 2, True)
+    preset = get_model_preset("mixtral-8x7b")
+    assert spec.param_count == preset.param_count and spec.active_param_count == preset.active_param_count
+    # Mixtral-8x7B: 46.7B parameters, 12.9B of them per token (the published figures).
+    assert 46.6e9 < spec.param_count < 46.8e9 and 12.8e9 < spec.active_param_count < 13.0e9
+    dense = ModelSpec.from_hf_config({**mixtral, "num_local_experts": None}, name="d")
+    assert not dense.is_moe and dense.param_count == dense.active_param_count
+    # Qwen3-MoE names its expert width moe_intermediate_size.
+    qwen = ModelSpec.from_hf_config({**mixtral, "num_local_experts": None, "num_experts": 128, "num_experts_per_tok": 8,
+                                     "moe_intermediate_size": 768}, name="q")
+    assert (qwen.num_experts, qwen.experts_per_token, qwen.intermediate_size) == (128, 8, 768)
+    with pytest.raises(ConfigError, match="shared experts"):
+        ModelSpec.from_hf_config({**mixtral, "shared_expert_intermediate_size": 5632})
+    with pytest.raises(ConfigError, match="experts_per_token"):
+        ModelSpec(**{**spec.__dict__, "experts_per_token": 9})

@@ -79,3 +79,11 @@ def test_cuda_engine_matches_cpu(tiny_dir: Path) -> None:
     gpu = Engine(EngineConfig(tiny_dir, num_blocks=32, device="cuda", max_num_batched_tokens=16))
     assert gpu.kv_tensor.is_cuda
     assert gpu.generate(prompts, params) == cpu
+
+
+def test_the_torch_engine_refuses_a_mixture_of_experts() -> None:
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.model import LlamaModel
+
+    with pytest.raises(ConfigError, match="mixture of 8 experts"):
+        LlamaModel(get_model_preset("mixtral-8x7b"))

@@ -35,7 +35,7 @@ from typing import Any
 
 from pdrouter.core.errors import ConfigError
 
-_FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu")
+_FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu", "expert_efficiency")
 _UNIT_INTERVAL = ("serial_fraction",)
 _POSITIVE = ("fp8_speedup",)
 _INTEGERS = ("graph_max_batch",)
@@ -49,9 +49,9 @@ class Calibration:
     The defaults are the ``vllm`` preset.
     """
 
-    mfu: float = 0.71
+    mfu: float = 0.72
     """Fraction of peak FLOP/s the matrix multiplications reach when compute-bound (large prefills)."""
-    mbu: float = 0.79
+    mbu: float = 0.73
     """Fraction of peak memory bandwidth reached streaming the weights (and activations, KV writes)."""
     kv_mbu: float = 0.7
     """Fraction of peak memory bandwidth the decode attention kernel reaches reading the KV cache: the
@@ -59,13 +59,18 @@ class Calibration:
     once per query head of a group instead of once per group is this divided by the group size."""
     attention_mfu: float = 0.5
     """Fraction of the BF16 peak a prefill's attention (QKᵀ and AV) reaches, FlashAttention-class."""
-    serial_fraction: float = 0.45
-    """Fraction of the smaller of a step's matmul compute and weight-streaming times that does not
-    overlap with the larger one: ``max(c, m) + serial_fraction × min(c, m)`` (0: the plain
-    roofline). It matters where the two are close: prompts of a few hundred tokens, large batches."""
+    serial_fraction: float = 0.5
+    """How much of the smaller of a matmul's compute and weight-streaming times fails to hide under
+    the larger: ``max(c, m) + serial_fraction × min(c, m)² / max(c, m)``. The penalty is largest where
+    the two are equal (prompts of a few hundred tokens, large decode batches: shapes near the ridge
+    point, where real GEMMs reach neither peak) and vanishes far from it (0: the plain roofline)."""
     fp8_speedup: float = 1.6
     """Matmul speedup of FP8 weights over BF16 on GPUs with FP8 tensor cores (the datasheets say 2;
     elsewhere FP8 weights compute at the BF16 rate). Attention stays BF16."""
+    expert_efficiency: float = 1.0
+    """A mixture of experts' expert matmuls (grouped GEMMs, a few tokens per expert, routing and
+    permutation kernels) compute at this fraction of the dense matmuls' ``mfu``; their weights
+    stream at ``mbu`` like the others."""
     activation_traffic: float = 1.0
     """Bytes the elementwise kernels (norms, rotary, SwiGLU, residual adds) move, as a multiple of an
     unfused implementation's ``(10·h + 2(q+kv)/tp + 3·I/tp)`` activations per token and layer: 1 for
@@ -80,11 +85,14 @@ class Calibration:
     """Per layer, in a step that is not graph-captured: kernel launches and the floor of the small
     kernels (norms, rotary, activation, residual), which cost 17–35 µs per layer at ≤ 128 tokens in
     Vidur's eager operator profiles (H100, A100)."""
+    fp8_layer_overhead_s: float = 3e-5
+    """Per layer, added to ``layer_overhead_s`` for FP8 weights: the kernels that quantize the
+    activations before each FP8 matmul (and their scales), which small prompts cannot hide."""
     decode_layer_overhead_s: float = 8e-6
     """Per layer, in a graph-captured decode step: the small kernels' floor without launch gaps."""
     per_seq_overhead_s: float = 0.0
     """Per sequence of a step (input preparation, sampling): no published figure isolates it."""
-    allreduce_latency_s: float = 8e-6
+    allreduce_latency_s: float = 8.3e-6
     """Latency of one small all-reduce with the engine's own kernels over NVLink; 0: NCCL's, the
     interconnect's (``pdrouter.core.gpu.INTERCONNECT_PRESETS``). Over PCIe the interconnect's."""
     graph_max_batch: int = 512
@@ -206,9 +214,24 @@ def _check_value(name: str, value: Any) -> None:
         raise ConfigError(f"calibration field {name!r} must be >= 0, got {value}")
 
 
+_VLLM = Calibration()
+_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.4, expert_efficiency=0.34,
+                      layer_overhead_s=2.5e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
+                      allreduce_latency_s=9.4e-6, activation_traffic=0.5, graph_max_batch=4096)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
-    "vllm": Calibration(),
-    "trtllm": Calibration(),
-    "torch-eager": Calibration(graph_max_batch=0, allreduce_latency_s=0.0),
+    "vllm": _VLLM,
+    # vLLM's V0 engine (before 0.8) ran its scheduler, input preparation, sampling and output processing
+    # between the GPU steps: 0.83 ms a step + 42 us a sequence in Vidur's CPU profile of a vLLM-derived
+    # engine (microsoft/vidur, data/profiling/a100/cpu_overheads.csv at 6d98aa8: Llama-2-7B, TP 1,
+    # batches 8-128).
+    "vllm-v0": dataclasses.replace(_VLLM, step_overhead_s=8.3e-4, decode_step_overhead_s=8.3e-4,
+                                   per_seq_overhead_s=4.2e-5),
+    "trtllm": _TRTLLM,
+    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.3),
+    "torch-eager": Calibration(kv_mbu=0.3, activation_traffic=2.0, step_overhead_s=2e-3, decode_step_overhead_s=2e-3,
+                               layer_overhead_s=1.5e-4, decode_layer_overhead_s=1.5e-4, allreduce_latency_s=0.0,
+                               graph_max_batch=0),
 }
-"""Per-engine presets (placeholders until fitted; see benchmarks/sim_fidelity.py --fit)."""
+"""Per-engine presets: ``benchmarks/sim_fidelity.py --fit`` fits their ``FITTED`` fields (rounded here to
+two digits) to the calibration rows of its table; the other fields are profiled or estimated values
+(``docs/simulation.md`` lists each one's basis)."""

@@ -18,6 +18,7 @@ from pdrouter.core.model_spec import ModelSpec
 from pdrouter.engine.batch_engine import SchedulingConfig
 from pdrouter.engine.sim.calibration import Calibration
 from pdrouter.engine.sim.link import LinkSpec, get_link_preset
+from pdrouter.engine.sim.profile import OperatorProfile
 
 BYTE_TEXT_TOKENS = (32, 127)
 """Printable ASCII in the byte-level tokenizer: simulated tokens drawn from here each decode to one
@@ -41,6 +42,9 @@ class SimEngineConfig:
     """The model folder the geometry came from (None: a preset)."""
     tp: int = 1
     calibration: Calibration = field(default_factory=Calibration)
+    """The engine modelled (``--calibration PRESET|FILE``; the default is the ``vllm`` preset)."""
+    profile: OperatorProfile | None = None
+    """Profiled operator times of this model, GPU and TP (measured mode; ``--operator-profile``)."""
     time_scale: float = 1.0
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None
@@ -66,6 +70,9 @@ class SimEngineConfig:
         if self.spec.num_kv_heads % self.tp and self.tp % self.spec.num_kv_heads:
             raise ConfigError(f"--tp {self.tp} does not divide the {self.spec.num_kv_heads} KV heads of "
                               f"{self.spec.name} (nor the other way round)")
+        if self.profile is not None and self.profile.tp != self.tp:
+            raise ConfigError(f"--operator-profile {self.profile.source} was read for TP {self.profile.tp}, "
+                              f"the worker runs at --tp {self.tp}")
         if self.time_scale < 0:
             raise ConfigError(f"--time-scale must be >= 0 (0: no sleeping), got {self.time_scale}")
         if self.block_size <= 0:

@@ -27,7 +27,8 @@ class SimEngine(BatchEngine):
         self.config = config
         spec = config.spec
         layout = KvLayout.for_model(spec, config.pool_blocks(), config.block_size, spec.dtype, tp=config.tp)
-        self.timing = TimingModel(spec, config.gpu, tp=config.tp, calibration=config.calibration)
+        self.timing = TimingModel(spec, config.gpu, tp=config.tp, calibration=config.calibration,
+                                  profile=config.profile)
         self.sim_step = SimModelStep(self.timing, config.token_range or (0, spec.vocab_size), config.time_scale)
         super().__init__(spec, config.eos_token_ids, layout, config.scheduling, self.sim_step,
                          event_sink=event_sink)

@@ -5,21 +5,22 @@ A step computes, for each sequence of the batch, ``n`` new tokens at positions `
 sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` vocabulary::
 
     matmuls    c = [2·P_act·T + 2·h·V·S] / tp / (peak·mfu)        m = W / (bw·mbu)
-               t_mm = max(c, m) + σ·min(c, m)
+               t_mm = max(c, m) + σ·min(c, m)² / max(c, m)
     attention  t_att = Σᵢ max( 4·L·H·d·(nᵢcᵢ + nᵢ(nᵢ+1)/2) / tp / (peak_bf16·attention_mfu),
                                (cᵢ + nᵢ)·KV / (bw·kv_mbu) )  +  T·KV / (bw·mbu)
     elementwise t_el = activation_traffic · L·T·(10h + 2(q+kv)/tp + 3·k·I/tp)·a / (bw·mbu)
     collectives t_cc = 2L · allreduce(T·h·a) + [S > 0]·allgather(S·V·a)        (tp > 1)
     fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
-               any other step:             step_overhead + L·layer_overhead
+               any other step:             step_overhead + L·(layer_overhead [+ fp8_layer_overhead])
     seconds    = t_mm + t_att + t_el + t_cc + fixed + per_seq_overhead·B
 
 * ``P_act`` are the non-embedding parameters a token computes with (all of them for a dense model;
   the attention, norms, router and ``k`` routed experts for a mixture of experts). ``W`` are the
   weight bytes the step reads: the dense part, the LM head when some sequence samples, and for a
   mixture of ``E`` experts ``E·(1 − (1 − k/E)^T)`` experts per layer, the expected number a batch
-  of ``T`` tokens routes to (uniform routing). Geometry from ``pdrouter.core.capacity``, as the
-  admission's.
+  of ``T`` tokens routes to (uniform routing); the experts' FLOPs run at ``expert_efficiency`` of
+  the dense matmuls' rate (grouped GEMMs of a few tokens per expert), their bytes stream as fast.
+  Geometry from ``pdrouter.core.capacity``, as the admission's.
 * ``peak`` is the GPU's dense BF16 rate, × ``fp8_speedup`` for FP8 weights on FP8-capable GPUs,
   ½ for FP32; attention runs at the BF16 peak. ``a`` is 2 (activations stay BF16 under FP8).
 * Attention is its own kernel: a prefill's is compute-bound at FlashAttention-class efficiency, a
@@ -149,7 +150,9 @@ class TimingModel:
         self._kv_rate = gpu.bandwidth_bytes_per_s * cal.kv_mbu
         layers, h = spec.num_layers, spec.hidden_size
         self._attn_flops_per_key = 4 * layers * spec.num_heads * spec.head_dim / tp
-        self._mm_flops_per_token = 2 * self.active_body_params / tp
+        expert_params = spec.num_layers * spec.experts_per_token * spec.expert_params if spec.is_moe else 0
+        self._mm_flops_per_token = 2 * (self.active_body_params - expert_params) / tp
+        self._expert_flops_per_token = 2 * expert_params / tp
         self._head_flops = 2 * h * spec.vocab_size / tp
         q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         per_token_layer = 10 * h + 2 * (q + kv) / tp + 3 * spec.experts_per_token * spec.intermediate_size / tp
@@ -159,7 +162,8 @@ class TimingModel:
         link = gpu.link
         self._link = link
         self._link_latency = cal.allreduce_latency_s if link.nvlink and cal.allreduce_latency_s > 0 else link.latency_s
-        self._eager_fixed = cal.step_overhead_s + layers * cal.layer_overhead_s
+        fp8 = cal.fp8_layer_overhead_s if spec.dtype == "float8" and gpu.fp8 else 0.0
+        self._eager_fixed = cal.step_overhead_s + layers * (cal.layer_overhead_s + fp8)
         self._graph_fixed = cal.decode_step_overhead_s + layers * cal.decode_layer_overhead_s
 
     # -- public shapes ------------------------------------------------------------------------
@@ -217,21 +221,24 @@ class TimingModel:
         return self._link.allreduce_s(nbytes, self.tp, self._link_latency)
 
     # -- the sums ------------------------------------------------------------------------------
-    def _weight_bytes(self, tokens: int, sampled: int) -> float:
+    def _weight_bytes(self, tokens: int, sampled: int) -> tuple[float, float]:
+        """The step's dense weight bytes (with the head when some sequence samples) and its experts'."""
         spec = self.spec
-        nbytes = self.dense_bytes + (self.head_bytes if sampled else 0.0)
-        if spec.is_moe:
-            e, k = spec.num_experts, spec.experts_per_token
-            touched = e * (1.0 - (1.0 - k / e) ** tokens)
-            nbytes += spec.num_layers * touched * self.expert_bytes
-        return nbytes
+        dense = self.dense_bytes + (self.head_bytes if sampled else 0.0)
+        if not spec.is_moe:
+            return dense, 0.0
+        e, k = spec.num_experts, spec.experts_per_token
+        touched = e * (1.0 - (1.0 - k / e) ** tokens)
+        return dense, spec.num_layers * touched * self.expert_bytes
 
     def _cost(self, seqs: int, tokens: int, sampled: int, decode_only: bool, attn_flops: float, attn_c: float,
               attn_m: float, attn_s: float) -> StepCost:
         cal, layers = self.calibration, self.spec.num_layers
         graph = decode_only and 0 < seqs <= cal.graph_max_batch
-        weight_bytes = self._weight_bytes(tokens, sampled)
-        mm_flops = self._mm_flops_per_token * tokens + self._head_flops * sampled
+        dense_bytes, expert_bytes = self._weight_bytes(tokens, sampled)
+        weight_bytes = dense_bytes + expert_bytes
+        expert_flops = self._expert_flops_per_token * tokens
+        mm_flops = self._mm_flops_per_token * tokens + self._head_flops * sampled + expert_flops
         write_s = tokens * self.kv_bytes_per_token / self._bytes_rate
         act_bytes = self._act_bytes_per_token * tokens
         layer_ops = self.profile.layer_time(tokens) if self.profile is not None else None
@@ -240,11 +247,13 @@ class TimingModel:
             # on the roofline.
             head_c = self._head_flops * sampled / self._mm_rate
             head_m = (self.head_bytes if sampled else 0.0) / self._bytes_rate
-            matmul_s = layers * layer_ops + max(head_c, head_m) + cal.serial_fraction * min(head_c, head_m)
+            matmul_s = layers * layer_ops + _overlap(head_c, head_m, cal.serial_fraction)
             elementwise_s = 0.0
         else:
-            c, m = mm_flops / self._mm_rate, weight_bytes / self._bytes_rate
-            matmul_s = max(c, m) + cal.serial_fraction * min(c, m)
+            ee = cal.expert_efficiency
+            c = (mm_flops - expert_flops) / self._mm_rate + expert_flops / (self._mm_rate * ee)
+            m = weight_bytes / self._bytes_rate
+            matmul_s = _overlap(c, m, cal.serial_fraction)
             elementwise_s = act_bytes / self._bytes_rate
         attention_s = attn_s + write_s
         comm_s = 0.0
@@ -261,6 +270,13 @@ class TimingModel:
             memory_s=weight_bytes / self._bytes_rate + attn_m + write_s + act_bytes / self._bytes_rate,
             comm_s=comm_s, overhead_s=overhead_s, matmul_s=matmul_s, attention_s=attention_s,
             elementwise_s=elementwise_s, graph=graph, measured=layer_ops is not None)
+
+
+def _overlap(compute_s: float, memory_s: float, serial_fraction: float) -> float:
+    """A kernel's time from its compute and memory times: the larger, plus the part of the smaller that
+    does not hide under it, which shrinks as the two move apart."""
+    hi, lo = max(compute_s, memory_s), min(compute_s, memory_s)
+    return hi + serial_fraction * lo * lo / hi if hi > 0 else 0.0
 
 
 def _dtype_flops_factor(dtype: str, gpu: GpuSpec, cal: Calibration) -> float:

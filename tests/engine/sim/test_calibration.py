@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdrouter.core.errors import ConfigError
-from pdrouter.engine.sim.calibration import Calibration
+from pdrouter.engine.sim.calibration import CALIBRATION_PRESETS, Calibration, resolve_calibration
 
 
 def _write(tmp_path: Path, name: str, text: str) -> Path:
@@ -31,7 +31,7 @@ def _refused(path: Path, *words: str) -> str:
 
 def test_the_defaults_are_valid_and_a_file_overrides_a_subset(tmp_path: Path) -> None:
     default = Calibration()
-    assert 0 < default.mfu <= 1 and 0 < default.mbu <= 1
+    assert 0 < default.mfu <= 1 and 0 < default.mbu <= 1 and default == CALIBRATION_PRESETS["vllm"]
     path = _write(tmp_path, "cal.json", json.dumps({"mbu": 0.8, "step_overhead_s": 0.002}))
     assert Calibration.from_file(path) == dataclasses.replace(default, mbu=0.8, step_overhead_s=0.002)
     assert Calibration.from_file(_write(tmp_path, "empty.json", "{}")) == default
@@ -83,3 +83,47 @@ def test_overrides_in_code_are_validated_like_files() -> None:
         Calibration(mfu=2.0)
     with pytest.raises(ConfigError, match="'step_overhead_s'"):
         dataclasses.replace(Calibration(), step_overhead_s=float("nan"))
+
+
+def test_presets_per_engine_and_a_file_on_top_of_one(tmp_path: Path) -> None:
+    assert Calibration.preset("vllm") == Calibration()
+    trt, eager = Calibration.preset("TRTLLM"), Calibration.preset("torch_eager")
+    assert trt.graph_max_batch > 0 and not eager.graphs and eager.allreduce_latency_s == 0.0
+    assert set(CALIBRATION_PRESETS) >= {"vllm", "trtllm", "torch-eager"}
+    path = _write(tmp_path, "cal.yaml", "preset: trtllm\nmbu: 0.5\n")
+    assert Calibration.from_file(path) == dataclasses.replace(trt, mbu=0.5)
+    message = _refused(_write(tmp_path, "bad.yaml", "preset: sglang-9\n"), "'sglang-9'", "trtllm")
+    assert "unknown calibration preset" in message
+    _refused(_write(tmp_path, "num.json", json.dumps({"preset": 3})), "'preset'")
+    with pytest.raises(ConfigError, match="presets: vllm"):
+        Calibration.preset("nope")
+
+
+def test_calibration_flag_takes_a_preset_or_a_file(tmp_path: Path) -> None:
+    assert resolve_calibration(None) == Calibration()
+    assert resolve_calibration("trtllm") == Calibration.preset("trtllm")
+    path = _write(tmp_path, "mine.json", json.dumps({"preset": "torch-eager", "mbu": 0.6}))
+    assert resolve_calibration(str(path)) == dataclasses.replace(Calibration.preset("torch-eager"), mbu=0.6)
+    with pytest.raises(ConfigError, match="neither a preset"):
+        resolve_calibration("tensorrt")
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve_calibration(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(("content", "field"), [
+    ({"graph_max_batch": 2.5}, "graph_max_batch"),
+    ({"graph_max_batch": -1}, "graph_max_batch"),
+    ({"kv_mbu": 0}, "kv_mbu"),
+    ({"attention_mfu": 1.5}, "attention_mfu"),
+    ({"expert_efficiency": 0}, "expert_efficiency"),
+    ({"layer_overhead_s": -1e-6}, "layer_overhead_s"),
+    ({"decode_step_overhead_s": "fast"}, "decode_step_overhead_s"),
+    ({"activation_traffic": float("inf")}, "activation_traffic"),
+])
+def test_the_new_fields_are_validated(tmp_path: Path, content: dict[str, object], field: str) -> None:
+    _refused(_write(tmp_path, "cal.json", json.dumps(content)), repr(field))
+
+
+def test_a_whole_graph_batch_from_json_is_an_int(tmp_path: Path) -> None:
+    cal = Calibration.from_file(_write(tmp_path, "cal.json", json.dumps({"graph_max_batch": 256.0})))
+    assert cal.graph_max_batch == 256 and isinstance(cal.graph_max_batch, int)

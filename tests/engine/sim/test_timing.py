@@ -1,4 +1,5 @@
-"""The timing model reproduces the roofline arithmetic: decode ceiling, the knee, prefill FLOPs, TP."""
+"""The timing model reproduces the roofline arithmetic (decode ceiling, the knee, prefill FLOPs, TP) and puts
+each cost where it arises (per layer, per graph-captured step, per collective, per expert)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ H100 = get_gpu_preset("h100")
 A100 = get_gpu_preset("a100")
 L70 = get_model_preset("llama-3-70b")
 L8 = get_model_preset("llama-3-8b")
-IDEAL = Calibration(mfu=1.0, mbu=1.0, step_overhead_s=0.0, per_seq_overhead_s=0.0, allreduce_latency_s=0.0,
-                    serial_fraction=0.0)
+NO_LATENCY = 1e-15
+"""An all-reduce latency that rounds to nothing (0 means: the interconnect's own)."""
+IDEAL = Calibration(mfu=1.0, mbu=1.0, kv_mbu=1.0, attention_mfu=1.0, step_overhead_s=0.0, decode_step_overhead_s=0.0,
+                    layer_overhead_s=0.0, fp8_layer_overhead_s=0.0, decode_layer_overhead_s=0.0, per_seq_overhead_s=0.0,
+                    allreduce_latency_s=NO_LATENCY, serial_fraction=0.0, activation_traffic=0.0)
 
 
 def _l8_non_embedding_params() -> int:
@@ -63,24 +67,26 @@ def test_decode_throughput_is_linear_then_flat_with_the_knee_at_the_ridge_point(
 
 def test_4k_prefill_of_8b_is_compute_bound_at_2_params_per_token() -> None:
     mfu = 0.5
-    model = TimingModel(L8, H100, calibration=dataclasses.replace(IDEAL, mfu=mfu))
+    model = TimingModel(L8, H100, calibration=dataclasses.replace(IDEAL, mfu=mfu, attention_mfu=mfu))
     cost = model.prefill(4096)
     head = 2.0 * 4096 * 128256  # the LM head for the one sampled token
     flops = 2.0 * _l8_non_embedding_params() * 4096 + _l8_attention_flops(4096, 0) + head
     assert model.body_params == _l8_non_embedding_params()
     assert cost.flops == pytest.approx(flops, rel=1e-12)
-    assert cost.seconds == pytest.approx(flops / (989e12 * mfu), rel=1e-12)
+    written = 4096 * model.kv_bytes_per_token / 3.35e12  # the new tokens' KV, written once
+    assert cost.seconds == pytest.approx(flops / (989e12 * mfu) + written, rel=1e-12)
     assert cost.compute_bound and cost.memory_s < cost.compute_s / 10
 
 
 def test_a_prefix_hit_saves_the_cached_tokens_flops() -> None:
     mfu = 0.6
-    model = TimingModel(L8, H100, calibration=dataclasses.replace(IDEAL, mfu=mfu))
+    model = TimingModel(L8, H100, calibration=dataclasses.replace(IDEAL, mfu=mfu, attention_mfu=mfu))
     full, hit = model.prefill(4096), model.prefill(4096, cached=2048)
     assert hit.compute_bound and full.compute_bound
     saved = 2.0 * _l8_non_embedding_params() * 2048 + _l8_attention_flops(4096, 0) - _l8_attention_flops(2048, 2048)
     assert saved == pytest.approx(_l8_attention_flops(2048, 0) + 2.0 * _l8_non_embedding_params() * 2048)
-    assert full.seconds - hit.seconds == pytest.approx(saved / (989e12 * mfu), rel=1e-9)
+    unwritten = 2048 * model.kv_bytes_per_token / 3.35e12
+    assert full.seconds - hit.seconds == pytest.approx(saved / (989e12 * mfu) + unwritten, rel=1e-9)
 
 
 def test_tp2_halves_the_weights_per_rank_and_adds_the_all_reduces() -> None:
@@ -93,29 +99,106 @@ def test_tp2_halves_the_weights_per_rank_and_adds_the_all_reduces() -> None:
     a, b = one.decode_step(8, 1000), two.decode_step(8, 1000)
     assert b.memory_s == pytest.approx(a.memory_s / 2, rel=1e-6)
     assert a.comm_s == 0.0
-    ring = 2 * (2 - 1) / 2 * (8 * 8192 * 2) / (900e9 / 2)
-    assert b.comm_s == pytest.approx(2 * 80 * (ring + 10e-6), rel=1e-12)
-    assert b.seconds == pytest.approx(b.memory_s + b.comm_s, rel=1e-12)
+    # Two ring all-reduces per layer of the 8 tokens' hidden states over NVLink 4's measured bus
+    # bandwidth, each after the engine's latency; then the 8 rows of logits gathered.
+    ring = 2 * (2 - 1) / 2 * (8 * 8192 * 2) / 350e9
+    gather = (2 - 1) / 2 * (8 * 128256 * 2) / 350e9
+    assert b.comm_s == pytest.approx(2 * 80 * (ring + 10e-6) + gather + 10e-6, rel=1e-12)
+    assert b.seconds == pytest.approx(b.matmul_s + b.attention_s + b.comm_s, rel=1e-12)
 
 
-def test_tp_all_reduces_run_over_the_gpus_interconnect() -> None:
-    cal = dataclasses.replace(IDEAL, allreduce_latency_s=0.0)
-    fast_link = dataclasses.replace(H100, interconnect_bytes_per_s=2 * H100.interconnect_bytes_per_s)
+def test_collectives_run_over_the_gpus_interconnect() -> None:
+    cal = dataclasses.replace(IDEAL, allreduce_latency_s=NO_LATENCY)
+    nvlink5 = dataclasses.replace(H100, interconnect="nvlink5")
     normal = TimingModel(L70, H100, tp=4, calibration=cal).prefill(4096).comm_s
-    faster = TimingModel(L70, fast_link, tp=4, calibration=cal).prefill(4096).comm_s
-    assert faster == pytest.approx(normal / 2, rel=1e-12)
-    assert normal == pytest.approx(2 * 80 * 2 * 3 / 4 * 4096 * 8192 * 2 / 450e9, rel=1e-12)
+    faster = TimingModel(L70, nvlink5, tp=4, calibration=cal).prefill(4096).comm_s
+    assert faster == pytest.approx(normal / 2, rel=1e-9)
+    assert normal == pytest.approx(2 * 80 * 2 * 3 / 4 * 4096 * 8192 * 2 / 350e9 + 3 / 4 * 128256 * 2 / 350e9,
+                                   rel=1e-9)
     with pytest.raises(ConfigError, match="interconnect"):
         TimingModel(L70, dataclasses.replace(H100, interconnect_bytes_per_s=0.0), tp=2)
+    with pytest.raises(ConfigError, match="unknown interconnect"):
+        dataclasses.replace(H100, interconnect="carrier-pigeon")
 
 
-def test_overheads_are_per_step_and_per_sequence() -> None:
-    cal = dataclasses.replace(IDEAL, step_overhead_s=0.001, per_seq_overhead_s=0.0001)
+def test_small_all_reduces_pay_the_engines_latency_over_nvlink_and_nccls_over_pcie() -> None:
+    engine = dataclasses.replace(IDEAL, allreduce_latency_s=5e-6)
+    nccl = dataclasses.replace(IDEAL, allreduce_latency_s=0.0)
+    l40s = get_gpu_preset("l40s")
+    assert TimingModel(L70, H100, tp=2, calibration=engine).allreduce_s(0.5) == pytest.approx(5e-6, rel=1e-6)
+    assert TimingModel(L70, H100, tp=2, calibration=nccl).allreduce_s(0.5) == pytest.approx(H100.link.latency_s,
+                                                                                           rel=1e-6)
+    assert TimingModel(L70, l40s, tp=2, calibration=engine).allreduce_s(0.5) == pytest.approx(l40s.link.latency_s,
+                                                                                              rel=1e-6)
+    # The bus efficiency rises with the message: half of the bus bandwidth at s½.
+    link, half = H100.link, H100.link.half_efficiency_bytes(8)
+    assert 2 * 7 / 8 * half / link.allreduce_s(half, 8) == pytest.approx(link.bus_bytes_per_s / 2, rel=1e-9)
+    assert link.allreduce_s(1e6, 1) == 0.0 and link.allgather_s(1e6, 1) == 0.0
+
+
+def test_overheads_are_per_step_per_layer_and_per_sequence_and_graphs_pay_less() -> None:
+    cal = dataclasses.replace(IDEAL, step_overhead_s=0.001, decode_step_overhead_s=0.0002, layer_overhead_s=3e-5,
+                              decode_layer_overhead_s=5e-6, per_seq_overhead_s=0.0001, graph_max_batch=16)
     model = TimingModel(L8, H100, calibration=cal)
-    cost = model.decode_step(10, 100)
-    assert cost.overhead_s == pytest.approx(0.002)
-    assert cost.seconds == pytest.approx(max(cost.compute_s, cost.memory_s) + 0.002)
+    graph = model.decode_step(10, 100)
+    assert graph.graph and graph.overhead_s == pytest.approx(0.0002 + 32 * 5e-6 + 10 * 0.0001)
+    assert graph.seconds == pytest.approx(graph.matmul_s + graph.attention_s + graph.overhead_s)
+    eager = model.decode_step(17, 100)  # more sequences than the captured graphs hold
+    assert not eager.graph and eager.overhead_s == pytest.approx(0.001 + 32 * 3e-5 + 17 * 0.0001)
+    prefill = model.prefill(128)  # prefills and mixed steps are never captured
+    assert not prefill.graph and prefill.overhead_s == pytest.approx(0.001 + 32 * 3e-5 + 0.0001)
+    mixed = model.step([SeqWork(1, 100), SeqWork(64, 0)])
+    assert not mixed.graph
+    no_graphs = TimingModel(L8, H100, calibration=dataclasses.replace(cal, graph_max_batch=0))
+    assert not no_graphs.decode_step(1, 100).graph
     assert model.step([]).seconds == 0.0 and model.decode_step(0, 100).seconds == 0.0
+
+
+def test_fp8_pays_its_quantization_kernels_per_layer_in_eager_steps() -> None:
+    cal = dataclasses.replace(IDEAL, layer_overhead_s=2e-5, fp8_layer_overhead_s=3e-5)
+    fp8, bf16 = TimingModel(L8.with_dtype("fp8"), H100, calibration=cal), TimingModel(L8, H100, calibration=cal)
+    assert fp8.prefill(128).overhead_s == pytest.approx(32 * 5e-5)
+    assert bf16.prefill(128).overhead_s == pytest.approx(32 * 2e-5)
+    # Weight-only FP8 on a GPU without FP8 tensor cores has no quantized matmul to feed.
+    assert TimingModel(L8.with_dtype("fp8"), A100, calibration=cal).prefill(128).overhead_s == pytest.approx(32 * 2e-5)
+
+
+def test_elementwise_kernels_move_activations_per_token_and_layer() -> None:
+    cal = dataclasses.replace(IDEAL, activation_traffic=1.0)
+    model = TimingModel(L8, H100, calibration=cal)
+    per_token = 32 * (10 * 4096 + 2 * (4096 + 1024) + 3 * 14336) * 2
+    assert model.prefill(1000).elementwise_s == pytest.approx(1000 * per_token / 3.35e12, rel=1e-12)
+    half = TimingModel(L8, H100, calibration=dataclasses.replace(cal, activation_traffic=0.5))
+    assert half.prefill(1000).elementwise_s == pytest.approx(model.prefill(1000).elementwise_s / 2, rel=1e-12)
+
+
+def test_decode_attention_reads_the_kv_at_its_own_efficiency() -> None:
+    slow = TimingModel(L8, H100, calibration=dataclasses.replace(IDEAL, kv_mbu=0.5))
+    fast = TimingModel(L8, H100, calibration=IDEAL)
+    for batch, context in ((1, 8000), (64, 2000)):
+        read = batch * (context + 1) * fast.kv_bytes_per_token / 3.35e12
+        written = batch * fast.kv_bytes_per_token / 3.35e12
+        assert fast.decode_step(batch, context).attention_s == pytest.approx(read + written, rel=1e-9)
+        assert slow.decode_step(batch, context).attention_s == pytest.approx(2 * read + written, rel=1e-9)
+
+
+def test_a_mixture_of_experts_reads_the_experts_its_tokens_route_to() -> None:
+    moe = get_model_preset("mixtral-8x7b")
+    model = TimingModel(moe, H100, calibration=IDEAL)
+    assert moe.param_count > 3 * moe.active_param_count
+    expert_bytes = 3 * 4096 * 14336 * 2
+    assert model.expert_bytes == expert_bytes
+    # One token reads its 2 experts per layer; 4 tokens the expected distinct ones; 256 (nearly) all 8.
+    assert model._weight_bytes(1, 1)[1] == pytest.approx(32 * 2 * expert_bytes)
+    assert model._weight_bytes(4, 1)[1] == pytest.approx(32 * 8 * (1 - (6 / 8) ** 4) * expert_bytes, rel=1e-12)
+    assert model._weight_bytes(256, 1)[1] == pytest.approx(32 * 8 * expert_bytes, rel=1e-9)
+    assert model.decode_step(256, 100).memory_s > 3 * model.decode_step(1, 100).memory_s
+    # FLOPs: 2 per active parameter (2 experts of 8), the experts' at expert_efficiency of the dense rate.
+    routed_flops = 2 * 32 * 2 * (3 * 4096 * 14336) * 4096
+    assert model.prefill(4096).flops > routed_flops and model.active_body_params < model.body_params / 3
+    slow = TimingModel(moe, H100, calibration=dataclasses.replace(IDEAL, expert_efficiency=0.5))
+    gap = slow.prefill(4096).matmul_s - model.prefill(4096).matmul_s
+    assert gap == pytest.approx(routed_flops / 989e12, rel=1e-6)
 
 
 def test_a_mixed_batch_sums_its_sequences() -> None:
@@ -126,7 +209,8 @@ def test_a_mixed_batch_sums_its_sequences() -> None:
     assert mixed.flops == pytest.approx(sum(c.flops for c in alone))
     # The weights are read once for the whole batch; the decoding sequence adds its KV: 100 cached
     # and 1 new token read, 1 written.
-    assert mixed.bytes == pytest.approx(alone[1].bytes + (100 + 1 + 1) * model.kv_bytes_per_token, rel=1e-12)
+    assert mixed.bytes == pytest.approx(alone[1].bytes + (100 + 1 + 1) * model.kv_bytes_per_token
+                                        + model._act_bytes_per_token, rel=1e-12)
 
 
 def test_a_chunk_that_samples_nothing_skips_the_lm_head() -> None:
