@@ -4,15 +4,16 @@ Builds a Llama-3-8B-geometry model with random bf16 weights directly on the devi
 no download), a paged KV pool, and times the engine's own model step (``ModelRunner.run``, the
 code the workers run) for decode batches of 1/8/32/128 sequences at a 1k context and for
 prefills of 512, 2k and 8k tokens. Beside each figure it prints what
-``pdrouter.engine.sim.timing.TimingModel`` predicts for the GPU preset ``--gpu`` (default h100):
+``pdrouter.engine.sim.timing.TimingModel`` predicts for the GPU preset ``--gpu`` (default h100) with
+the calibration ``--calibration`` (default ``torch-eager``, the preset for this engine):
 ``<case>_measured_ms``, ``<case>_sim_ms``, ``<case>_error`` (sim ÷ measured − 1). The torch engine
-is written for clarity, not speed (no CUDA graphs, no fused kernels), so the errors say how far
-the simulator's default calibration (fitted to optimised engines) is from this engine; a
-calibration file made from these figures makes the simulator model this engine instead.
+is written for clarity, not speed (no CUDA graphs, no fused kernels); the ``torch-eager`` preset's
+per-layer and per-step costs are estimates until these errors are fitted away (a calibration file
+on top of the preset, ``docs/simulation.md``).
 
 Without CUDA it prints ``cuda_available: 0`` and exits 0 (the test suite never needs a GPU).
 
-    python benchmarks/gpu_calibration.py [--quick] [--json] [--gpu h100]
+    python benchmarks/gpu_calibration.py [--quick] [--json] [--gpu h100] [--calibration torch-eager]
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pdrouter.core.model_spec import get_model_preset
 from pdrouter.engine.kv_cache import KvCache
 from pdrouter.engine.model import LlamaModel
 from pdrouter.engine.model_runner import ModelRunner, WorkItem
+from pdrouter.engine.sim.calibration import resolve_calibration
 from pdrouter.engine.sim.timing import SeqWork, TimingModel
 
 BLOCK = 16
@@ -50,6 +52,7 @@ def timed(runner: ModelRunner, items: list[WorkItem], repeats: int) -> float:
 def main() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--gpu", default="h100", help="the GPU preset the simulator predicts for")
+    parser.add_argument("--calibration", default="torch-eager", help="the simulator's preset or calibration file")
     parser.add_argument("--model-preset", default="llama-3-8b", help="the geometry (tiny: a check of this script)")
     parser.add_argument("--device", default="cuda", help="cuda[:N]; cpu only to check the script itself")
     args = parser.parse_args()
@@ -72,7 +75,7 @@ def main() -> None:
     need = max(max(batches) * (context // BLOCK + 1), max(prefills) // BLOCK) + 8
     cache = KvCache(KvLayout.for_model(spec, need, BLOCK, "bfloat16"), device)
     runner = ModelRunner(model, cache)
-    sim = TimingModel(spec, get_gpu_preset(args.gpu))
+    sim = TimingModel(spec, get_gpu_preset(args.gpu), calibration=resolve_calibration(args.calibration))
     report.add("cuda_available", int(device.type == "cuda"), "bool")
     report.add("device", torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     repeats = 3 if args.quick else 10

@@ -139,6 +139,9 @@ GPU_PRESETS: dict[str, GpuSpec] = {
         GpuSpec("l40s", 48 * GiB, 0.864e12, 362e12, 64e9, "pcie4", fp8=True),
         GpuSpec("b200", 180 * GiB, 8.0e12, 2250e12, 1.8e12, "nvlink5", fp8=True),
         GpuSpec("a100-40g", 40 * GiB, 1.555e12, 312e12, 600e9, "nvlink3"),
+        # A CPU host running an engine on its cores: nominal peaks (a server socket's memory bandwidth and
+        # vector FLOP/s) for a calibration to scale (benchmarks/sim_dynamics.py fits one on this machine).
+        GpuSpec("cpu", 16 * GiB, 50e9, 2e12, 0.0, "pcie4"),
     )
 }
 _ALIASES = {"a100": "a100-80g", "h100": "h100-80g", "h100-sxm": "h100-80g", "h200-141g": "h200",
