@@ -1,7 +1,7 @@
 """Cross-check of ``pdrouter bench run`` against GuideLLM: one simulated cluster, one workload, both tools.
 
 Brings up ``pdrouter up --backend sim --prefill 1 --decode 1`` (Llama-3-8B on H100s, time scale 1,
-deterministic simulated latencies: a decode step ≈ 8.5 ms) and drives it, one tool after the
+deterministic simulated latencies: a decode step ≈ 7 ms) and drives it, one tool after the
 other, with the same workload: ``--requests`` requests of ``--input-len`` prompt tokens and exactly
 ``--output-len`` output tokens (``max_tokens`` with ``ignore_eos``), streamed from
 ``/v1/completions``, arriving at a constant ``--rate`` (request ``i`` at ``i / rate`` seconds). Our

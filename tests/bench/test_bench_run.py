@@ -86,7 +86,7 @@ def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_pat
 
 
 def test_tpot_and_itl_are_the_modeled_decode_steps(cluster: str, tmp_path: Path) -> None:
-    """One request at a time: every token is one modeled decode step of batch 1 (8.5 ms)."""
+    """One request at a time: every token is one modeled decode step of batch 1 (6.7 ms)."""
     done = bench("--url", cluster, "--concurrency", "1", "--num-requests", "4", "--input-len", "100",
                  "--output-len", "40", "--out", str(tmp_path), "--json")
     assert done.returncode == 0, done.stderr
@@ -166,7 +166,7 @@ def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tm
     sweep = json.loads(Path(json.loads(done.stdout)["file"]).read_text())
     assert [p["rate"] for p in sweep["points"]] == [5.0, 10.0]
     assert all(p["summary"]["completed"] == 20 for p in sweep["points"])
-    # TPOT is one modeled decode step (8.5 ms): a 20 ms bound holds at any low rate, 5 ms never does.
+    # TPOT is one modeled decode step (6.7 ms): a 20 ms bound holds at any low rate, 5 ms never does.
     for bound, met in (("20ms", True), ("5ms", False)):
         done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
                                "--search", "--slo", f"tpot={bound}", "--min-rate", "1", "--max-rate", "8",
