@@ -15,11 +15,14 @@ MAX_TOKEN_ID = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 1024
 """The most stop token ids a request may name (each generated token is looked up among them)."""
 MAX_TEMPERATURE = 100.0
+GREEDY_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy, as in vLLM (its ``_SAMPLING_EPS``): dividing logits by a
+tiny temperature overflows to infinities, whose softmax is not a distribution."""
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. ``temperature == 0`` means greedy."""
+    """How to pick each next token. A temperature below :data:`GREEDY_TEMPERATURE` (0 included) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -34,7 +37,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """InvalidRequestError naming the field first when a value is out of range.

@@ -85,3 +85,16 @@ def test_seeded_request_output_does_not_depend_on_the_batch(make_engine: EngineF
     assert mixed == alone
     greedy = engine.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))[0]
     assert alone != greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 5e-324, 1e-30, 9.99e-6])
+def test_temperatures_below_the_greedy_threshold_are_greedy(make_engine: EngineFactory, temperature: float) -> None:
+    """Dividing by such a temperature overflows; vLLM treats every temperature below 1e-5 as greedy."""
+    params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True)
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    assert make_generator(params) is None
+    engine = make_engine()
+    prompt = random_prompt(random.Random(2), 9)
+    assert engine.generate([prompt], params) == \
+        engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+
