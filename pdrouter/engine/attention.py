@@ -40,7 +40,8 @@ class DecodeBatch:
     start: int
     size: int
     block_table: torch.Tensor
-    """``[size, max_blocks]`` block ids, right-padded with any valid id."""
+    """``[size, max_blocks]`` block ids, right-padded with the row's own last block (masked, but a
+    masked slot enters the sum as 0 × value: it must hold a finite value of this request's)."""
     mask: torch.Tensor
     """``[size, 1, 1, max_blocks * block_size]`` bool, True for positions below the context length."""
 

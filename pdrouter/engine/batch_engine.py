@@ -36,6 +36,15 @@ Bad input raises ``pdrouter.core.errors`` types (InvalidRequestError, PromptTooL
 RequestTooLargeError, CapacityError for a reservation that does not fit now, NotFoundError,
 FailedPreconditionError) before anything is allocated. Preemption is invisible to callers.
 
+A failing request fails alone. A model step that cannot compute one request (its logits are not
+finite) says so for that request (:class:`RequestFault`): the request ends with
+``FinishReason.ERROR`` and its blocks are dropped (unreferenced ones lose their prefix-cache entry
+and are cleared, so no stale value reaches attention again), while the rest of the batch goes on.
+KV written from outside is checked before it is used (:meth:`check_remote_kv`, and at the latest
+by :meth:`commit_remote`): values that are not finite clear the blocks and raise TransferError.
+Only a step that raises, a fault of the engine itself, propagates from :meth:`step`; the engine
+then serves no more (its driver reports it).
+
 Block events (``event_sink``, see :mod:`pdrouter.engine.events`) fire when a full block's KV is complete
 (computed here, or committed with ``commit_remote``) and when a cached block is evicted.
 """
@@ -48,7 +57,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdrouter.core.errors import CapacityError, FailedPreconditionError, InvalidRequestError, NotFoundError
+from pdrouter.core.errors import (
+    CapacityError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    NotFoundError,
+    TransferError,
+)
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
@@ -88,11 +103,29 @@ class StepWork:
     samples: bool
 
 
-class ModelStep(Protocol):
-    """Runs one scheduled step on the model (real or simulated)."""
+@dataclass(frozen=True, slots=True)
+class RequestFault:
+    """What a model step gives instead of a token for a request it could not compute."""
 
-    def run(self, work: Sequence[StepWork]) -> list[int]:
-        """The sampled token of every item with ``samples``, in order. Raising leaves nothing advanced."""
+    reason: str
+    """Why, in words for the request's caller (no internals)."""
+
+
+class ModelStep(Protocol):
+    """Runs one scheduled step on the model (real or simulated), and guards the KV pool it owns."""
+
+    def run(self, work: Sequence[StepWork]) -> Sequence[int | RequestFault]:
+        """The sampled token (or the request's fault) of every item with ``samples``, in order.
+        Raising leaves nothing advanced, and stops the engine."""
+        ...
+
+    def kv_finite(self, block_ids: Sequence[int]) -> bool:
+        """Whether every value these blocks hold is finite (KV written from outside)."""
+        ...
+
+    def clear_kv(self, block_ids: Sequence[int]) -> None:
+        """Zero these blocks: what they held must never reach attention (stale slots are masked,
+        and a masked NaN still poisons the sum as 0 × NaN)."""
         ...
 
 
@@ -158,6 +191,7 @@ class BatchEngine:
         and ``step()`` will not mention it); None when it joined the decode batch.
         """
         (token,) = token_ids([first_token], self.spec.vocab_size, "first_token")
+        self.check_remote_kv(request_id)
         with self._lock:
             req = self._get(request_id, RequestState.AWAITING_KV)
             self.block_manager.commit(req.block_ids, req.hashes(self.hasher), req.num_committed_blocks)
@@ -172,6 +206,35 @@ class BatchEngine:
             self._stalled = False
             self._wake.notify_all()
             return None
+
+    def check_remote_kv(self, request_id: RequestId) -> None:
+        """Check the KV written into a reservation's blocks (those it did not have cached) before use.
+
+        TransferError when a value is not finite: those blocks are cleared first, and the request
+        stays reserved, never to be committed (abort it). The check runs once; later calls give its
+        verdict. May run on any thread (the blocks stay the request's while it runs, even if it is
+        aborted meanwhile).
+        """
+        with self._lock:
+            req = self._get(request_id, RequestState.AWAITING_KV)
+            finite = req.kv_finite
+            if finite is None:
+                blocks = list(req.block_ids[req.num_committed_blocks:])
+                req.in_flight = True
+        if finite is None:
+            finite = False
+            try:
+                finite = self.model_step.kv_finite(blocks)
+                if not finite:
+                    self.model_step.clear_kv(blocks)
+            finally:
+                with self._lock:
+                    req.in_flight = False
+                    req.kv_finite = finite
+                    if req.state is RequestState.ABORTED:
+                        self.scheduler.release_blocks(req)
+        if not finite:
+            raise TransferError(f"the KV received for request {request_id} holds values that are not finite")
 
     def release(self, request_id: RequestId) -> None:
         """Free the blocks of a prefill-only request after its KV was shipped."""
@@ -220,21 +283,28 @@ class BatchEngine:
             with self._lock:
                 return self._complete(work, dict(zip(sampling, tokens, strict=True)))
 
-    def _complete(self, work: list[ScheduledWork], tokens: dict[Request, int] | None) -> list[RequestOutput]:
+    def _complete(self, work: list[ScheduledWork],
+                  tokens: dict[Request, int | RequestFault] | None) -> list[RequestOutput]:
         """Account for a finished model step (``tokens`` None: the step failed, account nothing)."""
         outputs: list[RequestOutput] = []
         for w in work:
             req = w.request
             req.in_flight = False
+            token = tokens.get(req) if tokens is not None else None
+            if isinstance(token, RequestFault):  # this step computed nothing usable for it
+                if req.state is RequestState.ABORTED:
+                    self._drop_blocks(req)
+                else:
+                    outputs.append(self._fail(req, token.reason))
+                continue
             if req.state is RequestState.ABORTED:
                 self.scheduler.release_blocks(req)
                 continue
             if tokens is None:
                 continue
             self.scheduler.advance(w)
-            if req not in tokens:
+            if token is None:
                 continue
-            token = tokens[req]
             reason = req.append_token(token)
             prefill = None
             if req.kind is RequestKind.PREFILL_ONLY:
@@ -334,6 +404,23 @@ class BatchEngine:
         if req.state is not state:
             raise FailedPreconditionError(f"request {request_id!r} is {req.state.value}, not {state.value}")
         return req
+
+    def _fail(self, req: Request, reason: str) -> RequestOutput:
+        """End a request the model step could not compute; its blocks are dropped, not cached."""
+        self.scheduler.remove(req)
+        self._drop_blocks(req)
+        req.finish_reason = FinishReason.ERROR
+        req.transition(RequestState.FAILED)
+        del self._requests[req.request_id]
+        return RequestOutput(req.request_id, (), True, FinishReason.ERROR, req.num_prompt_tokens,
+                             req.num_output_tokens, req.num_cached_tokens, error=reason)
+
+    def _drop_blocks(self, req: Request) -> None:
+        """Free a request's blocks, forgetting and clearing those no other request holds."""
+        unused = self.block_manager.discard(req.block_ids)
+        req.block_ids = []
+        if unused:
+            self.model_step.clear_kv(unused)
 
     def _finish(self, req: Request, reason: FinishReason | None) -> None:
         self.scheduler.remove(req)

@@ -173,15 +173,38 @@ class BlockManager:
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block, tail first; unreferenced blocks become free or cached."""
         for block in reversed(block_ids):
-            ref = self._ref[block]
-            if ref <= 0:
-                raise RuntimeError(f"block {block} freed more often than it was allocated")
-            self._ref[block] = ref - 1
-            if ref == 1:
+            if self._unref(block):
                 if self._hash[block] is None:
                     self._free.append(block)
                 else:
                     self._evictable[block] = None
+
+    def _unref(self, block: int) -> bool:
+        """Drop one reference; True when none is left."""
+        ref = self._ref[block]
+        if ref <= 0:
+            raise RuntimeError(f"block {block} freed more often than it was allocated")
+        self._ref[block] = ref - 1
+        return ref == 1
+
+    def discard(self, block_ids: Sequence[int]) -> list[int]:
+        """``free``, except that a block left unreferenced loses its hash (emits ``blocks_removed``)
+        and goes to the free queue: its KV is not to be trusted. Returns those blocks, for the
+        caller to clear before anyone allocates them again."""
+        dropped: list[BlockHash] = []
+        unused: list[int] = []
+        for block in reversed(block_ids):
+            if self._unref(block):
+                h = self._hash[block]
+                if h is not None:
+                    del self._by_hash[h]
+                    self._hash[block] = None
+                    dropped.append(h)
+                self._free.append(block)
+                unused.append(block)
+        if dropped:
+            self._sink.blocks_removed(dropped)
+        return unused
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block that is not in use (emits ``blocks_removed``); returns how many."""

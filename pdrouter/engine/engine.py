@@ -18,7 +18,7 @@ import torch
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.model_spec import normalize_dtype
 from pdrouter.core.tokenizer import Tokenizer, load_tokenizer
-from pdrouter.engine.batch_engine import BatchEngine, StepWork
+from pdrouter.engine.batch_engine import BatchEngine, RequestFault, StepWork
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.device import device_memory_bytes, resolve_device, torch_dtype
 from pdrouter.engine.events import BlockEventSink
@@ -28,14 +28,26 @@ from pdrouter.engine.model_folder import read_model_folder
 from pdrouter.engine.model_runner import ModelRunner, WorkItem
 from pdrouter.engine.sampler import make_generator, sample
 
+NON_FINITE_LOGITS = RequestFault("the model's output for this request held values that are not finite")
+
 
 class TorchModelStep:
-    """One model step on the torch model: tensors in, logits out, one token sampled per sampling row."""
+    """One model step on the torch model: tensors in, logits out, one token sampled per sampling row.
+
+    A row whose logits are not finite (an overflow in the model, KV that was not checked) is that
+    request's fault, not the step's: the others are sampled as usual.
+    """
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
-    def run(self, work: Sequence[StepWork]) -> list[int]:
+    def kv_finite(self, block_ids: Sequence[int]) -> bool:
+        return self.runner.kv_cache.blocks_finite(block_ids)
+
+    def clear_kv(self, block_ids: Sequence[int]) -> None:
+        self.runner.kv_cache.clear_blocks(block_ids)
+
+    def run(self, work: Sequence[StepWork]) -> list[int | RequestFault]:
         items = [WorkItem(w.token_ids, w.start, w.block_ids, w.samples) for w in work]
         sampling = [w.request for w in work if w.samples]
         generators: list[torch.Generator | None] = []
@@ -44,7 +56,8 @@ class TorchModelStep:
                 req.sampler_state = make_generator(req.sampling)
             generators.append(cast("torch.Generator | None", req.sampler_state))
         logits = self.runner.run(items)
-        return sample(logits, [r.sampling for r in sampling], generators)
+        tokens = sample(logits, [r.sampling for r in sampling], generators)
+        return [NON_FINITE_LOGITS if t is None else t for t in tokens]
 
 
 class Engine(BatchEngine):

@@ -7,6 +7,9 @@ the moment by what it sends (a prompt holding that id) and every other request r
 
 * ``step-raises:<token id>``: the whole step raises, as a device fault or a bug in the model would.
   The engine stops for good; the worker reports NOT_SERVING (``pdrouter.worker.driver``).
+* ``request-fails:<token id>``: the requests whose work holds the token get a
+  :class:`~pdrouter.engine.batch_engine.RequestFault` instead of their token, as non-finite logits
+  would give them; they fail alone and the engine serves on.
 
 Never set it on a worker that serves real traffic.
 """
@@ -18,11 +21,12 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pdrouter.core.errors import ConfigError
-from pdrouter.engine.batch_engine import ModelStep, StepWork
+from pdrouter.engine.batch_engine import ModelStep, RequestFault, StepWork
 
 ENGINE_FAULT_ENV = "PDROUTER_ENGINE_FAULT"
-FaultKind = Literal["step-raises"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("step-raises",)
+FaultKind = Literal["step-raises", "request-fails"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("step-raises", "request-fails")
+INJECTED = RequestFault(f"an injected fault ({ENGINE_FAULT_ENV})")
 
 
 class InjectedFault(RuntimeError):
@@ -53,8 +57,19 @@ class FaultyStep:
         self.inner = inner
         self.fault = fault
 
-    def run(self, work: Sequence[StepWork]) -> list[int]:
+    def run(self, work: Sequence[StepWork]) -> Sequence[int | RequestFault]:
         token = self.fault.token
-        if any(token in w.token_ids for w in work):
+        hit = [token in w.token_ids for w in work]
+        if not any(hit):
+            return self.inner.run(work)
+        if self.fault.kind == "step-raises":
             raise InjectedFault(f"injected fault: a step holding token {token} ({ENGINE_FAULT_ENV})")
-        return self.inner.run(work)
+        results = list(self.inner.run(work))
+        rows = [h for h, w in zip(hit, work, strict=True) if w.samples]
+        return [INJECTED if h else r for h, r in zip(rows, results, strict=True)]
+
+    def kv_finite(self, block_ids: Sequence[int]) -> bool:
+        return self.inner.kv_finite(block_ids)
+
+    def clear_kv(self, block_ids: Sequence[int]) -> None:
+        self.inner.clear_kv(block_ids)

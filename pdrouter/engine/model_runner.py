@@ -75,7 +75,9 @@ class ModelRunner:
                 ids.append(it.token_ids[0])
                 last_index[i] = len(ids) - 1
             width = max(len(row) for row in table)
-            padded = torch.tensor([row + [0] * (width - len(row)) for row in table], dtype=torch.long)
+            # Padded with the row's own last block: a masked slot still enters the sum as 0 × value,
+            # so it must hold nothing but this request's (finite) KV; another request's could be NaN.
+            padded = torch.tensor([row + row[-1:] * (width - len(row)) for row in table], dtype=torch.long)
             mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
             decode = DecodeBatch(start, len(decode_items), padded.to(self.device),
                                  mask.view(len(decode_items), 1, 1, width * bs).to(self.device))

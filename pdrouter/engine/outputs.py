@@ -21,6 +21,9 @@ class FinishReason(Enum):
     """``max_tokens`` were produced, or the model's context is full."""
     PREFILLED = "prefilled"
     """A prefill-only request computed its prompt and first token; its blocks are held until ``release``."""
+    ERROR = "error"
+    """The model step could not compute this request (``RequestOutput.error`` says why); the others of
+    its batch went on, and its blocks were freed and forgotten."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,8 @@ class RequestOutput:
     ``new_token_ids`` are the tokens sampled in this step (at most one today; a stop token is
     included as the last one). ``finished`` is True exactly once per request, together with
     ``finish_reason``; after it the engine never mentions the request again. For a prefill-only
-    request that output carries ``prefill`` and ``finish_reason == PREFILLED``.
+    request that output carries ``prefill`` and ``finish_reason == PREFILLED``; a request the model
+    step could not compute ends with ``finish_reason == ERROR``, no token and ``error``.
     """
 
     request_id: RequestId
@@ -87,6 +91,8 @@ class RequestOutput:
     num_cached_tokens: int
     """Prompt tokens whose KV came from the prefix cache (or from a transfer) at first scheduling."""
     prefill: PrefillResult | None = None
+    error: str | None = None
+    """With ``finish_reason == ERROR``: why the request could not be computed (no internals)."""
 
 
 @dataclass(frozen=True)

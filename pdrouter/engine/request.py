@@ -6,7 +6,8 @@ Lifecycle (all transitions go through :meth:`Request.transition`)::
        ▲           │ ──▶ HELD ──▶ FINISHED          prefill-only: blocks kept until release()
        └─preempt───┘                                 (blocks freed; recomputed on readmission)
     AWAITING_KV ──▶ RUNNING | FINISHED              KV written from outside, then decode here
-    any state but FINISHED ──▶ ABORTED
+    RUNNING ──▶ FAILED                              the model step could not compute it (blocks dropped)
+    any state but FINISHED or FAILED ──▶ ABORTED
 
 A request computes its tokens in order: ``all_token_ids[:num_computed_tokens]`` have KV in its
 blocks; when the remaining tokens are computed the request samples one more token.
@@ -29,6 +30,7 @@ class RequestState(Enum):
     HELD = "held"
     AWAITING_KV = "awaiting_kv"
     FINISHED = "finished"
+    FAILED = "failed"
     ABORTED = "aborted"
 
 
@@ -44,11 +46,12 @@ class RequestKind(Enum):
 _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
     RequestState.WAITING: frozenset({RequestState.RUNNING, RequestState.ABORTED}),
     RequestState.RUNNING: frozenset({RequestState.WAITING, RequestState.HELD, RequestState.FINISHED,
-                                     RequestState.ABORTED}),
+                                     RequestState.FAILED, RequestState.ABORTED}),
     RequestState.HELD: frozenset({RequestState.FINISHED, RequestState.ABORTED}),
     RequestState.AWAITING_KV: frozenset({RequestState.RUNNING, RequestState.FINISHED,
                                          RequestState.ABORTED}),
     RequestState.FINISHED: frozenset(),
+    RequestState.FAILED: frozenset(),
     RequestState.ABORTED: frozenset(),
 }
 
@@ -76,7 +79,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     in_flight: bool = False
-    """Part of the model step running now (its blocks must not be freed until the step ends)."""
+    """Part of the model step running now, or its received KV being checked (its blocks must not be
+    freed until that ends)."""
+    kv_finite: bool | None = None
+    """A remote-KV request's received blocks: None until checked, then whether every value was finite."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -91,7 +97,7 @@ class Request:
 
     @property
     def is_done(self) -> bool:
-        return self.state in (RequestState.FINISHED, RequestState.ABORTED)
+        return self.state in (RequestState.FINISHED, RequestState.FAILED, RequestState.ABORTED)
 
     # -- tokens -------------------------------------------------------------------------------
     @property

@@ -5,6 +5,10 @@ are sampled one by one with the request's own ``torch.Generator``, so a seeded r
 same tokens whatever else is in the batch, on whichever device the model runs.
 Order of the filters: temperature, then top-k, then top-p (the smallest set of most likely tokens
 whose probability reaches ``top_p``; the most likely token is always kept).
+
+A row that cannot be sampled, its logits (or, once scaled by the temperature, its scaled logits)
+holding a NaN or an infinity, gets None instead of a token: that request fails alone. Greedy rows
+find out from the maximum the ``argmax`` computes anyway; random rows check theirs before drawing.
 """
 
 from __future__ import annotations
@@ -25,9 +29,12 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return torch.Generator(device="cpu").manual_seed(seed)
 
 
-def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities of one ``[vocab]`` float32 row after temperature, top-k and top-p."""
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+    """Probabilities of one ``[vocab]`` float32 row after temperature, top-k and top-p; None when the
+    scaled logits' maximum is not finite (a NaN, an infinity, or all of them ``-inf``)."""
     scaled = logits / params.temperature
+    if not torch.isfinite(scaled.max()):
+        return None
     vocab = scaled.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(scaled, params.top_k).values[-1]
@@ -44,24 +51,31 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
+def _argmax(logits: torch.Tensor) -> list[int | None]:
+    """Greedy tokens of ``[rows, vocab]`` logits; None for a row whose maximum is not finite
+    (``max`` propagates NaN, and finds the same index as ``argmax``)."""
+    values, indices = logits.max(dim=-1)
+    finite = torch.isfinite(values).tolist()
+    return [int(t) if ok else None for t, ok in zip(indices.tolist(), finite, strict=True)]
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``[rows, vocab]`` float32 logits."""
-    tokens: list[int] = [0] * len(params)
+           generators: Sequence[torch.Generator | None]) -> list[int | None]:
+    """One token per row of ``[rows, vocab]`` float32 logits (None: that row cannot be sampled)."""
+    tokens: list[int | None] = [0] * len(params)
     if not params:
         return tokens
     greedy = [i for i, p in enumerate(params) if p.greedy]
     if len(greedy) == len(params):
-        return [int(t) for t in logits.argmax(dim=-1).tolist()]
+        return _argmax(logits)
     if greedy:
         rows = torch.tensor(greedy, device=logits.device)
-        for i, t in zip(greedy, logits.index_select(0, rows).argmax(dim=-1).tolist(), strict=True):
-            tokens[i] = int(t)
+        for i, t in zip(greedy, _argmax(logits.index_select(0, rows)), strict=True):
+            tokens[i] = t
     cpu_logits = logits.float().cpu()
     for i, p in enumerate(params):
         if p.greedy:
             continue
-        gen = generators[i]
         probs = filtered_probs(cpu_logits[i], p)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        tokens[i] = None if probs is None else int(torch.multinomial(probs, 1, generator=generators[i]).item())
     return tokens

@@ -191,6 +191,26 @@ def test_reset_prefix_cache_drops_only_unused_blocks() -> None:
     assert sink.live == {h[0]}
 
 
+def test_discard_forgets_and_returns_only_the_blocks_nobody_else_holds() -> None:
+    bm, sink = make()
+    h = hashes(1, 3)
+    a = bm.allocate(h, 12)
+    assert a is not None
+    bm.commit(a.block_ids, h[:2])
+    b = bm.allocate(h[:1], 8)  # shares block 0
+    assert b is not None and b.block_ids == [0, 3]
+    assert bm.discard(a.block_ids) == [2, 1]  # tail first; block 0 is b's too
+    assert sink.events[-1] == ("removed", (h[1],))
+    assert bm.cached_block(h[0]) == 0 and bm.cached_block(h[1]) is None
+    assert [bm.ref_count(i) for i in range(4)] == [1, 0, 0, 1]
+    assert bm.eviction_order() == [] and bm.num_free_blocks == 6
+    c = bm.allocate(hashes(2, 0), 24)  # the discarded blocks are free again, after the untouched ones
+    assert c is not None and c.block_ids == [4, 5, 6, 7, 2, 1]
+    bm.free(c.block_ids)
+    bm.free(b.block_ids)
+    assert sink.live == {h[0]}
+
+
 def test_disabled_prefix_caching_never_hits_or_emits() -> None:
     bm, sink = make(enable_prefix_caching=False)
     h = hashes(1, 2)

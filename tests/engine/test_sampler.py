@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -98,3 +99,14 @@ def test_temperatures_below_the_greedy_threshold_are_greedy(make_engine: EngineF
     assert engine.generate([prompt], params) == \
         engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
 
+
+def test_rows_that_cannot_be_sampled_give_none_and_the_rest_are_sampled() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [math.nan, 0.0, 0.0], [0.0, math.inf, 9.0], [1.0, 0.0, 0.0],
+                           [-math.inf, -math.inf, -math.inf], [0.0, 3.0e38, 1.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy] * 6, [None] * 6) == [1, None, None, 0, None, 1]
+    # Random rows: the same verdicts, and a finite row whose scaled logits overflow is refused too.
+    hot = [SamplingParams(temperature=1e-5, top_k=1, seed=i) for i in range(6)]
+    assert sample(logits, hot, [make_generator(p) for p in hot]) == [1, None, None, 0, None, None]
+    mixed = [greedy, hot[1], greedy, hot[3], greedy, greedy]
+    assert sample(logits, mixed, [make_generator(p) for p in mixed]) == [1, None, None, 0, None, 1]

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
-from pdrouter.core.errors import InvalidRequestError, PdRouterError, UnavailableError
+from pdrouter.core.errors import InvalidRequestError, PdRouterError, TransferError, UnavailableError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.outputs import FinishReason, KvReservation, RequestOutput
@@ -49,10 +49,18 @@ def output(rid: str, token: int, finished: bool = False) -> RequestOutput:
 
 
 class FakeDriver:
-    def __init__(self, cached_blocks: int = 1) -> None:
+    def __init__(self, cached_blocks: int = 1, bad_kv: int = 0) -> None:
+        """``bad_kv``: how many of the first received KV checks find a value that is not finite."""
         self.cached_blocks = cached_blocks
+        self.bad_kv = bad_kv
         self.aborted: list[str] = []
         self.streams: list[str] = []
+        self.checked: list[tuple[str, int]] = []
+
+    async def check_received_kv(self, request_id: RequestId, kv_bytes: int) -> None:
+        self.checked.append((request_id, kv_bytes))
+        if len(self.checked) <= self.bad_kv:
+            raise TransferError(f"the KV received for request {request_id} holds values that are not finite")
 
     def reserve_remote(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams) -> KvReservation:
         blocks = -(-len(prompt) // BLOCK)
@@ -77,6 +85,7 @@ class FakeDriver:
 
 class FakeIncoming:
     target = TARGET
+    bytes_landed = 4096
 
     def __init__(self) -> None:
         self.aborted: str | None = None
@@ -129,8 +138,8 @@ OK = PrefillOutcome(first_token=42, cached_tokens=32, compute_ms=1.5, transfer_m
 
 
 def make(answers: dict[str, PrefillOutcome | PdRouterError], cached_blocks: int = 1,
-         registered: Any = None) -> tuple[DecodeServe, FakeDriver, FakeReceiver, FakeLinks]:
-    driver, receiver, links = FakeDriver(cached_blocks), FakeReceiver(), FakeLinks(answers)
+         registered: Any = None, bad_kv: int = 0) -> tuple[DecodeServe, FakeDriver, FakeReceiver, FakeLinks]:
+    driver, receiver, links = FakeDriver(cached_blocks, bad_kv), FakeReceiver(), FakeLinks(answers)
     serve = DecodeServe(driver, receiver, links, "decode-0", kv_wait_s=1.0,  # type: ignore[arg-type]
                         prefill_timeout_s=30.0, registered=registered)
     return serve, driver, receiver, links
@@ -167,6 +176,17 @@ async def test_a_failed_route_is_reported_and_the_next_is_tried() -> None:
     assert links.calls == [("prefill-a", 30.0), ("prefill-b", 30.0)]  # no deadline: prefill_timeout_s
     assert receiver.expected[0].aborted and receiver.expected[1].aborted is None
     assert driver.aborted == ["r1"]
+
+
+async def test_kv_that_is_not_finite_fails_that_route_and_the_next_is_tried() -> None:
+    serve, driver, receiver, links = make({"prefill-a": OK, "prefill-b": OK}, bad_kv=1)
+    (first, _), (_, outputs) = await drain(serve.serve(order(), lambda: None))
+    assert isinstance(first, ReportChunk) and first.report.worker_id == "prefill-b"
+    assert first.report.failures == (PrefillFailure(
+        "prefill-a", "UNAVAILABLE", "the KV received for request r1 holds values that are not finite"),)
+    assert driver.checked == [("r1", 4096), ("r1", 4096)] and links.calls == [("prefill-a", 30.0), ("prefill-b", 30.0)]
+    assert receiver.expected[0].aborted and driver.aborted == ["r1"]  # the refused KV's blocks were freed
+    assert [o.new_token_ids for o in outputs] == [(43,), (44,)]
 
 
 async def test_every_route_failing_yields_the_report_then_the_last_error() -> None:

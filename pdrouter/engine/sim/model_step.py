@@ -115,6 +115,13 @@ class SimModelStep:
             self._tokens += sum(len(w.token_ids) for w in work)
         return tokens
 
+    def kv_finite(self, block_ids: Sequence[int]) -> bool:
+        """A simulated pool holds no values: always finite."""
+        return True
+
+    def clear_kv(self, block_ids: Sequence[int]) -> None:
+        """Nothing to clear in a simulated pool."""
+
     def _wait(self, seconds: float) -> None:
         if self.time_scale <= 0:
             return

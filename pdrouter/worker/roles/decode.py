@@ -5,7 +5,8 @@ prefix cache) and invites the KV into them (``KvReceiver.expect``); the reply's 
 prefill worker. The allocation is a lease: if no ``Generate`` follows within ``lease_ms`` it is
 freed. A caller may ask for its own lease, up to ``max_lease_ms`` (``--max-lease-ms``); a longer
 one is refused (INVALID_ARGUMENT), so no caller can pin blocks for longer than that. ``Generate``
-waits for the KV to land, then decodes from the prefill worker's first token.
+waits for the KV to land, checks it (a value that is not finite: UNAVAILABLE, the blocks cleared
+and freed), then decodes from the prefill worker's first token.
 ``Release``, a cancelled call, a failed transfer or an expired lease free everything: the
 expectation is aborted first (so nothing writes into the blocks any more), then the blocks.
 
@@ -177,6 +178,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         finished = False
         try:
             await alloc.incoming.wait_all_async(timeout=self.kv_wait_s)
+            await self.driver.check_received_kv(RequestId(rid), alloc.incoming.bytes_landed)
             async with aclosing(self.driver.decode_remote(RequestId(rid), request.first_token_id)) as outputs:
                 async for chunk in token_chunks(rid, outputs, cached_tokens=alloc.reservation.num_cached_tokens):
                     yield chunk

@@ -4,7 +4,9 @@ Reserve the prompt's blocks in the engine (reusing this worker's prefix cache), 
 prompt here when little of it is uncached (or no prefill route was named), else invite the KV into
 the blocks and call the prefill workers the router ranked (the next one on a retryable failure),
 then decode from the first token. A route is called only when it passes the registry check
-(``prefill_routes``); a refused route is a ``PERMISSION_DENIED`` failure in the report.
+(``prefill_routes``); a refused route is a ``PERMISSION_DENIED`` failure in the report. KV that
+lands holding a value that is not finite is refused like a failed transfer (UNAVAILABLE, the next
+route), its blocks cleared.
 
 ``DecodeServe.serve(order)`` yields what the servicer (``pdrouter.worker.roles.decode``) streams:
 
@@ -27,7 +29,13 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
-from pdrouter.core.errors import InvalidRequestError, PdRouterError, UnavailableError, error_from_grpc_code
+from pdrouter.core.errors import (
+    InvalidRequestError,
+    PdRouterError,
+    TransferError,
+    UnavailableError,
+    error_from_grpc_code,
+)
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.outputs import KvReservation, RequestOutput
 from pdrouter.transfer.receiver import KvReceiver
@@ -197,6 +205,12 @@ class DecodeServe:
                     raise
                 return None
             await incoming.wait_all_async(timeout=self.kv_wait_s)
+            try:  # KV that is not finite would fail this request's decode, or poison others through stale slots
+                await self.driver.check_received_kv(RequestId(rid), incoming.bytes_landed)
+            except TransferError as err:
+                failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
+                log.warning("Serve %s: the KV from %s was refused (%s)", rid, route.worker_id, err.message)
+                return None
             landed = True
         finally:
             if not landed:
