@@ -7,13 +7,15 @@ the same worker id registered, this one stops heartbeating and reports itself su
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
-from pdrouter.core.errors import StaleEpochError
+from pdrouter.core.errors import StaleEpochError, UnavailableError
+from pdrouter.core.redact import redact_url
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
 from pdrouter.state.client import RedisClient, redis_client
 from pdrouter.state.registry import WorkerRegistry
@@ -99,7 +101,17 @@ WORKER_REDIS_CONNECTIONS = 16
 
 async def connect_redis(url: str, max_connections: int = WORKER_REDIS_CONNECTIONS) -> RedisClient:
     """An asyncio Redis client for ``url`` over a bounded, blocking pool of ``max_connections``
-    (connection checked with PING). A process hosting many workers shares one (``pdrouter.worker.fleet``)."""
+    (connection checked with PING). A process hosting many workers shares one (``pdrouter.worker.fleet``).
+
+    UnavailableError, in one line naming the URL (its password hidden) and why, when Redis does not
+    answer: a worker cannot register without it (the command exits with that line, no traceback).
+    """
     client = redis_client(url, max_connections=max_connections, pool_timeout_s=5.0)
-    await client.ping()
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        with contextlib.suppress(RedisError, OSError):
+            await client.aclose()
+        raise UnavailableError(f"cannot reach Redis at {redact_url(url)} ({exc}): start it, or point --redis "
+                               f"at a running one") from None
     return client
