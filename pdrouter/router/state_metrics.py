@@ -3,7 +3,9 @@
 Read at scrape time from the dispatcher's and admission's counters, and from Redis by a
 periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing for them.
 
-* ``pdrouter_redis_up`` — 1 while the prefix index and admission reach Redis.
+* ``pdrouter_redis_up`` — 1 while the router reaches Redis: its last periodic read of it (the
+  refresh here, and the worker pool's registry read) succeeded and no request has failed to reach
+  it since. It returns to 1 at the first refresh after Redis does, whatever requests arrive.
 * ``pdrouter_prefix_lookup_seconds_total`` / ``pdrouter_prefix_lookups_total`` — index lookups.
 * ``pdrouter_prefix_index_blocks{worker}`` — blocks each prefill worker has in the index.
 * ``pdrouter_prefix_match_tokens_total{worker}`` / ``pdrouter_prefix_placed_tokens_total{worker}``
@@ -42,10 +44,17 @@ class StateMetrics(Collector):
         self.index_blocks: dict[str, int] = {}
         self.reserved_blocks: dict[str, tuple[int, int]] = {}
         self.redis_up = 1 if dispatcher.prefix_index is not None or dispatcher.admission is not None else 0
+        self._failures_seen = 0
+        """The request path's Redis failures counted at the last refresh that reached Redis."""
+
+    def _redis_failures(self) -> int:
+        stats = self.dispatcher.stats
+        return stats.index_errors + sum(stats.admission_redis_errors.values())
 
     async def refresh(self) -> None:
         """Read index sizes and booked blocks from Redis (called every few seconds)."""
         orch = self.dispatcher
+        failures = self._redis_failures()
         try:
             if orch.prefix_index is not None:
                 self.index_blocks = {h.worker_id: await orch.prefix_index.size(h.worker_id, h.record.epoch)
@@ -56,7 +65,10 @@ class StateMetrics(Collector):
                 self.reserved_blocks = {h.worker_id: (await res.used(h.worker_id, h.record.epoch),
                                                       h.record.capacity_blocks)
                                         for role in roles for h in orch.pool.workers(role)}
-            self.redis_up = 1 if (orch.prefix_index or orch.admission) else 0
+            reached = orch.pool.registry_ok or orch.pool.registry is None
+            self.redis_up = 1 if (orch.prefix_index or orch.admission) and reached else 0
+            if self.redis_up:
+                self._failures_seen = failures
         except (RedisError, OSError) as exc:
             log.debug("state metrics refresh failed: %s", exc)
             self.redis_up = 0
@@ -64,8 +76,7 @@ class StateMetrics(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         orch = self.dispatcher
         stats = orch.stats
-        up = self.redis_up and (orch.index_ok or orch.prefix_index is None) and \
-            (orch.admission_ok or orch.admission is None)
+        up = self.redis_up and self._redis_failures() == self._failures_seen
         yield GaugeMetricFamily("pdrouter_redis_up", "1 while the router's shared state in Redis is reachable.",
                                 value=1 if up else 0)
         yield CounterMetricFamily("pdrouter_prefix_lookups", "Prefix index lookups.", value=stats.lookups)

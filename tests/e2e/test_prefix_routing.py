@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 import redis.asyncio as aioredis
@@ -146,3 +147,28 @@ async def test_redis_restart_and_outage(cluster: Cluster, redis_server: Embedded
                 break
         await asyncio.sleep(0.1)
     assert cached(answer) > 0 and orch.index_ok and orch.admission_ok
+
+
+async def test_redis_up_returns_to_one_when_redis_does_whatever_requests_arrive(
+        cluster: Cluster, redis_server: EmbeddedRedis, wait_for: Any) -> None:
+    """The metric followed the request path's last view: after a long prompt's lookup failed in the
+    outage it stayed 0 until another long prompt came. Now the router's periodic reads of Redis say."""
+    cluster.spawn("prefill", worker_id="prefill-a")
+    cluster.spawn("decode")
+    router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0),
+                                  admission_config=AdmissionConfig(queue_timeout_s=2.0, on_redis_error="local"))
+    await ready(router, 1, 1)
+    metrics = f"http://127.0.0.1:{router.http_port}/metrics"
+
+    async def redis_up(value: str) -> bool:
+        async with httpx.AsyncClient(timeout=10) as http:
+            return f"pdrouter_redis_up {value}" in (await http.get(metrics)).text
+
+    await complete(router, SYSTEMS[0] + "before")
+    await wait_for(lambda: redis_up("1.0"), timeout=10)
+    redis_server.stop()
+    await complete(router, SYSTEMS[1] + "during the outage")  # its index lookup and booking fail
+    assert await redis_up("0.0")
+    redis_server.start()
+    # No request at all now: the metric comes back by itself (within a few of the router's 1 s refreshes).
+    await wait_for(lambda: redis_up("1.0"), timeout=30, interval=0.25)
