@@ -60,7 +60,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--redis-max-connections", type=int, default=64, metavar="N",
                    help="size of the router's Redis connection pool; calls beyond it wait for a free "
                         "connection (up to 5 s) instead of failing")
-    p.add_argument("--request-timeout-s", type=float, default=None, help="deadline of HTTP requests")
+    p.add_argument("--request-timeout-s", type=float, default=None,
+                   help="deadline of a request that brings none of its own (any HTTP request; a gRPC call "
+                        "without a deadline keeps this, one with its own keeps that): admission, prefill and "
+                        "decode all run within it, then DEADLINE_EXCEEDED / 504 (default: 600 s)")
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja chat template used instead of the model folder's (chat_template.jinja or "
                         "tokenizer_config.json); a model without one answers chat requests with 400")
@@ -74,7 +77,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def build_config(args: argparse.Namespace) -> RouterConfig:
     from pdrouter.router.admission import AdmissionConfig
     from pdrouter.router.config import RouterConfig
-    from pdrouter.router.dispatch import DispatchConfig
+    from pdrouter.router.dispatch import DEFAULT_DEADLINE_S, DispatchConfig
     from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys
     from pdrouter.router.served_models import FrontdoorConfig
 
@@ -91,6 +94,9 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError(f"--metrics-port {args.metrics_port} is also a front door's port: give it another")
     if args.metrics_host is not None and args.metrics_port is None:
         raise ConfigError("--metrics-host needs --metrics-port")
+    deadline_s = DEFAULT_DEADLINE_S if args.request_timeout_s is None else args.request_timeout_s
+    if not deadline_s > 0:
+        raise ConfigError(f"--request-timeout-s must be > 0, got {deadline_s:g}")
     api_keys = collect_api_keys(args.api_key, args.api_key_file, os.environ.get(ENV_VAR))
     tls = tls_from_args(args)
     if tls is not None and not tls.ca:
@@ -105,13 +111,14 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         tls=tls, internal_token=internal_token_from_env(),
         block_size=args.block_size, worker_transport=args.worker_transport,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
-        dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens),
+        dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens,
+                                default_deadline_s=deadline_s),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
         http_limits=http_limits_from_args(args),
-        frontdoor=FrontdoorConfig(request_timeout_s=args.request_timeout_s, chat_template=chat_template))
+        frontdoor=FrontdoorConfig(request_timeout_s=deadline_s, chat_template=chat_template))
 
 
 def read_chat_template(path: Path | None) -> str | None:

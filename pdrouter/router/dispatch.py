@@ -20,6 +20,8 @@ workers (looked up while admission runs), then one call does the rest::
   report on the first chunk names the failures, and their circuit breakers count them.
 * Whatever ends the request (finish, error, client gone, deadline) cancels the call: the decode
   worker frees its blocks and cancels the prefill in flight. The booking is released in Redis.
+* A request that brings no deadline of its own gets ``DispatchConfig.default_deadline_s``: the
+  admission wait and the worker call all run within it.
 * When Redis cannot be reached for a booking, ``AdmissionConfig.on_redis_error`` decides: ``fail``
   refuses the request (UNAVAILABLE / 503), ``local`` places it by load alone; either way
   ``TransferStats.admission_redis_errors`` counts it, by outcome.
@@ -33,6 +35,7 @@ prefill report), so its cost here does not grow with its output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -59,6 +62,11 @@ from pdrouter.wire.worker_client import PrefillReport, PrefillRoute, ServeOrder,
 log = logging.getLogger(__name__)
 
 
+DEFAULT_DEADLINE_S = 600.0
+"""Ten minutes: the OpenAI Python client's own default timeout. A request still running then ends
+with DEADLINE_EXCEEDED / 504, its KV freed on every worker."""
+
+
 @dataclass(frozen=True)
 class DispatchConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -68,8 +76,12 @@ class DispatchConfig:
     """Prefill workers a request may try (the decode worker moves on after a retryable failure)."""
     kv_backend: str = ""
     """KV transport to ask decode workers for ("" = each worker's default)."""
-    rpc_timeout_s: float = 600.0
-    """Per-call limit when the request has no deadline of its own."""
+    default_deadline_s: float = DEFAULT_DEADLINE_S
+    """The deadline of a request that brings none of its own (``--request-timeout-s``)."""
+
+    def __post_init__(self) -> None:
+        if self.default_deadline_s <= 0:
+            raise ValueError("default_deadline_s must be > 0")
 
 
 class TransferStats:
@@ -119,14 +131,15 @@ class Dispatcher:
         return [self.model]
 
     def generate(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
+        if request.deadline is None:
+            request = dataclasses.replace(request, deadline=time.monotonic() + self.config.default_deadline_s)
         if self.config.mode == "colocated":
             return self._colocated(request)
         return self._disaggregated(request)
 
     # -- helpers ------------------------------------------------------------------------------
     def _timeout(self, request: RouterRequest) -> float:
-        if request.deadline is None:
-            return self.config.rpc_timeout_s
+        assert request.deadline is not None  # given in generate
         left = request.deadline - time.monotonic()
         if left <= 0:
             raise DeadlineExceededError(f"request {request.request_id} passed its deadline")
