@@ -22,6 +22,13 @@ workers (looked up while admission runs), then one call does the rest::
   worker frees its blocks and cancels the prefill in flight. The booking is released in Redis.
 * A request that brings no deadline of its own gets ``DispatchConfig.default_deadline_s``: the
   admission wait and the worker call all run within it.
+* A decode (or colocated) worker that fails the call UNAVAILABLE before anything of the request
+  came back (stopped, restarting, unreachable: no token and no prefill report) is passed over: its
+  breaker counts the failure, the booking goes back, and the request is admitted again on another
+  worker, up to ``max_worker_attempts`` workers in all. Nothing reached the client, so nothing is
+  repeated to it.
+* A worker's error reaches the client in the router's words (``pdrouter.router.worker_errors``):
+  its status stands, its text, which names internals, goes to the log.
 * When Redis cannot be reached for a booking, ``AdmissionConfig.on_redis_error`` decides: ``fail``
   refuses the request (UNAVAILABLE / 503), ``local`` places it by load alone; either way
   ``TransferStats.admission_redis_errors`` counts it, by outcome.
@@ -38,7 +45,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,7 +53,7 @@ from redis.exceptions import RedisError
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.capacity import blocks_for_tokens
-from pdrouter.core.errors import DeadlineExceededError, UnavailableError
+from pdrouter.core.errors import DeadlineExceededError, PdRouterError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
 from pdrouter.core.workers import WorkerRole
@@ -55,6 +62,7 @@ from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
 from pdrouter.router.request import ModelInfo, RouterRequest, TokenDelta
+from pdrouter.router.worker_errors import client_error
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.reservations import DecodeCapacity, Reservation
 from pdrouter.wire.worker_client import PrefillReport, PrefillRoute, ServeOrder, TokenStream
@@ -78,10 +86,12 @@ class DispatchConfig:
     """KV transport to ask decode workers for ("" = each worker's default)."""
     default_deadline_s: float = DEFAULT_DEADLINE_S
     """The deadline of a request that brings none of its own (``--request-timeout-s``)."""
+    max_worker_attempts: int = 2
+    """Decode (or colocated) workers a request may be placed on when one fails it before anything came back."""
 
     def __post_init__(self) -> None:
-        if self.default_deadline_s <= 0:
-            raise ValueError("default_deadline_s must be > 0")
+        if self.default_deadline_s <= 0 or self.max_worker_attempts < 1:
+            raise ValueError("default_deadline_s must be > 0 and max_worker_attempts >= 1")
 
 
 class TransferStats:
@@ -105,6 +115,8 @@ class TransferStats:
         """Per prefill worker: prompt tokens placed on it."""
         self.prompt_tokens = 0
         self.cached_prompt_tokens = 0
+        self.worker_retries = 0
+        """Requests placed on another decode (or colocated) worker after one failed them unanswered."""
 
 
 class Dispatcher:
@@ -144,6 +156,18 @@ class Dispatcher:
         if left <= 0:
             raise DeadlineExceededError(f"request {request.request_id} passed its deadline")
         return left
+
+    def _retry_elsewhere(self, handle: WorkerHandle, tried: set[WorkerId], role: WorkerRole) -> bool:
+        """After ``handle`` failed a request before anything came back: may it go to another worker?"""
+        tried.add(handle.worker_id)
+        if len(tried) >= self.config.max_worker_attempts:
+            return False
+        if not any(h.worker_id not in tried for h in self.pool.available(role)):
+            return False
+        self.stats.worker_retries += 1
+        log.info("%s worker %s failed before answering; placing the request on another", role.value,
+                 handle.worker_id)
+        return True
 
     def _blocks_needed(self, request: RouterRequest) -> int:
         return blocks_for_tokens(len(request.prompt_token_ids) + request.sampling.max_tokens, self.model.block_size)
@@ -214,30 +238,42 @@ class Dispatcher:
 
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
-        handle, reservation = await self._admit(request, WorkerRole.COLOCATED)
-        handle.inflight += 1
-        handle.breaker.on_attempt()
-        call: TokenStream | None = None
-        try:
-            call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
-                                          timeout=self._timeout(request), whole=request.whole)
-            async for delta in call:
-                yield delta
-            handle.breaker.on_success()
-        except UnavailableError:
-            handle.breaker.on_failure()
-            raise
-        finally:
-            handle.inflight -= 1
-            if call is not None:
-                call.cancel()
-            if reservation is not None and self.admission is not None:
-                self._unbook(reservation)
+        tried: set[WorkerId] = set()
+        while True:
+            handle, reservation = await self._admit(request, WorkerRole.COLOCATED, tried)
+            handle.inflight += 1
+            handle.breaker.on_attempt()
+            call: TokenStream | None = None
+            answered = False
+            try:
+                call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
+                                              timeout=self._timeout(request), whole=request.whole)
+                async for delta in call:
+                    answered = True
+                    yield delta
+                handle.breaker.on_success()
+                return
+            except UnavailableError as exc:
+                handle.breaker.on_failure()
+                if answered or not self._retry_elsewhere(handle, tried, WorkerRole.COLOCATED):
+                    raise client_error(exc, "colocated", handle.worker_id, request.request_id) from None
+                log.debug("request %s: %s", request.request_id, exc.message)
+            except PdRouterError as exc:
+                raise client_error(exc, "colocated", handle.worker_id, request.request_id) from None
+            finally:
+                handle.inflight -= 1
+                if call is not None:
+                    call.cancel()
+                if reservation is not None and self.admission is not None:
+                    self._unbook(reservation)
 
     # -- disaggregated ------------------------------------------------------------------------
-    async def _admit(self, request: RouterRequest, role: WorkerRole) -> tuple[WorkerHandle, Reservation | None]:
-        """Pick the decode (or colocated) worker; with admission, book its KV first."""
+    async def _admit(self, request: RouterRequest, role: WorkerRole,
+                     tried: Collection[WorkerId] = ()) -> tuple[WorkerHandle, Reservation | None]:
+        """Pick the decode (or colocated) worker, not one of ``tried``; with admission, book its KV first."""
         candidates = self.pool.available(role)
+        if tried:
+            candidates = [h for h in candidates if h.worker_id not in tried]
         blocks = self._blocks_needed(request)
         if self.admission is None:
             return self.policy.pick_decode(request, candidates, blocks), None
@@ -321,63 +357,79 @@ class Dispatcher:
         """One ``DecodeWorker.Serve`` call: the decode worker reserves, has the ranked prefill workers
         compute the prompt (or computes it itself), and streams every token."""
         lookup = self._early_lookup(request)  # runs while admission books the decode blocks
-        decode, reservation = await self._admit(request, WorkerRole.DECODE)
+        tried: set[WorkerId] = set()
+        order: ServeOrder | None = None
         handles: list[tuple[WorkerHandle, int]] = []
-        accounted: WorkerHandle | None = None
-        call: TokenStream | None = None
         tokens = len(request.prompt_token_ids)
-        decode.inflight += 1
-        try:
-            if tokens > self.config.local_prefill_tokens:
-                cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
-                handles = self._prefill_routes(request, cached_tokens)
-            order = ServeOrder(
-                request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                sampling=request.sampling, model_compat_hash=self.pool.model_compat_hash,
-                backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
-                routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
-                                     lane_address=h.record.lane_address if h.lane is not None else "",
-                                     cached_tokens=cached)
-                        for h, cached in handles],
-                whole=request.whole)
-            if handles:
-                # The best candidate is charged with the prompt until its report arrives.
-                accounted, cached = handles[0]
-                wid = accounted.worker_id
-                self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached
-                self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + tokens
-                accounted.inflight += 1
-                accounted.inflight_prefill_tokens += tokens
-                accounted.assigned_tokens += tokens - cached
-                for h, _ in handles:
-                    h.breaker.on_attempt()
-            decode.breaker.on_attempt()
-            reported = False
+        while True:
+            decode, reservation = await self._admit(request, WorkerRole.DECODE, tried)
+            accounted: WorkerHandle | None = None
+            call: TokenStream | None = None
+            decode.inflight += 1
+            try:
+                if order is None:
+                    if tokens > self.config.local_prefill_tokens:
+                        cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
+                        handles = self._prefill_routes(request, cached_tokens)
+                    order = ServeOrder(
+                        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                        sampling=request.sampling, model_compat_hash=self.pool.model_compat_hash,
+                        backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
+                        routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
+                                             lane_address=h.record.lane_address if h.lane is not None else "",
+                                             cached_tokens=cached)
+                                for h, cached in handles],
+                        whole=request.whole)
+                if handles:
+                    # The best candidate is charged with the prompt until its report arrives.
+                    accounted, cached = handles[0]
+                    wid = accounted.worker_id
+                    self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached
+                    self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + tokens
+                    accounted.inflight += 1
+                    accounted.inflight_prefill_tokens += tokens
+                    accounted.assigned_tokens += tokens - cached
+                    for h, _ in handles:
+                        h.breaker.on_attempt()
+                decode.breaker.on_attempt()
+                answered = False
+                failed_role = "decode"
 
-            def on_report(report: PrefillReport) -> None:
-                nonlocal reported, accounted
-                reported = True
+                def on_report(report: PrefillReport) -> None:
+                    nonlocal answered, accounted, failed_role
+                    answered = True
+                    if not report.worker_id and not report.local:  # every prefill worker failed
+                        failed_role = "prefill"
+                    if accounted is not None:
+                        accounted.inflight -= 1
+                        accounted.inflight_prefill_tokens -= tokens
+                        accounted = None
+                    self._on_report(report, request)
+
+                try:
+                    call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report)
+                    async for delta in call:
+                        answered = True
+                        yield delta
+                except UnavailableError as exc:
+                    # With a report, the decode worker answered: the failure was the prefill side's.
+                    if answered:
+                        raise client_error(exc, failed_role, decode.worker_id, request.request_id) from None
+                    decode.breaker.on_failure()
+                    if not self._retry_elsewhere(decode, tried, WorkerRole.DECODE):
+                        raise client_error(exc, "decode", decode.worker_id, request.request_id) from None
+                    log.debug("request %s: %s", request.request_id, exc.message)
+                    continue
+                except PdRouterError as exc:
+                    raise client_error(exc, failed_role, decode.worker_id, request.request_id) from None
+                decode.breaker.on_success()
+                return
+            finally:
+                decode.inflight -= 1
                 if accounted is not None:
                     accounted.inflight -= 1
                     accounted.inflight_prefill_tokens -= tokens
-                    accounted = None
-                self._on_report(report, request)
-
-            try:
-                call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report)
-                async for delta in call:
-                    yield delta
-            except UnavailableError:
-                if not reported:
-                    decode.breaker.on_failure()  # a report would say the prefill side failed
-                raise
-            decode.breaker.on_success()
-        finally:
-            decode.inflight -= 1
-            if accounted is not None:
-                accounted.inflight -= 1
-                accounted.inflight_prefill_tokens -= tokens
-            if call is not None:
-                call.cancel()
-            if reservation is not None and self.admission is not None:
-                self._unbook(reservation)
+                if call is not None:
+                    call.cancel()
+                if reservation is not None and self.admission is not None:
+                    self._unbook(reservation)

@@ -6,6 +6,8 @@ periodic ``refresh`` (index sizes, booked blocks), so the hot path pays nothing 
 * ``pdrouter_redis_up`` — 1 while the router reaches Redis: its last periodic read of it (the
   refresh here, and the worker pool's registry read) succeeded and no request has failed to reach
   it since. It returns to 1 at the first refresh after Redis does, whatever requests arrive.
+* ``pdrouter_worker_retries_total`` — requests placed on another decode (or colocated) worker
+  after one failed them before answering.
 * ``pdrouter_prefix_lookup_seconds_total`` / ``pdrouter_prefix_lookups_total`` — index lookups.
 * ``pdrouter_prefix_index_blocks{worker}`` — blocks each prefill worker has in the index.
 * ``pdrouter_prefix_match_tokens_total{worker}`` / ``pdrouter_prefix_placed_tokens_total{worker}``
@@ -79,6 +81,9 @@ class StateMetrics(Collector):
         up = self.redis_up and self._redis_failures() == self._failures_seen
         yield GaugeMetricFamily("pdrouter_redis_up", "1 while the router's shared state in Redis is reachable.",
                                 value=1 if up else 0)
+        yield CounterMetricFamily("pdrouter_worker_retries",
+                                  "Requests placed on another decode or colocated worker after one failed them "
+                                  "before answering.", value=stats.worker_retries)
         yield CounterMetricFamily("pdrouter_prefix_lookups", "Prefix index lookups.", value=stats.lookups)
         yield CounterMetricFamily("pdrouter_prefix_lookup_seconds", "Time spent in prefix index lookups.",
                                   value=stats.lookup_seconds)
