@@ -15,6 +15,10 @@ from pdrouter.core.errors import IncompatibleError
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.engine.device import torch_dtype
 
+SMALL_CHECK_BYTES = 1 << 20
+"""A run of blocks up to this size is checked in one reduction over its strided view (a call per
+layer and K|V would cost more than the bytes); larger ones layer by layer, over contiguous memory."""
+
 
 class KvCache:
     """Owns the pool tensor; zero-filled so padded reads never see NaNs."""
@@ -40,14 +44,21 @@ class KvCache:
         """
         t = self.tensor
         by_sum = t.dtype in (torch.bfloat16, torch.float32, torch.float64)
+
+        def finite(chunk: torch.Tensor) -> bool:
+            if by_sum:
+                return bool(torch.isfinite(chunk.sum()))
+            return bool(torch.isfinite(chunk.amax()) and torch.isfinite(chunk.amin()))
+
         for start, end in _runs(block_ids):
+            run = t[:, :, start:end]
+            if run.numel() * run.element_size() <= SMALL_CHECK_BYTES:  # one call: its cost is the call's
+                if not finite(run):
+                    return False
+                continue
             for layer in range(t.shape[0]):
                 for kv in range(2):
-                    chunk = t[layer, kv, start:end].reshape(-1)
-                    if by_sum:
-                        if not torch.isfinite(chunk.sum()):
-                            return False
-                    elif not (torch.isfinite(chunk.amax()) and torch.isfinite(chunk.amin())):
+                    if not finite(t[layer, kv, start:end].reshape(-1)):
                         return False
         return True
 

@@ -89,9 +89,10 @@ def test_received_kv_that_is_not_finite_is_refused_and_cleared(make_engine: Engi
     assert got == dense_greedy(decode_engine.model, prompt, GREEDY.max_tokens)
 
 
+@pytest.mark.parametrize("heads", [2, 64], ids=["small-runs", "runs-over-1MiB"])  # one reduction / one per layer
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_the_pool_check_finds_one_bad_value_in_any_dtype(dtype: str) -> None:
-    layout = KvLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, num_blocks=12, dtype=dtype)
+def test_the_pool_check_finds_one_bad_value_in_any_dtype(dtype: str, heads: int) -> None:
+    layout = KvLayout(num_layers=3, num_kv_heads=heads, head_dim=128, block_size=16, num_blocks=12, dtype=dtype)
     cache = KvCache(layout, torch.device("cpu"))
     big = 1e4 if dtype == "float16" else 1e30  # finite, and their float16 sum overflows: no false alarm
     cache.tensor[:, :, 2:9] = big
