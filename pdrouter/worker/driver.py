@@ -9,6 +9,9 @@ here: the engine finishes it with an error, see ``pdrouter.engine.batch_engine``
 ``failure`` says why, every request waiting on the engine and every new one fails with
 UnavailableError, and the ``on_failure`` callbacks run once, on the event loop, before any
 waiter hears of it: the worker process reports itself NOT_SERVING there.
+
+``EngineDriver`` is the project's engine behind the worker's engine contract
+(``pdrouter.worker.engine_contract.DisaggregatedEngine``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.workers import WorkerLoad
+from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
 
@@ -37,8 +42,9 @@ ENGINE_STOPPED = "this worker's engine stopped after an internal error and serve
 class EngineDriver:
     """The asyncio face of one engine. Create and use it inside the worker's event loop."""
 
-    def __init__(self, engine: BatchEngine) -> None:
+    def __init__(self, engine: BatchEngine, identity: EngineIdentity | None = None) -> None:
         self.engine = engine
+        self._identity = identity or EngineIdentity("torch", "", "")
         self._loop = asyncio.get_running_loop()
         self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
         self._stop = threading.Event()
@@ -47,6 +53,19 @@ class EngineDriver:
         self._on_failure: list[Callable[[str], None]] = []
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
+
+    # -- what the worker registers -------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return self.engine.spec
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self.engine.kv_layout
+
+    @property
+    def identity(self) -> EngineIdentity:
+        return self._identity
 
     # -- step thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -203,7 +222,8 @@ class EngineDriver:
                           queued_prefill_tokens=self.engine.queued_prefill_tokens(),
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
                           allocated_blocks=s.num_blocks - s.num_free_blocks,
-                          sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None)
+                          sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None,
+                          prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
 
 async def _finished_now(request_id: RequestId, reason: object) -> AsyncGenerator[RequestOutput, None]:
