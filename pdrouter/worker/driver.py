@@ -28,6 +28,7 @@ from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
+from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,7 @@ class EngineDriver:
         self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._failure: str | None = None
-        self._on_failure: list[Callable[[str], None]] = []
+        self._failure = EngineFailure()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
 
@@ -90,12 +90,7 @@ class EngineDriver:
 
     def _failed(self, reason: str) -> None:
         """On the loop: tell the subscribers first, then every waiter."""
-        self._failure = reason
-        for callback in self._on_failure:
-            try:
-                callback(reason)
-            except Exception:  # one subscriber's failure must not keep the others from hearing
-                log.exception("engine failure callback %r failed", callback)
+        self._failure.fail(reason)
         for queue in self._queues.values():
             queue.put_nowait(_ENGINE_FAILED)
 
@@ -108,14 +103,11 @@ class EngineDriver:
     def failure(self) -> str | None:
         """None while the engine serves; once its step failed, the error (for logs and operators,
         not for clients)."""
-        return self._failure
+        return self._failure.reason
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(failure)`` once, on the event loop, when the engine fails (at once if it has)."""
-        if self._failure is not None:
-            callback(self._failure)
-            return
-        self._on_failure.append(callback)
+        self._failure.subscribe(callback)
 
     async def close(self) -> None:
         self._stop.set()

@@ -54,6 +54,7 @@ from pdrouter.core.model_spec import ModelSpec, normalize_dtype
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.events import BlockEventSink
+from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.model_folder import read_model_folder
 from pdrouter.engine.outputs import FinishReason, RequestOutput
 from pdrouter.engine.validation import validate_request
@@ -86,8 +87,7 @@ class VllmEngine:
         self.subscriber = subscriber
         self._run_dir = run_dir
         self._live: dict[RequestId, asyncio.Event] = {}
-        self._failure: str | None = None
-        self._on_failure: list[Callable[[str], None]] = []
+        self._failure = EngineFailure()
         self._closed = False
         self._sampling_module = import_vllm("vllm.sampling_params")
         self._tokens_input = import_vllm("vllm.inputs").tokens_input
@@ -244,7 +244,7 @@ class VllmEngine:
         return UnavailableError(f"vLLM failed the request (finish reason {reason!r}; its log has the details)")
 
     def _error_of_abort(self) -> PdRouterError:
-        if self._failure is not None or self.llm.errored:
+        if self._failure.reason is not None or self.llm.errored:
             return UnavailableError(ENGINE_STOPPED)
         return CancelledError("vLLM aborted the request")
 
@@ -283,35 +283,26 @@ class VllmEngine:
                           queued_prefill_tokens=int(self.llm.get_num_queued_tokens()),
                           free_blocks=total - held, total_blocks=total, allocated_blocks=held,
                           prefix_cache_queries=f.prefix_cache_queries, prefix_cache_hits=f.prefix_cache_hits,
-                          engine_failed=self._failure is not None)
+                          engine_failed=self._failure.reason is not None)
 
     @property
     def failure(self) -> str | None:
-        return self._failure
+        return self._failure.reason
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
-        if self._failure is not None:
-            callback(self._failure)
-            return
-        self._on_failure.append(callback)
+        self._failure.subscribe(callback)
 
     def _check(self) -> None:
-        if self._failure is not None or self._closed:
+        if self._failure.reason is not None or self._closed:
             raise UnavailableError(ENGINE_STOPPED)
         if self.llm.errored:
             self._fail("vLLM's engine core died")
             raise UnavailableError(ENGINE_STOPPED)
 
     def _fail(self, reason: str) -> None:
-        if self._failure is not None or self._closed:
+        if self._closed or not self._failure.fail(reason):
             return
-        self._failure = reason
         log.error("vLLM engine stopped: %s", reason)
-        for callback in self._on_failure:
-            try:
-                callback(reason)
-            except Exception:  # one subscriber's failure must not keep the others from hearing
-                log.exception("engine failure callback %r failed", callback)
         for aborted in self._live.values():
             aborted.set()
 
