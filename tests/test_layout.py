@@ -41,6 +41,7 @@ def test_the_import_contract_holds() -> None:
     ("wire/convert.py", "from pdrouter.worker import driver", "pdrouter.wire is not allowed to import pdrouter.worker"),
     ("router/request.py", "import torch", "pdrouter.router is not allowed to import torch"),
     ("engine/sim/link.py", "import torch", "pdrouter.engine.sim is not allowed to import torch"),
+    ("worker/backend.py", "import vllm.v1", "pdrouter is not allowed to import vllm"),
 ])
 def test_the_contract_fails_on_a_planted_import(tmp_path: Path, module: str, planted: str, broken: str) -> None:
     shutil.copytree(ROOT / "pdrouter", tmp_path / "pdrouter", ignore=shutil.ignore_patterns("__pycache__"))

@@ -16,7 +16,8 @@ from pdrouter.core.errors import PdRouterError
 def _add_make_model(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-model", help="write a seeded random model in HF format (config + safetensors)",
                        description="Write a small Llama-family model with seeded random weights and the "
-                                   "project's byte-level tokenizer, loadable by the engine and by HF.")
+                                   "project's byte-level tokenizer, also as an HF tokenizer.json with a chat "
+                                   "template (the same ids), loadable by the engine, by transformers and by vLLM.")
     p.add_argument("--preset", default="tiny", help="tiny | small (or any model preset, if you have the RAM)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the preset's)")

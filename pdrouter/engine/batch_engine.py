@@ -341,7 +341,8 @@ class BatchEngine:
             return EngineStats(len(self.scheduler.waiting), len(self.scheduler.running),
                                states.count(RequestState.HELD), states.count(RequestState.AWAITING_KV),
                                bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks,
-                               self.scheduler.num_preemptions)
+                               self.scheduler.num_preemptions, self.scheduler.prefix_cache_queries,
+                               self.scheduler.prefix_cache_hits)
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting but not yet computed (the prefill backlog)."""

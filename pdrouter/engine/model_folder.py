@@ -59,11 +59,13 @@ def read_model_folder(path: str | Path) -> ModelFolder:
     return ModelFolder(path=folder, spec=spec, eos_token_ids=read_eos_token_ids(folder))
 
 
-def write_config_folder(spec: ModelSpec, out: Path) -> Path:
+def write_config_folder(spec: ModelSpec, out: Path, hf_tokenizer: bool = False) -> Path:
     """Write ``config.json`` and the byte-level tokenizer for ``spec`` into ``out`` (no weights); returns ``out``.
 
     The special tokens of the byte-level tokenizer are the ``bos``/``eos``/``pad`` ids of the
-    config, so every model folder the project writes agrees with its tokenizer.
+    config, so every model folder the project writes agrees with its tokenizer. ``hf_tokenizer``:
+    write it as an HF tokenizer and chat template too (``tokenizer.json``, ``tokenizer_config.json``,
+    ``chat_template.jinja``; the same ids), so transformers and vLLM serve text and chat from the folder.
     """
     out.mkdir(parents=True, exist_ok=True)
     config = spec.to_hf_config()
@@ -71,5 +73,9 @@ def write_config_folder(spec: ModelSpec, out: Path) -> Path:
                   pad_token_id=SPECIAL_TOKENS["<pad>"], initializer_range=0.02, pretraining_tp=1,
                   rope_scaling=None, attention_dropout=0.0)
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    ByteTokenizer(spec.vocab_size).save(out)
+    tokenizer = ByteTokenizer(spec.vocab_size)
+    if hf_tokenizer:
+        tokenizer.save_hf(out, model_max_length=spec.max_context)
+    else:
+        tokenizer.save(out)
     return out

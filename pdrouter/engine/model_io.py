@@ -1,7 +1,9 @@
 """HF-format model folders: write a seeded random one, read one back.
 
 A folder holds ``config.json`` (an HF ``LlamaForCausalLM`` config), ``model.safetensors`` (or
-several ``*.safetensors`` shards) with HF tensor names, and a tokenizer file. :func:`make_model`
+several ``*.safetensors`` shards) with HF tensor names, and a tokenizer: the project's byte-level one,
+written as an HF tokenizer with its chat template too (``pdrouter.core.byte_hf_tokenizer``), so
+transformers and vLLM load the folder as it is. :func:`make_model`
 writes such a folder from a ``pdrouter.core`` preset; same preset + seed + dtype gives identical bytes.
 """
 
@@ -94,7 +96,7 @@ def write_random_model(spec: ModelSpec, seed: int, out: Path, dtype: str | None 
     tensors = {k: v.to(tdtype).contiguous() for k, v in random_weights(spec, seed).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    return write_config_folder(spec, out)
+    return write_config_folder(spec, out, hf_tokenizer=True)
 
 
 def load_weights(folder: ModelFolder, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -107,3 +107,7 @@ class EngineStats:
     num_free_blocks: int
     num_cached_blocks: int
     num_preemptions: int
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache at requests' first admission, since the start."""
+    prefix_cache_hits: int = 0
+    """Of those, tokens found cached."""

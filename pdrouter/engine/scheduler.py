@@ -48,6 +48,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        """Prompt tokens looked up in the prefix cache at requests' first admission (as vLLM counts)."""
+        self.prefix_cache_hits = 0
+        """Of those, tokens found cached."""
 
     # -- membership ---------------------------------------------------------------------------
     def add_waiting(self, request: Request) -> None:
@@ -114,6 +118,8 @@ class Scheduler:
             req.num_committed_blocks = alloc.num_cached_blocks
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = cached
+                self.prefix_cache_queries += total
+                self.prefix_cache_hits += cached
             req.transition(RequestState.RUNNING)
             self.running.append(req)
             scheduled[req] = n

@@ -94,7 +94,8 @@ class RouterProcess:
                 self.admission.start()
         self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
                                use_lane=cfg.worker_transport == "lane", security=cfg.worker_security,
-                               on_leave=self._forget_worker if index is not None else None)
+                               on_leave=self._forget_worker if index is not None else None,
+                               block_size=cfg.block_size)
         self._index = index
         await self.pool.start()
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()

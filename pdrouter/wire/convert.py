@@ -40,14 +40,16 @@ def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
     return pb.WorkerLoad(running=load.running, waiting=load.waiting,
                          queued_prefill_tokens=load.queued_prefill_tokens, free_blocks=load.free_blocks,
                          total_blocks=load.total_blocks, allocated_blocks=load.allocated_blocks,
-                         engine_failed=load.engine_failed)
+                         engine_failed=load.engine_failed,
+                         prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits)
 
 
 def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
     return WorkerLoad(running=msg.running, waiting=msg.waiting,
                       queued_prefill_tokens=msg.queued_prefill_tokens, free_blocks=msg.free_blocks,
                       total_blocks=msg.total_blocks, allocated_blocks=msg.allocated_blocks,
-                      engine_failed=msg.engine_failed)
+                      engine_failed=msg.engine_failed,
+                      prefix_cache_queries=msg.prefix_cache_queries, prefix_cache_hits=msg.prefix_cache_hits)
 
 
 def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:
@@ -59,7 +61,8 @@ def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:
                                                num_blocks=record.capacity_blocks),
                          capacity_blocks=record.capacity_blocks, capacity_tokens=record.capacity_tokens,
                          kv_address=record.kv_address, kv_backends=list(record.kv_backends),
-                         lane_address=record.lane_address, device=record.device)
+                         lane_address=record.lane_address, device=record.device, engine=record.engine,
+                         engine_version=record.engine_version)
 
 
 def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
@@ -70,4 +73,5 @@ def record_from_pb(msg: pb.WorkerInfo) -> WorkerRecord:
                         model_compat_hash=msg.model_compat_hash, kv_compat_hash=msg.kv_layout.compat_hash,
                         block_size=msg.kv_layout.block_size, capacity_blocks=msg.capacity_blocks,
                         kv_address=msg.kv_address, kv_backends=tuple(msg.kv_backends),
-                        lane_address=msg.lane_address, device=msg.device)
+                        lane_address=msg.lane_address, device=msg.device, engine=msg.engine,
+                        engine_version=msg.engine_version)

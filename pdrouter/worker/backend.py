@@ -1,19 +1,27 @@
-"""Which engine a worker runs, and what its KV transport moves: the torch engine or a simulated GPU.
+"""Which engine a worker runs, and what its KV transport moves: the torch engine, a simulated GPU or vLLM.
 
 * ``EngineConfig`` → ``pdrouter.engine.engine.Engine`` (torch; the transport moves its pool tensor);
 * ``SimEngineConfig`` → ``pdrouter.engine.sim.engine.SimEngine`` (no torch; the transport moves a
   one-byte-per-block-and-layer stand-in pool, ``pdrouter.transfer.pool_bytes.standin_layout``, and
-  the prefill side paces each transfer to the modeled time of the real bytes, ``TransferPacing``).
+  the prefill side paces each transfer to the modeled time of the real bytes, ``TransferPacing``);
+* ``VllmEngineConfig`` → ``pdrouter.engine.vllm.VllmEngine`` (vLLM's async engine client; colocated
+  workers only for now: its KV moves through a vLLM KV connector, not this transport).
+
+:func:`start_engine` gives the worker its engine behind the one contract the roles program against
+(``pdrouter.worker.engine_contract``): the project's engine through ``EngineDriver``, vLLM as it is.
 
 The torch engine's module is imported only when a torch engine is built, so a simulated worker
-process never loads torch (tens of them fit on one machine).
+process never loads torch (tens of them fit on one machine); vLLM only when a vLLM engine starts.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 
+from pdrouter.core.workers import EngineIdentity
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.events import BlockEventSink
@@ -21,15 +29,40 @@ from pdrouter.engine.faults import EngineFault, FaultyStep
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
 from pdrouter.engine.sim.link import SharedLink
+from pdrouter.engine.vllm.config import VllmEngineConfig
 from pdrouter.transfer.pool_bytes import PoolBytes, standin_layout
+from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import ServingEngine
 
-EngineSettings = EngineConfig | SimEngineConfig
-"""A worker's engine configuration: real or simulated."""
+EngineSettings = EngineConfig | SimEngineConfig | VllmEngineConfig
+"""A worker's engine configuration: the project's (real or simulated) or vLLM."""
 
 
-def build_engine(config: EngineSettings, event_sink: BlockEventSink | None = None,
+async def start_engine(config: EngineSettings, event_sink: BlockEventSink | None = None,
+                       fault: EngineFault | None = None) -> ServingEngine:
+    """The engine ``config`` describes, started, behind the worker's engine contract (call on the
+    worker's event loop; the blocking parts run on threads). ``fault``: a fault to inject into the
+    project's engine's model step (tests; vLLM's faults are real ones)."""
+    if isinstance(config, VllmEngineConfig):
+        from pdrouter.engine.vllm.engine import VllmEngine  # vLLM only for a vLLM worker
+
+        return await VllmEngine.start(config, event_sink)
+    engine = await asyncio.to_thread(build_engine, config, event_sink, fault)
+    return EngineDriver(engine, engine_identity(engine))
+
+
+def engine_identity(engine: BatchEngine) -> EngineIdentity:
+    """The project's engine as a registry record names it: ``torch`` or ``sim``, pd-router's version, the device."""
+    try:
+        own = version("pd-router")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        own = "unknown"
+    return EngineIdentity("sim" if isinstance(engine, SimEngine) else "torch", own, device_name(engine))
+
+
+def build_engine(config: EngineConfig | SimEngineConfig, event_sink: BlockEventSink | None = None,
                  fault: EngineFault | None = None) -> BatchEngine:
-    """The engine ``config`` describes (blocking: the torch engine loads its weights), its model
+    """The project's engine ``config`` describes (blocking: the torch engine loads its weights), its model
     step wrapped to inject ``fault`` when one is given (tests)."""
     engine: BatchEngine
     if isinstance(config, SimEngineConfig):

@@ -10,6 +10,7 @@ from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.faults import EngineFault
 from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.engine.vllm.config import VllmEngineConfig
 from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.security import PeerSecurity
 
@@ -22,8 +23,8 @@ class WorkerConfig:
 
     role: WorkerRole
     worker_id: str
-    engine: EngineConfig | SimEngineConfig
-    """The torch engine's configuration, or a simulated GPU's (``pdrouter.worker.backend``)."""
+    engine: EngineConfig | SimEngineConfig | VllmEngineConfig
+    """The torch engine's configuration, a simulated GPU's or vLLM's (``pdrouter.worker.backend``)."""
     host: str = "127.0.0.1"
     port: int = 0
     advertise_host: str | None = None
@@ -67,6 +68,9 @@ class WorkerConfig:
         if not self.worker_id or any(c in self.worker_id for c in " :{}"):
             raise ConfigError("worker id must be non-empty without spaces, ':' or braces, "
                               f"got {self.worker_id!r}")
+        if isinstance(self.engine, VllmEngineConfig) and self.role is not WorkerRole.COLOCATED:
+            raise ConfigError(f"--backend vllm serves colocated workers (pdrouter worker); a {self.role.value} "
+                              f"worker runs the torch engine or a simulated GPU (--backend torch | sim)")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):

@@ -12,6 +12,9 @@ here: the engine finishes it with an error, see ``pdrouter.engine.batch_engine``
 ``failure`` says why, every request waiting on the engine and every new one fails with
 UnavailableError, and the ``on_failure`` callbacks run once, on the event loop, before any
 waiter hears of it: the worker process reports itself NOT_SERVING there.
+
+``EngineDriver`` is the project's engine behind the worker's engine contract
+(``pdrouter.worker.engine_contract.DisaggregatedEngine``).
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 
 from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
+from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.workers import WorkerLoad
+from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
+from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -44,16 +50,29 @@ ENGINE_STOPPED = "this worker's engine stopped after an internal error and serve
 class EngineDriver:
     """The asyncio face of one engine. Create and use it inside the worker's event loop."""
 
-    def __init__(self, engine: BatchEngine) -> None:
+    def __init__(self, engine: BatchEngine, identity: EngineIdentity | None = None) -> None:
         self.engine = engine
+        self._identity = identity or EngineIdentity("torch", "", "")
         self._loop = asyncio.get_running_loop()
         self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
-        self._failure: str | None = None
-        self._on_failure: list[Callable[[str], None]] = []
+        self._failure = EngineFailure()
         self._thread = threading.Thread(target=self._run, name="engine-step", daemon=True)
         self._thread.start()
+
+    # -- what the worker registers -------------------------------------------------------------
+    @property
+    def spec(self) -> ModelSpec:
+        return self.engine.spec
+
+    @property
+    def kv_layout(self) -> KvLayout:
+        return self.engine.kv_layout
+
+    @property
+    def identity(self) -> EngineIdentity:
+        return self._identity
 
     # -- step thread ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -78,12 +97,7 @@ class EngineDriver:
 
     def _failed(self, reason: str) -> None:
         """On the loop: tell the subscribers first, then every waiter."""
-        self._failure = reason
-        for callback in self._on_failure:
-            try:
-                callback(reason)
-            except Exception:  # one subscriber's failure must not keep the others from hearing
-                log.exception("engine failure callback %r failed", callback)
+        self._failure.fail(reason)
         for queue in self._queues.values():
             queue.put_nowait(_ENGINE_FAILED)
 
@@ -96,14 +110,11 @@ class EngineDriver:
     def failure(self) -> str | None:
         """None while the engine serves; once its step failed, the error (for logs and operators,
         not for clients)."""
-        return self._failure
+        return self._failure.reason
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(failure)`` once, on the event loop, when the engine fails (at once if it has)."""
-        if self._failure is not None:
-            callback(self._failure)
-            return
-        self._on_failure.append(callback)
+        self._failure.subscribe(callback)
 
     async def close(self) -> None:
         self._stop.set()
@@ -221,7 +232,8 @@ class EngineDriver:
                           queued_prefill_tokens=self.engine.queued_prefill_tokens(),
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
                           allocated_blocks=s.num_blocks - s.num_free_blocks,
-                          sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None)
+                          sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None,
+                          prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)
 
 
 async def _finished_now(request_id: RequestId, reason: object) -> AsyncGenerator[RequestOutput, None]:

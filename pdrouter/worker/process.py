@@ -1,11 +1,16 @@
-"""One worker process: engine + driver + gRPC services + presence in Redis, with a clean shutdown.
+"""One worker process: engine + gRPC services + presence in Redis, with a clean shutdown.
+
+The engine is whichever the configuration names (the project's, through its driver, or vLLM),
+behind the engine contract (``pdrouter.worker.engine_contract``); the process registers the KV pool
+the engine reports it really allocated, and what runs it (``EngineIdentity``).
 
 Start-up order: Redis (epoch, index) → engine (loads weights, sizes the KV pool) → the role (its
 KV transport and services, see ``pdrouter.worker.role``) → gRPC server and worker lane →
 registration (only now can the router route to it) → heartbeats.
 Shutdown runs the other way and lets in-flight requests finish within ``drain_grace_s``.
 
-If the engine fails (``EngineDriver.on_failure``) the worker stays up but says so at once: its gRPC
+If the engine fails (the engine contract's ``on_failure``: a model step of the project's engine
+raised, or vLLM's engine core is gone) the worker stays up but says so at once: its gRPC
 health turns NOT_SERVING for every service (what Kubernetes' probes read), and a heartbeat goes
 out with ``WorkerLoad.engine_failed`` (what routers read: they place nothing there), as will every
 later one. Restarting the process brings it back as a new incarnation.
@@ -33,7 +38,6 @@ from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
-from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.state.client import RedisClient
 from pdrouter.state.prefix_index import PrefixIndex
@@ -41,10 +45,11 @@ from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.lane import LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2_grpc
-from pdrouter.worker.backend import TransferPacing, build_engine, device_name
+from pdrouter.worker.backend import TransferPacing, start_engine
 from pdrouter.worker.block_publisher import RedisBlockPublisher
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import ServingEngine
 from pdrouter.worker.presence import Presence, connect_redis
 from pdrouter.worker.role import Role, RoleContext, RoleFactory
 from pdrouter.worker.streaming import WorkerInfoServicer
@@ -72,8 +77,7 @@ class WorkerProcess:
         self.index: PrefixIndex | None = None
         self.publisher: RedisBlockPublisher | None = None
         self.presence: Presence | None = None
-        self.engine: BatchEngine | None = None
-        self.driver: EngineDriver | None = None
+        self.engine: ServingEngine | None = None
         self.server: GrpcServer | None = None
         self.lane: LaneServer | None = None
         self.role: Role | None = None
@@ -89,8 +93,8 @@ class WorkerProcess:
         return f"{self.config.public_host}:{self.server.port}"
 
     def load(self) -> WorkerLoad:
-        assert self.driver is not None
-        return self.driver.load()
+        assert self.engine is not None
+        return self.engine.load()
 
     async def start(self) -> None:
         cfg = self.config
@@ -105,9 +109,8 @@ class WorkerProcess:
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
         else:
             self.epoch = Epoch(time.time_ns())
-        self.engine = await asyncio.to_thread(build_engine, cfg.engine, self.publisher, cfg.engine_fault)
-        self.driver = EngineDriver(self.engine)
-        self.driver.on_failure(self._engine_failed)
+        self.engine = await start_engine(cfg.engine, self.publisher, cfg.engine_fault)
+        self.engine.on_failure(self._engine_failed)
         security = cfg.security
         self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
                                  credentials=security.server_credentials())
@@ -117,17 +120,19 @@ class WorkerProcess:
         spec = self.engine.spec
         layout = self.engine.kv_layout
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)
+        pacing = TransferPacing.for_engine(self.engine.engine) if isinstance(self.engine, EngineDriver) else None
         self.role = await self.build_role(RoleContext(
-            config=cfg, engine=self.engine, driver=self.driver, epoch=self.epoch,
-            model_compat_hash=compat, registry=self.registry, pacing=TransferPacing.for_engine(self.engine)))
+            config=cfg, engine=self.engine, epoch=self.epoch, model_compat_hash=compat, registry=self.registry,
+            pacing=pacing))
         for service in self.role.services():
             self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(
             worker_id=WorkerId(cfg.worker_id), role=cfg.role, address="", epoch=self.epoch,
             model=spec_name, model_compat_hash=compat, kv_compat_hash=layout.compat_hash(),
             block_size=layout.block_size, capacity_blocks=layout.num_blocks,
-            kv_address=self.role.kv_address, device=device_name(self.engine),
-            kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else ())
+            kv_address=self.role.kv_address, device=self.engine.identity.device,
+            kv_backends=(cfg.kv_backend,) if cfg.role is not WorkerRole.COLOCATED else (),
+            engine=self.engine.identity.name, engine_version=self.engine.identity.version)
         if self.lane is not None:
             await self.lane.start()
         geometry = common_pb2.ModelGeometry(
@@ -143,7 +148,7 @@ class WorkerProcess:
                         WorkerInfoServicer(lambda: self._record(), self.load, geometry, kv_pb),
                         "pdrouter.v1.WorkerInfoService")
         await self.server.start()
-        if self.driver.failure is not None:  # it failed while the rest started
+        if self.engine.failure is not None:  # it failed while the rest started
             await self.server.not_serving()
         self.record = self._record()
         if self.registry is not None:
@@ -153,8 +158,9 @@ class WorkerProcess:
         if self.publisher is not None:
             self.publisher.start()
         sim = f", time scale {cfg.engine.time_scale:g}" if isinstance(cfg.engine, SimEngineConfig) else ""
-        log.info("%s worker %s (epoch %s) serving %s at %s on %s%s", cfg.role.value, cfg.worker_id, self.epoch,
-                 spec_name, self.address, self.record.device, sim)
+        identity = self.engine.identity
+        log.info("%s worker %s (epoch %s) serving %s at %s on %s with %s %s%s", cfg.role.value, cfg.worker_id,
+                 self.epoch, spec_name, self.address, self.record.device, identity.name, identity.version, sim)
 
     def _record(self) -> WorkerRecord:
         assert self.record is not None
@@ -209,8 +215,8 @@ class WorkerProcess:
             await self.role.close()
         if self.publisher is not None:
             await self.publisher.stop(clear=True)
-        if self.driver is not None:
-            await self.driver.close()
+        if self.engine is not None:
+            await self.engine.close()
         if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()

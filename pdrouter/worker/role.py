@@ -1,11 +1,11 @@
 """What a worker role adds to the common worker process, and what the process hands it.
 
 The process (``pdrouter.worker.process``) owns what every worker has: Redis presence, the engine
-and its driver, the gRPC server and the worker lane. A role (prefill, decode, colocated; built by
-``pdrouter.worker.roles.build_role``) is given a ``RoleContext`` once the engine is up and returns
-a ``Role``: the services it serves (the process serves each over gRPC and over the lane), the
-address its KV receiver listens on (decode workers) and ``close``. The process knows nothing else
-of a role, and a role nothing of the process.
+(behind the engine contract, ``pdrouter.worker.engine_contract``), the gRPC server and the worker
+lane. A role (prefill, decode, colocated; built by ``pdrouter.worker.roles.build_role``) is given a
+``RoleContext`` once the engine is up and returns a ``Role``: the services it serves (the process
+serves each over gRPC and over the lane), the address its KV receiver listens on (decode workers)
+and ``close``. The process knows nothing else of a role, and a role nothing of the process.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch
-from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.config import Backend, TransferConfig
 from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.worker.backend import TransferPacing, kv_pool
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import DisaggregatedEngine, ServingEngine
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,8 @@ class RoleContext:
     """The parts of a started worker process that a role builds on."""
 
     config: WorkerConfig
-    engine: BatchEngine
-    driver: EngineDriver
+    engine: ServingEngine
+    """The worker's engine, behind the engine contract."""
     epoch: Epoch
     model_compat_hash: str
     registry: WorkerRegistry | None = None
@@ -38,9 +39,18 @@ class RoleContext:
     pacing: TransferPacing | None = None
     """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
 
+    def disaggregated(self) -> DisaggregatedEngine:
+        """The engine as prefill and decode roles need it (its KV moves); ConfigError for one that cannot."""
+        if not isinstance(self.engine, DisaggregatedEngine):
+            raise ConfigError(f"a {self.config.role.value} worker needs an engine whose KV the worker moves; "
+                              f"{self.engine.identity.name} serves colocated workers only")
+        return self.engine
+
     def kv_pool(self) -> PoolBytes:
         """The pool the role's KV transport moves (``pdrouter.worker.backend.kv_pool``); one per role."""
-        return kv_pool(self.engine)
+        engine = self.disaggregated()
+        assert isinstance(engine, EngineDriver), "the KV transport moves the project's engine's pool"
+        return kv_pool(engine.engine)
 
     def transfer(self) -> TransferConfig:
         """The KV transport's identity for this incarnation: shared token, this epoch, the backend, TLS.

@@ -52,6 +52,8 @@ def test_hf_tokenizer_json_is_preferred(tiny_dir: Path, tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
     folder = tmp_path / "with-hf"
     shutil.copytree(tiny_dir, folder)
+    for name in ("tokenizer_config.json", "chat_template.jinja"):  # the byte tokenizer's HF rendering's
+        (folder / name).unlink()
     vocab = {"<unk>": 0, "hello": 1, "world": 2}
     model = tokenizers.models.WordLevel(vocab, unk_token="<unk>")
     raw = tokenizers.Tokenizer(model)

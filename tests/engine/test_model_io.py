@@ -21,8 +21,10 @@ def test_same_preset_and_seed_give_identical_bytes(tmp_path: Path) -> None:
     a = make_model("tiny", 11, tmp_path / "a")
     b = make_model("tiny", 11, tmp_path / "b")
     c = make_model("tiny", 12, tmp_path / "c")
-    assert sorted(p.name for p in a.iterdir()) == ["config.json", "model.safetensors", "pdrouter_tokenizer.json"]
-    for name in ("config.json", "model.safetensors", "pdrouter_tokenizer.json"):
+    files = ["chat_template.jinja", "config.json", "model.safetensors", "pdrouter_tokenizer.json", "tokenizer.json",
+             "tokenizer_config.json"]
+    assert sorted(p.name for p in a.iterdir()) == files
+    for name in files:
         assert (a / name).read_bytes() == (b / name).read_bytes()
     assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
 

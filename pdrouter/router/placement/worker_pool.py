@@ -72,8 +72,12 @@ class WorkerPool:
                  breaker_threshold: int = 3, breaker_cooldown_s: float = 5.0,
                  missing_grace_s: float = 2.0,
                  on_leave: Callable[[WorkerRecord], Coroutine[Any, Any, None]] | None = None,
-                 use_lane: bool = True, security: PeerSecurity = OPEN) -> None:
+                 use_lane: bool = True, security: PeerSecurity = OPEN, block_size: int | None = None) -> None:
         """``on_leave(record)`` runs when a worker incarnation leaves the pool (e.g. drop its index entries).
+
+        ``block_size``: the KV block size this router hashes prompts and books KV in; a worker that
+        registers another one is left out (its index entries and its pool would be read wrongly), with
+        a warning naming the router's ``--block-size`` (once per worker incarnation).
 
         ``use_lane``: send requests over a worker's lane when its record names one (else gRPC);
         ``security``: the credentials every call to a worker presents (internal secret, TLS).
@@ -93,6 +97,8 @@ class WorkerPool:
         self._task: asyncio.Task[None] | None = None
         self.registry_ok = registry is not None
         self.model_compat_hash = ""
+        self.block_size = block_size
+        self._warned_block_size: set[tuple[WorkerId, int]] = set()
 
     def workers(self, role: WorkerRole | None = None) -> list[WorkerHandle]:
         return [h for h in self._handles.values() if role is None or h.role is role]
@@ -188,6 +194,13 @@ class WorkerPool:
             self._closing.spawn(self._close_when_idle(handle))
         for worker_id, (record, load) in seen.items():
             if record.model != self.model:
+                continue
+            if self.block_size is not None and record.block_size != self.block_size:
+                if (worker_id, record.epoch) not in self._warned_block_size:
+                    self._warned_block_size.add((worker_id, record.epoch))
+                    log.warning("worker %s registers KV blocks of %d tokens, this router hashes and books blocks "
+                                "of %d: ignored (start the router with --block-size %d)", worker_id,
+                                record.block_size, self.block_size, record.block_size)
                 continue
             if self.model_compat_hash and record.model_compat_hash != self.model_compat_hash:
                 log.warning("worker %s serves %s with compat hash %s, not %s: ignored", worker_id,

@@ -118,7 +118,7 @@ class TransferTarget(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., worker_id: _Optional[str] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., sender_epoch: _Optional[int] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends", "lane_address", "device")
+    __slots__ = ("worker_id", "role", "address", "epoch", "model", "kv_layout", "model_compat_hash", "capacity_blocks", "capacity_tokens", "kv_address", "kv_backends", "lane_address", "device", "engine", "engine_version")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,8 @@ class WorkerInfo(_message.Message):
     KV_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     LANE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     address: str
@@ -145,10 +147,12 @@ class WorkerInfo(_message.Message):
     kv_backends: _containers.RepeatedScalarFieldContainer[str]
     lane_address: str
     device: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    engine: str
+    engine_version: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., address: _Optional[str] = ..., epoch: _Optional[int] = ..., model: _Optional[_Union[ModelGeometry, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., capacity_blocks: _Optional[int] = ..., capacity_tokens: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_backends: _Optional[_Iterable[str]] = ..., lane_address: _Optional[str] = ..., device: _Optional[str] = ..., engine: _Optional[str] = ..., engine_version: _Optional[str] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks", "engine_failed")
+    __slots__ = ("running", "waiting", "queued_prefill_tokens", "free_blocks", "total_blocks", "allocated_blocks", "engine_failed", "prefix_cache_queries", "prefix_cache_hits")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +160,8 @@ class WorkerLoad(_message.Message):
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ALLOCATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FAILED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     queued_prefill_tokens: int
@@ -163,7 +169,9 @@ class WorkerLoad(_message.Message):
     total_blocks: int
     allocated_blocks: int
     engine_failed: bool
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., engine_failed: _Optional[bool] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., allocated_blocks: _Optional[int] = ..., engine_failed: _Optional[bool] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")

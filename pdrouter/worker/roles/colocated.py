@@ -1,4 +1,7 @@
-"""``ColocatedWorker.Generate``: the same engine runs prefill (chunked) and decode."""
+"""``ColocatedWorker.Generate``: the same engine runs prefill (chunked) and decode.
+
+The role programs against the engine contract (``pdrouter.worker.engine_contract.ServingEngine``),
+so the same servicer serves the project's engine and vLLM."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pdrouter.core.ids import RequestId
 from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import ServingEngine
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.streaming import token_chunks
 
@@ -21,8 +24,8 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
     """``ColocatedWorker.Generate``: prefill and decode on this worker's engine, every token streamed
     (``whole``: every token in one chunk at the end)."""
 
-    def __init__(self, driver: EngineDriver) -> None:
-        self.driver = driver
+    def __init__(self, engine: ServingEngine) -> None:
+        self.engine = engine
 
     @grpc_errors
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
@@ -32,7 +35,7 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         sampling = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
-        async with aclosing(self.driver.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
+        async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 
@@ -54,4 +57,4 @@ class ColocatedRole:
 
 
 async def build_colocated_role(ctx: RoleContext) -> ColocatedRole:
-    return ColocatedRole(ColocatedServicer(ctx.driver))
+    return ColocatedRole(ColocatedServicer(ctx.engine))

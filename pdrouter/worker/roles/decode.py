@@ -41,7 +41,7 @@ from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import report_to_pb, serve_order_from_pb
-from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
@@ -60,7 +60,7 @@ class _Allocation:
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, driver: EngineDriver, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
+    def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
                  prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None,
                  max_lease_ms: int = 120_000) -> None:
@@ -250,7 +250,7 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     if registered is None:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
     links = PrefillLinks(connect_timeout_s=cfg.kv_wait_s, security=cfg.security)
-    servicer = DecodeServicer(ctx.driver, receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
+    servicer = DecodeServicer(ctx.disaggregated(), receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, links,
                               registered=registered, max_lease_ms=cfg.max_lease_ms)
     return DecodeRole(receiver, servicer)

