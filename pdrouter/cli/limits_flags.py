@@ -41,6 +41,10 @@ def add_http_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--http-max-inflight", type=int, default=_HTTP.max_inflight, metavar="N",
                    help="requests served at once per door; one more is answered 503 with Retry-After "
                         "(default %(default)d)")
+    g.add_argument("--http-max-unauthenticated-connections", type=int, default=None, metavar="N",
+                   help="connections that have not yet sent a request with an accepted API key; past it (or at "
+                        "--http-max-connections) the oldest of them is closed, so clients with a key always get "
+                        "in (default: half of --http-max-connections)")
 
 
 def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
@@ -52,7 +56,19 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
         idle_timeout_s=_seconds(args.http_idle_timeout, "--http-idle-timeout"),
         max_header_bytes=_count(args.http_max_header_bytes, "--http-max-header-bytes", 1024),
         max_connections=_count(args.http_max_connections, "--http-max-connections"),
-        max_inflight=_count(args.http_max_inflight, "--http-max-inflight"))
+        max_inflight=_count(args.http_max_inflight, "--http-max-inflight"),
+        unauthenticated_connections=_unauthenticated(args))
+
+
+def _unauthenticated(args: argparse.Namespace) -> int | None:
+    value = args.http_max_unauthenticated_connections
+    if value is None:
+        return None
+    value = _count(value, "--http-max-unauthenticated-connections")
+    if value > args.http_max_connections:
+        raise ConfigError(f"--http-max-unauthenticated-connections ({value}) must not exceed --http-max-connections "
+                          f"({args.http_max_connections})")
+    return value
 
 
 def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:

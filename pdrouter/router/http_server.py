@@ -17,19 +17,30 @@ The seam. What the door gives the server:
 
 * an ASGI application (``make_server(app)``) that answers every request by itself, as under any
   ASGI server;
+* on that application, optionally, :meth:`HeadCheck.check_head`: the decision on a request's head
+  (its method, path, ``Authorization`` and ``Content-Type`` values), a :class:`Verdict`: serve it, or
+  refuse it with a :class:`Refusal`; and whether it proved the client (an accepted key);
 * on that application, optionally, :meth:`FastRoutes.fast_handlers`: per exact request path of a
   generation POST (``b"/v1/completions"``, ``b"/v1/chat/completions"``), a :data:`Handler`
-  ``handler(receive, send, authorization)`` (the endpoint's ASGI work, its scope already decided)
-  and the largest body it accepts. The server builds them once per connection, passing its
+  ``handler(receive, send, head)`` (the endpoint's ASGI work, its scope already decided) and the
+  largest body it accepts. The server builds them once per connection, passing its
   :data:`OnDisconnect`;
 * in the scopes of requests that reach the application, the server offers the same callback
   under :data:`DISCONNECT_EXTENSION`, so the endpoint needs no task watching ``receive``.
 
+What the server promises an application with :meth:`HeadCheck.check_head`:
+
+* every request's head is checked once it is complete and before any byte of its body is held
+  (what came in the same read as the head is all there is), on every entry point below; a request
+  pipelined behind a response in progress is checked by the application itself at its turn, its
+  connection not read meanwhile. A refused request never reaches the application: it is answered
+  with the refusal (an OpenAI-shaped JSON error, ``connection: close``) and its body is never read.
+
 What the server promises a handler:
 
-* ``authorization`` is the value of the request's ``Authorization`` header, None without one (a
-  request with several never reaches a handler: uvicorn's cycle takes it, and the application
-  answers it);
+* ``head`` (:class:`RequestHead`) has the values of the request's ``Authorization``, ``Content-Type``
+  and ``X-Request-Id`` headers, None for one it lacks (a request with several of one never reaches a
+  handler: uvicorn's cycle takes it, and the application answers it);
 * ``receive()`` gives the whole body in one ``http.request`` message (``more_body`` False) or, once
   the body has outgrown the handler's limit, what came of it with ``more_body`` True (the
   connection is then not kept); after that it waits, and gives ``http.disconnect`` once the
@@ -70,7 +81,10 @@ same on every entry point: a deadline for each request head (from the connection
 a kept-alive connection's first byte of the next request) and for each body (from the end of its
 head, longer for a large body arriving at the minimum rate), uvicorn's keep-alive idle timeout, a
 cap on the head's size (431), on open connections and on requests in flight (503 with
-``Retry-After``; a connection past the cap is answered before anything of it is read). An error
+``Retry-After``; a connection past the cap is answered before anything of it is read), and a budget
+of connections that have not proved their client (no request with an accepted key yet; with an
+application that checks no heads, no request yet): past it the oldest of them is closed, so that
+clients that did prove themselves are never locked out by ones that did not. An error
 answer is an OpenAI-shaped JSON body with ``connection: close``; the request in progress is
 abandoned (its endpoint's ``receive()`` says ``http.disconnect``), the connection is half-closed,
 and what the client still sends is dropped until it closes (at most ``LINGER_S``).
@@ -87,7 +101,7 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping, Sequence
-from typing import Any, ClassVar, Protocol, TypeVar, cast, runtime_checkable
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar, cast, runtime_checkable
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -105,15 +119,57 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
-Handler = Callable[[Receive, Send, bytes | None], Awaitable[None]]
-"""``handler(receive, send, authorization)``: the endpoint's ASGI work for one request (scope already
-decided); ``authorization``: the request's ``Authorization`` header value, None without one."""
+
+
+class RequestHead(NamedTuple):
+    """What a handler gets of its request's head (each value None when the header is absent)."""
+
+    authorization: bytes | None
+    content_type: bytes | None
+    request_id: bytes | None
+    """The client's ``X-Request-Id``: a label to echo back, never a key of anything."""
+
+
+NO_HEAD = RequestHead(None, None, None)
+
+Handler = Callable[[Receive, Send, RequestHead], Awaitable[None]]
+"""``handler(receive, send, head)``: the endpoint's ASGI work for one request (scope already
+decided); ``head``: the request's :class:`RequestHead`."""
 OnDisconnect = Callable[[Callable[[], None]], Callable[[], None]]
 """``on_disconnect(callback)`` → ``forget()``: call ``callback`` if the client's connection is lost."""
 DISCONNECT_EXTENSION = "pdrouter.disconnect"
 """The ASGI scope extension by which the server offers ``{"register": OnDisconnect}``."""
 READ_SIZE = 64 * 1024
 """Bytes asked of each ``recv`` on an HTTP connection (asyncio's default is 256 KiB)."""
+
+
+class Refusal(NamedTuple):
+    """A request answered on its head alone: ``status``, an OpenAI error ``code`` and ``message``,
+    and headers of its own (``WWW-Authenticate`` with a 401)."""
+
+    status: int
+    code: str
+    message: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class Verdict(NamedTuple):
+    """:meth:`HeadCheck.check_head`'s answer: ``refusal`` (None: serve the request), and ``proven``:
+    the request proved its client (it carried an accepted key, or the application asks none)."""
+
+    refusal: Refusal | None
+    proven: bool
+
+
+@runtime_checkable
+class HeadCheck(Protocol):
+    """An ASGI application that decides on each request's head, before the server reads its body."""
+
+    def check_head(self, method: bytes, path: bytes, authorization: Sequence[bytes],
+                   content_type: Sequence[bytes]) -> Verdict:
+        """``path``: the request target up to any ``?``, as sent; ``authorization`` and
+        ``content_type``: every value of the request's ``Authorization`` and ``Content-Type`` headers."""
+        ...
 
 
 @runtime_checkable
@@ -136,25 +192,46 @@ _HEADER_LINES = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+:[ \t]*"
 value characters, no obsolete line folding), each ending in CRLF."""
 _PASS_ON = (b"\ntransfer-encoding:", b"\nexpect:", b"\nupgrade:")
 _AUTHORIZATION = b"\nauthorization:"
+_CONTENT_TYPE = b"\ncontent-type:"
+_REQUEST_ID = b"\nx-request-id:"
 
 
 def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, bytes] | None:
     """``(route, keep_alive, body)`` when ``data`` is exactly one plain ``POST`` to one of ``routes``.
 
     Plain: ``HTTP/1.1``, the path exactly a key of ``routes`` (no query string), well-formed header
-    lines, one ``Content-Length`` equal to the body that follows, no ``Transfer-Encoding``,
-    ``Expect`` or ``Upgrade``, at most one ``Connection`` and one ``Authorization`` header. Anything
-    else, including a request that has not wholly arrived or one with another pipelined behind it,
-    is None: the general parser takes it (and answers what is malformed). A request read here
-    never reaches that parser, which stays between two messages.
+    lines, one ``Content-Length`` (of at most 18 digits) equal to the body that follows, no
+    ``Transfer-Encoding``, ``Expect`` or ``Upgrade``, at most one ``Connection``, ``Authorization``,
+    ``Content-Type`` and ``X-Request-Id`` header. Anything else, including a request that has not
+    wholly arrived or one with another pipelined behind it, is None: the general parser takes it
+    (and answers what is malformed). A request read here never reaches that parser, which stays
+    between two messages.
     """
-    whole = whole_request_with_authorization(data, routes)
+    whole = whole_request_head(data, routes)
     return None if whole is None else whole[:3]
 
 
-def whole_request_with_authorization(data: bytes, routes: Mapping[bytes, T]
-                                     ) -> tuple[T, bool, bytes, bytes | None] | None:
-    """:func:`whole_request`, and the value of the request's ``Authorization`` header (None without one)."""
+_SEVERAL = object()
+_MAX_LENGTH_DIGITS = 18
+"""A longer ``Content-Length`` is left to the parser, which answers 400 (no request body is that large)."""
+
+
+def _header(lower: bytes, block: bytes, name: bytes) -> bytes | object | None:
+    """The value of header ``name`` (``b"\nname:"``, lower case) in a head ``block`` (``lower`` is
+    b"\n" + ``block`` lower-cased), its case kept; None when absent, ``_SEVERAL`` when repeated."""
+    at = lower.find(name)
+    if at < 0:
+        return None
+    if lower.find(name, at + 1) >= 0:
+        return _SEVERAL
+    # ``lower`` is ``block`` lower-cased after one b"\n": the same offsets, less one (a key keeps its case).
+    return block[at + len(name) - 1:lower.find(b"\r", at) - 1].strip(b" \t")
+
+
+def whole_request_head(data: bytes, routes: Mapping[bytes, T]
+                       ) -> tuple[T, bool, bytes, bytes, RequestHead] | None:
+    """:func:`whole_request`, with the request's path and its :class:`RequestHead`:
+    ``(route, keep_alive, body, path, head)``."""
     line_end = data.find(b"\r\n")
     if line_end < 0 or not data.startswith(b"POST /"):
         return None
@@ -175,7 +252,7 @@ def whole_request_with_authorization(data: bytes, routes: Mapping[bytes, T]
     if at < 0 or lower.find(b"\ncontent-length:", at + 1) >= 0:
         return None
     value = lower[at + 16:lower.find(b"\r", at)].strip()
-    if not value.isdigit():
+    if not value.isdigit() or len(value) > _MAX_LENGTH_DIGITS:
         return None
     body = data[head_end + 4:]
     if len(body) != int(value):
@@ -189,14 +266,22 @@ def whole_request_with_authorization(data: bytes, routes: Mapping[bytes, T]
         if b"upgrade" in options:
             return None
         keep_alive = b"close" not in options
-    authorization = None
-    at = lower.find(_AUTHORIZATION)
-    if at >= 0:
-        if lower.find(_AUTHORIZATION, at + 1) >= 0:
-            return None
-        # ``lower`` is ``block`` lower-cased after one b"\n": the same offsets, less one (a key keeps its case).
-        authorization = block[at + len(_AUTHORIZATION) - 1:lower.find(b"\r", at) - 1].strip(b" \t")
-    return route, keep_alive, body, authorization
+    authorization = _header(lower, block, _AUTHORIZATION)
+    content_type = _header(lower, block, _CONTENT_TYPE)
+    request_id = _header(lower, block, _REQUEST_ID)
+    if authorization is _SEVERAL or content_type is _SEVERAL or request_id is _SEVERAL:
+        return None
+    head = RequestHead(cast("bytes | None", authorization), cast("bytes | None", content_type),
+                       cast("bytes | None", request_id))
+    return route, keep_alive, body, target, head
+
+
+def _one(value: bytes | None) -> tuple[bytes, ...]:
+    return () if value is None else (value,)
+
+
+def _first(values: Sequence[bytes]) -> bytes | None:
+    return values[0] if values else None
 
 
 def status_line(status: int) -> bytes:
@@ -210,41 +295,30 @@ def status_line(status: int) -> bytes:
     return line
 
 
-class _Event:
-    """What uvicorn's parser callbacks call ``set()`` on: body bytes, the end of the body, a loss."""
-
-    __slots__ = ("_cycle",)
-
-    def __init__(self, cycle: FastCycle) -> None:
-        self._cycle = cycle
-
-    def set(self) -> None:
-        self._cycle.progress()
-
-
 class FastCycle:
     """One generation request on a connection served by :class:`HttpProtocol` (entry points 1 and 2).
 
     Exposes the attributes uvicorn's protocol reads and writes on its current cycle (``body``,
     ``more_body``, ``message_event``, ``response_complete``, ``disconnected``, ``keep_alive``).
+    ``message_event`` is the cycle itself (uvicorn calls its ``set()`` for body bytes, the end of the
+    body, a loss), not an object of its own that would tie the cycle, and its body, into a reference
+    cycle; a cycle whose client is gone drops its body at once.
     """
 
-    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "authorization", "body", "chunked",
-                 "disconnected", "handler", "keep_alive", "message_event", "more_body", "protocol",
+    __slots__ = ("_body_limit", "_closed", "_head", "_started", "_taken", "body", "chunked",
+                 "disconnected", "handler", "keep_alive", "more_body", "protocol", "request_head",
                  "response_complete", "response_started")
 
     def __init__(self, protocol: HttpToolsProtocol, handler: Handler, keep_alive: bool, body_limit: int,
-                 body: bytes | None = None, authorization: bytes | None = None) -> None:
+                 body: bytes | None = None, head: RequestHead = NO_HEAD) -> None:
         """``body``: the whole request body, when it has all arrived (the request starts at once);
-        None: uvicorn's parser callbacks bring it. ``authorization``: the request's
-        ``Authorization`` header value, for the handler."""
+        None: uvicorn's parser callbacks bring it. ``head``: what the handler gets of the head."""
         self.protocol = protocol
         self.handler = handler
-        self.authorization = authorization
+        self.request_head = head
         self.keep_alive = keep_alive
         self.body: bytes | bytearray = bytearray() if body is None else body
         self.more_body = body is None
-        self.message_event = _Event(self)
         self.response_started = False
         self.response_complete = False
         self.disconnected = False
@@ -257,9 +331,18 @@ class FastCycle:
         if body is not None:
             self.progress()
 
+    @property
+    def message_event(self) -> FastCycle:
+        return self
+
+    def set(self) -> None:
+        """uvicorn's ``message_event.set()``."""
+        self.progress()
+
     # -- from uvicorn's parser callbacks and connection_lost ------------------------------------
     def progress(self) -> None:
         if self.disconnected:
+            self.body = bytearray()  # nobody will read it
             if self._closed is not None and not self._closed.done():
                 self._closed.set_result(None)
             return
@@ -279,7 +362,7 @@ class FastCycle:
 
     async def _run(self) -> None:
         try:
-            await self.handler(self.receive, self.send, self.authorization)
+            await self.handler(self.receive, self.send, self.request_head)
         except BaseException as exc:
             if not isinstance(exc, asyncio.CancelledError):
                 log.error("generation request failed", exc_info=exc)
@@ -436,7 +519,8 @@ dropping) what its client still sends, so that the answer is not lost to a TCP r
 _DISCARD_READ_SIZE = 4096
 _LOG_EVERY_S = 10.0
 _last_logged: dict[str, float] = {}
-_ERROR_TYPES = {408: "invalid_request_error", 431: "invalid_request_error", 503: "server_error"}
+_ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 408: "invalid_request_error",
+                415: "invalid_request_error", 431: "invalid_request_error", 503: "server_error"}
 
 
 def _log_limit(what: str, message: str, *args: object) -> None:
@@ -448,12 +532,12 @@ def _log_limit(what: str, message: str, *args: object) -> None:
 
 
 def error_response(status: int, code: str, message: str, default_headers: Sequence[tuple[bytes, bytes]] = (),
-                   retry_after_s: int | None = None) -> bytes:
-    """A whole ``connection: close`` error response with an OpenAI-shaped JSON body."""
+                   retry_after_s: int | None = None, headers: Sequence[tuple[bytes, bytes]] = ()) -> bytes:
+    """A whole ``connection: close`` error response with an OpenAI-shaped JSON body (``headers``: more headers)."""
     body = json.dumps({"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
                                  "param": None, "code": code}}, separators=(",", ":")).encode()
     parts = [status_line(status)]
-    for name, value in default_headers:
+    for name, value in (*default_headers, *headers):
         parts += (name, b": ", value, b"\r\n")
     parts.append(b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body))
     if retry_after_s is not None:
@@ -463,12 +547,24 @@ def error_response(status: int, code: str, message: str, default_headers: Sequen
 
 
 class _Gate:
-    """The requests in flight on one server's connections, for :attr:`HttpLimits.max_inflight`."""
+    """One server's counts: requests in flight (:attr:`HttpLimits.max_inflight`), connections open
+    (:attr:`HttpLimits.max_connections`) and, oldest first, those that have not proved their client
+    (:attr:`HttpLimits.max_unauthenticated_connections`)."""
 
-    __slots__ = ("inflight",)
+    __slots__ = ("inflight", "open", "unproven")
 
     def __init__(self) -> None:
         self.inflight = 0
+        self.open = 0
+        self.unproven: dict[HttpProtocol, None] = {}
+
+    def evict_oldest(self) -> bool:
+        """Close the oldest connection that has not proved its client; False when there is none."""
+        if not self.unproven:
+            return False
+        oldest = next(iter(self.unproven))
+        oldest._evict()
+        return True
 
 
 class HttpProtocol(HttpToolsProtocol):
@@ -500,22 +596,26 @@ class HttpProtocol(HttpToolsProtocol):
     _linger: asyncio.TimerHandle | None = None
     _admitted = 0  # this connection's requests counted in the server's in-flight count
     _discarding = False  # answered and closing: everything read from now on is dropped
+    _check: Callable[[bytes, bytes, Sequence[bytes], Sequence[bytes]], Verdict] | None = None
+    _counted = False  # counted in the server's open connections
+    _proven = False  # a request of this connection proved its client
 
     def data_received(self, data: bytes) -> None:
         if self._discarding:
             return
         if (self._fast is not None and not self._in_message and not self.pipeline
                 and self.limit_concurrency is None and (self.cycle is None or self.cycle.response_complete)):
-            whole = whole_request_with_authorization(data, self._fast)
+            whole = whole_request_head(data, self._fast)
             if whole is not None and len(data) - len(whole[2]) <= self.limits.max_header_bytes:
                 # entry point 1: one plain generation request, whole
-                (handler, body_limit), keep_alive, body, authorization = whole
+                (handler, body_limit), keep_alive, body, path, head = whole
                 self._unset_keepalive_if_required()
-                if not self._admit():
+                if not self._passes(b"POST", path, _one(head.authorization), _one(head.content_type)) \
+                        or not self._admit():
                     return
                 self._phase = _BUSY
                 self.cycle = FastCycle(self, handler, keep_alive, body_limit, body,  # type: ignore[assignment]
-                                       authorization)
+                                       head)
                 return
         if self._phase == _IDLE:  # the first bytes of a request on a kept-alive connection
             self._start(_HEAD)
@@ -547,42 +647,69 @@ class HttpProtocol(HttpToolsProtocol):
         if len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers) > limits.max_header_bytes:
             self._head_too_large()
             return
-        if (self.cycle is not None and not self.cycle.response_complete) or bytes(self.url) in PROBE_PATHS:
-            # Pipelined behind a response in progress (queued), or a liveness probe (an overloaded
-            # router is alive: a probe refused for load would get it restarted): counted, not refused.
+        queued = self.cycle is not None and not self.cycle.response_complete
+        authorization: list[bytes] = []
+        content_type: list[bytes] = []
+        request_id: list[bytes] = []
+        for name, value in self.headers:
+            if name == b"authorization":
+                authorization.append(value)
+            elif name == b"content-type":
+                content_type.append(value)
+            elif name == b"x-request-id":
+                request_id.append(value)
+        # Pipelined behind a response in progress, a request is queued (its connection not read
+        # meanwhile) and checked by the application at its turn: an answer now would cut into the
+        # response being sent.
+        if not queued and not self._passes(self.parser.get_method(), bytes(self.url).partition(b"?")[0],
+                                           authorization, content_type):
+            return
+        if queued or bytes(self.url) in PROBE_PATHS:
+            # Queued, or a liveness probe (an overloaded router is alive: a probe refused for load
+            # would get it restarted): counted, not refused.
             self._admitted += 1
             self.gate.inflight += 1
         elif not self._admit():
             return
         self._start(_BODY)
-        fast = self._fast_handler()
-        if fast is None:  # entry point 3: uvicorn's cycle
-            super().on_headers_complete()
+        fast = self._fast_handler(queued)
+        if fast is None or len(authorization) > 1 or len(content_type) > 1 or len(request_id) > 1:
+            super().on_headers_complete()  # entry point 3: uvicorn's cycle (the application answers repeats)
             return
-        handler, body_limit, authorization = fast  # entry point 2: parsed by httptools, served by a FastCycle
+        handler, body_limit = fast  # entry point 2: parsed by httptools, served by a FastCycle
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        self.cycle = FastCycle(self, handler, keep_alive, body_limit,  # type: ignore[assignment]
-                               authorization=authorization)
+        head = RequestHead(_first(authorization), _first(content_type), _first(request_id))
+        self.cycle = FastCycle(self, handler, keep_alive, body_limit, head=head)  # type: ignore[assignment]
 
-    def _fast_handler(self) -> tuple[Handler, int, bytes | None] | None:
-        """``(handler, body_limit, authorization)`` when the generation endpoint's own cycle applies
-        (entry point 2), or None."""
+    def _fast_handler(self, queued: bool) -> tuple[Handler, int] | None:
+        """``(handler, body_limit)`` when the generation endpoint's own cycle applies (entry point 2), or None."""
         if self._fast is None or self.expect_100_continue or self.pipeline or self.limit_concurrency is not None:
             return None
-        if self.cycle is not None and not self.cycle.response_complete:
+        if queued:
             return None  # pipelined behind a response in progress: uvicorn queues it
         if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
             return None
-        fast = self._fast.get(bytes(self.url))
-        if fast is None:
-            return None
-        authorization = None
-        for name, value in self.headers:
-            if name == b"authorization":
-                if authorization is not None:
-                    return None  # several: the application answers them
-                authorization = value
-        return fast[0], fast[1], authorization
+        return self._fast.get(bytes(self.url))
+
+    def _passes(self, method: bytes, path: bytes, authorization: Sequence[bytes],
+                content_type: Sequence[bytes]) -> bool:
+        """Check a request's head (the application's :class:`HeadCheck`); True to serve it. A refused
+        one is answered at once (its body never read) and its connection closes. A request that
+        proves its client takes its connection out of the unproven ones."""
+        check = self._check
+        if check is None:
+            proven = True
+        else:
+            refusal, proven = check(method, path, authorization, content_type)
+            if refusal is not None:
+                _log_limit(f"refused-{refusal.status}", "HTTP: refusing requests on their head: %d %s (logged "
+                           "once every %g s)", refusal.status, refusal.code, _LOG_EVERY_S)
+                self._answer(refusal.status, refusal.code, refusal.message, headers=refusal.headers)
+                return False
+        if proven and not self._proven:
+            self._proven = True
+            self.gate.unproven.pop(self, None)
+        return True
 
     def on_message_begin(self) -> None:
         self._in_message = True
@@ -607,20 +734,33 @@ class HttpProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._discarding = True
         self._release()
+        self._leave_gate()
         for timer in (self._watch, self._linger):
             if timer is not None:
                 timer.cancel()
         self._watch = self._linger = None
         super().connection_lost(exc)
+        # Bodies being read are dropped now, not when the collector gets to the protocol and its
+        # cycles (which refer to each other).
+        if self.cycle is not None:
+            self.cycle.body = bytearray()
+        for cycle, _ in self.pipeline:
+            cycle.body = bytearray()
+        self.pipeline.clear()
         callbacks, self._lost_callbacks = self._lost_callbacks, None
         for callback in callbacks or ():
             callback()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        limits = self.limits
-        if len(self.connections) >= limits.max_connections:
+        limits, gate = self.limits, self.gate
+        if len(gate.unproven) >= limits.max_unauthenticated_connections:
+            gate.evict_oldest()
+        if gate.open >= limits.max_connections and not gate.evict_oldest():
             self._refuse(cast(asyncio.Transport, transport))
             return
+        gate.open += 1
+        self._counted = True
+        gate.unproven[self] = None
         if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]
         corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
@@ -628,7 +768,29 @@ class HttpProtocol(HttpToolsProtocol):
         app = self.app
         if isinstance(app, FastRoutes) and not self.root_path:
             self._fast = app.fast_handlers(self._on_disconnect)
+        if isinstance(app, HeadCheck):
+            self._check = app.check_head
         self._start(_HEAD)
+
+    def _leave_gate(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.gate.open -= 1
+            self.gate.unproven.pop(self, None)
+
+    def _evict(self) -> None:
+        """Closed to make room (the oldest connection that has not proved its client)."""
+        self._leave_gate()
+        budget = self.limits.max_unauthenticated_connections
+        _log_limit("unproven", "HTTP: closing the oldest connections that have not authenticated: %d of them "
+                   "open (--http-max-unauthenticated-connections)", budget)
+        if self._in_message or self._seen:
+            self._answer(503, "overloaded", f"the server holds its limit of {budget} connections that have not "
+                         f"authenticated, and this was the oldest; retry shortly",
+                         retry_after_s=self.limits.retry_after_s)
+        else:
+            self._discarding = True
+            self.transport.close()
 
     # -- limits ---------------------------------------------------------------------------------
     def _start(self, phase: int) -> None:
@@ -729,7 +891,8 @@ class HttpProtocol(HttpToolsProtocol):
         self._answer(503, "overloaded", f"the server has its limit of {cap} connections open; retry shortly",
                      retry_after_s=self.limits.retry_after_s)
 
-    def _answer(self, status: int, code: str, message: str, retry_after_s: int | None = None) -> None:
+    def _answer(self, status: int, code: str, message: str, retry_after_s: int | None = None,
+                headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         """Answer ``status`` (the request in progress, if any, is abandoned), then close the connection.
 
         What the client sends after the answer is read and dropped for up to :data:`LINGER_S` (the
@@ -746,7 +909,7 @@ class HttpProtocol(HttpToolsProtocol):
             cycle.message_event.set()
         if transport.is_closing():
             return
-        response = error_response(status, code, message, self.server_state.default_headers, retry_after_s)
+        response = error_response(status, code, message, self.server_state.default_headers, retry_after_s, headers)
         getattr(transport, "write_now", transport.write)(response)
         try:
             if transport.can_write_eof():

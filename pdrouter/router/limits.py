@@ -20,7 +20,12 @@ its default and what a client sees when it is reached. The server enforces them 
   ``Retry-After`` at once, without reading its request, and closed;
 * **in-flight cap** (``max_inflight``): a request arriving while this many are being served (from
   their head to the end of their response) is answered ``503`` with ``Retry-After``, and its
-  connection is closed.
+  connection is closed;
+* **budget of unauthenticated connections** (``max_unauthenticated_connections``, default half the
+  connection cap): connections that have not yet sent a request with an accepted API key (on a door
+  without keys: no request yet). Past it, and when the connection cap is reached, the oldest of them
+  is closed (``503`` if it had begun a request) to make room, so that clients with a key always
+  get in: idle or trickling connections without one cannot fill the door.
 
 Every error answer has an OpenAI-shaped JSON body (``{"error": {"message", "type", "param",
 "code"}}``) and ``connection: close``.
@@ -53,6 +58,14 @@ class HttpLimits:
     """Requests being served at once by the door; one more is answered 503 and its connection closed."""
     retry_after_s: int = 1
     """The ``Retry-After`` of the 503 answers."""
+    unauthenticated_connections: int | None = None
+    """Connections that have not proved their client; past it the oldest is closed (None: half of
+    ``max_connections``, at least 1)."""
+
+    @property
+    def max_unauthenticated_connections(self) -> int:
+        given = self.unauthenticated_connections
+        return max(1, self.max_connections // 2) if given is None else given
 
     def __post_init__(self) -> None:
         for name in ("header_timeout_s", "body_timeout_s", "idle_timeout_s"):
@@ -65,5 +78,9 @@ class HttpLimits:
                 raise ConfigError(f"HTTP limit {name} must be a whole number > 0, got {value!r}")
         if self.max_header_bytes < 1024:
             raise ConfigError(f"HTTP limit max_header_bytes must be at least 1024, got {self.max_header_bytes}")
+        given = self.unauthenticated_connections
+        if given is not None and (not isinstance(given, int) or not 1 <= given <= self.max_connections):
+            raise ConfigError(f"HTTP limit unauthenticated_connections must be a whole number in [1, max_connections "
+                              f"= {self.max_connections}], got {given!r}")
         if not isinstance(self.retry_after_s, int) or self.retry_after_s < 0:
             raise ConfigError(f"HTTP limit retry_after_s must be a whole number >= 0, got {self.retry_after_s!r}")

@@ -22,6 +22,8 @@ class RouterRequest:
     """A validated, tokenized request."""
 
     request_id: RequestId
+    """The router's own id (``pdrouter.core.ids.new_request_id``): the key of the request on every
+    worker. Never the client's."""
     model: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams
@@ -34,6 +36,9 @@ class RouterRequest:
     non-streamed response without stop strings): the worker may then send the tokens in one chunk
     at the end (a decode worker's ``Serve``: after the first one, with its prefill report). The
     output is the same either way; the time to the first token is then not known."""
+    label: str | None = None
+    """What the client calls the request (HTTP ``X-Request-Id``, gRPC ``request_id``): echoed back to
+    it and logged beside ``request_id``, never used as a key."""
 
 
 @dataclass(frozen=True)

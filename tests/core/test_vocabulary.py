@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pkgutil
 import re
 import subprocess
@@ -71,7 +72,15 @@ def test_a_forked_process_makes_other_request_ids() -> None:
         child = pipe.read().split("\n")
     parent = [new_request_id() for _ in range(3)]
     assert len(child) == 3 and not set(child) & set(parent)
-    assert child[0][:24] != parent[0][:24]  # another random prefix
+
+
+def test_request_ids_tell_nothing_of_the_next() -> None:
+    """Each id is random on its own: no shared prefix to read off one id, no counter to step."""
+    ids = [new_request_id() for _ in range(64)]
+    prefixes = {i[4:12] for i in ids}  # 8 hex digits: a shared part would repeat across the 64
+    assert len(prefixes) == 64
+    as_numbers = [int(i[4:], 16) for i in ids]
+    assert not any(b - a == 1 for a, b in itertools.pairwise(as_numbers))
 
 
 @pytest.mark.parametrize(("kwargs", "field"), [

@@ -31,7 +31,7 @@ from pdrouter.router.config import RouterConfig
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, ApiKeyInterceptor, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import whole_request_with_authorization
+from pdrouter.router.http_server import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoOrchestrator
@@ -169,16 +169,21 @@ def request(target: bytes = b"/v1/completions", authorization: bytes | None = No
             % (target, auth, extra, len(BODY), BODY))
 
 
-def test_a_request_read_whole_gives_its_authorization() -> None:
+def test_a_request_read_whole_gives_its_head() -> None:
     routes = {b"/v1/completions": "completions"}
     good = b"Bearer " + KEY.upper().encode()
-    assert whole_request_with_authorization(request(authorization=good), routes) == (
-        "completions", True, BODY, good)  # the key keeps its case
-    assert whole_request_with_authorization(request(authorization=b"  " + good + b" \t"), routes) == (
-        "completions", True, BODY, good)
-    assert whole_request_with_authorization(request(), routes) == ("completions", True, BODY, None)
+    path, json_type = b"/v1/completions", b"application/json"
+    assert whole_request_head(request(authorization=good), routes) == (
+        "completions", True, BODY, path, RequestHead(good, json_type, None))  # the key keeps its case
+    assert whole_request_head(request(authorization=b"  " + good + b" \t"), routes) == (
+        "completions", True, BODY, path, RequestHead(good, json_type, None))
+    assert whole_request_head(request(), routes) == ("completions", True, BODY, path,
+                                                     RequestHead(None, json_type, None))
+    labelled = request(extra=b"X-Request-Id: Mine-1\r\n")
+    assert whole_request_head(labelled, routes) == ("completions", True, BODY, path,
+                                                    RequestHead(None, json_type, b"Mine-1"))
     two = request(authorization=good, extra=b"authorization: " + good + b"\r\n")
-    assert whole_request_with_authorization(two, routes) is None  # the parser, then the application, answer it
+    assert whole_request_head(two, routes) is None  # the parser, then the application, answer it
 
 
 @pytest.mark.parametrize("arrival", ["whole", "in pieces", "query string"])

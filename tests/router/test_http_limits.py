@@ -25,7 +25,7 @@ import uvloop
 
 from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.http_server import Handler, OnDisconnect, Receive, Send
+from pdrouter.router.http_server import Handler, OnDisconnect, Receive, RequestHead, Send
 from pdrouter.router.limits import HttpLimits
 from pdrouter.testing import http as testing_http
 
@@ -55,7 +55,7 @@ class App:
 
     def fast_handlers(self, on_disconnect: OnDisconnect) -> Mapping[bytes, tuple[Handler, int]]:
         def handler(path: str) -> Handler:
-            async def handle(receive: Receive, send: Send, authorization: bytes | None) -> None:
+            async def handle(receive: Receive, send: Send, head: RequestHead) -> None:
                 message = await receive()
                 await self._answer(path, message.get("body", b""), send)
             return handle

@@ -28,7 +28,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pdrouter.core.errors import InvalidRequestError, PdRouterError
-from pdrouter.core.ids import RequestId, new_request_id
+from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import Tokenizer
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
@@ -58,7 +58,8 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
 
     Unset proto3 scalars read as: ``max_tokens`` 0 → the context left after the prompt capped at
     ``config.default_max_tokens`` (as over HTTP); ``top_p`` 0 → 1; ``temperature`` 0 → greedy.
-    An empty ``request_id`` gets a fresh one. Every field is bounded as over HTTP (``top_k`` at
+    The request always gets a fresh id of the router's; the client's ``request_id``, when set, is
+    only its label (echoed in the responses). Every field is bounded as over HTTP (``top_k`` at
     most ``MAX_TOP_K``, ``seed`` below 2^63, ``temperature`` finite in [0, 100]…): a bad value is an
     InvalidRequestError (INVALID_ARGUMENT) naming the field.
     """
@@ -82,8 +83,8 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     served.check_token_ids(stop_ids, "sampling.stop_token_ids")
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
     sampling = sampling_params(s, max_tokens)
-    request_id = RequestId(msg.request_id) if msg.request_id else new_request_id()
-    return RouterRequest(request_id, served.name, tuple(ids), sampling, deadline)
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline,
+                         label=msg.request_id or None)
 
 
 def sampling_params(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
@@ -145,7 +146,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             router_request = to_router_request(request, served, self.config, deadline)
-            rid = router_request.request_id
+            rid = router_request.label or router_request.request_id
             text = TextStream(served.tokenizer.stream_decoder())
             async with aclosing(stream_pieces(self.orchestrator, router_request, text, metrics,
                                               arrival)) as pieces:

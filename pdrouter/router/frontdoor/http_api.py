@@ -6,10 +6,15 @@ serves it on a port of its own, :func:`metrics_app`); anything else is a JSON 40
 another method, a JSON 405). The two generation POSTs go straight to their handler; everything
 else is routed by Starlette.
 
-With API keys (``pdrouter.router.frontdoor.auth``) every path but ``/health`` and ``/healthz``
-needs ``Authorization: Bearer <key>``: without it, or with a key not accepted, the answer is 401
-in OpenAI's error shape (``code`` ``invalid_api_key``) with ``WWW-Authenticate: Bearer``, before
-the body is read or any route is looked up.
+Each request is decided on its head first (:meth:`HttpApp.check_head`, which the server calls
+before it reads any byte of the body): with API keys (``pdrouter.router.frontdoor.auth``) every
+path but ``/health`` and ``/healthz`` needs ``Authorization: Bearer <key>``: without it, or with a
+key not accepted, the answer is 401 in OpenAI's error shape (``code`` ``invalid_api_key``) with
+``WWW-Authenticate: Bearer``; a generation POST whose ``Content-Type`` is not JSON is answered 415
+(``code`` ``unsupported_media_type``; no ``Content-Type`` at all is read as JSON). A client's
+``X-Request-Id`` (at most 128 printable ASCII characters) is kept as the request's label: logged,
+and echoed back in the response's ``x-request-id``; without one, that header carries the router's
+own id for the request.
 
 A generation request is validated and tokenized in the endpoint; the response object then drives
 the orchestrator's stream itself, so that:
@@ -34,7 +39,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing
 from typing import Any
 
@@ -52,7 +57,7 @@ from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
 from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
 from pdrouter.router.generation import Piece, stream_pieces
-from pdrouter.router.http_server import DISCONNECT_EXTENSION, Handler, OnDisconnect
+from pdrouter.router.http_server import DISCONNECT_EXTENSION, Handler, OnDisconnect, Refusal, RequestHead, Verdict
 
 # The server's own, importable from here too by code that builds a door and its server together.
 from pdrouter.router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
@@ -108,21 +113,24 @@ class HttpFrontdoor:
                            self.api_keys)
 
     async def generation(self, receive: Receive, send: Send, chat: bool,
-                         on_disconnect: OnDisconnect | None = None) -> None:
+                         on_disconnect: OnDisconnect | None = None, label: bytes | None = None) -> None:
         """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request.
 
         ``on_disconnect`` (the server's :data:`DISCONNECT_EXTENSION`, when it has it) replaces the
-        task that otherwise watches ``receive`` for the client going away.
+        task that otherwise watches ``receive`` for the client going away. ``label``: the client's
+        ``X-Request-Id``, echoed back.
         """
         arrival = time.perf_counter()
         self.door_metrics.in_flight.inc()
+        client_id: str | None = None
         try:
+            client_id = request_label(label)
             body = await self._read_body(receive)
             parsed = parse_openai_request(body, chat, self.config)
             served = self.models.get(parsed.model)
             timeout = self.config.request_timeout_s
             deadline = None if timeout is None else time.monotonic() + timeout
-            router_request = to_router_request(parsed, served, self.config, deadline)
+            router_request = to_router_request(parsed, served, self.config, deadline, client_id)
             if not parsed.stream and not parsed.stop:
                 # Taken in one piece, and no stop string to watch token by token: the worker
                 # sends the tokens at once (the same output, one message instead of one a token).
@@ -133,6 +141,8 @@ class HttpFrontdoor:
             payload = reply.body()
             headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
             headers += [(b"content-length", str(len(payload)).encode()), (b"content-type", b"application/json")]
+            if client_id is not None:
+                headers.append((b"x-request-id", client_id.encode()))
             await send({"type": "http.response.start", "status": reply.status, "headers": headers})
             await send({"type": "http.response.body", "body": payload, "more_body": False})
             return
@@ -190,8 +200,8 @@ class HttpApp:
     ``POST`` requests to the generation paths go straight to their endpoint, skipping routing;
     every other request (other routes, other methods, unknown paths, any scope with a root path)
     goes through the Starlette ``routes``, which hold the same endpoints, so both ways answer alike.
-    With ``api_keys``, every request but those to ``OPEN_HTTP_PATHS`` is checked first, whichever way
-    it arrives (here or through :meth:`fast_handlers`).
+    Every request's head is checked first (:meth:`check_head`): by the router's server before it
+    reads the body, and here again for requests that arrive from another server.
     """
 
     __slots__ = ("_api_keys", "_posts", "_routes", "state")
@@ -203,20 +213,41 @@ class HttpApp:
         self.state = routes.state
 
     def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
-        """Per generation path: ``handler(receive, send)`` and the body limit, for the server's own
-        request cycle (``pdrouter.router.http_server.FastRoutes``)."""
+        """Per generation path: ``handler(receive, send, head)`` and the body limit, for the server's
+        own request cycle (``pdrouter.router.http_server.FastRoutes``), which checks heads first."""
         out: dict[bytes, tuple[Handler, int]] = {}
         for path, endpoint in self._posts.items():
             if isinstance(endpoint, _GenerationEndpoint):
-                out[path.encode()] = (endpoint.handler(on_disconnect, self._api_keys), endpoint.body_limit)
+                out[path.encode()] = (endpoint.handler(on_disconnect), endpoint.body_limit)
         return out
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._api_keys is not None and scope["type"] == "http" and scope["path"] not in OPEN_HTTP_PATHS:
+    def check_head(self, method: bytes, path: bytes, authorization: Sequence[bytes],
+                   content_type: Sequence[bytes]) -> Verdict:
+        """The decision on a request's head (``pdrouter.router.http_server.HeadCheck``): 401 without
+        an accepted key (on every path but the probes'), 415 for a generation POST that is not JSON.
+        ``path`` is matched as sent: an encoded probe path needs the key like any other."""
+        keys = self._api_keys
+        proven = keys is None
+        if keys is not None and path.decode("latin-1") not in OPEN_HTTP_PATHS:
             try:
-                self._api_keys.check(_authorization(scope))
+                if len(authorization) > 1:
+                    raise AuthenticationError("several Authorization headers: send one")
+                keys.check(authorization[0] if authorization else None)
             except AuthenticationError as exc:
-                await refuse(send, exc)
+                return Verdict(Refusal(exc.http_status, exc.openai_code, exc.message, _WWW_AUTHENTICATE), False)
+            proven = True
+        if method == b"POST" and path.decode("latin-1") in self._posts:
+            refusal = _content_type_refusal(content_type)
+            if refusal is not None:
+                return Verdict(refusal, proven)
+        return Verdict(None, proven)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            refusal = self.check_head(scope["method"].encode("latin-1"), scope["path"].encode("latin-1"),
+                                      _values(scope, b"authorization"), _values(scope, b"content-type")).refusal
+            if refusal is not None:
+                await send_refusal(send, refusal)
                 return
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
             endpoint = self._posts.get(scope["path"])
@@ -243,27 +274,22 @@ class _GenerationEndpoint:
     def body_limit(self) -> int:
         return self._door.config.max_body_bytes
 
-    def handler(self, on_disconnect: OnDisconnect, api_keys: ApiKeys | None = None) -> Handler:
-        """The server's handler of this endpoint (``api_keys``: checked first, when given)."""
+    def handler(self, on_disconnect: OnDisconnect) -> Handler:
+        """The server's handler of this endpoint (the server has checked the head: ``HttpApp.check_head``)."""
         door, chat = self._door, self._chat
-        if api_keys is None:
-            def handle(receive: Receive, send: Send, authorization: bytes | None) -> Awaitable[None]:
-                return door.generation(receive, send, chat, on_disconnect)
-            return handle
-        keys = api_keys
 
-        async def handle_with_key(receive: Receive, send: Send, authorization: bytes | None) -> None:
-            try:
-                keys.check(authorization)
-            except AuthenticationError as exc:
-                await refuse(send, exc)
-                return
-            await door.generation(receive, send, chat, on_disconnect)
-        return handle_with_key
+        def handle(receive: Receive, send: Send, head: RequestHead) -> Awaitable[None]:
+            return door.generation(receive, send, chat, on_disconnect, head.request_id)
+        return handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         extension = (scope.get("extensions") or {}).get(DISCONNECT_EXTENSION)
-        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None)
+        labels = _values(scope, b"x-request-id")
+        if len(labels) > 1:
+            await send_refusal(send, Refusal(400, "invalid_request_id", "several X-Request-Id headers: send one"))
+            return
+        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None,
+                                    labels[0] if labels else None)
 
 
 class _Generation:
@@ -324,7 +350,8 @@ class _Generation:
                                       self._arrival, stop_strings=bool(parsed.stop)))
 
     def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        return [*base, (b"x-request-id", self._request.request_id.encode())]
+        request = self._request
+        return [*base, (b"x-request-id", (request.label or request.request_id).encode())]
 
     async def _unary(self, send: Send) -> BaseException | None:
         texts: list[str] = []
@@ -384,23 +411,50 @@ class _Generation:
         return exc
 
 
-def _authorization(scope: Scope) -> bytes | None:
-    """The request's ``Authorization`` header value (None without one); AuthenticationError for several."""
-    found = None
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            if found is not None:
-                raise AuthenticationError("several Authorization headers: send one")
-            found = value
-    return found
+_WWW_AUTHENTICATE = ((b"www-authenticate", b"Bearer"),)
+MAX_LABEL_CHARS = 128
+"""The longest ``X-Request-Id`` kept (as the gRPC door's ``request_id``)."""
 
 
-async def refuse(send: Send, exc: AuthenticationError) -> None:
-    """Answer 401 in OpenAI's error shape, with ``WWW-Authenticate: Bearer``."""
-    reply = error_reply(exc, 0)
-    body = reply.body()
-    await send({"type": "http.response.start", "status": reply.status,
-                "headers": [*_json_headers(body), (b"www-authenticate", b"Bearer")]})
+def request_label(value: bytes | None) -> str | None:
+    """The client's ``X-Request-Id`` as a label (None without one); InvalidRequestError when it is
+    longer than :data:`MAX_LABEL_CHARS` or not printable ASCII."""
+    if value is None:
+        return None
+    if len(value) > MAX_LABEL_CHARS or not (value.isascii() and value.decode("ascii").isprintable()):
+        raise InvalidRequestError(f"the X-Request-Id header must be at most {MAX_LABEL_CHARS} printable ASCII "
+                                  f"characters")
+    return value.decode("ascii") or None
+
+
+def _content_type_refusal(content_type: Sequence[bytes]) -> Refusal | None:
+    """415 unless the request's ``Content-Type`` is JSON (``application/json`` or ``*/*+json``, any
+    parameters) or absent."""
+    if not content_type:
+        return None
+    if len(content_type) == 1:
+        media = content_type[0].partition(b";")[0].strip().lower()
+        if media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json")):
+            return None
+        shown = content_type[0][:64].decode("latin-1")
+        shown = shown if shown.isprintable() else "(unprintable)"
+        message = f"the request body must be JSON: send Content-Type: application/json, not {shown!r}"
+    else:
+        message = "several Content-Type headers: send one, application/json"
+    return Refusal(415, "unsupported_media_type", message)
+
+
+def _values(scope: Scope, name: bytes) -> list[bytes]:
+    """Every value of the request's header ``name`` (lower case)."""
+    return [value for key, value in scope["headers"] if key == name]
+
+
+async def send_refusal(send: Send, refusal: Refusal) -> None:
+    """Answer a refused head in OpenAI's error shape (with the refusal's own headers)."""
+    body = json.dumps({"error": {"message": refusal.message, "type": "invalid_request_error", "param": None,
+                                 "code": refusal.code}}, separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": refusal.status,
+                "headers": [*_json_headers(body), *refusal.headers]})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -377,8 +377,9 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
 
 
 def to_router_request(req: OpenAIRequest, served: ServedModel, config: FrontdoorConfig,
-                      deadline: float | None = None) -> RouterRequest:
-    """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling."""
+                      deadline: float | None = None, label: str | None = None) -> RouterRequest:
+    """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling.
+    The request gets a fresh id of the router's; ``label`` is the client's name for it."""
     tokenizer = served.tokenizer
     if req.chat:
         ids = served.chat_prompt(req.messages, req.chat_options)
@@ -400,4 +401,4 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
             raise
         field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
         raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline)
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label)

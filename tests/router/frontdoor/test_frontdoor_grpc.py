@@ -87,7 +87,8 @@ async def test_token_ids_prompt_request_id_and_sampling(grpc_stack: GrpcStack) -
     assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert {m.request_id for m in messages} == {"client-chosen-id"}
     [seen] = grpc_stack.fake.requests
-    assert seen.request_id == "client-chosen-id"
+    # The client's id is a label: the request is keyed by a fresh id of the router's.
+    assert seen.label == "client-chosen-id" and seen.request_id.startswith("req-")
     assert seen.prompt_token_ids == (104, 105, 106)
     assert (seen.sampling.temperature, seen.sampling.top_p, seen.sampling.top_k, seen.sampling.seed,
             seen.sampling.stop_token_ids) == (0.7, 1.0, 3, 9, (7,))
