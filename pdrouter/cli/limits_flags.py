@@ -1,5 +1,6 @@
-"""The flags of the slow-client and overload limits: the router's HTTP doors (``--http-*``) and the
-workers' lane (``--lane-*``). ``docs/limits.md`` describes each limit and what a client sees.
+"""The flags of the slow-client and overload limits: the router's HTTP doors (``--http-*``), every
+gRPC server (``--grpc-*``: the router's door, a worker's port) and the workers' lane (``--lane-*``).
+``docs/limits.md`` describes each limit and what a client sees.
 
 Each ``add_*`` adds its flags to a subcommand's parser; each ``*_from_args`` builds the frozen limits
 from the parsed flags, refusing a bad value with one line naming the flag (``ConfigError``).
@@ -12,6 +13,7 @@ import math
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.router.limits import HttpLimits
+from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.lane.limits import LaneLimits
 
 _HTTP = HttpLimits()
@@ -57,18 +59,65 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
         max_header_bytes=_count(args.http_max_header_bytes, "--http-max-header-bytes", 1024),
         max_connections=_count(args.http_max_connections, "--http-max-connections"),
         max_inflight=_count(args.http_max_inflight, "--http-max-inflight"),
-        unauthenticated_connections=_unauthenticated(args))
+        unauthenticated_connections=_budget(args.http_max_unauthenticated_connections,
+                                            "--http-max-unauthenticated-connections", args.http_max_connections,
+                                            "--http-max-connections"))
 
 
-def _unauthenticated(args: argparse.Namespace) -> int | None:
-    value = args.http_max_unauthenticated_connections
+def _budget(value: int | None, flag: str, cap: int, cap_flag: str) -> int | None:
+    """A budget of unauthenticated connections: None (the default share of the cap), or at most the cap."""
     if value is None:
         return None
-    value = _count(value, "--http-max-unauthenticated-connections")
-    if value > args.http_max_connections:
-        raise ConfigError(f"--http-max-unauthenticated-connections ({value}) must not exceed --http-max-connections "
-                          f"({args.http_max_connections})")
+    value = _count(value, flag)
+    if value > cap:
+        raise ConfigError(f"{flag} ({value}) must not exceed {cap_flag} ({cap})")
     return value
+
+
+def add_grpc_limit_flags(p: argparse.ArgumentParser, defaults: GrpcLimits, what: str) -> None:
+    """``--grpc-handshake-timeout`` … ``--grpc-max-metadata-bytes``: the limits of the process's gRPC
+    server (``what``: which one, for the help), with ``defaults``."""
+    g = p.add_argument_group("gRPC limits", f"slow, idle or greedy peers on {what}")
+    g.add_argument("--grpc-handshake-timeout", type=float, default=defaults.handshake_timeout_s, metavar="S",
+                   help="a connection must finish its TLS handshake and HTTP/2 preface this long after it opened, "
+                        "however its bytes trickle; else it is closed (default %(default)g)")
+    g.add_argument("--grpc-idle-timeout", type=float, default=defaults.idle_timeout_s, metavar="S",
+                   help="a connection with no call for this long is closed (GOAWAY; clients reconnect) "
+                        "(default %(default)g)")
+    g.add_argument("--grpc-max-connection-age", type=float, default=defaults.max_connection_age_s, metavar="S",
+                   help="a connection is sent GOAWAY this long after it opened (default %(default)g)")
+    g.add_argument("--grpc-max-connection-age-grace", type=float, default=defaults.max_connection_age_grace_s,
+                   metavar="S", help="the calls of a connection past its age have this long to finish, then it is "
+                                     "closed (default %(default)g)")
+    g.add_argument("--grpc-max-connections", type=int, default=defaults.max_connections, metavar="N",
+                   help="open connections; one more is closed on arrival (default %(default)d)")
+    g.add_argument("--grpc-max-streams", type=int, default=defaults.max_streams, metavar="N",
+                   help="calls at once on one connection (HTTP/2 MAX_CONCURRENT_STREAMS); more wait in the client "
+                        "(default %(default)d)")
+    g.add_argument("--grpc-max-inflight", type=int, default=defaults.max_inflight or 0, metavar="N",
+                   help="calls at once in all; one more ends RESOURCE_EXHAUSTED (0: no cap; default %(default)d)")
+    g.add_argument("--grpc-max-message-bytes", type=int, default=defaults.max_message_bytes, metavar="N",
+                   help="largest request message; larger ones end RESOURCE_EXHAUSTED (default %(default)d)")
+    g.add_argument("--grpc-max-metadata-bytes", type=int, default=defaults.max_metadata_bytes, metavar="N",
+                   help="largest request headers (metadata); larger ones end the call before any handler runs "
+                        "(default %(default)d)")
+
+
+def grpc_limits_from_args(args: argparse.Namespace) -> GrpcLimits:
+    """The :class:`GrpcLimits` of :func:`add_grpc_limit_flags`' flags; ConfigError naming a bad one."""
+    inflight = args.grpc_max_inflight
+    if inflight < 0:
+        raise ConfigError(f"--grpc-max-inflight must be >= 0 (0: no cap), got {inflight}")
+    return GrpcLimits(
+        handshake_timeout_s=_seconds(args.grpc_handshake_timeout, "--grpc-handshake-timeout"),
+        idle_timeout_s=_seconds(args.grpc_idle_timeout, "--grpc-idle-timeout"),
+        max_connection_age_s=_seconds(args.grpc_max_connection_age, "--grpc-max-connection-age"),
+        max_connection_age_grace_s=_seconds(args.grpc_max_connection_age_grace, "--grpc-max-connection-age-grace"),
+        max_connections=_count(args.grpc_max_connections, "--grpc-max-connections"),
+        max_streams=_count(args.grpc_max_streams, "--grpc-max-streams"),
+        max_inflight=inflight or None,
+        max_message_bytes=_count(args.grpc_max_message_bytes, "--grpc-max-message-bytes", 1024),
+        max_metadata_bytes=_count(args.grpc_max_metadata_bytes, "--grpc-max-metadata-bytes", 1024))
 
 
 def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -86,6 +135,10 @@ def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:
                         "(default %(default)d)")
     g.add_argument("--lane-max-connections", type=int, default=_LANE.max_connections, metavar="N",
                    help="open lane connections; one more is refused (default %(default)d)")
+    g.add_argument("--lane-max-unauthenticated-connections", type=int, default=None, metavar="N",
+                   help="lane connections that have not proved the internal token yet; past it (or at "
+                        "--lane-max-connections) the oldest of them is closed (default: a quarter of "
+                        "--lane-max-connections)")
     g.add_argument("--lane-max-buffered-bytes", type=int, default=_LANE.max_buffered_bytes, metavar="N",
                    help="bytes of an incomplete frame a connection may hold, so also the largest frame "
                         "(default %(default)d)")
@@ -108,11 +161,14 @@ def lane_limits_from_args(args: argparse.Namespace) -> LaneLimits:
         frame_timeout_s=_seconds(args.lane_frame_timeout, "--lane-frame-timeout"),
         frame_min_rate_bps=_count(args.lane_frame_min_rate, "--lane-frame-min-rate"),
         max_connections=_count(args.lane_max_connections, "--lane-max-connections"),
-        max_buffered_bytes=buffered, max_preauth_bytes=preauth)
+        max_buffered_bytes=buffered, max_preauth_bytes=preauth,
+        max_unauthenticated_connections=_budget(args.lane_max_unauthenticated_connections,
+                                                "--lane-max-unauthenticated-connections", args.lane_max_connections,
+                                                "--lane-max-connections"))
 
 
 def _seconds(value: float, flag: str) -> float:
-    if not (math.isfinite(value) and value > 0):
+    if not (math.isfinite(value) and 0 < value < 1e9):
         raise ConfigError(f"{flag} must be a number of seconds > 0, got {value:g}")
     return float(value)
 

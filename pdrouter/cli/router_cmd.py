@@ -7,11 +7,17 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
+from pdrouter.cli.limits_flags import (
+    add_grpc_limit_flags,
+    add_http_limit_flags,
+    grpc_limits_from_args,
+    http_limits_from_args,
+)
 from pdrouter.cli.local_cluster import check_ports_free, ready_line
 from pdrouter.cli.security_flags import add_tls_flags, internal_token_from_env, redis_url, tls_from_args
 from pdrouter.cli.serve import configure_logging, serve_until_signal
 from pdrouter.core.errors import ConfigError
+from pdrouter.wire.grpc_limits import GrpcLimits
 
 if TYPE_CHECKING:
     from pdrouter.router.config import RouterConfig
@@ -70,6 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_tls_flags(p, server_help="the calls to the workers verify them and present --tls-cert (mutual TLS); "
                   "the front doors serve --tls-cert to any client")
     add_http_limit_flags(p)
+    add_grpc_limit_flags(p, GrpcLimits.for_door(), "the gRPC front door")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
 
@@ -103,6 +110,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         raise ConfigError("--tls-ca is needed with --tls-cert: the router verifies its workers' certificates")
     workers = tuple(w.strip() for w in args.workers.split(",") if w.strip())
     chat_template = read_chat_template(args.chat_template)
+    grpc_limits = grpc_limits_from_args(args)
     return RouterConfig(
         model_dir=args.model, model_name=args.served_model_name, redis_url=redis_url(args.redis),
         static_workers=workers,
@@ -117,7 +125,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
-        http_limits=http_limits_from_args(args),
+        http_limits=http_limits_from_args(args), grpc_limits=grpc_limits,
         frontdoor=FrontdoorConfig(request_timeout_s=deadline_s, chat_template=chat_template))
 
 

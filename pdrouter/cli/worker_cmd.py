@@ -17,7 +17,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdrouter.cli.limits_flags import add_lane_limit_flags, lane_limits_from_args
+from pdrouter.cli.limits_flags import (
+    add_grpc_limit_flags,
+    add_lane_limit_flags,
+    grpc_limits_from_args,
+    lane_limits_from_args,
+)
 from pdrouter.cli.local_cluster import ready_line
 from pdrouter.cli.security_flags import add_tls_flags, internal_token_from_env, redis_url, tls_from_args
 from pdrouter.cli.serve import configure_logging, serve_until_signal
@@ -37,6 +42,7 @@ from pdrouter.core.net import is_loopback
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.faults import ENGINE_FAULT_ENV, EngineFault
+from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 if TYPE_CHECKING:
@@ -156,6 +162,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         add_tls_flags(p, server_help="the gRPC port, the lane and the KV receiver ask for client certificates "
                       "it signed (mutual TLS), and calls to other workers verify theirs")
         add_lane_limit_flags(p)
+        add_grpc_limit_flags(p, GrpcLimits(), "the worker's gRPC port")
         p.add_argument("--log-level", default="INFO")
         p.set_defaults(func=run, role_name=name)
 
@@ -307,7 +314,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         decode_kv_addresses=tuple(a.strip() for a in getattr(args, "decode_kv_addresses", "").split(",")
                                   if a.strip()),
         lane_port=None if args.lane_port == -1 else args.lane_port,
-        lane_limits=lane_limits_from_args(args),
+        lane_limits=lane_limits_from_args(args), grpc_limits=grpc_limits_from_args(args),
         internal_token=internal, tls=tls, engine_fault=EngineFault.parse(fault) if fault else None)
 
 

@@ -15,6 +15,7 @@ from pdrouter.router.limits import HttpLimits
 from pdrouter.router.placement.policy import CacheAwareConfig
 from pdrouter.router.served_models import FrontdoorConfig
 from pdrouter.state.client import MIN_CONNECTIONS
+from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.security import PeerSecurity, check_token
 
 
@@ -61,6 +62,8 @@ class RouterConfig:
     frontdoor: FrontdoorConfig = field(default_factory=FrontdoorConfig)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     """Slow-client and overload limits of both HTTP doors (the API door and the metrics listener)."""
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits.for_door)
+    """Limits of the gRPC door (its largest request is the HTTP door's largest body)."""
 
     @property
     def worker_security(self) -> PeerSecurity:

@@ -107,7 +107,7 @@ class RouterProcess:
         keys = cfg.api_keys
         door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
         self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (),
-                               credentials=door_credentials)
+                               credentials=door_credentials, limits=cfg.grpc_limits)
         grpc_api.add_to_server(self.grpc, RouterServicer(self.dispatcher, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor))
         await self.grpc.start()

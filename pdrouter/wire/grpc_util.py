@@ -17,6 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdrouter.core.errors import PdRouterError, UnavailableError, error_from_grpc_code
+from pdrouter.wire.grpc_limits import GrpcLimits
 
 log = logging.getLogger(__name__)
 
@@ -35,13 +36,29 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.so_reuseport", 0),
 ]
+"""Every server's transport options besides its :class:`GrpcLimits`."""
 
 
 def status_code(exc: PdRouterError) -> grpc.StatusCode:
     return grpc.StatusCode[exc.grpc_code]
+
+
+class StatusError(grpc.RpcError):
+    """A call that ended, or was never made, with a status of this process's own; ``code()`` /
+    ``details()`` as on a failed gRPC call (the lane's calls, a worker that did not prove itself)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 RPC_ERRORS = (grpc.RpcError, grpc.aio.UsageError)
@@ -83,15 +100,23 @@ def grpc_errors(fn: F) -> F:
 
 
 class GrpcServer:
-    """A grpc.aio server with the standard health service, bound to ``host:port`` (0 = any free)."""
+    """A grpc.aio server with the standard health service, bound to ``host:port`` (0 = any free),
+    under :class:`GrpcLimits` (deadlines and caps for every peer: ``pdrouter.wire.grpc_limits``)."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0,
                  options: Sequence[tuple[str, Any]] = SERVER_OPTIONS,
                  interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                 credentials: grpc.ServerCredentials | None = None) -> None:
+                 credentials: grpc.ServerCredentials | None = None,
+                 limits: GrpcLimits | None = None, advertise_host: str | None = None) -> None:
         """``interceptors`` run before every call, the health service's included; ``credentials``:
-        TLS (``pdrouter.wire.security.grpc_server_credentials``), or None for plaintext."""
-        self.server = grpc.aio.server(options=list(options), interceptors=list(interceptors) or None)
+        TLS (``pdrouter.wire.security.grpc_server_credentials``), or None for plaintext; ``limits``:
+        default :class:`GrpcLimits`' (a worker port's). ``advertise_host``: the host callers dial
+        (default ``host``): an interceptor with ``bind_identity`` is told ``advertise_host:port``, the
+        address the server answers as."""
+        self.limits = GrpcLimits() if limits is None else limits
+        self.server = grpc.aio.server(options=[*options, *self.limits.options()],
+                                      interceptors=list(interceptors) or None,
+                                      maximum_concurrent_rpcs=self.limits.max_inflight)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         address = f"{host}:{port}"
@@ -101,6 +126,11 @@ class GrpcServer:
         if self.port == 0:
             raise OSError(f"cannot bind gRPC server to {host}:{port}")
         self.host = host
+        self.identity = f"{advertise_host or host}:{self.port}"
+        for interceptor in interceptors:
+            bind = getattr(interceptor, "bind_identity", None)
+            if bind is not None:
+                bind(self.identity)
         self._service_names: list[str] = []
 
     @property

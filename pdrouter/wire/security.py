@@ -4,11 +4,14 @@ Every internal call — router → worker (gRPC and the lane), decode → prefil
 one or both of:
 
 - **the internal secret** (``PDROUTER_INTERNAL_TOKEN``, or ``PDROUTER_INTERNAL_TOKEN_FILE``): the
-  router and every worker share it; gRPC calls carry it in the metadata entry
-  :data:`TOKEN_METADATA`, the lane proves it by a challenge-response at connection start
-  (``pdrouter.wire.lane``). Compared in constant time, as SHA-256 digests;
+  router and every worker share it, and it never travels. On gRPC the worker first proves to the
+  caller that it holds the secret and answers at the address dialled, then every call carries a
+  proof of its own (``pdrouter.wire.call_proofs``); the lane runs a challenge-response with the
+  same two properties (``pdrouter.wire.lane``). A server that cannot prove itself is sent nothing
+  but that first health check, so a registry record forged to point at a foreign server gets
+  neither requests nor the secret;
 - **mutual TLS** (``--tls-ca``/``--tls-cert``/``--tls-key``): worker ports accept only clients with a
-  certificate from the CA, and clients accept only workers with one.
+  certificate from the CA, and clients accept only workers with one for the host they dial.
 
 :class:`PeerSecurity` is one process's side of both: the server credentials and interceptors of a
 worker's gRPC port, the channels its clients open, the lane's token and ``ssl`` contexts. The
@@ -18,28 +21,41 @@ only where the CLI allows it: see ``pdrouter worker --help``).
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
 import hmac
+import secrets
 import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.tls import TlsFiles
+from pdrouter.wire.call_proofs import (
+    CALL_PROOF_METADATA,
+    CHALLENGE_BYTES,
+    CHALLENGE_METADATA,
+    IDENTITY_METADATA,
+    PEER_PROOF_METADATA,
+    TARGET_METADATA,
+    ReplayWindow,
+    check_call_proof,
+    new_call_proof,
+    peer_proof,
+)
+from pdrouter.wire.grpc_util import StatusError
 
 INTERNAL_TOKEN_ENV = "PDROUTER_INTERNAL_TOKEN"
 """The secret the router and the workers share (or ``PDROUTER_INTERNAL_TOKEN_FILE``: a file holding it)."""
-TOKEN_METADATA = "x-pdrouter-internal-token"
-"""The gRPC metadata entry that carries the internal secret on internal calls."""
 MIN_TOKEN_BYTES = 16
 OPEN_GRPC_PREFIX = "/grpc.health.v1.Health/"
 """gRPC methods served without credentials: the standard health service."""
-MISSING_TOKEN = (f"internal call without the internal secret: the caller must be a pd-router router or worker "
-                 f"started with the same {INTERNAL_TOKEN_ENV}")
-WRONG_TOKEN = f"internal call with a wrong internal secret: check {INTERNAL_TOKEN_ENV} on the caller and this worker"
+HEALTH_CHECK = OPEN_GRPC_PREFIX + "Check"
+PROVE_TIMEOUT_S = 5.0
+"""How long a caller waits for a worker to prove itself (the first call on a channel waits for it)."""
 
 
 def check_token(token: str) -> str:
@@ -69,10 +85,6 @@ class PeerSecurity:
         return self.token is not None or (self.tls is not None and self.tls.mutual)
 
     @property
-    def token_digest(self) -> bytes | None:
-        return None if self.token is None else hashlib.sha256(self.token.encode()).digest()
-
-    @property
     def lane_token(self) -> bytes | None:
         """The lane's shared secret (its challenge-response key)."""
         return None if self.token is None else self.token.encode()
@@ -84,6 +96,8 @@ class PeerSecurity:
         return None if self.tls is None else grpc_server_credentials(self.tls)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        """A worker port's: with the secret, a :class:`TokenInterceptor` (``GrpcServer`` tells it the
+        address it answers as)."""
         return [] if self.token is None else [TokenInterceptor(self.token)]
 
     def lane_server_ssl(self) -> ssl.SSLContext | None:
@@ -93,13 +107,19 @@ class PeerSecurity:
     # clients ----------------------------------------------------------------------------------
 
     def channel(self, address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-        """A channel to a worker that presents these credentials on every call."""
-        interceptors = [] if self.token is None else _token_interceptors(self.token)
+        """A channel to the worker at ``address`` (as it registered it). With the secret, its first
+        call waits for the worker to prove itself (or fails UNAUTHENTICATED, having sent nothing), and
+        every call carries its own proof; the secret is never sent."""
+        prover = None if self.token is None else _Prover(self.token.encode(), address)
+        interceptors = None if prover is None else [_UnaryProofs(prover), _StreamProofs(prover)]
         if self.tls is None:
-            return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors or None)
-        return grpc.aio.secure_channel(address, grpc_channel_credentials(self.tls), options=list(options),
-                                       interceptors=interceptors or None)
-
+            channel = grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
+        else:
+            channel = grpc.aio.secure_channel(address, grpc_channel_credentials(self.tls), options=list(options),
+                                              interceptors=interceptors)
+        if prover is not None:
+            prover.channel = channel
+        return channel
 
     def client_ssl(self) -> ssl.SSLContext | None:
         """The TLS context of a client socket to a worker (the lane, the KV connection), or None."""
@@ -127,24 +147,26 @@ def grpc_channel_credentials(tls: TlsFiles) -> grpc.ChannelCredentials:
 
 
 def refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call with ``code`` before reading the request."""
+    """A handler that ends the call with ``code`` before reading anything of its request.
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    Always a request-streaming handler, whatever ``handler`` is: grpc reads a unary call's request
+    message whole before it runs the handler, so a refusal that took the request would wait for it
+    (up to the largest message, trickled in for as long as the client likes). One that takes the
+    request stream runs at once, and the call ends without a byte of the message read.
+    """
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
 class CredentialInterceptor(grpc.aio.ServerInterceptor):
     """Serves a call only when :meth:`refusal_reason` finds its metadata acceptable; else the call
-    ends UNAUTHENTICATED with that reason before its handler runs (its request is not even parsed).
-    The standard health service stays open for probes."""
+    ends UNAUTHENTICATED with that reason before its handler runs and before any byte of its
+    request is read (:func:`refusal`). The standard health service stays open for probes."""
 
     def refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
         """Why a call with ``metadata`` is refused, or None to serve it."""
@@ -172,53 +194,147 @@ def single_entry(metadata: Sequence[tuple[str, str | bytes]], key: str) -> tuple
     return (values[0] if values else None), None
 
 
-class TokenInterceptor(CredentialInterceptor):
-    """Serves a call only when its metadata carries the internal secret."""
+def _text(value: str | bytes | None) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+class TokenInterceptor(grpc.aio.ServerInterceptor):
+    """A worker port's side of the internal secret (``pdrouter.wire.call_proofs``): serves a call
+    only with a valid proof of the secret for this worker's address (else UNAUTHENTICATED before
+    the handler runs or the request is read), and proves this worker to a caller whose health check
+    carries a challenge. Other health checks are served as they are."""
 
     def __init__(self, token: str) -> None:
-        self._digest = hashlib.sha256(token.encode()).digest()
+        self._secret = token.encode()
+        self._replays = ReplayWindow()
+        self.identity = ""
+        """The address this worker answers as (``host:port``, as registered): set by ``GrpcServer``."""
 
-    def refusal_reason(self, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
-        presented, reason = single_entry(metadata, TOKEN_METADATA)
-        if reason is not None:
-            return reason
-        if presented is None:
-            return MISSING_TOKEN
-        raw = presented if isinstance(presented, bytes) else presented.encode("utf-8", "surrogateescape")
-        return None if hmac.compare_digest(hashlib.sha256(raw).digest(), self._digest) else WRONG_TOKEN
+    def bind_identity(self, identity: str) -> None:
+        self.identity = identity
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method: str = handler_call_details.method
+        metadata = handler_call_details.invocation_metadata or ()
+        if method.startswith(OPEN_GRPC_PREFIX):
+            return self._proving(handler, metadata)
+        reason = self.refusal_reason(method, metadata)
+        return handler if reason is None else refusal(handler, grpc.StatusCode.UNAUTHENTICATED, reason)
+
+    def refusal_reason(self, method: str, metadata: Sequence[tuple[str, str | bytes]]) -> str | None:
+        """Why a call of ``method`` with ``metadata`` is refused, or None to serve it."""
+        proof, reason = single_entry(metadata, CALL_PROOF_METADATA)
+        target, again = single_entry(metadata, TARGET_METADATA)
+        if reason is not None or again is not None:
+            return reason or again
+        return check_call_proof(self._secret, self.identity, method, _text(target), _text(proof), self._replays)
+
+    def _proving(self, handler: grpc.RpcMethodHandler,
+                 metadata: Sequence[tuple[str, str | bytes]]) -> grpc.RpcMethodHandler:
+        challenge_hex, _ = single_entry(metadata, CHALLENGE_METADATA)
+        behavior = handler.unary_unary
+        try:
+            challenge = bytes.fromhex(_text(challenge_hex) or "")
+        except ValueError:
+            return handler
+        if len(challenge) != CHALLENGE_BYTES or behavior is None:
+            return handler
+        answer = ((IDENTITY_METADATA, self.identity),
+                  (PEER_PROOF_METADATA, peer_proof(self._secret, challenge, self.identity).hex()))
+
+        async def check(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await context.send_initial_metadata(answer)
+            return await behavior(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(check, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
 
 
-def _token_interceptors(token: str) -> list[grpc.aio.ClientInterceptor]:
-    """One interceptor per call shape the workers serve: a grpc.aio channel files each interceptor
-    under the first shape it implements, so one object cannot serve both."""
-    entries = ((TOKEN_METADATA, token),)
-    return [_UnaryTokenInterceptor(entries), _StreamTokenInterceptor(entries)]
+class PeerNotProven(StatusError):
+    """A call not made: its worker did not prove itself (or could not be asked). ``code()`` /
+    ``details()`` as on a failed call."""
 
 
-def _with_token(details: grpc.aio.ClientCallDetails,
-                entries: tuple[tuple[str, str], ...]) -> grpc.aio.ClientCallDetails:
-    metadata = grpc.aio.Metadata(*(details.metadata or ()), *entries)
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
+class _Prover:
+    """One channel's side of the secret: asks its worker to prove itself once (a health check with a
+    challenge), then stamps every call with a proof of its own."""
+
+    def __init__(self, secret: bytes, address: str) -> None:
+        self.secret = secret
+        self.address = address
+        self.channel: grpc.aio.Channel | None = None
+        self._proven: asyncio.Future[None] | None = None
+
+    async def stamp(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(OPEN_GRPC_PREFIX):
+            return details
+        proven = self._proven
+        if proven is None or not proven.done() or proven.cancelled() or proven.exception() is not None:
+            if proven is None or proven.done():  # not asked yet, or failed: ask (again)
+                proven = self._proven = asyncio.ensure_future(self._prove())
+            await asyncio.shield(proven)
+        metadata = grpc.aio.Metadata(*(details.metadata or ()),
+                                     (CALL_PROOF_METADATA, new_call_proof(self.secret, method, self.address)),
+                                     (TARGET_METADATA, self.address))
+        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
+                                          details.wait_for_ready)
+
+    async def _prove(self) -> None:
+        assert self.channel is not None
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        check = self.channel.unary_unary(HEALTH_CHECK,
+                                         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                         response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        call = check(health_pb2.HealthCheckRequest(), metadata=((CHALLENGE_METADATA, challenge.hex()),),
+                     timeout=PROVE_TIMEOUT_S)
+        try:
+            answer = await call.initial_metadata()
+            await call
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNAVAILABLE
+            raise PeerNotProven(code, f"cannot reach the worker at {self.address} to have it prove itself: "
+                                      f"{exc.details() if hasattr(exc, 'details') else exc}") from None
+        identity = _text(dict(answer or ()).get(IDENTITY_METADATA))
+        proof = _text(dict(answer or ()).get(PEER_PROOF_METADATA)) or ""
+        if identity is not None and identity != self.address:
+            raise PeerNotProven(grpc.StatusCode.UNAUTHENTICATED,
+                                f"the worker at {self.address} answers as {identity}: the address it was dialled at "
+                                f"(from the registry, or the worker list) is not its own; nothing was sent to it")
+        try:
+            valid = hmac.compare_digest(bytes.fromhex(proof), peer_proof(self.secret, challenge, self.address))
+        except ValueError:
+            valid = False
+        if not valid:
+            raise PeerNotProven(grpc.StatusCode.UNAUTHENTICATED,
+                                f"the server at {self.address} did not prove the internal secret: it is no worker of "
+                                f"this cluster, or this side's {INTERNAL_TOKEN_ENV} is not the cluster's; nothing was "
+                                f"sent to it")
 
 
-class _UnaryTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
-    """Adds the internal secret to the metadata of every unary call."""
+class _UnaryProofs(grpc.aio.UnaryUnaryClientInterceptor):
+    """Proofs on every unary call (a grpc.aio channel files each interceptor under the first call
+    shape it implements, so one object per shape)."""
 
-    def __init__(self, entries: tuple[tuple[str, str], ...]) -> None:
-        self._entries = entries
+    def __init__(self, prover: _Prover) -> None:
+        self._prover = prover
 
     async def intercept_unary_unary(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails,
                                     request: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._entries), request)
+        return await continuation(await self._prover.stamp(client_call_details), request)
 
 
-class _StreamTokenInterceptor(grpc.aio.UnaryStreamClientInterceptor):
-    """Adds the internal secret to the metadata of every server-streaming call."""
+class _StreamProofs(grpc.aio.UnaryStreamClientInterceptor):
+    """Proofs on every server-streaming call."""
 
-    def __init__(self, entries: tuple[tuple[str, str], ...]) -> None:
-        self._entries = entries
+    def __init__(self, prover: _Prover) -> None:
+        self._prover = prover
 
     async def intercept_unary_stream(self, continuation: Any, client_call_details: grpc.aio.ClientCallDetails,
                                      request: Any) -> Any:
-        return await continuation(_with_token(client_call_details, self._entries), request)
+        return await continuation(await self._prover.stamp(client_call_details), request)

@@ -11,6 +11,7 @@ from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.faults import EngineFault
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.vllm.config import VllmEngineConfig
+from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.security import PeerSecurity
 
@@ -55,6 +56,8 @@ class WorkerConfig:
     """Port of the worker lane, the router's fast path (0: any free port; None: gRPC only)."""
     lane_limits: LaneLimits = field(default_factory=LaneLimits)
     """What one lane connection may take: handshake and per-frame deadlines, buffered bytes, connections."""
+    grpc_limits: GrpcLimits = field(default_factory=GrpcLimits)
+    """The gRPC port's deadlines and caps (handshake, idle, age, connections, streams, message size)."""
     internal_token: str | None = field(default=None, repr=False)
     """The secret every internal caller (router, decode workers) must present (``PDROUTER_INTERNAL_TOKEN``);
     None: no secret (then only mutual TLS, if any, authenticates callers)."""

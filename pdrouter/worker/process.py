@@ -113,10 +113,11 @@ class WorkerProcess:
         self.engine.on_failure(self._engine_failed)
         security = cfg.security
         self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
-                                 credentials=security.server_credentials())
+                                 credentials=security.server_credentials(), limits=cfg.grpc_limits,
+                                 advertise_host=cfg.public_host)
         if cfg.lane_port is not None:
             self.lane = LaneServer(cfg.host, cfg.lane_port, token=security.lane_token, ssl=security.lane_server_ssl(),
-                                   limits=cfg.lane_limits)
+                                   limits=cfg.lane_limits, advertise_host=cfg.public_host)
         spec = self.engine.spec
         layout = self.engine.kv_layout
         compat = self.model_compat_hash = model_compat_hash(spec, layout.block_size, layout.dtype)

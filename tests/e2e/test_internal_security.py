@@ -6,7 +6,9 @@ two independent test CAs (``pdrouter.testing.pki``).
 
 from __future__ import annotations
 
+import secrets
 import ssl
+import time
 
 import grpc
 import httpx
@@ -15,7 +17,8 @@ import pytest
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.workers import WorkerRole
 from pdrouter.testing.pki import TestCa, tls_flags
-from pdrouter.wire.security import TOKEN_METADATA, PeerSecurity, grpc_channel_credentials
+from pdrouter.wire.call_proofs import CALL_PROOF_METADATA, TARGET_METADATA, call_proof, new_call_proof
+from pdrouter.wire.security import PeerSecurity, grpc_channel_credentials
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import WorkerClient
 
@@ -52,18 +55,43 @@ async def _code_of(call: object) -> grpc.StatusCode:
 
 async def test_worker_refuses_internal_calls_without_the_secret(cluster: Cluster) -> None:
     decode = cluster.spawn("decode")
-    assert decode.address is not None
+    address = decode.address
+    assert address is not None
+    secret = cluster.internal_token.encode()
     allocate = worker_pb2.AllocateRequest(request_id="intruder", prompt_token_ids=[1] * 64, max_tokens=1, lease_ms=1000)
-    async with grpc.aio.insecure_channel(decode.address) as channel:
+    get_load = "/pdrouter.v1.WorkerInfoService/GetLoad"
+    async with grpc.aio.insecure_channel(address) as channel:
         stub = worker_pb2_grpc.DecodeWorkerStub(channel)
         info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+
+        async def load_code(proof: str, target: str = address) -> grpc.StatusCode:
+            return await _code_of(info.GetLoad(worker_pb2.GetLoadRequest(),
+                                               metadata=((CALL_PROOF_METADATA, proof), (TARGET_METADATA, target))))
+
         assert await _code_of(stub.Allocate(allocate)) == grpc.StatusCode.UNAUTHENTICATED
-        assert await _code_of(stub.Allocate(allocate, metadata=((TOKEN_METADATA, "w" * 32),))) \
-            == grpc.StatusCode.UNAUTHENTICATED
         assert await _code_of(info.GetLoad(worker_pb2.GetLoadRequest())) == grpc.StatusCode.UNAUTHENTICATED
-        # The secret opens the same calls; nothing the refused ones asked for was booked.
-        load = await info.GetLoad(worker_pb2.GetLoadRequest(), metadata=((TOKEN_METADATA, cluster.internal_token),))
-        assert load.free_blocks == load.total_blocks
+        # The secret itself is no credential (no caller sends it), nor a proof under another secret.
+        assert await _code_of(stub.Allocate(allocate, metadata=(("x-pdrouter-internal-token",
+                                                                 cluster.internal_token),))) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        assert await load_code(new_call_proof(b"w" * 32, get_load, address)) == grpc.StatusCode.UNAUTHENTICATED
+        # A proof made for another address (collected by a server a forged record named), for
+        # another method, or stamped outside the window, is refused.
+        elsewhere = "127.0.0.1:1"
+        assert await load_code(new_call_proof(secret, get_load, elsewhere), elsewhere) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        assert await load_code(new_call_proof(secret, "/pdrouter.v1.WorkerInfoService/GetInfo", address)) \
+            == grpc.StatusCode.UNAUTHENTICATED
+        stale_ms, nonce = int(time.time() * 1000) - 120_000, secrets.token_bytes(16)
+        stale = f"{stale_ms}.{nonce.hex()}.{call_proof(secret, get_load, address, stale_ms, nonce).hex()}"
+        assert await load_code(stale) == grpc.StatusCode.UNAUTHENTICATED
+        # A valid proof opens the call, once: the same proof again is a replay.
+        proof = new_call_proof(secret, get_load, address)
+        assert await load_code(proof) == grpc.StatusCode.OK
+        assert await load_code(proof) == grpc.StatusCode.UNAUTHENTICATED
+        load = await info.GetLoad(worker_pb2.GetLoadRequest(), metadata=(
+            (CALL_PROOF_METADATA, new_call_proof(secret, get_load, address)), (TARGET_METADATA, address)))
+        assert load.free_blocks == load.total_blocks  # nothing the refused calls asked for was booked
     # The router, which has the secret, is served (WorkerClient presents it on every call).
     client = WorkerClient(decode.address, security=PeerSecurity(cluster.internal_token))
     try:
@@ -111,7 +139,7 @@ async def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, pki: T
     # The router's side (CA a) does not accept a worker whose certificate CA b signed...
     client = WorkerClient(stranger.address, security=PeerSecurity(token, pki))
     try:
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        with pytest.raises(grpc.RpcError) as refused:
             await client.info(timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
@@ -120,8 +148,9 @@ async def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, pki: T
     credentials = grpc_channel_credentials(TlsFiles(pki.ca, other_pki.cert, other_pki.key))
     async with grpc.aio.secure_channel(member.address, credentials) as channel:
         info = worker_pb2_grpc.WorkerInfoServiceStub(channel)
+        proof = new_call_proof(token.encode(), "/pdrouter.v1.WorkerInfoService/GetLoad", member.address)
         code = await _code_of(info.GetLoad(worker_pb2.GetLoadRequest(), timeout=5,
-                                           metadata=((TOKEN_METADATA, token),)))
+                                           metadata=((CALL_PROOF_METADATA, proof), (TARGET_METADATA, member.address))))
         assert code == grpc.StatusCode.UNAVAILABLE
     # The member's own CA opens it.
     client = WorkerClient(member.address, security=PeerSecurity(token, pki))

@@ -1,8 +1,9 @@
 """Who may use the worker lane, and what one connection may take of it, over real sockets to a
 ``LaneServer`` on a free port: the token's challenge-response (a missing or wrong token is
-UNAUTHENTICATED and no handler runs), mutual TLS from a test PKI (``pdrouter.testing.pki``), and the
-``LaneLimits`` (handshake deadline, per-frame deadline that trickling cannot move, buffered bytes,
-connections).
+UNAUTHENTICATED and no handler runs; the worker proves the token first, as its own address, so a
+client sends nothing to a server that cannot, nor to a relay), mutual TLS from a test PKI
+(``pdrouter.testing.pki``), and the ``LaneLimits`` (handshake deadline, per-frame deadline that
+trickling cannot move, buffered bytes, connections, and the budget of connections not yet proved).
 
 Deadlines are small so that the tests run fast; the assertions are on outcomes (statuses, what a
 raw peer read, what the server still holds), never on how long something took.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -32,7 +34,9 @@ from pdrouter.wire.lane.frames import (
     HELLO,
     HELLO_AUTH,
     NONCE_SIZE,
-    lane_proof,
+    PROOF_SIZE,
+    client_proof,
+    server_proof,
 )
 from pdrouter.wire.v1 import worker_pb2
 
@@ -100,6 +104,25 @@ async def until_closed(reader: asyncio.StreamReader) -> bytes:
     return got
 
 
+def challenge(nonce: bytes) -> bytes:
+    """A client's greeting and challenge."""
+    return HELLO + HEADER.pack(NONCE_SIZE, 0, AUTH, 0, 0, 0) + nonce
+
+
+async def prove(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, token: bytes, identity: str,
+                after: bytes = b"") -> None:
+    """The client's side of the handshake, raw: check the server's proof, send this side's (and ``after``)."""
+    nonce = secrets.token_bytes(NONCE_SIZE)
+    writer.write(challenge(nonce))
+    assert await reader.readexactly(len(HELLO)) == HELLO_AUTH
+    stream, kind, _, body = await read_frame(reader)
+    assert (stream, kind) == (0, AUTH) and body[NONCE_SIZE + PROOF_SIZE:] == identity.encode()
+    server_nonce = body[:NONCE_SIZE]
+    assert body[NONCE_SIZE:NONCE_SIZE + PROOF_SIZE] == server_proof(token, nonce, server_nonce, identity)
+    writer.write(HEADER.pack(PROOF_SIZE, 0, AUTH, 0, 0, 0) + client_proof(token, nonce, server_nonce, identity)
+                 + after)
+
+
 async def trickling(writer: asyncio.StreamWriter, byte: bytes, every_s: float) -> None:
     """Send ``byte`` every ``every_s`` until the connection is gone."""
     with contextlib.suppress(ConnectionError):
@@ -127,49 +150,132 @@ async def test_a_missing_or_wrong_token_is_unauthenticated_and_no_handler_runs()
         assert missing.code() is grpc.StatusCode.UNAUTHENTICATED
         assert "requires the internal token" in missing.details()
         wrong = await refused(LaneChannel(server.address, token=b"another-token-0123456789abcdef"))
-        assert wrong.code() is grpc.StatusCode.UNAUTHENTICATED and "wrong internal token" in wrong.details()
+        # With another token, the worker's own proof fails first: the client sends no proof of its own.
+        assert wrong.code() is grpc.StatusCode.UNAUTHENTICATED and "did not prove" in wrong.details()
         await eventually(lambda: not server._connections)
         assert servicer.allocated == []
-        # A token where none is asked for is harmless.
-        async with serving() as (open_server, _):
-            assert await allocate(LaneChannel(open_server.address, token=TOKEN)) == 2
+        # A client with the token sends nothing to a lane that does not ask for it (nor proves it).
+        async with serving() as (open_server, open_servicer):
+            error = await refused(LaneChannel(open_server.address, token=TOKEN))
+            assert error.code() is grpc.StatusCode.UNAUTHENTICATED and "does not ask" in error.details()
+            assert open_servicer.allocated == []
+            assert await allocate(LaneChannel(open_server.address)) == 2  # a client without one is served
 
 
 async def test_a_raw_peer_is_served_nothing_before_its_proof() -> None:
     async with serving(token=TOKEN) as (server, servicer):
         body = worker_pb2.AllocateRequest(request_id="sneaky").SerializeToString()
         call = HEADER.pack(len(body), 1, CALL, ALLOCATE.id, 0, 0) + body
-        # A call instead of the proof.
+        # A call instead of the challenge: refused before the server proves anything.
         reader, writer = await asyncio.open_connection(server.host, server.port)
         writer.write(HELLO + call)
+        assert await reader.readexactly(len(HELLO)) == HELLO
+        stream, kind, code, reason = await read_frame(reader)
+        assert (stream, kind, code) == (0, END, grpc.StatusCode.UNAUTHENTICATED.value[0])
+        assert b"before proving it" in reason and await until_closed(reader) == b""
+        writer.close()
+        # A call instead of the proof.
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(challenge(secrets.token_bytes(NONCE_SIZE)) + call)
         assert await reader.readexactly(len(HELLO)) == HELLO_AUTH
-        stream, kind, _, nonce = await read_frame(reader)
-        assert (stream, kind, len(nonce)) == (0, AUTH, NONCE_SIZE)
+        stream, kind, _, answer = await read_frame(reader)
+        assert (stream, kind, answer[NONCE_SIZE + PROOF_SIZE:]) == (0, AUTH, server.identity.encode())
         stream, kind, code, reason = await read_frame(reader)
         assert (stream, kind, code) == (0, END, grpc.StatusCode.UNAUTHENTICATED.value[0])
         assert b"before proving it" in reason and await until_closed(reader) == b""
         writer.close()
         # A proof for another connection's challenge (a replay), with a call behind it.
+        nonce = secrets.token_bytes(NONCE_SIZE)
         reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(HELLO)
+        writer.write(challenge(nonce))
+        await reader.readexactly(len(HELLO))
+        _, _, _, answer = await read_frame(reader)
+        replayed = client_proof(TOKEN, nonce, answer[:NONCE_SIZE], server.identity)
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(challenge(nonce))
         await reader.readexactly(len(HELLO))
         await read_frame(reader)
-        writer.write(HEADER.pack(32, 0, AUTH, 0, 0, 0) + lane_proof(TOKEN, nonce) + call)
+        writer.write(HEADER.pack(PROOF_SIZE, 0, AUTH, 0, 0, 0) + replayed + call)
         stream, kind, code, reason = await read_frame(reader)
         assert (stream, kind, code) == (0, END, grpc.StatusCode.UNAUTHENTICATED.value[0])
         assert b"wrong internal token" in reason
         writer.close()
         # The right proof: accepted, then the call is served.
         reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(HELLO)
-        await reader.readexactly(len(HELLO))
-        _, _, _, nonce = await read_frame(reader)
-        writer.write(HEADER.pack(32, 0, AUTH, 0, 0, 0) + lane_proof(TOKEN, nonce) + call)
+        await prove(reader, writer, TOKEN, server.identity, after=call)
         assert await read_frame(reader) == (0, AUTH, 0, b"")
         stream, kind, code, _ = await read_frame(reader)
         assert (stream, kind, code) == (1, END, grpc.StatusCode.OK.value[0])
         writer.close()
         assert servicer.allocated == ["sneaky"]
+
+
+class Impostor:
+    """A raw TCP server at an address a registry record could name: ``relay_to`` another server
+    (every byte both ways), else greeting as a lane that asks for the token and proving it with
+    garbage. Records every byte clients sent it."""
+
+    def __init__(self, relay_to: tuple[str, int] | None = None) -> None:
+        self.relay_to = relay_to
+        self.received = bytearray()
+        self._server: asyncio.Server | None = None
+        self.address = ""
+
+    async def __aenter__(self) -> Impostor:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.address = f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+
+    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, record: bool) -> None:
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(65536):
+                if record:
+                    self.received += chunk
+                writer.write(chunk)
+        writer.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.relay_to is not None:
+            upstream_reader, upstream_writer = await asyncio.open_connection(*self.relay_to)
+            await asyncio.gather(self._pump(reader, upstream_writer, True), self._pump(upstream_reader, writer, False))
+            return
+        writer.write(HELLO_AUTH + HEADER.pack(NONCE_SIZE + PROOF_SIZE + len(self.address), 0, AUTH, 0, 0, 0)
+                     + secrets.token_bytes(NONCE_SIZE + PROOF_SIZE) + self.address.encode())
+        with contextlib.suppress(ConnectionError):
+            while chunk := await reader.read(65536):
+                self.received += chunk
+        writer.close()
+
+
+async def test_nothing_is_sent_to_a_server_that_cannot_prove_the_token() -> None:
+    """A foreign server behind a forged registry record gets the client's challenge and nothing
+    more: no proof it could replay, no call."""
+    async with Impostor() as impostor:
+        channel = LaneChannel(impostor.address, token=TOKEN)
+        error = await refused(channel)
+        assert error.code() is grpc.StatusCode.UNAUTHENTICATED and "did not prove" in error.details()
+        await eventually(lambda: len(impostor.received) >= len(HELLO) + HEADER.size + NONCE_SIZE)
+        assert len(impostor.received) == len(HELLO) + HEADER.size + NONCE_SIZE
+
+
+async def test_a_relay_to_a_real_worker_is_refused() -> None:
+    """A record naming a relay in front of a real worker: the worker proves itself as its own
+    address, which is not the relay's, so the client stops there; the worker serves nothing."""
+    async with serving(token=TOKEN) as (server, servicer), Impostor((server.host, server.port)) as relay:
+        error = await refused(LaneChannel(relay.address, token=TOKEN))
+        assert error.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert f"answers as {server.identity}" in error.details()
+        assert len(relay.received) == len(HELLO) + HEADER.size + NONCE_SIZE  # the challenge, no proof
+        assert servicer.allocated == []
+    # A worker that advertises another host than the one dialled is refused the same way.
+    async with serving(token=TOKEN, advertise_host="10.255.0.1") as (server, servicer):
+        error = await refused(LaneChannel(server.address, token=TOKEN))
+        assert error.code() is grpc.StatusCode.UNAUTHENTICATED and "answers as 10.255.0.1:" in error.details()
+        assert servicer.allocated == []
 
 
 # -- limits -------------------------------------------------------------------------------------
@@ -184,9 +290,16 @@ async def test_the_handshake_deadline() -> None:
         assert await until_closed(silent[0]) == b""
         assert await until_closed(slow[0]) == b""
         await dribble
-        # Greeted, never proving: told why.
+        # Greeted without a challenge, or challenged and never proving: told why.
         reader, writer = await asyncio.open_connection(server.host, server.port)
         writer.write(HELLO)
+        assert await reader.readexactly(len(HELLO)) == HELLO
+        stream, kind, code, reason = await read_frame(reader)
+        assert (stream, kind, code) == (0, END, grpc.StatusCode.UNAUTHENTICATED.value[0])
+        assert b"--lane-handshake-timeout" in reason
+        writer.close()
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        writer.write(challenge(secrets.token_bytes(NONCE_SIZE)))
         assert await reader.readexactly(len(HELLO)) == HELLO_AUTH
         await read_frame(reader)
         stream, kind, code, reason = await read_frame(reader)
@@ -204,12 +317,12 @@ async def test_a_trickled_frame_is_dropped_at_its_deadline_though_bytes_keep_com
     limits = LaneLimits(frame_timeout_s=0.5, frame_min_rate_bps=1 << 20)
     async with serving(token=token, limits=limits) as (server, servicer):
         reader, writer = await asyncio.open_connection(server.host, server.port)
-        writer.write(HELLO)
-        await reader.readexactly(len(HELLO))
         if token is not None:
-            _, _, _, nonce = await read_frame(reader)
-            writer.write(HEADER.pack(32, 0, AUTH, 0, 0, 0) + lane_proof(token, nonce))
+            await prove(reader, writer, token, server.identity)
             assert await read_frame(reader) == (0, AUTH, 0, b"")
+        else:
+            writer.write(challenge(secrets.token_bytes(NONCE_SIZE)))
+            assert await reader.readexactly(len(HELLO)) == HELLO
         # Complete frames first (a cancel of nothing), then one that never completes.
         writer.write(HEADER.pack(0, 9, 4, 0, 0, 0) * 3 + HEADER.pack(100_000, 1, CALL, ALLOCATE.id, 0, 0) + b"x")
         dribble = asyncio.ensure_future(trickling(writer, b"x", 0.02))
@@ -231,8 +344,6 @@ async def test_buffered_bytes_are_capped_before_and_after_the_proof() -> None:
         # Before the proof: a frame over the few KiB allowed closes the connection before it is held.
         reader, writer = await asyncio.open_connection(server.host, server.port)
         writer.write(HELLO + HEADER.pack(8 * 1024, 0, AUTH, 0, 0, 0) + b"y" * 1024)
-        assert await reader.readexactly(len(HELLO)) == HELLO_AUTH
-        await read_frame(reader)
         assert await until_closed(reader) == b""
         writer.close()
         # After it: a call over the connection's cap loses the connection (UNAVAILABLE); the next reconnects.
@@ -262,6 +373,27 @@ async def test_connections_past_the_cap_are_refused_with_a_reason() -> None:
         for channel in (*first, late):
             await channel.close()
         assert servicer.allocated.count("late") == 1
+
+
+async def test_connections_without_the_token_cannot_lock_the_router_out() -> None:
+    """The cap's worth of silent connections: the oldest not yet proved is closed to let a client
+    with the token in; a connection that proved it is never closed for room."""
+    limits = LaneLimits(max_connections=8, handshake_timeout_s=60)
+    async with serving(token=TOKEN, limits=limits) as (server, servicer):
+        kept = LaneChannel(server.address, token=TOKEN)
+        assert await allocate(kept, "kept") == 2
+        silent = [await asyncio.open_connection(server.host, server.port) for _ in range(12)]
+        await eventually(lambda: len(server._unproven) == limits.unauthenticated_budget)
+        newcomer = LaneChannel(server.address, token=TOKEN)
+        assert await allocate(newcomer, "newcomer") == 2
+        assert await allocate(kept, "kept again") == 2  # the same connection all along
+        assert servicer.allocated == ["kept", "newcomer", "kept again"]
+        for reader, _ in silent[:-1]:  # all but the last were closed for room, the newcomer's included
+            assert await until_closed(reader) == b""
+        for _, writer in silent:
+            writer.close()
+        for channel in (kept, newcomer):
+            await channel.close()
 
 
 # -- TLS ----------------------------------------------------------------------------------------

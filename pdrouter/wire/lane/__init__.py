@@ -30,13 +30,15 @@ The contract:
   with grpc.aio;
 * a lost connection fails every open call with UNAVAILABLE on the client and cancels every handler
   on the server (what gRPC does when a peer goes away);
-* a worker given a token serves a connection only once it has proved the token (a
-  challenge-response at connection start); one given an ``ssl`` context speaks TLS only (mutual TLS
-  when the context requires client certificates). A refused connection fails its calls with the
-  worker's reason: UNAUTHENTICATED for a missing or wrong token;
+* a worker given a token serves a connection only once it has proved the token (a mutual
+  challenge-response at connection start, the worker first, bound to the address it answers at, so
+  a client sends nothing to a server that cannot prove it or answers as another address); one given
+  an ``ssl`` context speaks TLS only (mutual TLS when the context requires client certificates). A
+  refused connection fails its calls with the worker's reason: UNAUTHENTICATED for a missing or
+  wrong token;
 * every connection is held to the worker's ``LaneLimits``: a handshake deadline, a deadline for
   each begun frame that trickling cannot move, a cap on its buffered bytes (a few KiB before the
-  proof) and a cap on connections (``docs/limits.md``).
+  proof), a cap on connections and a smaller budget for those not yet proved (``docs/limits.md``).
 
 Modules: ``frames`` (the format and vocabulary, shared by both ends), ``limits`` (``LaneLimits``),
 ``server`` (the worker end: ``LaneServer``, ``serve_servicer``), ``client`` (the router's end:
@@ -73,7 +75,8 @@ from pdrouter.wire.lane.frames import (
     SERVE,
     VERSION,
     LaneMethod,
-    lane_proof,
+    client_proof,
+    server_proof,
 )
 from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.lane.server import Handler, LaneAbort, LaneContext, LaneServer, serve_servicer
@@ -109,7 +112,8 @@ __all__ = [
     "PrefillLane",
     "StreamCall",
     "UnaryCall",
-    "lane_proof",
+    "client_proof",
     "request_stubs",
     "serve_servicer",
+    "server_proof",
 ]

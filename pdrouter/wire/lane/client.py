@@ -5,9 +5,11 @@ A ``LaneChannel`` is one worker's connection: opened on first use, reopened afte
 calls; a non-OK status raises ``LaneError`` (a ``grpc.RpcError``). ``PrefillLane``, ``DecodeLane``
 and ``ColocatedLane`` have the call shapes of the grpc.aio stubs, so ``request_stubs`` hands either.
 
-A channel given a ``token`` proves it when the worker asks (``frames``' challenge-response); one
-given an ``ssl`` context speaks TLS. A worker that refuses the connection says why, and the calls
-fail with its status (UNAUTHENTICATED for a missing or wrong token).
+A channel given a ``token`` has the worker prove it first, as the address the channel dials, and
+only then proves it in turn (``frames``' challenge-response): a server that cannot, or answers as
+another address, is sent nothing, and the calls fail UNAUTHENTICATED. One given an ``ssl`` context
+speaks TLS. A worker that refuses the connection says why, and the calls fail with its status
+(UNAUTHENTICATED for a missing or wrong token).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import logging
+import secrets
 from collections.abc import Generator
 from ssl import SSLContext
 from typing import Any, Generic, TypeVar, cast
@@ -23,6 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 import grpc
 from google.protobuf.message import Message
 
+from pdrouter.wire.grpc_util import StatusError
 from pdrouter.wire.lane.frames import (
     ALLOCATE,
     AUTH,
@@ -33,8 +38,10 @@ from pdrouter.wire.lane.frames import (
     DECODE,
     END,
     HELLO,
+    MAX_IDENTITY_BYTES,
     NONCE_SIZE,
     PREFILL,
+    PROOF_SIZE,
     RELEASE,
     SERVE,
     VERSION,
@@ -42,7 +49,8 @@ from pdrouter.wire.lane.frames import (
     _Corked,
     _frame,
     _Frames,
-    lane_proof,
+    client_proof,
+    server_proof,
 )
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
@@ -51,19 +59,8 @@ log = logging.getLogger(__name__)
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class LaneError(grpc.RpcError):
+class LaneError(StatusError):
     """A lane call that ended with a non-OK status; ``code()`` / ``details()`` as on a gRPC error."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class _Inbox:
@@ -91,10 +88,14 @@ _HELLO_STAGE, _CHALLENGE_STAGE, _ACCEPT_STAGE, _READY_STAGE = 0, 1, 2, 3
 
 
 class _ClientConnection(_Corked):
-    def __init__(self, address: str, token: bytes | None = None) -> None:
+    def __init__(self, address: str, token: bytes | None = None, tls: bool = False) -> None:
+        """``address``: as dialled, the identity the server must prove itself as; ``tls``: the
+        connection is TLS, its server verified by its certificate."""
         super().__init__()
         self.address = address
         self.token = token
+        self.tls = tls
+        self._nonce = secrets.token_bytes(NONCE_SIZE)
         self.frames = _Frames()
         self.calls: dict[int, _Inbox] = {}
         self.greeted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -107,7 +108,7 @@ class _ClientConnection(_Corked):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(asyncio.Transport, transport)  # a stream transport (asyncio's or uvloop's)
         self.transport = transport
-        transport.write(HELLO)
+        transport.write(HELLO + _frame(0, AUTH, 0, self._nonce))
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.lost is None:
@@ -179,6 +180,14 @@ class _ClientConnection(_Corked):
                            f"the worker at {self.address} speaks lane {hello!r}, not version {VERSION}")
                 return None
             if not hello[5] & AUTH_REQUIRED:
+                if self.token is not None and not self.tls:
+                    if self._refusal_in(data):  # a worker refusing the connection outright says why
+                        return None
+                    self._fail(grpc.StatusCode.UNAUTHENTICATED,
+                               f"the lane at {self.address} does not ask for the internal token: it is no worker "
+                               f"of this cluster (or one started without PDROUTER_INTERNAL_TOKEN), and nothing "
+                               f"is sent to it")
+                    return None
                 self._stage = _READY_STAGE
                 self.greeted.set_result(None)
                 return data
@@ -198,8 +207,11 @@ class _ClientConnection(_Corked):
             if stream == 0 and kind == END:
                 self._closed_by_server(arg, body)
                 return None
-            if stream == 0 and kind == AUTH and self._stage == _CHALLENGE_STAGE and len(body) == NONCE_SIZE:
-                self.transport.write(_frame(0, AUTH, 0, lane_proof(self.token, body)))
+            if stream == 0 and kind == AUTH and self._stage == _CHALLENGE_STAGE:
+                if not self._check_server(body):
+                    return None
+                server_nonce, identity = body[:NONCE_SIZE], self.address
+                self.transport.write(_frame(0, AUTH, 0, client_proof(self.token, self._nonce, server_nonce, identity)))
                 self._stage = _ACCEPT_STAGE
             elif stream == 0 and kind == AUTH and self._stage == _ACCEPT_STAGE and not body:
                 self._stage = _READY_STAGE
@@ -213,6 +225,42 @@ class _ClientConnection(_Corked):
                 return None
         # Accepted: what is buffered stays in the parser for the next read.
         return b"" if self._stage == _READY_STAGE else None
+
+    def _refusal_in(self, data: bytes) -> bool:
+        """True when ``data`` (what followed a greeting) holds a server's ``END`` on stream 0, which then
+        fails the connection with the server's reason."""
+        try:
+            frames = _Frames().feed(data)
+        except ValueError:
+            return False
+        for stream, kind, arg, _, body in frames:
+            if stream == 0 and kind == END:
+                self._closed_by_server(arg, body)
+                return True
+        return False
+
+    def _check_server(self, body: bytes) -> bool:
+        """The server's proof (its nonce, proof and identity): True when it proves the token as the
+        address dialled; else the connection fails, having sent nothing but the challenge."""
+        assert self.token is not None
+        nonce, proof = body[:NONCE_SIZE], body[NONCE_SIZE:NONCE_SIZE + PROOF_SIZE]
+        identity = body[NONCE_SIZE + PROOF_SIZE:]
+        if len(proof) != PROOF_SIZE or not 0 < len(identity) <= MAX_IDENTITY_BYTES:
+            self._fail(grpc.StatusCode.UNAUTHENTICATED,
+                       f"the lane at {self.address} sent a malformed proof of the internal token")
+            return False
+        said = identity.decode("utf-8", "replace")
+        if said != self.address:
+            self._fail(grpc.StatusCode.UNAUTHENTICATED,
+                       f"the worker lane at {self.address} answers as {said}: the address it was dialled at (from "
+                       f"the registry, or the worker list) is not its own; nothing was sent to it")
+            return False
+        if not hmac.compare_digest(proof, server_proof(self.token, self._nonce, nonce, self.address)):
+            self._fail(grpc.StatusCode.UNAUTHENTICATED,
+                       f"the lane at {self.address} did not prove the internal token: it is no worker of this "
+                       f"cluster, or this side's PDROUTER_INTERNAL_TOKEN is not the cluster's; nothing was sent to it")
+            return False
+        return True
 
     def open(self, method: LaneMethod, body: bytes, timeout_ms: int) -> tuple[int, _Inbox]:
         if self.lost is not None or self.transport is None or self.transport.is_closing():
@@ -233,9 +281,10 @@ class _ClientConnection(_Corked):
 class LaneChannel:
     """The client end of one worker's lane: connects on first use, reconnects after a loss.
 
-    ``token``: the secret to prove when the worker asks (None: a worker that asks is refused here
-    with UNAUTHENTICATED); ``ssl``: speak TLS, verifying the worker against the context's CA as
-    ``server_hostname`` (default: the host of ``address``) and presenting its certificate, if any.
+    ``token``: the secret the worker must prove first (as ``address``), then this side (None: a
+    worker that asks for it is refused here with UNAUTHENTICATED; with a token, so is one that does
+    not ask, unless TLS proved it); ``ssl``: speak TLS, verifying the worker against the context's CA
+    as ``server_hostname`` (default: the host of ``address``) and presenting its certificate, if any.
     """
 
     def __init__(self, address: str, connect_timeout_s: float = 2.0, *, token: bytes | None = None,
@@ -273,8 +322,8 @@ class LaneChannel:
             "ssl_handshake_timeout": self.connect_timeout_s}
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _ClientConnection(self.address, self.token), host,
-                                                       int(port), **tls)
+                _, conn = await loop.create_connection(
+                    lambda: _ClientConnection(self.address, self.token, self.ssl is not None), host, int(port), **tls)
                 await conn.greeted
         except BaseException as exc:
             if conn is not None and conn.transport is not None:

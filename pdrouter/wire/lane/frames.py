@@ -1,20 +1,28 @@
 """The lane's frames and vocabulary, shared by both ends: the greeting, the header, the frame kinds,
 the method table, the token proof, the frame parser and the corked writer.
 
-Wire format (version 2), over TCP or, when both ends are given an ``ssl`` context, inside TLS.
+Wire format (version 3), over TCP or, when both ends are given an ``ssl`` context, inside TLS.
 
-Greeting. The client opens with ``HELLO`` = ``b"PDRL"`` + version (u8) + 3 zero bytes. The server
+Greeting. The client opens with ``HELLO`` = ``b"PDRL"`` + version (u8) + 3 zero bytes, and its
+challenge: an ``AUTH`` frame (stream 0) whose body is a random ``NONCE_SIZE``-byte nonce. The server
 answers 8 bytes: ``b"PDRL"`` + its version + flags (u8) + 2 zero bytes; when the client's version is
 not its own it answers its ``HELLO`` and closes. Flag ``AUTH_REQUIRED`` (bit 0) says the server
-holds a token and serves nothing before the client has proved it knows it (challenge-response):
+holds the token; then both prove it, the server first, and each proof is bound to the server's
+*identity*, the address it answers as (``host:port``, as registered), so that neither can be relayed:
 
-1. server → client, right after its greeting: an ``AUTH`` frame (stream 0), body = a random
-   ``NONCE_SIZE``-byte nonce, new for every connection;
-2. client → server, its first frame: ``AUTH`` (stream 0), body = :func:`lane_proof` =
-   HMAC-SHA256(token, nonce + ``PROOF_LABEL``);
+1. server → client, right after its greeting: ``AUTH`` (stream 0), body = its own random nonce,
+   :func:`server_proof` (HMAC-SHA256 over a label, both nonces and the identity) and the identity
+   (UTF-8). The client checks that the identity is the address it dialled and the proof, and
+   otherwise closes having sent nothing more: a server without the token, or one that has it but
+   answers as another address (a relay behind a registry record that names it), is never sent a
+   call or a proof;
+2. client → server: ``AUTH`` (stream 0), body = :func:`client_proof` (the same, another label);
 3. server → client: ``AUTH`` (stream 0, empty body) when the proof matches (compared in constant
-   time); else ``END`` (stream 0, UNAUTHENTICATED) and the connection closes. A first frame that is
-   not the proof is refused the same way. The client sends its calls after the acceptance.
+   time); else ``END`` (stream 0, UNAUTHENTICATED) and the connection closes. A frame other than the
+   proof is refused the same way. The client sends its calls after the acceptance.
+
+A server without the token ignores the client's challenge and serves at once; a client that holds
+the token refuses such a server unless TLS proved it (a certificate from the cluster's CA).
 
 A server refusing a connection outright (too many open) sends a plain greeting and, at once, an
 ``END`` on stream 0 saying why.
@@ -48,7 +56,7 @@ from google.protobuf.message import Message
 
 from pdrouter.wire.v1 import common_pb2, worker_pb2
 
-VERSION = 2
+VERSION = 3
 MAGIC = b"PDRL"
 HELLO = MAGIC + bytes([VERSION, 0, 0, 0])
 """The client's greeting, and the server's answer when it asks for no proof."""
@@ -62,13 +70,25 @@ MAX_BODY = 64 * 1024 * 1024
 CALL, MESSAGE, END, CANCEL, AUTH = 1, 2, 3, 4, 5
 NONCE_SIZE = 32
 PROOF_SIZE = 32
-PROOF_LABEL = b"pdrouter lane v2: client proof"
-"""Bound into the proof, so that it answers this challenge of this protocol and nothing else."""
+MAX_IDENTITY_BYTES = 512
+"""The longest identity (``host:port``) a server's proof may carry."""
+SERVER_PROOF_LABEL = b"pdrouter lane v3: the worker proves the internal token\x00"
+CLIENT_PROOF_LABEL = b"pdrouter lane v3: the client proves the internal token\x00"
+"""Bound into the proofs, so that each answers this handshake of this protocol, in this direction."""
 
 
-def lane_proof(token: bytes, nonce: bytes) -> bytes:
-    """The client's answer to the server's challenge ``nonce``: HMAC-SHA256(token, nonce + PROOF_LABEL)."""
-    return hmac.new(token, nonce + PROOF_LABEL, hashlib.sha256).digest()
+def _proof(label: bytes, token: bytes, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    return hmac.new(token, label + client_nonce + server_nonce + identity.encode(), hashlib.sha256).digest()
+
+
+def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    """The server's proof of the token, as the server answering at ``identity``."""
+    return _proof(SERVER_PROOF_LABEL, token, client_nonce, server_nonce, identity)
+
+
+def client_proof(token: bytes, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
+    """The client's proof of the token, to the server answering at ``identity``."""
+    return _proof(CLIENT_PROOF_LABEL, token, client_nonce, server_nonce, identity)
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,14 @@ status, as a gRPC server would send it (``LaneContext.abort``'s code, a ``PdRout
 code, else UNKNOWN). A ``CANCEL`` or a lost connection cancels the handler: nobody is left to answer.
 
 Who may call: with a ``token`` a connection is served only once it has proved it (the
-challenge-response of ``frames``); with an ``ssl`` context the port speaks TLS only (a context
-that requires client certificates makes it mutual TLS). Every connection is held to the server's
-``LaneLimits``: a handshake deadline, a deadline per begun frame that trickling cannot move, a cap
-on its buffered bytes (a few KiB before the proof) and a cap on connections. A connection refused
-or closed for any of these gets, where it can still be told, an ``END`` on stream 0 saying why.
+challenge-response of ``frames``, in which this server proves the token first, as the address it
+answers at: ``advertise_host`` and its port); with an ``ssl`` context the port speaks TLS only (a
+context that requires client certificates makes it mutual TLS). Every connection is held to the
+server's ``LaneLimits``: a handshake deadline, a deadline per begun frame that trickling cannot
+move, a cap on its buffered bytes (a few KiB before the proof), a cap on connections and a smaller
+budget for those that have not proved the token yet (past it the oldest of them is closed, so a
+flood of unauthenticated connections never locks the router out). A connection refused or closed
+for any of these gets, where it can still be told, an ``END`` on stream 0 saying why.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from pdrouter.wire.lane.frames import (
     _Corked,
     _frame,
     _Frames,
-    lane_proof,
+    client_proof,
+    server_proof,
 )
 from pdrouter.wire.lane.limits import LaneLimits
 
@@ -108,11 +112,13 @@ class LaneServer:
 
     ``token``: serve only connections that prove it (None: anyone who greets); ``ssl``: speak TLS
     (a context requiring client certificates makes it mutual TLS); ``limits``: what each connection
-    may take (default :class:`LaneLimits`' defaults).
+    may take (default :class:`LaneLimits`' defaults); ``advertise_host``: the host clients dial
+    (default ``host``), which with the port is the identity this server proves itself as.
     """
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, *, token: bytes | None = None,
-                 ssl: SSLContext | None = None, limits: LaneLimits | None = None) -> None:
+                 ssl: SSLContext | None = None, limits: LaneLimits | None = None,
+                 advertise_host: str | None = None) -> None:
         if token is not None and not token:
             raise ValueError("the lane token must not be empty (None: no token)")
         self.host = host
@@ -121,9 +127,12 @@ class LaneServer:
         self.token = token
         self.ssl = ssl
         self.limits = LaneLimits() if limits is None else limits
+        self.advertise_host = advertise_host or host
         self._handlers: dict[int, tuple[LaneMethod, Handler]] = {}
         self._server: asyncio.Server | None = None
         self._connections: set[_ServerConnection] = set()
+        self._unproven: dict[_ServerConnection, None] = {}
+        """Connections that have not proved the token yet, oldest first."""
         self._refused: set[_ServerConnection] = set()
 
     def add(self, method: LaneMethod, handler: Handler) -> None:
@@ -132,6 +141,35 @@ class LaneServer:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def identity(self) -> str:
+        """The address this server proves itself as: ``advertise_host:port``, what clients dial."""
+        return f"{self.advertise_host}:{self.port}"
+
+    def _evict_oldest_unproven(self) -> bool:
+        """Close the oldest connection that has not proved the token; False when there is none."""
+        if not self._unproven:
+            return False
+        oldest = next(iter(self._unproven))
+        self._forget_connection(oldest)
+        self._refused.add(oldest)
+        _log_limit("unproven", "lane: closing the oldest connections that have not proved the internal token: %d "
+                   "of them open (--lane-max-unauthenticated-connections)", self.limits.unauthenticated_budget)
+        if not oldest.greeted:  # it never spoke the lane: nothing it would understand to say
+            oldest.refused = True
+            oldest.frames._buf = bytearray()
+            if oldest.transport is not None:
+                oldest.transport.close()
+            return True
+        oldest._close_with(grpc.StatusCode.UNAVAILABLE,
+                           f"the worker lane holds its limit of {self.limits.unauthenticated_budget} connections "
+                           f"that have not proved the internal token, and this was the oldest")
+        return True
+
+    def _forget_connection(self, conn: _ServerConnection) -> None:
+        self._connections.discard(conn)
+        self._unproven.pop(conn, None)
 
     @property
     def active_calls(self) -> int:
@@ -173,7 +211,10 @@ class _ServerConnection(_Corked):
         self.closing = False
         self.refused = False
         """Refused or being closed: nothing more is read."""
-        self._nonce = b""
+        self._answered = False
+        """This side's greeting was sent (a reason sent after it needs none of its own)."""
+        self._client_nonce = b""
+        self._server_nonce = b""
         self._frame_t0: float | None = None
         """When the incomplete frame in the buffer began (loop time), None without one."""
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -186,21 +227,24 @@ class _ServerConnection(_Corked):
         self.transport = transport
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         server, limits = self.server, self.limits
-        if len(server._connections) >= limits.max_connections:
+        if len(server._unproven) >= limits.unauthenticated_budget:
+            server._evict_oldest_unproven()
+        if len(server._connections) >= limits.max_connections and not server._evict_oldest_unproven():
             server._refused.add(self)
             _log_limit("connections", "lane: refusing connections past %d open (--lane-max-connections)",
                        limits.max_connections)
             self._close_with(grpc.StatusCode.UNAVAILABLE,
                              f"the worker lane has its limit of {limits.max_connections} connections open "
-                             f"(--lane-max-connections); retry later", hello=True)
+                             f"(--lane-max-connections); retry later")
             return
         server._connections.add(self)
+        server._unproven[self] = None
         self._timers["handshake"] = asyncio.get_running_loop().call_later(limits.handshake_timeout_s,
                                                                            self._handshake_expired)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.refused = True
-        self.server._connections.discard(self)
+        self.server._forget_connection(self)
         self.server._refused.discard(self)
         for timer in self._timers.values():
             timer.cancel()
@@ -265,40 +309,50 @@ class _ServerConnection(_Corked):
             self.transport.close()
             return b""
         self.greeted = True
-        if self.server.token is None:
+        if self.server.token is None:  # the client's challenge (its first frame) is ignored
+            self._answered = True
             self.transport.write(HELLO)
             self._ready()
-        else:
-            self._nonce = secrets.token_bytes(NONCE_SIZE)
-            self.transport.write(HELLO_AUTH + _frame(0, AUTH, 0, self._nonce))
         return rest
 
     def _authenticate(self, frames: list[tuple[int, int, int, int, bytes]]) -> list[tuple[int, int, int, int, bytes]]:
-        """The frames after a valid proof (the connection is then ready); none while the proof has
-        not come; after a first frame that is not a valid proof, none, and the connection is refused."""
-        if not frames:
-            return frames
+        """The frames after a valid proof (the connection is then ready); none while the handshake is
+        not done. The client's challenge is answered with this server's proof; a frame that is not
+        the handshake's next, or a wrong proof, refuses the connection."""
         token = self.server.token
         assert token is not None and self.transport is not None
-        stream, kind, _, _, body = frames[0]
-        if stream != 0 or kind != AUTH:
-            _log_limit("no-proof", "lane: refusing a connection that sent no proof of the internal token")
-            self._close_with(grpc.StatusCode.UNAUTHENTICATED,
-                             "this worker lane requires the internal token (PDROUTER_INTERNAL_TOKEN), and the "
-                             "connection sent a call before proving it")
-            return []
-        if not hmac.compare_digest(body, lane_proof(token, self._nonce)):
-            _log_limit("wrong-proof", "lane: refusing a connection with a wrong proof of the internal token")
-            self._close_with(grpc.StatusCode.UNAUTHENTICATED,
-                             "wrong internal token: the lane proof does not match this worker's "
-                             "PDROUTER_INTERNAL_TOKEN")
-            return []
-        self.transport.write(_frame(0, AUTH))
-        self._ready()
-        return frames[1:]
+        for at, (stream, kind, _, _, body) in enumerate(frames):
+            if stream != 0 or kind != AUTH:
+                _log_limit("no-proof", "lane: refusing a connection that sent no proof of the internal token")
+                self._close_with(grpc.StatusCode.UNAUTHENTICATED,
+                                 "this worker lane requires the internal token (PDROUTER_INTERNAL_TOKEN), and the "
+                                 "connection sent a call before proving it")
+                return []
+            identity = self.server.identity
+            if not self._answered:  # the client's challenge: prove the token first, as this address
+                if len(body) != NONCE_SIZE:
+                    self._close_with(grpc.StatusCode.UNAUTHENTICATED, "the lane handshake expects a "
+                                     f"{NONCE_SIZE}-byte challenge first")
+                    return []
+                self._client_nonce, self._server_nonce = body, secrets.token_bytes(NONCE_SIZE)
+                proof = server_proof(token, self._client_nonce, self._server_nonce, identity)
+                self._answered = True
+                self.transport.write(HELLO_AUTH + _frame(0, AUTH, 0, self._server_nonce + proof + identity.encode()))
+                continue
+            if not hmac.compare_digest(body, client_proof(token, self._client_nonce, self._server_nonce, identity)):
+                _log_limit("wrong-proof", "lane: refusing a connection with a wrong proof of the internal token")
+                self._close_with(grpc.StatusCode.UNAUTHENTICATED,
+                                 "wrong internal token: the lane proof does not match this worker's "
+                                 "PDROUTER_INTERNAL_TOKEN")
+                return []
+            self.transport.write(_frame(0, AUTH))
+            self._ready()
+            return frames[at + 1:]
+        return []
 
     def _ready(self) -> None:
         self.ready = True
+        self.server._unproven.pop(self, None)
         self.frames.max_body = self.limits.max_body
         timer = self._timers.pop("handshake", None)
         if timer is not None:
@@ -360,8 +414,8 @@ class _ServerConnection(_Corked):
                          f"--lane-frame-timeout {limits.frame_timeout_s:g} s, --lane-frame-min-rate "
                          f"{limits.frame_min_rate_bps} bytes/s)")
 
-    def _close_with(self, code: grpc.StatusCode, details: str, hello: bool = False) -> None:
-        """Tell the peer why (an ``END`` on stream 0, after a greeting when ``hello``), then close.
+    def _close_with(self, code: grpc.StatusCode, details: str) -> None:
+        """Tell the peer why (an ``END`` on stream 0, after this side's greeting if it was not sent), then close.
 
         The connection is half-closed at once, and what the peer still sends is read and dropped
         for up to :data:`LINGER_S`, so that closing with unread data does not reset the connection
@@ -373,7 +427,8 @@ class _ServerConnection(_Corked):
         if transport is None or transport.is_closing():
             return
         self._flush()  # what was corked leaves first
-        transport.write((HELLO if hello else b"") + _frame(0, END, code.value[0], details.encode()))
+        hello, self._answered = (b"" if self._answered else HELLO), True
+        transport.write(hello + _frame(0, END, code.value[0], details.encode()))
         try:
             if transport.can_write_eof():
                 transport.write_eof()
