@@ -1,7 +1,8 @@
-"""The HTTP front door of a real router process under hostile clients: requests decided on their
-head before any body byte is held, bodies of aborted requests freed at once, a malformed
+"""Both front doors of a real router process under hostile clients. HTTP: requests decided on
+their head before any body byte is held, bodies of aborted requests freed at once, a malformed
 ``Content-Length`` and a wrong ``Content-Type`` answered cleanly, and a budget of unauthenticated
-connections that keyed clients never run into.
+connections that keyed clients never run into. gRPC: calls without a key refused before their
+message is read, however large or slow, and handshakes held to their deadline.
 
 The router runs as ``pdrouter router`` with an API key and no workers (what is probed here happens
 before any request reaches a worker); its memory is read from ``/proc`` through psutil. Assertions
@@ -22,6 +23,7 @@ import pytest
 
 from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.router.frontdoor.auth import ENV_VAR
+from pdrouter.testing.grpc_probe import probe
 
 KEY = secrets.token_urlsafe(24)
 WAIT_S = 30.0  # hang guard, not a latency bound
@@ -37,6 +39,8 @@ class Door:
         self.proc = proc
         address = proc.wait_ready()
         self.port = int(address.rpartition(":")[2])
+        assert proc.grpc_address is not None
+        self.grpc_port = int(proc.grpc_address.rpartition(":")[2])
         self.process = psutil.Process(proc.proc.pid)
 
     def rss(self) -> int:
@@ -201,3 +205,28 @@ async def test_unauthenticated_connections_cannot_lock_keyed_clients_out(
         finally:
             for _, writer in idle:
                 writer.close()
+
+
+async def test_grpc_calls_without_a_key_are_refused_before_their_message(start_door: Callable[..., Door]) -> None:
+    """Calls announcing 60 MiB, sent as fast as flow control lets them or a byte every half second,
+    without a key or with a wrong one: each is refused UNAUTHENTICATED with most of its message
+    unsent, and the router holds nothing of them."""
+    door = start_door()
+    baseline = door.rss()
+    probes = [probe("127.0.0.1", door.grpc_port, kind, metadata=metadata, wait_s=WAIT_S)
+              for kind in ("huge", "slow") for metadata in ((), (("authorization", "Bearer " + "w" * 32),))
+              for _ in range(2)]
+    for result in await asyncio.gather(*probes):
+        assert (result.outcome, result.status) == ("ended", 16), result
+        assert result.sent < 8 * MiB
+    assert await settle(door, baseline) < 40 * MiB
+
+
+async def test_grpc_handshakes_have_a_deadline(start_door: Callable[..., Door]) -> None:
+    """A connection that never finishes its HTTP/2 preface, silent or trickling it, is closed at the
+    handshake deadline (grpc's own default would hold it two minutes)."""
+    door = start_door()
+    silent, trickled = await asyncio.gather(
+        probe("127.0.0.1", door.grpc_port, "silent", wait_s=WAIT_S),
+        probe("127.0.0.1", door.grpc_port, "slow-preface", trickle_s=0.2, wait_s=WAIT_S))
+    assert (silent.outcome, trickled.outcome) == ("closed", "closed")
