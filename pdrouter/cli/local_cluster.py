@@ -7,6 +7,12 @@ SIGKILL). Only a whole line in that form counts, so the parent never takes an ad
 anything else the child prints (a traceback quoting the code that prints the line, a log line).
 A fleet of simulated workers (``pdrouter prefill|decode --backend sim --count N``) prints one
 such line per worker: ``ManagedProcess.wait_ready_all(N)`` waits for all of them.
+
+A child started with ``die_with_parent`` stops when its parent dies, however it dies (even by
+SIGKILL): it holds the read end of a pipe whose only write end is the parent's, and a thread of
+its own (:func:`follow_parent`, run by ``pdrouter``'s entry point) waits on it; when the parent's
+end closes, the child sends itself SIGTERM (its graceful stop) and exits at the latest
+``ORPHAN_GRACE_S`` later.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ from types import TracebackType
 
 from pdrouter.core.errors import ConfigError, UnavailableError
 
+PARENT_FD_ENV = "PDROUTER_PARENT_FD"
+"""In a child started with ``die_with_parent``: the descriptor of its end of the lifeline pipe."""
+ORPHAN_GRACE_S = 30.0
+"""How long a child whose parent died has for its graceful stop before it exits regardless."""
 READY_MARKER = "ready:"
 _ADDRESS = r"[^\s{}]+:\d+"
 _READY = re.compile(rf"{re.escape(READY_MARKER)} \S.* at (?P<address>{_ADDRESS})(?: grpc (?P<grpc>{_ADDRESS}))?")
@@ -69,12 +79,24 @@ class ManagedProcess:
     """A ``pdrouter`` child process, its readiness address and the tail of its output."""
 
     def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None,
-                 log_file: Path | None = None) -> None:
+                 log_file: Path | None = None, die_with_parent: bool = False) -> None:
+        """``die_with_parent``: the child stops when this process dies, however it dies (module docstring)."""
         self.name = name
         self.args = [sys.executable, "-m", "pdrouter", *args]
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
-                                     text=True, bufsize=1, start_new_session=True)
+        full_env.pop(PARENT_FD_ENV, None)
+        lifeline: tuple[int, ...] = ()
+        self._lifeline: int | None = None
+        if die_with_parent:
+            child_end, self._lifeline = os.pipe()  # neither end inherited by anything but this child
+            lifeline = (child_end,)
+            full_env[PARENT_FD_ENV] = str(child_end)
+        try:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=full_env,
+                                         text=True, bufsize=1, start_new_session=True, pass_fds=lifeline)
+        finally:
+            for fd in lifeline:
+                os.close(fd)
         self.tail: deque[str] = deque(maxlen=200)
         self.address: str | None = None
         self.grpc_address: str | None = None
@@ -166,6 +188,9 @@ class ManagedProcess:
         if self._log:
             self._log.close()
             self._log = None
+        if self._lifeline is not None:
+            os.close(self._lifeline)
+            self._lifeline = None
         return int(self.proc.returncode)
 
     def __enter__(self) -> ManagedProcess:
@@ -174,6 +199,30 @@ class ManagedProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
+
+
+def follow_parent() -> None:
+    """In a child started with ``die_with_parent``: stop when the parent is gone (module docstring).
+
+    Does nothing in any other process. The variable is removed, so the child's own children do not
+    take it for theirs.
+    """
+    value = os.environ.pop(PARENT_FD_ENV, None)
+    if not value:
+        return
+    fd = int(value)
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):  # nothing is ever written: this returns at the end of the pipe
+                pass
+        except OSError:
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-lifeline", daemon=True).start()
 
 
 def stop_all(procs: Sequence[ManagedProcess], timeout: float = 15.0) -> None:

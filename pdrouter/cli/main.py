@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from pdrouter.cli.local_cluster import follow_parent
+
+    follow_parent()  # a child of `pdrouter up` stops when `up` is gone, however it went
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -14,6 +14,11 @@ folder if it is missing (for a simulated fleet: only ``config.json`` and the tok
 every part as a child process, prints the endpoints and a sample request, and stops everything
 on Ctrl-C (``--once`` instead sends the sample request itself, prints the answer and stops).
 
+Redis asks every client for a password: one for each component (``pdrouter.state.acl``: the router
+and the workers each get a user of their own, and only the keys they need), all made for the run
+and handed to the children by the environment. Every child dies with ``up``, however ``up`` ends
+(``die_with_parent``); a closed output (its reader gone) silences the banner and changes nothing else.
+
 The router asks for an API key: the keys of ``PDROUTER_API_KEYS`` when that is set, else one made
 for the run (``secrets.token_urlsafe(24)``). It reaches the router through the environment, never
 its command line (which ``ps`` shows), and the banner prints it, before the router's line::
@@ -37,6 +42,7 @@ import threading
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, stop_all, worker_args
 from pdrouter.cli.security_flags import internal_token_from_env
@@ -213,14 +219,47 @@ def start_fleets(spawn: Callable[[str, list[str]], ManagedProcess], *, groups: l
     for proc, n in fleets:
         addresses = proc.wait_ready_all(n, timeout=120.0 + n)
         where = addresses[0] if n == 1 else f"{n} workers at {addresses[0]} … {addresses[-1]}"
-        print(f"{proc.name:<10} {where}", flush=True)
+        say(f"{proc.name:<10} {where}")
     return [proc for proc, _ in fleets]
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """Print a line of the banner; a reader gone (a closed pipe) silences the stream instead of failing.
+
+    ``up`` keeps serving, and still stops its children on a signal, whatever became of its output.
+    """
+    out = sys.stdout if stream is None else stream
+    try:
+        print(text, file=out, flush=True)
+    except (BrokenPipeError, ValueError, OSError):
+        silence(out)
+
+
+def silence(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null (what it still holds is written there, not raised)."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def redis_passwords() -> tuple[str, str, str]:
+    """The embedded Redis's passwords for the run: its default user's (nobody's but the operator's),
+    the router's and the workers' (``pdrouter.state.acl``)."""
+    return secrets.token_hex(16), secrets.token_hex(16), secrets.token_hex(16)
 
 
 def run(args: argparse.Namespace) -> int:
     from pdrouter.core.model_spec import get_model_preset
     from pdrouter.engine.model_folder import write_config_folder
-    from pdrouter.state.embedded_redis import EmbeddedRedis
+    from pdrouter.state.acl import ROUTER_USER, WORKER_USER, component_users
+    from pdrouter.state.client import PASSWORD_ENV
+    from pdrouter.state.embedded_redis import EmbeddedRedis, find_redis_server, redis_version
 
     if args.backend == "vllm":
         if args.mode == "disaggregated":
@@ -244,13 +283,13 @@ def run(args: argparse.Namespace) -> int:
         if args.model == DEFAULT_MODEL_DIR:
             args.model = Path(".pdrouter") / "models" / f"sim-{args.model_preset}"
         if not (args.model / "config.json").is_file():
-            print(f"writing the {args.model_preset} geometry (no weights) to {args.model}", flush=True)
+            say(f"writing the {args.model_preset} geometry (no weights) to {args.model}")
             write_config_folder(get_model_preset(args.model_preset), args.model)
     elif not (args.model / "config.json").is_file():
         from pdrouter.engine.model_io import make_model  # torch: only for the torch backend
 
         preset = args.preset or ("small" if args.backend == "vllm" else "tiny")
-        print(f"creating the {preset} model in {args.model}", flush=True)
+        say(f"creating the {preset} model in {args.model}")
         make_model(preset, args.seed, args.model, dtype="bfloat16" if args.backend == "vllm" else None)
     num_blocks = args.num_blocks if args.num_blocks is not None or sim is not None or args.backend == "vllm" else 512
     backend_args: tuple[str, ...] = ("--backend", "vllm") if args.backend == "vllm" else ()
@@ -262,6 +301,13 @@ def run(args: argparse.Namespace) -> int:
     # The router and the workers share a secret for internal calls, made for the run unless given.
     env[INTERNAL_TOKEN_ENV] = internal_token_from_env() or secrets.token_hex(16)
     env[f"{INTERNAL_TOKEN_ENV}_FILE"] = ""  # read above; the children get the value
+    # Redis asks every client for a password, one per component (made for the run); each child gets
+    # its own by the environment, never on its command line.
+    admin_password, router_password, worker_password = redis_passwords()
+    worker_env = {PASSWORD_ENV: worker_password, f"{PASSWORD_ENV}_FILE": ""}
+    router_env = {ENV_VAR: router_keys, PASSWORD_ENV: router_password, f"{PASSWORD_ENV}_FILE": ""}
+    binary = find_redis_server()
+    users = component_users(router_password, worker_password, read_only_patterns=redis_version(binary) >= (7, 0))
     if args.log_dir:
         args.log_dir.mkdir(parents=True, exist_ok=True)
     procs: list[ManagedProcess] = []
@@ -270,52 +316,56 @@ def run(args: argparse.Namespace) -> int:
 
     def spawn(name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> ManagedProcess:
         log = args.log_dir / f"{name}.log" if args.log_dir else None
-        proc = ManagedProcess(name, argv, env={**env, **(extra_env or {})}, log_file=log)
+        proc = ManagedProcess(name, argv, env={**env, **(extra_env or {})}, log_file=log, die_with_parent=True)
         procs.append(proc)
         return proc
 
+    def spawn_worker(name: str, argv: list[str]) -> ManagedProcess:
+        return spawn(name, argv, worker_env)
+
     failed = False
-    with EmbeddedRedis() as redis_server:
+    with EmbeddedRedis(binary=binary, password=admin_password, users=users, die_with_parent=True) as redis_server:
+        worker_url, router_url = redis_server.url_for(WORKER_USER), redis_server.url_for(ROUTER_USER)
         try:
-            print(f"redis      {redact_url(redis_server.url)}", flush=True)
+            say(f"redis      {redact_url(redis_server.url)}  (a password per component)")
             if group_size is None:
                 # The workers split the cores, the router counting as one (unless the environment says).
                 threads = None if os.environ.get(TORCH_THREADS_ENV) else cores_each(1 + sum(n for _, n in roles))
-                workers = [spawn(f"{role}-{i}", worker_args(role, args.model, redis_url=redis_server.url,
-                                                            num_blocks=num_blocks, kv_backend=args.kv_backend,
-                                                            torch_threads=threads, sim=sim,
-                                                            extra=(*backend_args, *block_size, "--worker-id",
-                                                                   f"{role}-{i}")))
+                workers = [spawn_worker(f"{role}-{i}", worker_args(role, args.model, redis_url=worker_url,
+                                                                   num_blocks=num_blocks, kv_backend=args.kv_backend,
+                                                                   torch_threads=threads, sim=sim,
+                                                                   extra=(*backend_args, *block_size, "--worker-id",
+                                                                          f"{role}-{i}")))
                            for role, n in roles for i in range(n)]
                 for w in workers:
-                    print(f"{w.name:<10} {w.wait_ready(timeout=VLLM_START_S if backend_args else 120.0)}", flush=True)
+                    say(f"{w.name:<10} {w.wait_ready(timeout=VLLM_START_S if backend_args else 120.0)}")
             else:
-                start_fleets(spawn, groups=worker_groups(roles, group_size), model=args.model,
-                             redis_url=redis_server.url, num_blocks=num_blocks, sim=sim or [])
+                start_fleets(spawn_worker, groups=worker_groups(roles, group_size), model=args.model,
+                             redis_url=worker_url, num_blocks=num_blocks, sim=sim or [])
             # The keys go by the environment (empty: none), never on the command line, which `ps` shows.
-            router = spawn("router", ["router", "--model", str(args.model), "--redis", redis_server.url,
+            router = spawn("router", ["router", "--model", str(args.model), "--redis", router_url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
                                       "--grpc-port", str(args.grpc_port), *block_size, "--log-level", "WARNING"],
-                           {ENV_VAR: router_keys})
+                           router_env)
             http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")
             if api_key:
-                print(f"{KEY_LABEL:<10} {api_key}", flush=True)
+                say(f"{KEY_LABEL:<10} {api_key}")
             else:
-                print("auth       none (--no-api-key): the doors are open to this machine", flush=True)
-            print(f"router     http://{http}/v1  (OpenAI API)   grpc {router.grpc_address}", flush=True)
-            print(f"metrics    http://{http}/metrics" + ("  (with the key)" if api_key else ""), flush=True)
+                say("auth       none (--no-api-key): the doors are open to this machine")
+            say(f"router     http://{http}/v1  (OpenAI API)   grpc {router.grpc_address}")
+            say(f"metrics    http://{http}/metrics" + ("  (with the key)" if api_key else ""))
             if args.once:
                 answer = sample_request(host, int(port), model_name, api_key)
-                print(json.dumps(answer, indent=2), flush=True)
+                say(json.dumps(answer, indent=2))
                 return 0
             auth = " -H \"Authorization: Bearer $OPENAI_API_KEY\"" if api_key else ""
             export = (f"  export OPENAI_API_KEY={api_key} OPENAI_BASE_URL=http://{http}/v1\n" if api_key
                       else f"  export OPENAI_BASE_URL=http://{http}/v1\n")
-            print(f"\ntry:\n{export}"
-                  f"  curl -s $OPENAI_BASE_URL/completions -H 'Content-Type: application/json'{auth} \\\n"
-                  f"    -d '{{\"model\": \"{model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
-                  "\nCtrl-C stops everything.", flush=True)
+            say(f"\ntry:\n{export}"
+                f"  curl -s $OPENAI_BASE_URL/completions -H 'Content-Type: application/json'{auth} \\\n"
+                f"    -d '{{\"model\": \"{model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'\n"
+                "\nCtrl-C stops everything.")
             while not stop.wait(0.5):
                 dead = [p for p in procs if not p.alive]
                 if dead:
@@ -326,15 +376,23 @@ def run(args: argparse.Namespace) -> int:
             failed = True  # the error is reported alone (one line where it can be)
             raise
         finally:
-            if not failed:
-                print("stopping...", file=sys.stderr, flush=True)
-            if group_size is None:
-                for proc in reversed(procs):
-                    proc.stop()
-            else:  # the router first, then the fleets together (each stops its workers at once)
-                for proc in procs:
-                    if proc.name == "router":
-                        proc.stop()
-                stop_all([p for p in procs if p.name != "router"])
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            try:
+                if not failed:
+                    say("stopping...", sys.stderr)
+            finally:
+                _stop_children(procs, fleets=group_size is not None)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+
+def _stop_children(procs: list[ManagedProcess], fleets: bool) -> None:
+    """Stop every child: the router first; workers one by one, or fleets all at once (each stops its
+    workers together)."""
+    if not fleets:
+        for proc in reversed(procs):
+            proc.stop()
+        return
+    for proc in procs:
+        if proc.name == "router":
+            proc.stop()
+    stop_all([p for p in procs if p.name != "router"])

@@ -82,8 +82,13 @@ class TransferConfig:
     trickles bytes cannot hold a connection (and the blocks a frame lands in) by staying just
     inside ``progress_timeout_s``."""
     max_connections: int = 128
-    """Receiver: connections open at once (authenticated or not); more are closed on arrival and
-    counted in ``ReceiverStats.refused_connections``."""
+    """Receiver: connections open at once (authenticated or not). One more closes the oldest that
+    has not proved the token, or, when every open one has, is itself closed on arrival (counted in
+    ``ReceiverStats.refused_connections``)."""
+    max_unauthenticated_connections: int | None = None
+    """Receiver: connections open that have not proved the token yet (None: a quarter of
+    ``max_connections``); one more closes the oldest of them (``ReceiverStats.evicted_connections``),
+    so peers without the token can never hold the connections the senders with it need."""
     max_preauth_bytes: int = 4096
     """The largest message body either side reads before the peer proved the token."""
     abort_grace_s: float = 2.0
@@ -112,6 +117,12 @@ class TransferConfig:
     """gloo payloads (which travel over the process group, not the socket): an xxh3-64 of each
     frame in its authenticated header. A CUDA pool's NCCL payload is not hashed."""
 
+    @property
+    def unauthenticated_budget(self) -> int:
+        """Receiver: connections that may be open without having proved the token."""
+        given = self.max_unauthenticated_connections
+        return max(1, self.max_connections // 4) if given is None else given
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "backend", Backend(self.backend))
         check_auth_token(self.auth_token)
@@ -123,6 +134,10 @@ class TransferConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_connections < 1:
             raise ConfigError(f"max_connections must be >= 1, got {self.max_connections}")
+        budget = self.max_unauthenticated_connections
+        if budget is not None and not 1 <= budget <= self.max_connections:
+            raise ConfigError(f"max_unauthenticated_connections must be in [1, max_connections = "
+                              f"{self.max_connections}], got {budget}")
         if not 512 <= self.max_preauth_bytes <= 1 * MiB:
             raise ConfigError(f"max_preauth_bytes must be in [512, 1 MiB], got {self.max_preauth_bytes}")
         if self.max_frame_bytes < 4096:

@@ -35,7 +35,11 @@ class ReceiverStats:
     deadlines: int = 0
     """Expectations' deadlines still pending (a finished transfer's is cancelled at once)."""
     refused_connections: int = 0
-    """Connections closed on arrival because ``max_connections`` were open."""
+    """Connections closed on arrival because ``max_connections`` were open, all of them proved."""
+    evicted_connections: int = 0
+    """Connections that had not proved the token, closed to make room for newer ones."""
+    unauthenticated: int = 0
+    """Open connections that have not proved the token yet (counted in ``connections`` too)."""
 
 
 class KvReceiver:
@@ -46,10 +50,13 @@ class KvReceiver:
     into the pool. The receiver owns expectations, never the blocks: when a transfer fails or is
     aborted, the caller frees its blocks.
 
-    Limits (``TransferConfig``): at most ``max_connections`` open at once (more are closed on
-    arrival); each must finish TLS and the handshake within ``handshake_timeout_s`` reading at most
-    ``max_preauth_bytes`` per message before that; every message must then arrive within its
-    deadline (``message_timeout_s``, ``message_min_bytes_per_s``).
+    Limits (``TransferConfig``): at most ``max_connections`` open at once, of which at most
+    ``unauthenticated_budget`` have not proved the token (a connection past either closes the oldest
+    of those, so a flood of connections without the token never locks a sender out; only when every
+    open connection has proved it is a new one closed on arrival); each must finish TLS and the
+    handshake within ``handshake_timeout_s`` reading at most ``max_preauth_bytes`` per message before
+    that; every message must then arrive within its deadline (``message_timeout_s``,
+    ``message_min_bytes_per_s``).
     """
 
     def __init__(self, pool: PoolBytes | torch.Tensor, layout: KvLayout, config: TransferConfig, *,
@@ -60,8 +67,11 @@ class KvReceiver:
         self._compat = layout.compat_hash()
         self._lock = threading.Lock()
         self._connections: set[ReceiverConnection] = set()
+        self._unproven: dict[ReceiverConnection, None] = {}
+        """Connections that have not proved the token, oldest first."""
         self._closed = False
         self._refused = 0
+        self._evicted = 0
         self._tls = server_context(config.tls.server_context()) if config.tls is not None else None
         self._listener = socket.create_server((host, port), backlog=128)
         try:
@@ -100,7 +110,8 @@ class KvReceiver:
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines(), self._refused)
+            return ReceiverStats(len(self._book), len(self._connections), self._book.deadlines(), self._refused,
+                                 self._evicted, len(self._unproven))
 
     def close(self) -> None:
         """Abort every expectation (telling the senders), close every connection, stop the threads."""
@@ -132,33 +143,62 @@ class KvReceiver:
                 sock, _ = self._listener.accept()
             except OSError:
                 return  # the listener closed
+            evicted: list[ReceiverConnection] = []
             with self._lock:
                 if self._closed:
                     sock.close()
                     return
+                if len(self._unproven) >= self._config.unauthenticated_budget:
+                    evicted.append(self._evict_oldest())
                 if len(self._connections) >= self._config.max_connections:
-                    self._refused += 1
-                    first = self._refused == 1
-                    sock.close()
-                    if first:
-                        log.warning("kvtransfer receiver at %s: %d connections open, refusing more (max_connections;"
-                                    " counted in ReceiverStats.refused_connections, logged once)",
-                                    self.address, len(self._connections))
-                    continue
+                    if self._unproven:
+                        evicted.append(self._evict_oldest())
+                    else:
+                        self._refused += 1
+                        first = self._refused == 1
+                        sock.close()
+                        if first:
+                            log.warning("kvtransfer receiver at %s: %d connections open, refusing more "
+                                        "(max_connections; counted in ReceiverStats.refused_connections, logged once)",
+                                        self.address, len(self._connections))
+                        continue
                 try:
                     conn = ReceiverConnection(sock, self._view, self._config, self._compat, self._book,
-                                              self._rendezvous, self._connection_closed, tls=self._tls)
+                                              self._rendezvous, self._connection_closed, tls=self._tls,
+                                              on_proven=self._connection_proven)
                 except OSError:  # the peer hung up before we got to it
                     sock.close()
-                    continue
-                self._connections.add(conn)
+                    conn = None
+                if conn is not None:
+                    self._connections.add(conn)
+                    self._unproven[conn] = None
+            for old in evicted:
+                old.fs.close()  # its thread sees the connection gone, and ends
 
     def _rendezvous(self) -> wire.Ready:
         return self._store.new_rendezvous() if self._store is not None else wire.Ready()
 
+    def _evict_oldest(self) -> ReceiverConnection:
+        """Forget the oldest connection that has not proved the token (the caller closes it); under the lock."""
+        oldest = next(iter(self._unproven))
+        del self._unproven[oldest]
+        self._connections.discard(oldest)
+        self._evicted += 1
+        if self._evicted == 1:
+            log.warning("kvtransfer receiver at %s: closing the oldest connections that have not proved the token to "
+                        "make room (max_unauthenticated_connections %d; counted in "
+                        "ReceiverStats.evicted_connections, logged once)", self.address,
+                        self._config.unauthenticated_budget)
+        return oldest
+
+    def _connection_proven(self, conn: ReceiverConnection) -> None:
+        with self._lock:
+            self._unproven.pop(conn, None)
+
     def _connection_closed(self, conn: ReceiverConnection) -> None:
         with self._lock:
             self._connections.discard(conn)
+            self._unproven.pop(conn, None)
 
 
 def _store_host(host: str, advertise_host: str, timeout_s: float) -> StoreHost:

@@ -51,7 +51,10 @@ class ReceiverConnection:
 
     def __init__(self, sock: socket.socket, view: PoolBytes, config: TransferConfig, compat_hash: str,
                  expectations: Expectations, make_ready: Callable[[], wire.Ready],
-                 on_closed: Callable[[ReceiverConnection], None], *, tls: ssl.SSLContext | None = None) -> None:
+                 on_closed: Callable[[ReceiverConnection], None], *, tls: ssl.SSLContext | None = None,
+                 on_proven: Callable[[ReceiverConnection], None] | None = None) -> None:
+        """``on_closed`` runs once the connection is gone, ``on_proven`` once its peer proved the token
+        (both on the connection's thread)."""
         self.fs = FramedSocket(sock, config.progress_timeout_s, config.socket_buffer_bytes,
                                message_timeout=config.message_timeout_s,
                                min_bytes_per_s=config.message_min_bytes_per_s)
@@ -62,6 +65,7 @@ class ReceiverConnection:
         self._expectations = expectations
         self._make_ready = make_ready
         self._on_closed = on_closed
+        self._on_proven = on_proven
         self._bound: dict[str, IncomingTransfer] = {}
         self._unacked = 0
         self._plane: DataPlane | None = None
@@ -100,6 +104,8 @@ class ReceiverConnection:
             _log_refusal(self.fs.peer, exc)
             raise
         self.fs.set_deadline(None)
+        if self._on_proven is not None:
+            self._on_proven(self)
         self._plane = self._open_plane(self._peer)
         while True:
             if self._unacked and not self.fs.has_data():

@@ -6,16 +6,23 @@ two independent test CAs (``pdrouter.testing.pki``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import secrets
 import ssl
 import time
+from typing import Any
 
 import grpc
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
+from pdrouter.core.ids import WorkerId
 from pdrouter.core.tls import TlsFiles
-from pdrouter.core.workers import WorkerRole
+from pdrouter.core.workers import WorkerLoad, WorkerRole
+from pdrouter.state.registry import WorkerRegistry
 from pdrouter.testing.pki import TestCa, tls_flags
 from pdrouter.wire.call_proofs import CALL_PROOF_METADATA, TARGET_METADATA, call_proof, new_call_proof
 from pdrouter.wire.security import PeerSecurity, grpc_channel_credentials
@@ -159,3 +166,91 @@ async def test_a_certificate_from_another_ca_is_refused(cluster: Cluster, pki: T
         assert record.role is WorkerRole.DECODE
     finally:
         await client.close()
+
+
+class ForeignServer:
+    """What an attacker with write access to Redis points a forged worker record at: a gRPC server
+    and a lane listener that greets like a worker that asks for no token. Both record everything
+    they are sent: each gRPC call's method, metadata and request bytes, every lane byte."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, str], bytes]] = []
+        self.lane_bytes = bytearray()
+        self.server = grpc.aio.server()
+        self.server.add_generic_rpc_handlers((self,))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.lane: asyncio.Server | None = None
+        self.lane_address = ""
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        metadata = {key: str(value) for key, value in details.invocation_metadata}
+
+        async def record(requests: Any, context: grpc.aio.ServicerContext) -> None:
+            body = b"".join([r async for r in requests])
+            self.calls.append((details.method, metadata, body))
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "a foreign server")
+
+        return grpc.stream_stream_rpc_method_handler(record)
+
+    async def _greet(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            hello = await reader.readexactly(8)
+            self.lane_bytes += hello
+            writer.write(hello[:5] + b"\0\0\0")  # the client's own version, asking for no token
+            while chunk := await reader.read(65536):
+                self.lane_bytes += chunk
+        writer.close()
+
+    async def start(self) -> None:
+        await self.server.start()
+        self.lane = await asyncio.start_server(self._greet, "127.0.0.1", 0)
+        self.lane_address = f"127.0.0.1:{self.lane.sockets[0].getsockname()[1]}"
+
+    async def stop(self) -> None:
+        await self.server.stop(0)
+        if self.lane is not None:
+            self.lane.close()
+
+
+@pytest.mark.parametrize("transport", ["lane", "grpc"])
+async def test_a_forged_registry_record_gets_no_prompt_and_no_secret(cluster: Cluster, transport: str) -> None:
+    """A worker record planted in Redis names a foreign server, with more free KV than the real
+    worker: the router sends it no prompt and no form of the internal secret, over the lane or gRPC
+    (it asks it to prove the secret first, and it cannot)."""
+    real = cluster.spawn("worker")
+    foreign = ForeignServer()
+    await foreign.start()
+    client = aioredis.Redis.from_url(cluster.redis_url)
+    registry = WorkerRegistry(client, "tiny")
+    [live] = await registry.live_workers()
+    forged = dataclasses.replace(live.record, worker_id=WorkerId("worker-forged"), epoch=await registry.new_epoch(),
+                                 address=foreign.address,
+                                 lane_address=foreign.lane_address if transport == "lane" else "",
+                                 capacity_blocks=100_000)
+    load = WorkerLoad(free_blocks=100_000, total_blocks=100_000)
+    await registry.register(forged)
+
+    async def keep_alive() -> None:
+        while True:
+            await registry.heartbeat(forged.worker_id, forged.epoch, load)
+            await asyncio.sleep(0.3)
+
+    beating = asyncio.ensure_future(keep_alive())
+    try:
+        router = await cluster.router("colocated", worker_transport=transport)
+        await wait_workers(router, {WorkerRole.COLOCATED: 2})
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}", timeout=60) as http:
+            for i in range(10):
+                await http.post("/v1/completions", json={"model": "tiny", "prompt": f"{PROMPT} {i}", "max_tokens": 2})
+        secret = cluster.internal_token
+        assert all(method == "/grpc.health.v1.Health/Check" for method, _, _ in foreign.calls), foreign.calls
+        assert not any(secret in value for _, metadata, _ in foreign.calls for value in metadata.values())
+        assert secret.encode() not in foreign.lane_bytes
+        # The lane got greetings with a challenge each, and nothing after them.
+        greeting = 8 + 16 + 32
+        assert len(foreign.lane_bytes) % greeting == 0 and b"pdrouter" not in foreign.lane_bytes
+        assert real.alive
+    finally:
+        beating.cancel()
+        await foreign.stop()
+        await client.aclose()

@@ -276,31 +276,54 @@ def test_an_authenticated_client_trickling_a_data_frame_is_dropped_at_its_deadli
     assert wait_until(lambda: (receiver.stats().expectations, receiver.stats().connections) == (0, 0))
 
 
-def test_connections_past_the_cap_are_closed_on_arrival(make_pair: Callable[..., Pair],
-                                                        caplog: pytest.LogCaptureFixture) -> None:
+def test_connections_without_the_token_cannot_lock_a_sender_out(make_pair: Callable[..., Pair],
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """The cap's worth of idle connections that never prove the token: each new connection closes
+    the oldest of them, so a sender with the token still gets in."""
+    pair = make_pair(LAYOUT)
+    receiver = replace_receiver(pair, max_connections=4, handshake_timeout_s=60.0)
+    host, port = receiver.address.rsplit(":", 1)
+    with caplog.at_level(logging.WARNING, logger="pdrouter.transfer"):
+        idle = [socket.create_connection((host, int(port))) for _ in range(4)]
+        try:
+            assert wait_until(lambda: receiver.stats().evicted_connections == 3)
+            assert [closed_within(sock, 5.0) is not None for sock in idle] == [True, True, True, False]
+            handle = receiver.expect("req-1", [3], timeout_s=30)
+            transfer = pair.sender.open_transfer(handle.target)
+            transfer.send_layers([5])
+            transfer.finish(30)
+            handle.wait_all(30)
+            assert blocks_equal(pair.src, [5], pair.dst, [3])
+            assert receiver.stats().refused_connections == 0
+        finally:
+            for sock in idle:
+                sock.close()
+    assert len([r for r in caplog.records if "max_unauthenticated_connections" in r.getMessage()]) == 1
+
+
+def test_connections_past_the_cap_are_closed_on_arrival_when_all_proved(make_pair: Callable[..., Pair],
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """Every open connection proved the token: a new one is closed on arrival, and none of them is."""
     pair = make_pair(LAYOUT)
     receiver = replace_receiver(pair, max_connections=2, handshake_timeout_s=10.0)
     host, port = receiver.address.rsplit(":", 1)
-    idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+    proved: list[FramedSocket] = []
     try:
-        assert wait_until(lambda: receiver.stats().connections == 2)
+        for _ in range(2):
+            proved.append(fs := raw_client(receiver.address))
+            client_handshake(fs, make_config(), LAYOUT.compat_hash())
+            assert wait_until(lambda: receiver.stats().unauthenticated == 0)
         with caplog.at_level(logging.WARNING, logger="pdrouter.transfer"):
             for _ in range(2):
                 with socket.create_connection((host, int(port))) as extra:
-                    took = closed_within(extra, 5.0)
-                    assert took is not None and took < 1.0
-        assert receiver.stats().refused_connections == 2
+                    assert closed_within(extra, 5.0) is not None
+        assert (receiver.stats().refused_connections, receiver.stats().evicted_connections) == (2, 0)
+        assert receiver.stats().connections == 2
         assert len([r for r in caplog.records if "max_connections" in r.getMessage()]) == 1  # logged once
     finally:
-        for sock in idle:
-            sock.close()
+        for fs in proved:
+            fs.close()
     assert wait_until(lambda: receiver.stats().connections == 0)
-    handle = receiver.expect("req-1", [3], timeout_s=30)  # room again: a real sender gets in
-    transfer = pair.sender.open_transfer(handle.target)
-    transfer.send_layers([5])
-    transfer.finish(30)
-    handle.wait_all(30)
-    assert blocks_equal(pair.src, [5], pair.dst, [3])
 
 
 # -- frame MACs ---------------------------------------------------------------------------------
