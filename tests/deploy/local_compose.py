@@ -4,8 +4,8 @@ Only what cannot be the same on one host changes: service hostnames and bind-all
 become 127.0.0.1 (so does ``$HOSTNAME`` in a service's script), every port a service listens on
 becomes a free local port (references to it from other services follow), named volumes become
 folders, and the ``redis`` service is an embedded ``redis-server`` that asks for the password its
-compose command reads (``requirepass $(cat FILE)``). A long-running service whose command is a
-``sh -c`` script runs the one ``exec pdrouter ...`` of that script. Services start in
+compose command reads (``requirepass $(cat FILE)``) and has the users it defines. A long-running
+service whose command is a ``sh -c`` script runs the one ``exec pdrouter ...`` of that script. Services start in
 ``depends_on`` order; a service others wait on as ``service_healthy`` must pass its own compose
 health check first, and a one-shot service must exit 0.
 """
@@ -24,7 +24,7 @@ from typing import Any
 import redis as redis_py
 
 from pdrouter.cli.local_cluster import ManagedProcess
-from pdrouter.state.embedded_redis import EmbeddedRedis, free_port
+from pdrouter.state.embedded_redis import EmbeddedRedis, free_port, redis_version
 
 from .deploy_files import (
     HEALTHCHECK_COMMAND,
@@ -141,14 +141,21 @@ class LocalCompose:
         return re.sub(r"\$(?:\{HOSTNAME\}|HOSTNAME\b)", LOOPBACK, token)
 
     def _require_redis_password(self) -> None:
-        """Give the embedded Redis the password the redis service reads from its file, if it does."""
+        """Give the embedded Redis the password the redis service reads from its file, if it does, and
+        its users (``user NAME on >$(cat FILE) RULES``; on a Redis older than 7, read-only key
+        patterns ``%R~`` become plain ones, which it lacks)."""
         script = shell_script(compose_argv(self.services[self.redis_service])) or ""
         m = re.search(r"requirepass \$\(cat (\S+)\)", script)
         if m is None:
             return
+        client = redis_py.Redis(host=self.redis.host, port=self.redis.port)
+        old = redis_version(self.redis.binary) < (7, 0)
+        for user, file, rules in re.findall(r"\nuser (\S+) on >\$\(cat (\S+)\) ([^\n]*)", script):
+            secret = Path(self.localize_text(self.redis_service, file)).read_text().strip()
+            words = [w.replace("%R~", "~") if old else w for w in rules.split()]
+            client.execute_command("ACL", "SETUSER", user, "on", f">{secret}", *words)
         path = Path(self.localize_text(self.redis_service, m.group(1)))
-        password = path.read_text().strip()
-        redis_py.Redis(host=self.redis.host, port=self.redis.port).config_set("requirepass", password)
+        client.config_set("requirepass", path.read_text().strip())
 
     def run_once(self, name: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
         """Run a one-shot ``sh -c`` service (the secrets and model steps); AssertionError unless it exits 0."""

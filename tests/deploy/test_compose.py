@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from pdrouter.state.acl import ROUTER_USER, WORKER_USER, acl_rules
+
 from .deploy_files import (
     COMPOSE_FILE,
     DEPLOY,
@@ -40,9 +42,11 @@ from .deploy_files import (
 WORKER_ROLES = ("prefill", "decode", "worker")
 KV_ROLES = ("prefill", "decode")
 SECRETS_SERVICE = "secrets"
-SECRET_FILES = {"PDROUTER_INTERNAL_TOKEN_FILE": "internal-token", "PDROUTER_REDIS_PASSWORD_FILE": "redis-password",
-                "PDROUTER_KV_TOKEN_FILE": "kv-token"}
-"""The ``*_FILE`` variables of the pdrouter components and the secret each names."""
+SECRET_FILES = {"PDROUTER_INTERNAL_TOKEN_FILE": "internal-token",
+                "PDROUTER_REDIS_PASSWORD_FILE": "redis-{user}-password", "PDROUTER_KV_TOKEN_FILE": "kv-token"}
+"""The ``*_FILE`` variables of the pdrouter components and the secret each names (``{user}``: the
+component's Redis user, ``router`` or ``worker``)."""
+REDIS_USERS = {"router": ROUTER_USER, "prefill": WORKER_USER, "decode": WORKER_USER, "worker": WORKER_USER}
 COMPOSE_V1_TOP_LEVEL = {"version", "services", "networks", "volumes", "secrets", "configs"}
 """The top-level keys Compose v1 (1.27+, the Compose Specification) accepts, besides ``x-`` extensions.
 ``name:``, ``include:`` and the like are v2 only: v1 rejects the whole file."""
@@ -152,8 +156,12 @@ def test_redis_runs_in_any_redis_image_with_auth_and_a_health_check(services: di
     # Debian's redis-server refuses other hosts in protected mode and binds loopback unless told.
     assert "--protected-mode no" in script and "--bind 0.0.0.0" in script
     assert "--save \"\"" in script and "--appendonly no" in script
-    # The password: from the secrets volume, on stdin (not the command line).
-    assert re.search(r"exec redis-server - .*<<EOF\nrequirepass \$\(cat /secrets/redis-password\)\nEOF", script), script
+    # The passwords: from the secrets volume, on stdin (not the command line); a user per component
+    # with the rules of pdrouter.state.acl.
+    assert re.search(r"exec redis-server - .*<<EOF\nrequirepass \$\(cat /secrets/redis-password\)\n", script), script
+    for user in (ROUTER_USER, WORKER_USER):
+        secret = f"/secrets/redis-{user.removeprefix('pdrouter-')}-password"
+        assert f"\nuser {user} on >$(cat {secret}) {acl_rules(user)}\n" in script, (user, script)
     (mount,) = compose_mounts(redis)
     assert (mount.source, mount.target, mount.read_only) == ("secrets", "/secrets", True)
     assert depends_on(redis) == {SECRETS_SERVICE: "service_completed_successfully"}
@@ -212,7 +220,8 @@ def test_secrets_are_generated_once_into_a_volume_the_others_mount_read_only(
     (writable,) = compose_mounts(step)
     assert (writable.source, writable.target, writable.read_only) == ("secrets", "/secrets", False)
     generated = set(re.search(r"for name in ([\w\s-]+); do", script).group(1).split())  # type: ignore[union-attr]
-    assert generated == {*SECRET_FILES.values(), "api-keys"}
+    assert generated == {"internal-token", "kv-token", "redis-password", "redis-router-password",
+                         "redis-worker-password", "api-keys"}
     assert "secrets.token_hex(32)" in script and "-s \"$name\"" in script, "random, and kept once written"
     assert re.search(r"> \"\.\$name\.partial\"\n\s*mv \"\.\$name\.partial\" \"\$name\"", script), \
         "written to a temporary name and renamed: never half a secret"
@@ -224,9 +233,12 @@ def test_secrets_are_generated_once_into_a_volume_the_others_mount_read_only(
         wanted = set(SECRET_FILES) - ({"PDROUTER_KV_TOKEN_FILE"} if servers[name].command in ("router", "worker")
                                       else set())
         assert {k for k in env if k.startswith("PDROUTER_")} == wanted, f"{name}: {sorted(env)}"
+        user = REDIS_USERS[servers[name].command]
         for variable in wanted:
-            assert env[variable] == f"{mounts['secrets'].target}/{SECRET_FILES[variable]}", f"{name}: {variable}"
+            secret = SECRET_FILES[variable].format(user=user.removeprefix("pdrouter-"))
+            assert env[variable] == f"{mounts['secrets'].target}/{secret}", f"{name}: {variable}"
             assert variable.removesuffix("_FILE") not in env, f"{name}: a secret in the environment"
+        assert urlsplit(servers[name].redis).username == user, f"{name}: Redis user of {servers[name].redis}"
         # Started after the secrets exist (through Redis, which needs them too).
         assert "redis" in depends_on(services[name])
     for name, args in long_running(commands, "router").items():

@@ -25,6 +25,7 @@ from pdrouter.core.capacity import resolve_utilization
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GiB
 from pdrouter.router.frontdoor.auth import collect_api_keys
+from pdrouter.state.acl import ROUTER_USER, WORKER_USER, acl_rules
 from pdrouter.wire.security import check_token
 
 from .deploy_files import (
@@ -365,7 +366,8 @@ def test_every_component_reads_its_secrets_from_files_of_one_secret(
         objects: list[dict[str, Any]], servers: list[Server]) -> None:
     secret = find_object(objects, "Secret", SECRET)
     keys = set(secret.get("stringData", {})) | set(secret.get("data", {}))
-    assert keys == {"kv-token", "internal-token", "redis-password", "api-keys"}
+    assert keys == {"kv-token", "internal-token", "redis-password", "redis-router-password", "redis-worker-password",
+                    "api-keys"}
     expected = {"prefill": {"PDROUTER_KV_TOKEN_FILE", "PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"},
                 "decode": {"PDROUTER_KV_TOKEN_FILE", "PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"},
                 "router": {"PDROUTER_INTERNAL_TOKEN_FILE", "PDROUTER_REDIS_PASSWORD_FILE"}}
@@ -384,6 +386,12 @@ def test_every_component_reads_its_secrets_from_files_of_one_secret(
         if s.args.command == "router":
             needed.add("api-keys")
         assert mounted == needed, f"{s.name}: mounts {sorted(mounted)}, needs {sorted(needed)}"
+        # Redis: its component's user, with that user's password.
+        user = ROUTER_USER if s.args.command == "router" else WORKER_USER
+        assert urlsplit(redis_url(s, objects)).username == user, s.name
+        assert secret_file(s.container, s.pod, "PDROUTER_REDIS_PASSWORD_FILE") == (
+            SECRET, f"redis-{user.removeprefix('pdrouter-')}-password"), s.name
+    read.pop("PDROUTER_REDIS_PASSWORD_FILE")  # one per Redis user
     assert {v: len(sources) for v, sources in read.items()} == dict.fromkeys(read, 1), read
 
 
@@ -405,9 +413,13 @@ def test_redis_requires_the_secret_password(objects: list[dict[str, Any]]) -> No
     script = " ".join(container_argv(container))
     assert "requirepass $(cat /secrets/redis-password)" in script and "redis-server -" in script
     assert "--protected-mode no" in script and "--bind 0.0.0.0" in script
+    for user in (ROUTER_USER, WORKER_USER):  # a user per component, with the rules of pdrouter.state.acl
+        secret = f"/secrets/redis-{user.removeprefix('pdrouter-')}-password"
+        assert f"user {user} on >$(cat {secret}) {acl_rules(user)}" in script, (user, script)
     (volume,) = [v for v in pod["volumes"] if "secret" in v]
     assert volume["secret"]["secretName"] == SECRET
-    assert [i["key"] for i in volume["secret"]["items"]] == ["redis-password"]
+    assert [i["key"] for i in volume["secret"]["items"]] == ["redis-password", "redis-router-password",
+                                                             "redis-worker-password"]
     # Its probe authenticates and wants PONG (redis-cli exits 0 on a NOAUTH error too).
     probe = " ".join(container["readinessProbe"]["exec"]["command"])
     assert "REDISCLI_AUTH" in probe and "grep -q PONG" in probe
