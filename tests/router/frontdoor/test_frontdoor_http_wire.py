@@ -250,3 +250,38 @@ async def test_generation_posts_take_the_routers_own_cycle_with_uvicorns_connect
             assert head.startswith((b"HTTP/1.1 200 ", b"HTTP/1.1 400 "))
             assert await asyncio.wait_for(reader.read(), WAIT_S) == b""
             writer.close()
+
+
+async def test_a_clients_request_id_is_a_label_echoed_back() -> None:
+    """``X-Request-Id``: echoed in the response, whichever way the request arrives; the request is
+    keyed by a fresh id of the router's (the orchestrator sees it, the label beside it). Without
+    one, the response carries the router's id; a malformed one is a 400 naming the header."""
+    echo = EchoOrchestrator()
+    door = HttpFrontdoor(echo, {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
+
+    async def post(extra: bytes, split: bool = False) -> tuple[int, dict[bytes, bytes]]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = (b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n%s"
+                b"content-length: %d\r\n\r\n%s" % (extra, len(body), body))
+        for part in ((data[:-5], data[-5:]) if split else (data,)):
+            writer.write(part)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        writer.close()
+        lines = head.rstrip(b"\r\n").split(b"\r\n")
+        headers = {k.lower(): v for k, _, v in (line.partition(b": ") for line in lines[1:])}
+        return int(lines[0].split(b" ")[1]), headers
+
+    async with serving(door) as (_, port):
+        for split in (False, True):
+            status, headers = await post(b"X-Request-Id: client-7\r\n", split)
+            assert (status, headers[b"x-request-id"]) == (200, b"client-7")
+        status, headers = await post(b"")
+        assert status == 200 and headers[b"x-request-id"].startswith(b"req-")
+        status, _ = await post(b"X-Request-Id: " + b"x" * 200 + b"\r\n")
+        assert status == 400
+    seen = echo.requests
+    assert [r.label for r in seen] == ["client-7", "client-7", None]
+    assert len({r.request_id for r in seen}) == 3 and all(r.request_id.startswith("req-") for r in seen)
