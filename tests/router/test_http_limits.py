@@ -349,7 +349,14 @@ def test_flags_build_the_limits_and_refuse_bad_values_in_one_line() -> None:
                                                      max_header_bytes=8192, max_connections=10, max_inflight=4,
                                                      body_min_rate_bps=1000)
     for flag, value in (("--http-header-timeout", "0"), ("--http-max-connections", "-1"),
-                        ("--http-max-header-bytes", "10"), ("--http-idle-timeout", "nan")):
+                        ("--http-max-header-bytes", "10"), ("--http-idle-timeout", "nan"),
+                        ("--http-max-unauthenticated-connections", "0"),
+                        ("--http-max-unauthenticated-connections", "5000")):
         with pytest.raises(ConfigError) as info:
             http_limits_from_args(parser.parse_args([flag, value]))
         assert flag in info.value.message and "\n" not in info.value.message
+    # The budget of unauthenticated connections: half the cap unless given, never above it.
+    assert HttpLimits(max_connections=10).max_unauthenticated_connections == 5
+    budget = http_limits_from_args(parser.parse_args(["--http-max-connections", "10",
+                                                      "--http-max-unauthenticated-connections", "3"]))
+    assert budget.max_unauthenticated_connections == 3

@@ -301,6 +301,14 @@ def test_connections_without_the_token_cannot_lock_a_sender_out(make_pair: Calla
     assert len([r for r in caplog.records if "max_unauthenticated_connections" in r.getMessage()]) == 1
 
 
+def test_the_budget_of_unproved_connections_is_checked() -> None:
+    assert make_config(max_connections=128).unauthenticated_budget == 32
+    assert make_config(max_connections=2, max_unauthenticated_connections=2).unauthenticated_budget == 2
+    for bad in (0, 3):
+        with pytest.raises(ConfigError, match="max_unauthenticated_connections"):
+            make_config(max_connections=2, max_unauthenticated_connections=bad)
+
+
 def test_connections_past_the_cap_are_closed_on_arrival_when_all_proved(make_pair: Callable[..., Pair],
                                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Every open connection proved the token: a new one is closed on arrival, and none of them is."""

@@ -493,7 +493,11 @@ def test_worker_flags_build_the_lane_limits() -> None:
     assert lane_limits_from_args(args) == LaneLimits(handshake_timeout_s=1.5, frame_timeout_s=3,
                                                      frame_min_rate_bps=4096, max_connections=8,
                                                      max_buffered_bytes=65536, max_preauth_bytes=1024)
+    assert LaneLimits(max_connections=8).unauthenticated_budget == 2
+    assert lane_limits_from_args(parser.parse_args(["--lane-max-unauthenticated-connections", "5"])) \
+        == LaneLimits(max_unauthenticated_connections=5)
     for argv in (["--lane-frame-timeout", "0"], ["--lane-max-connections", "0"],
+                 ["--lane-max-connections", "8", "--lane-max-unauthenticated-connections", "9"],
                  ["--lane-max-buffered-bytes", str(1 << 30)], ["--lane-max-preauth-bytes", "8"],
                  ["--lane-max-buffered-bytes", "2048", "--lane-max-preauth-bytes", "4096"]):
         with pytest.raises(ConfigError) as info:
