@@ -125,10 +125,15 @@ async def test_bodies_without_a_key_are_never_held(start_door: Callable[..., Doo
 
     async def push() -> int:
         async with connection(door.port) as (reader, writer):
-            writer.write(head(length=BODY_BYTES) + b"x" * BODY_BYTES)
+            answer = asyncio.ensure_future(read_answer(reader))  # read while sending, as HTTP clients do
+            writer.write(head(length=BODY_BYTES))
+            sent = 0
             with contextlib.suppress(ConnectionError):
-                await writer.drain()
-            status, _, _ = await read_answer(reader)
+                while sent < BODY_BYTES and not answer.done():
+                    writer.write(b"x" * MiB)
+                    sent += MiB
+                    await writer.drain()
+            status, _, _ = await answer
             return status
 
     assert await asyncio.gather(*(push() for _ in range(10))) == [401] * 10

@@ -129,7 +129,7 @@ async def test_a_duplicate_request_id_is_only_a_label(
     async def booked() -> dict[str, int]:
         return await ledger.bookings(worker.worker_id, worker.record.epoch)
 
-    text, max_tokens = "the same id, twice", 30
+    text, max_tokens = "the same id, twice", 60
     blocks = blocks_for_tokens(len(router.tokenizer.encode(text)) + max_tokens, 16)
     async with grpc.aio.insecure_channel(router.grpc_address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
@@ -141,18 +141,18 @@ async def test_a_duplicate_request_id_is_only_a_label(
                 return adm.credit_blocks > 0
 
             await until(credit_held, "credit booked")
-        first = stub.Generate(generate_request("dup", text, max_tokens))
-        head = await first.read()
-        assert head.request_id == "dup" and head.token_ids
-        second = [msg async for msg in stub.Generate(generate_request("dup", text, max_tokens))]
+        calls = [stub.Generate(generate_request("dup", text, max_tokens)) for _ in range(2)]
+        heads = [await call.read() for call in calls]  # both decoding now (~3 s each)
+        assert all(head.request_id == "dup" and head.token_ids for head in heads)
+        assert adm.active == 2
         if not credit:
-            assert list((await booked()).values()) == [blocks]  # the second's released, the first's kept
-        rest = []
-        while (msg := await first.read()) is not grpc.aio.EOF:
-            rest.append(msg)
-        for messages in ((head, *rest), second):
-            assert {m.request_id for m in messages} == {"dup"}  # the client's id is what the responses echo
-            assert sum(len(m.token_ids) for m in messages) == max_tokens
+            assert sorted((await booked()).values()) == [blocks, blocks]  # a booking each
+        for call, head in zip(calls, heads, strict=True):
+            rest = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                rest.append(msg)
+            assert {m.request_id for m in (head, *rest)} == {"dup"}  # the client's id is what responses echo
+            assert sum(len(m.token_ids) for m in (head, *rest)) == max_tokens
 
     async def nothing_booked() -> bool:
         return adm.active == 0 and adm.credit_blocks == 0 and await booked() == {} and \

@@ -178,7 +178,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 class ApiKeyInterceptor(CredentialInterceptor):
     """Serves a call only when its metadata has ``authorization: Bearer <key>`` for one of ``keys``;
-    else the call ends UNAUTHENTICATED before its handler runs (its request is not even parsed).
+    else the call ends UNAUTHENTICATED before its handler runs, and before any byte of its request
+    message is read.
     The health service (``grpc.health.v1.Health``) stays open for probes."""
 
     def __init__(self, keys: ApiKeys) -> None:
