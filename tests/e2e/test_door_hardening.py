@@ -123,7 +123,9 @@ async def test_bodies_without_a_key_are_never_held(start_door: Callable[..., Doo
     door = start_door()
     baseline = door.rss()
 
-    async def push() -> int:
+    async def push() -> int | None:
+        """The answer's status; None when the connection was reset before the client read it (it kept
+        sending past the second the router drains a refused connection for, on a loaded machine)."""
         async with connection(door.port) as (reader, writer):
             answer = asyncio.ensure_future(read_answer(reader))  # read while sending, as HTTP clients do
             writer.write(head(length=BODY_BYTES))
@@ -133,10 +135,14 @@ async def test_bodies_without_a_key_are_never_held(start_door: Callable[..., Doo
                     writer.write(b"x" * MiB)
                     sent += MiB
                     await writer.drain()
-            status, _, _ = await answer
+            try:
+                status, _, _ = await answer
+            except ConnectionError:
+                return None
             return status
 
-    assert await asyncio.gather(*(push() for _ in range(10))) == [401] * 10
+    statuses = await asyncio.gather(*(push() for _ in range(10)))
+    assert set(statuses) <= {401, None} and 401 in statuses, statuses
     assert await settle(door, baseline) < 40 * MiB
 
 
