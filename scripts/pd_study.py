@@ -149,15 +149,14 @@ def layout_of(name: str, gpus: int, tp: int) -> Layout:
 
 def rewrite_report(folder: Path) -> None:
     """Rebuild a case's ``report.md`` and plots from its ``compare.json`` (after the report's format changed)."""
-    from pdrouter.cli.bench_cmd import write_compare_report
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
 
     data = json.loads((folder / "compare.json").read_text())
     case = data["case"]
-    args = argparse.Namespace(model_preset=case["model"], gpus=case["gpus"], gpu=case["gpu"], tp=case["tp"],
-                              backend="sim", attainment=case["attainment"], stop_below=50.0)
-    workload = data["title"].split(", SLO ")[0].split("), ", 1)[1]  # "<model> on … (TP n), <workload>, SLO …"
+    setup = CompareSetup(data["title"], Slo.parse(case["slo"]), case["attainment"], case["time_scale"], 50.0,
+                         data.get("skipped") or {})
     saved = (folder / "compare.json").read_text()
-    write_compare_report(results_of(data), folder, args, workload, Slo.parse(case["slo"]).describe())
+    write_compare_report(results_of(data), folder, setup)
     (folder / "compare.json").write_text(saved)  # keep the case's own figures (tight SLO, the case)
 
 

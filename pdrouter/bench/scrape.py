@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -48,7 +48,8 @@ class MetricsSample:
 
 
 def parse_metrics(text: str, t_s: float) -> MetricsSample:
-    """The figures of one ``/metrics`` page (missing ones stay empty / None)."""
+    """The figures of one ``/metrics`` page (missing ones stay empty / None; a counter the page declares
+    but shows no sample of yet reads 0)."""
     reserved: dict[str, float] = {}
     capacity: dict[str, float] = {}
     scalars: dict[str, float] = {}
@@ -56,6 +57,9 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
               "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes",
               "pdrouter_worker_sim_modeled_seconds": "modeled", "pdrouter_worker_sim_late_seconds": "late"}
     for family in text_string_to_metric_families(text):
+        if family.type == "counter" and not family.samples and f"{family.name}_total" in wanted:
+            # Declared but not yet moved (a labelled counter before its first child): 0, as counters start.
+            scalars.setdefault(wanted[f"{family.name}_total"], 0.0)
         for s in family.samples:
             if s.name == "pdrouter_kv_reserved_blocks":
                 reserved[s.labels.get("worker", "")] = s.value
@@ -76,6 +80,17 @@ def _growth(samples: Iterable[MetricsSample], part: str, whole: str) -> float | 
         return None
     grown = getattr(seen[-1], whole) - getattr(seen[0], whole)
     return (getattr(seen[-1], part) - getattr(seen[0], part)) / grown if grown > 0 else None
+
+
+def counter_growth(samples: Sequence[MetricsSample], name: str) -> float | None:
+    """How much counter ``name`` grew from the first sample to the last. A counter that a page does
+    not show yet counts as 0 there, as Prometheus counters start at 0 (a labelled one is exported
+    only once it moved: a fresh router shows no KV bytes until its first transfer). None when no
+    sample shows it, or fewer than two samples were taken."""
+    values = [getattr(s, name) for s in samples]
+    if len(values) < 2 or all(v is None for v in values):
+        return None
+    return (values[-1] or 0.0) - (values[0] or 0.0)
 
 
 def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:

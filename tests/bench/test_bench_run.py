@@ -157,15 +157,37 @@ def test_ctrl_c_writes_what_was_measured(cluster: str, tmp_path: Path) -> None:
     assert "results:" in stdout
 
 
-def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tmp_path: Path) -> None:
-    base = ["--url", cluster, "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--json"]
-    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
-                           "--rates", "5,10", "--out", str(tmp_path / "list")], capture_output=True, text=True,
-                          timeout=120)
+def sweep_points(stdout: str) -> list[dict[str, Any]]:
+    points = json.loads(Path(json.loads(stdout)["file"]).read_text())["points"]
+    assert isinstance(points, list)
+    return points
+
+
+def digests(points: list[dict[str, Any]]) -> list[str]:
+    return [r["prompt_digest"] for p in points for r in json.loads(Path(p["file"]).read_text())["requests"]]
+
+
+def test_a_sweep_sends_fresh_prompts_at_every_rate_to_a_server_that_stays_up(cluster: str, tmp_path: Path) -> None:
+    """The cluster stays up across the rates, so a prompt sent twice would be a prefix-cache hit."""
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", "--url", cluster,
+                           "--num-requests", "30", "--input-len", "256", "--output-len", "8", "--seed", "11",
+                           "--rates", "5,10,20", "--json", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, done.stderr
-    sweep = json.loads(Path(json.loads(done.stdout)["file"]).read_text())
-    assert [p["rate"] for p in sweep["points"]] == [5.0, 10.0]
-    assert all(p["summary"]["completed"] == 20 for p in sweep["points"])
+    points = sweep_points(done.stdout)
+    assert [p["rate"] for p in points] == [5.0, 10.0, 20.0]
+    assert all(p["run_summary"]["completed"] == 30 for p in points)
+    sent = digests(points)
+    assert len(sent) == 90 and len(set(sent)) == 90
+    for p in points:
+        assert p["prefix"] == {"expected_hit_rate": 0.0, "measured_hit_rate": 0.0, "flagged": False}
+        assert p["router"]["prefix_hit_rate"] == 0.0  # the router's index found nothing either
+        assert not p["window"]["steady"]  # 30 requests leave fewer than 50 in the window: marked
+
+
+def test_a_search_steps_with_prompts_of_their_own_and_finds_the_slo_edge(cluster: str, tmp_path: Path) -> None:
+    base = ["--url", cluster, "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--json",
+            "--seed", "12"]
     # TPOT is one modeled decode step (6.7 ms): a 20 ms bound holds at any low rate, 5 ms never does.
     for bound, met in (("20ms", True), ("5ms", False)):
         done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
@@ -175,6 +197,8 @@ def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tm
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert (result["best_rate"] is not None) is met and result["points"] == 2
+        sent = digests(sweep_points(done.stdout))
+        assert len(sent) == 40 and len(set(sent)) == 40
 
 
 def test_a_time_scale_stretches_arrivals_and_shrinks_latencies(cluster: str, tmp_path: Path) -> None:
