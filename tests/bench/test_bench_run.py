@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,9 +27,10 @@ from pdrouter.state.embedded_redis import EmbeddedRedis
 MODEL = "llama-3-8b"
 
 
-def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def bench(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdrouter", "bench", "run", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def document(out: Path) -> dict[str, Any]:
@@ -215,3 +217,59 @@ def test_a_time_scale_stretches_arrivals_and_shrinks_latencies(cluster: str, tmp
     step = TimingModel(get_model_preset(MODEL), get_gpu_preset("h100")).decode_step(1, 68).seconds
     summary = json.loads(done.stdout)["summary"]
     assert summary["tpot"]["p50"] == pytest.approx(step / 2, rel=0.15)
+
+
+def test_a_run_too_short_for_a_steady_window_is_marked(cluster: str, tmp_path: Path) -> None:
+    done = bench("--url", cluster, "--rate", "20", "--num-requests", "20", "--input-len", "64", "--output-len", "8",
+                 "--out", str(tmp_path), "--seed", "13", "--slo", "ttft=1s")
+    assert done.returncode == 0, done.stderr
+    assert "steady_state: no" in done.stdout
+    doc = document(tmp_path)
+    window = doc["steady"]["window"]
+    assert not window["steady"] and "fewer than 50" in window["reason"]
+    text = next(tmp_path.glob("*.md")).read_text()
+    assert "**too short** to reach steady state" in text and "SLO: ttft <= 1000 ms" in text
+
+
+def test_max_completion_tokens_bounds_a_completion(cluster: str) -> None:
+    import httpx
+
+    body = {"model": MODEL, "prompt": [65] * 40, "max_completion_tokens": 5, "ignore_eos": True}
+    reply = httpx.post(f"{cluster}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.fixture(scope="module")
+def keyed_router(cluster: str, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second router over the same workers that asks for an API key."""
+    folder = write_config_folder(get_model_preset(MODEL), tmp_path_factory.mktemp("keyed") / MODEL)
+    router = ManagedProcess("router", ["router", "--model", str(folder), "--redis", redis_server.url,
+                                       "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"],
+                            env={"PDROUTER_API_KEYS": "k-" + "z" * 30})
+    try:
+        yield f"http://{router.wait_ready()}/v1"
+    finally:
+        router.stop()
+
+
+def test_a_missing_key_is_named_as_such_not_as_a_bad_url(keyed_router: str, tmp_path: Path) -> None:
+    done = bench("--url", keyed_router, "--num-requests", "2", "--out", str(tmp_path), env={"OPENAI_API_KEY": ""})
+    assert done.returncode == 2
+    assert "wants an API key: give --api-key or set OPENAI_API_KEY" in done.stderr and "check --url" not in done.stderr
+    done = bench("--url", keyed_router, "--model", MODEL, "--num-requests", "2", "--out", str(tmp_path),
+                 env={"OPENAI_API_KEY": ""})
+    assert done.returncode == 1
+    assert "http_401" in done.stderr and "--api-key" in done.stderr and "check --url" not in done.stderr
+    done = bench("--url", keyed_router, "--num-requests", "2", "--input-len", "8", "--output-len", "2", "--out",
+                 str(tmp_path / "ok"), env={"OPENAI_API_KEY": "k-" + "z" * 30})
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_prompt_the_server_refuses_carries_its_reason(cluster: str, tmp_path: Path) -> None:
+    done = bench("--url", cluster, "--num-requests", "2", "--input-len", "9000", "--output-len", "2",
+                 "--out", str(tmp_path))
+    assert done.returncode == 1
+    assert "http_400: " in done.stderr and "9000" in done.stderr and "context" in done.stderr, done.stderr
+    records = document(tmp_path)["requests"]
+    assert all("9000" in r["detail"] for r in records)
