@@ -132,6 +132,10 @@ class Progress:
         self.finished_weight += self.plan[self.point].weight
         self.point = None
 
+    def skip(self, indexes: range) -> None:
+        """Points of the plan that will not run (a layout's rates past ``--stop-below``)."""
+        self.finished_weight += sum(self.plan[i].weight for i in indexes)
+
     def _write(self, text: str) -> None:
         if self.terminal:
             self.stream.write("\r\x1b[2K" + text)

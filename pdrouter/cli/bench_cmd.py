@@ -635,8 +635,7 @@ def compare_cmd(args: argparse.Namespace) -> int:
                 if result.points and args.stop_below is not None and \
                         (result.points[-1]["slo_met_percent"] or 0.0) < args.stop_below:
                     skipped[layout.name] = rates[ri:]
-                    for rest in range(ri, len(rates)):
-                        progress.finished_weight += plan[li * len(rates) + rest].weight
+                    progress.skip(range(li * len(rates) + ri, (li + 1) * len(rates)))
                     if not args.json:
                         print(f"{layout.name:>12}: below {args.stop_below:g}% within the SLO; higher rates "
                               f"skipped", flush=True)

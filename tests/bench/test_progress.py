@@ -67,3 +67,6 @@ def test_skipped_and_unplanned_points_move_the_estimate() -> None:
     assert progress.fraction() == 0.05
     progress.end()
     assert progress.fraction() == 1.0
+    planned = Progress(PLAN, stream=io.StringIO(), enabled=False, clock=clock)
+    planned.skip(range(2, 4))  # a layout's rates past --stop-below
+    assert planned.fraction() == 0.5
