@@ -35,9 +35,9 @@ class CompareSetup:
 
     def window_rule(self) -> str:
         return (f"each point is measured over its window: after a warm-up of {100 * WARMUP_SHARE:g}% of its arrivals "
-                f"(at least the median lifetime of its first requests), up to its last arrival (the drain is left "
-                f"out); a window shorter than that lifetime or holding fewer than {MIN_REQUESTS} requests is marked "
-                f"too short")
+                f"(at least the 90th-percentile lifetime of its first requests), up to its last arrival (the drain "
+                f"is left out); a window shorter than that lifetime or holding fewer than {MIN_REQUESTS} requests is "
+                f"marked too short")
 
     def time_note(self) -> str:
         if self.time_scale in (0, 1):
