@@ -47,7 +47,8 @@ MIN_REQUESTS = 50
 """Arrivals a steady window holds at least (below it, a p90 moves by a request or two)."""
 
 SATURATED = 0.9
-"""A window that served less than this share of the rate it was offered is saturated."""
+"""A window that served less than this share of the rate it was offered (and less by more than
+counting noise) is saturated."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,12 @@ def offered_rate(records: Sequence[RequestRecord], window: Window) -> float:
 
 
 def saturated(summary: Summary, offered: float) -> bool:
-    """Served (completions ÷ window) under ``SATURATED`` of the offered rate: the load exceeded what
-    the server could do, and ``summary.request_rate`` is its capacity."""
-    return bool(offered > 0 and summary.request_rate < SATURATED * offered)
+    """The window served under ``SATURATED`` of the rate it was offered, by more than counting noise
+    explains (two standard deviations of a Poisson count of its arrivals): the load exceeded what the
+    server could do, and ``summary.request_rate`` is its capacity. Over a short window the two counts
+    differ by chance by several percent, so the ratio alone would flag servers that kept up."""
+    if not (offered > 0 and summary.duration_s > 0):
+        return False
+    arrived = offered * summary.duration_s
+    ended = summary.request_rate * summary.duration_s
+    return bool(ended < SATURATED * arrived and arrived - ended > 2 * math.sqrt(arrived))

@@ -145,3 +145,13 @@ def test_streamed_tokens_are_counted_where_they_arrived() -> None:
     s = window_summary(records, w)
     assert s.output_tokens_per_s == pytest.approx(10.0 * 10, rel=0.05)
     assert s.tokens_per_chunk == 1.0
+
+
+def test_saturation_needs_more_than_counting_noise() -> None:
+    """12% fewer completions than arrivals: chance over 200 arrivals, saturation over 2,000."""
+    for n, expected in ((240, False), (2400, True)):
+        records = unbounded(poisson(24.0, n), e2e=0.5)
+        w = measure_window(records)
+        s = window_summary(records, w)
+        assert saturated(s, s.request_rate * 1.12) is expected
+        assert not saturated(s, s.request_rate)
