@@ -41,6 +41,10 @@ def server_reason(body: bytes) -> str:
     return text[:MAX_DETAIL]
 
 
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_DETAIL]
+
+
 _JSON = {"Content-Type": "application/json"}
 
 MAX_DETAIL = 300
@@ -112,12 +116,12 @@ class CompletionsClient:
                     else:
                         record.itl_s.append(now - last)
                     last = now
-        except httpx.ConnectError:
-            record.error = "connect"
-        except httpx.TimeoutException:
-            record.error = "timeout"
-        except (httpx.HTTPError, json.JSONDecodeError, ValueError):
-            record.error = "protocol"
+        except httpx.ConnectError as exc:
+            record.error, record.detail = "connect", _reason(exc)
+        except httpx.TimeoutException as exc:
+            record.error, record.detail = "timeout", _reason(exc)
+        except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+            record.error, record.detail = "protocol", _reason(exc)
         except asyncio.CancelledError:
             record.error = "cancelled"
             raise
@@ -125,7 +129,7 @@ class CompletionsClient:
             if not record.output_tokens:
                 record.output_tokens = chunks
         if record.e2e_s is None and not record.error:
-            record.error = "protocol"  # the stream ended without [DONE]
+            record.error, record.detail = "protocol", "the stream ended without data: [DONE]"
         return record
 
     async def close(self) -> None:
