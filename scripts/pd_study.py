@@ -212,7 +212,8 @@ def summary() -> Path:
         lines += [f"## [{case['name']}]({case['name']}/report.md): {case['model']} TP {case['tp']}, {workload}",
                   "", f"Rates {case['rates']} req/s; time scale {case['time_scale']:g}; "
                       f"{case['point_duration_s']:g} simulated seconds of arrivals per point "
-                      f"({min(counts)}–{max(counts)} requests); "
+                      + (f"({min(counts)}–{max(counts)} requests); " if min(counts) < max(counts)
+                         else f"({min(counts)} requests); ")
                       + (f"too short for a steady window: {', '.join(short)}." if short
                          else "every point reached a steady window.")
                   + (f" Note: {case['note']}." if case.get("note") else ""), "",
@@ -230,9 +231,10 @@ def summary() -> Path:
                   + ("; ".join(f"{w0} → {w1} between {a:g} and {b:g} req/s" for a, b, w0, w1 in cross)
                      if cross else "none."), ""]
         if hits:
-            lines += [f"Prefix hit rate of the measured requests: {100 * min(m for m, _ in hits):.1f}–"
-                      f"{100 * max(m for m, _ in hits):.1f}% (the workload allows at most "
-                      f"{100 * max(e for _, e in hits):.1f}%)"
+            low, high = 100 * min(m for m, _ in hits), 100 * max(m for m, _ in hits)
+            lines += [f"Prefix hit rate of the measured requests: {low:.1f}%" + (f"–{high:.1f}%" if high > low else "")
+                      + " (the workload allows at most "
+                      + f"{100 * max(e for _, e in hits):.1f}%)"
                       + ("; **above it at some point**." if any(p["prefix"].get("flagged") for r in results
                                                                   for p in r.points) else "."), ""]
         late = [p["router"].get("sim_late_share") for r in results for p in r.points]
