@@ -2,30 +2,32 @@
 
 Each case brings up every layout on 8 simulated H100s (``pdrouter up --backend sim``: the real
 router, Redis, transfer path and scheduler, with the timing model's step times), runs the same Poisson
-sweep against each, and keeps its report, plots and figures under ``docs/study/<case>/``. Two SLOs are
-scored from the same requests:
+sweep against each (every point with prompts of its own, scored over its measured window), and keeps
+its report, plots and figures under ``docs/study/<case>/``. Two SLOs are scored from the same
+requests (those that arrived in each point's window):
 
 * the study's SLO, ``ttft <= 1 s, tpot <= 50 ms`` (the compare's own report), and
 * a tighter one that also bounds every inter-token gap (``itl <= 100 ms``): what a stalled decode
   step (a prefill chunk sharing the GPU) breaks first.
 
 ``docs/study/README.md`` is then rewritten from every case's figures: each layout's highest rate at
-90% attainment under both SLOs, the best layout, and the crossovers. Cases already run are kept, so
-the study can be run a case at a time::
+90% attainment under both SLOs, the best layout, the crossovers, the prefix hit rates against the
+workload's, how long the case ran, the machine's load meanwhile and the simulated time it lost. Cases
+already run are kept, so the study can be run a case at a time::
 
     python scripts/pd_study.py --list
     python scripts/pd_study.py --cases 8b-chat,8b-summarize
     python scripts/pd_study.py --summary-only
 
-A case takes 10–40 minutes on a 2-core machine: the simulated clocks run ``time_scale`` times slower
-than the modeled GPUs so this machine keeps up (each report gives the share of simulated time that
-was late nonetheless).
+The simulated clocks run ``time_scale`` times slower than the modeled GPUs so this machine keeps up
+(each report gives the share of simulated time that was late nonetheless).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -44,8 +46,6 @@ SLO = "ttft=1s,tpot=50ms"
 TIGHT_SLO = "ttft=1s,tpot=50ms,itl=100ms"
 ATTAINMENT = 90.0
 LAYOUTS_8 = "colocated,2p6d,4p4d,6p2d"
-RAG = ["--workload", "shared-prefix", "--prefixes", "8", "--prefix-len", "2000",
-       "--input-len", "lognormal:200:0.5", "--output-len", "200"]
 
 
 @dataclass(frozen=True)
@@ -64,22 +64,23 @@ class Case:
 
 
 CASES = [
-    Case("70b-summarize", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "summarize"], "1,2,3,4,5", 4, 12),
-    Case("70b-chat", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "6,12,18,24", 5, 4),
-    Case("70b-chat-high", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "36,48", 8, 4,
-         note="70b-chat continued to higher rates at a larger time scale"),
-    Case("70b-rag", "llama-3-70b", 4, "colocated,1p1d", RAG, "8,16,24,32", 5, 4),
-    Case("70b-rag-high", "llama-3-70b", 4, "colocated,1p1d", RAG, "48,64", 8, 4,
-         note="70b-rag continued to higher rates at a larger time scale"),
-    Case("70b-generate", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "generate"], "1,2", 4, 8,
-         note="short runs: a 2,000-token answer outlives the arrivals, so the decode batches never reach "
-              "their steady state (see the study's limits)"),
-    Case("8b-summarize", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "summarize"], "8,16,24,32,40", 5, 4),
-    Case("8b-chat", "llama-3-8b", 1, LAYOUTS_8, ["--workload", "chat"], "24,48,72", 10, 2.5,
-         note="the rates stop at 72 req/s: above that this machine cannot keep the simulated clocks"),
-    Case("8b-rag", "llama-3-8b", 1, LAYOUTS_8, RAG, "48,96,144", 16, 2.5,
-         note="the rates stop at 144 req/s: above that this machine cannot keep the simulated clocks"),
+    Case("8b-chat", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "chat"], "24,48", 10, 15),
+    Case("8b-summarize", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "summarize"], "16,32", 8, 18),
+    Case("8b-rag", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "rag"], "48,96", 16, 7),
+    Case("70b-summarize", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "summarize"], "3,5", 4, 20),
+    Case("70b-chat", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "12,24", 5, 35),
+    Case("70b-rag", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "rag"], "16,32", 8, 15),
 ]
+"""Sized for a shared 2-core machine, in the order they run: every point spans about twice its first
+requests' 90th-percentile lifetime (``point_duration``) and holds 60 or more requests; two layouts a
+case (colocated and the balanced split), two rates around the limits an earlier study reported."""
+
+
+def machine_busy() -> tuple[float, float]:
+    """(CPU seconds all cores spent busy since boot, wall seconds since boot) from ``/proc``."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    busy = (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    return busy, float(Path("/proc/uptime").read_text().split()[0])
 
 
 def run_case(case: Case, keep: Path | None) -> Path:
@@ -88,9 +89,11 @@ def run_case(case: Case, keep: Path | None) -> Path:
     argv = [sys.executable, "-m", "pdrouter", "bench", "compare", "--gpus", "8", "--tp", str(case.tp),
             "--model-preset", case.model, "--gpu", "h100", "--layouts", case.layouts, "--rates", case.rates,
             "--time-scale", str(case.time_scale), "--point-duration", str(case.point_duration),
-            "--num-requests", "12", "--slo", SLO, "--stop-below", "50", "--attainment", str(ATTAINMENT),
-            "--no-progress", "--out", str(scratch), *case.workload]
+            "--slo", SLO, "--stop-below", "50", "--attainment", str(ATTAINMENT), "--out", str(scratch),
+            *case.workload]
     started = time.monotonic()
+    busy0, up0 = machine_busy()
+    load0 = os.getloadavg()[0]
     print(f"{case.name}: {' '.join(argv[3:])}", flush=True)
     report = ""
     with subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) as compare:
@@ -101,6 +104,7 @@ def run_case(case: Case, keep: Path | None) -> Path:
                 report = line.split(" ", 1)[1].strip()
     if compare.returncode != 0 or not report:
         raise SystemExit(f"{case.name}: bench compare exited {compare.returncode}; its output is under {scratch}")
+    busy1, up1 = machine_busy()
     folder = Path(report).parent
     out = STUDY / case.name
     shutil.rmtree(out, ignore_errors=True)
@@ -112,14 +116,20 @@ def run_case(case: Case, keep: Path | None) -> Path:
     tight = Slo.parse(TIGHT_SLO)
     for layout in data["layouts"]:
         for point in layout["points"]:
+            window = point["window"]
             records = json.loads(Path(point.pop("file")).read_text())["requests"]
-            met = sum(tight.met(record_of(r)) for r in records)
-            point["tight_slo_met_percent"] = slo_attainment({"slo_met": met, "requests": len(records)})
+            measured = [r for r in records if window["start_s"] <= r["start_s"] <= window["end_s"]]
+            met = sum(tight.met(record_of(r)) for r in measured)
+            point["tight_slo_met_percent"] = slo_attainment({"slo_met": met, "requests": len(measured)})
     data["case"] = {"name": case.name, "model": case.model, "tp": case.tp, "gpu": "h100", "gpus": 8,
                     "layouts": case.layouts, "workload": case.workload, "rates": case.rates,
                     "time_scale": case.time_scale, "point_duration_s": case.point_duration, "slo": SLO,
                     "tight_slo": TIGHT_SLO, "attainment": ATTAINMENT, "note": case.note,
-                    "wall_minutes": round((time.monotonic() - started) / 60, 1)}
+                    "command": "pdrouter " + " ".join(argv[3:]).replace(str(scratch), "<scratch>"),
+                    "wall_minutes": round((time.monotonic() - started) / 60, 1),
+                    "machine_busy_cores": round((busy1 - busy0) / max(up1 - up0, 1e-9), 2),
+                    "machine_cores": os.cpu_count(), "load_average_start": round(load0, 1),
+                    "load_average_end": round(os.getloadavg()[0], 1)}
     (out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
     if keep is None:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -149,15 +159,14 @@ def layout_of(name: str, gpus: int, tp: int) -> Layout:
 
 def rewrite_report(folder: Path) -> None:
     """Rebuild a case's ``report.md`` and plots from its ``compare.json`` (after the report's format changed)."""
-    from pdrouter.cli.bench_cmd import write_compare_report
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
 
     data = json.loads((folder / "compare.json").read_text())
     case = data["case"]
-    args = argparse.Namespace(model_preset=case["model"], gpus=case["gpus"], gpu=case["gpu"], tp=case["tp"],
-                              backend="sim", attainment=case["attainment"], stop_below=50.0)
-    workload = data["title"].split(", SLO ")[0].split("), ", 1)[1]  # "<model> on … (TP n), <workload>, SLO …"
+    setup = CompareSetup(data["title"], Slo.parse(case["slo"]), case["attainment"], case["time_scale"], 50.0,
+                         data.get("skipped") or {})
     saved = (folder / "compare.json").read_text()
-    write_compare_report(results_of(data), folder, args, workload, Slo.parse(case["slo"]).describe())
+    write_compare_report(results_of(data), folder, setup)
     (folder / "compare.json").write_text(saved)  # keep the case's own figures (tight SLO, the case)
 
 
@@ -175,7 +184,8 @@ def summary() -> Path:
     lines = ["# Colocated vs disaggregated on 8 simulated H100s: the figures", "",
              "Written by `scripts/pd_study.py` from each case's `compare.json`; the findings and the method "
              "are in [docs/benchmarks.md](../benchmarks.md#the-study). Each cell is the highest offered rate "
-             f"(req/s, Poisson) at which at least {ATTAINMENT:g}% of requests met the SLO — at that rate and "
+             f"(req/s, Poisson) at which at least {ATTAINMENT:g}% of the measured requests (those that arrived in "
+             "the point's steady window) met the SLO — at that rate and "
              "at every lower rate of the sweep; `<r` means even the lowest rate missed it, `≥r` that the highest "
              "rate tried held it (the layout's limit lies above).", "",
              f"SLO: `{SLO}`; tight SLO: `{TIGHT_SLO}` (every gap between two tokens ≤ 100 ms).", ""]
@@ -195,10 +205,21 @@ def summary() -> Path:
                 best_rate = rate
             tight_kept[r.layout.name] = best_rate
         workload = " ".join(case["workload"]).replace("--workload ", "")
+        counts = [int(p["requests"]) for r in results for p in r.points]
+        short = [f"{r.layout.name} at {p['rate']:g}" for r in results for p in r.points if not p["window"]["steady"]]
+        hits = [(p["prefix"]["measured_hit_rate"], p["prefix"]["expected_hit_rate"]) for r in results
+                for p in r.points if p["prefix"].get("measured_hit_rate") is not None]
         lines += [f"## [{case['name']}]({case['name']}/report.md): {case['model']} TP {case['tp']}, {workload}",
                   "", f"Rates {case['rates']} req/s; time scale {case['time_scale']:g}; "
-                      f"{case['point_duration_s']:g} simulated seconds of arrivals per point."
+                      f"{case['point_duration_s']:g} simulated seconds of arrivals per point "
+                      + (f"({min(counts)}–{max(counts)} requests); " if min(counts) < max(counts)
+                         else f"({min(counts)} requests); ")
+                      + (f"too short for a steady window: {', '.join(short)}." if short
+                         else "every point reached a steady window.")
                   + (f" Note: {case['note']}." if case.get("note") else ""), "",
+                  f"`{case['command']}`: {case['wall_minutes']:g} minutes of wall time, the machine's "
+                  f"{case['machine_cores']} cores {case['machine_busy_cores']:g} busy on average (load average "
+                  f"{case['load_average_start']:g} at the start, {case['load_average_end']:g} at the end).", "",
                   "| SLO | " + " | ".join(kept) + " | best |", "| --- |" + " --- |" * (len(kept) + 1)]
         highest = max(float(r) for r in case["rates"].split(","))
         for label, table in (("study", kept), ("tight", tight_kept)):
@@ -209,11 +230,18 @@ def summary() -> Path:
         lines += ["", "Crossovers (study SLO, attainment per rate): "
                   + ("; ".join(f"{w0} → {w1} between {a:g} and {b:g} req/s" for a, b, w0, w1 in cross)
                      if cross else "none."), ""]
+        if hits:
+            low, high = 100 * min(m for m, _ in hits), 100 * max(m for m, _ in hits)
+            lines += [f"Prefix hit rate of the measured requests: {low:.1f}%" + (f"–{high:.1f}%" if high > low else "")
+                      + " (the workload allows at most "
+                      + f"{100 * max(e for _, e in hits):.1f}%)"
+                      + ("; **above it at some point**." if any(p["prefix"].get("flagged") for r in results
+                                                                  for p in r.points) else "."), ""]
         late = [p["router"].get("sim_late_share") for r in results for p in r.points]
         late = [x for x in late if x is not None]
         if late:
-            lines += [f"Simulated time this machine made late: at most {100 * max(late):.2f}% of a point's "
-                      "modeled step time.", ""]
+            lines += [f"`sim_late_share`: at most {100 * max(late):.2f}% of a point's modeled step time ended late "
+                      f"(median point {100 * sorted(late)[len(late) // 2]:.2f}%).", ""]
     path = STUDY / "README.md"
     path.write_text("\n".join(lines))
     return path

@@ -2,7 +2,8 @@
 
 Works against any OpenAI-compatible server (this router, vLLM, SGLang): the prompt goes as token
 ids, ``max_tokens`` with ``ignore_eos`` fixes the output length, ``stream_options.include_usage``
-asks for the server's token counts. Times, from the moment the request is written:
+asks for the server's token counts. Times, from the moment the request is written (its JSON body
+is encoded before the clock starts):
 
 * TTFT: the first streamed chunk that carries text;
 * ITL: the gap between successive chunks that carry text (one per token on servers that stream
@@ -24,6 +25,32 @@ from pdrouter.bench.stats import RequestRecord
 from pdrouter.bench.workload import RequestSpec
 
 
+def server_reason(body: bytes) -> str:
+    """The message of an OpenAI error body (``{"error": {"message": ...}}``), else the body's start;
+    at most ``MAX_DETAIL`` characters."""
+    text = body.decode("utf-8", "replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error", parsed)
+        message = error.get("message") if isinstance(error, dict) else error
+        if message:
+            text = str(message)
+    return text[:MAX_DETAIL]
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_DETAIL]
+
+
+_JSON = {"Content-Type": "application/json"}
+
+MAX_DETAIL = 300
+"""Characters of a server's error message kept per failed request."""
+
+
 class CompletionsClient:
     """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client."""
 
@@ -43,16 +70,20 @@ class CompletionsClient:
 
     async def send(self, spec: RequestSpec, start_s: float, clock_zero: float) -> RequestRecord:
         """Run one request; ``start_s`` is its send time after the run's start (``clock_zero``)."""
-        record = RequestRecord(index=spec.index, start_s=start_s, input_tokens=spec.input_tokens)
+        record = RequestRecord(index=spec.index, start_s=start_s, input_tokens=spec.input_tokens,
+                               prompt_digest=spec.digest)
+        # Encoded before the clock starts: the body is the client's work, not the server's (a
+        # 8k-token prompt takes milliseconds to encode on a small machine).
+        body = json.dumps(self.body(spec), separators=(",", ":")).encode()
         sent = time.perf_counter()
         last: float | None = None
         chunks = 0
         try:
-            async with self._http.stream("POST", self.url, json=self.body(spec)) as response:
+            async with self._http.stream("POST", self.url, content=body, headers=_JSON) as response:
                 record.status = response.status_code
                 if response.status_code != 200:
-                    await response.aread()
                     record.error = f"http_{response.status_code}"
+                    record.detail = server_reason(await response.aread())
                     return record
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
@@ -68,6 +99,7 @@ class CompletionsClient:
                     event = json.loads(data)
                     if event.get("error"):
                         record.error = "stream_error"
+                        record.detail = server_reason(data.encode())
                         return record
                     usage = event.get("usage")
                     if usage:
@@ -84,12 +116,12 @@ class CompletionsClient:
                     else:
                         record.itl_s.append(now - last)
                     last = now
-        except httpx.ConnectError:
-            record.error = "connect"
-        except httpx.TimeoutException:
-            record.error = "timeout"
-        except (httpx.HTTPError, json.JSONDecodeError, ValueError):
-            record.error = "protocol"
+        except httpx.ConnectError as exc:
+            record.error, record.detail = "connect", _reason(exc)
+        except httpx.TimeoutException as exc:
+            record.error, record.detail = "timeout", _reason(exc)
+        except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+            record.error, record.detail = "protocol", _reason(exc)
         except asyncio.CancelledError:
             record.error = "cancelled"
             raise
@@ -97,7 +129,7 @@ class CompletionsClient:
             if not record.output_tokens:
                 record.output_tokens = chunks
         if record.e2e_s is None and not record.error:
-            record.error = "protocol"  # the stream ended without [DONE]
+            record.error, record.detail = "protocol", "the stream ended without data: [DONE]"
         return record
 
     async def close(self) -> None:

@@ -106,6 +106,8 @@ class RunningCluster:
 
     url: str
     pid: int
+    banner: tuple[str, ...] = ()
+    """What ``pdrouter up`` printed up to the router's line."""
 
 
 @contextlib.contextmanager
@@ -129,7 +131,7 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backe
         else:
             raise UnavailableError(f"layout {layout.name} did not come up:\n" + "".join(seen[-20:]))
         threading.Thread(target=_drain, args=(up.stdout,), daemon=True).start()
-        yield RunningCluster(line.split()[1], up.pid)  # router     http://host:port/v1  …
+        yield RunningCluster(line.split()[1], up.pid, tuple(x.rstrip("\n") for x in seen))  # router  http://…
     finally:
         up.send_signal(signal.SIGINT)
         try:

@@ -1,19 +1,33 @@
-"""What a run leaves behind: one JSON document (config, requests, summary, scrapes) and a Markdown summary."""
+"""What a run leaves behind: one JSON document (config, requests, summary, scrapes) and a Markdown summary.
+
+The document holds two summaries: ``summary``, over the whole run with ``vllm bench serve``'s
+definitions (what other tools report for the same run), and ``steady``, over the measured window
+(``pdrouter.bench.window``), which sweeps and comparisons score. ``prefix`` sets the prefix hit
+rate the workload allows (``expected``) beside the one the server reported for the measured
+requests (``measured``) and flags a point where the second exceeds the first.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pdrouter.bench.scrape import MetricsSample, prefix_hit_rate, sim_late_share
-from pdrouter.bench.stats import Summary
+from pdrouter.bench.scrape import MetricsSample, counter_growth, prefix_hit_rate, sim_late_share
+from pdrouter.bench.stats import RequestRecord, Summary
+from pdrouter.bench.window import Window, saturated
+
+HIT_RATE_SLACK = 0.01
+"""A measured prefix hit rate this far above the expected one is flagged (the expectation is a
+bound: a cache serves whole blocks and misses each prefix once per worker)."""
 
 
 def router_figures(samples: list[MetricsSample]) -> dict[str, Any]:
-    """The router-side figures of a run: KV water level (peak and mean per decode worker), prefix hit
-    rate, the longest admission queue, KV bytes moved (empty when the endpoint exports none)."""
+    """The router-side figures of a run: KV water level (peak and mean per decode worker), the prefix
+    index's hit rate at placement, the longest admission queue, KV bytes moved (empty when the
+    endpoint exports none)."""
     if not samples:
         return {}
     levels: dict[str, list[float]] = {}
@@ -21,15 +35,36 @@ def router_figures(samples: list[MetricsSample]) -> dict[str, Any]:
         for worker, level in s.water_level.items():
             levels.setdefault(worker, []).append(level)
     queues = [s.queue_length for s in samples if s.queue_length is not None]
-    moved = [s.kv_transfer_bytes for s in samples if s.kv_transfer_bytes is not None]
     return {
         "kv_water_level_peak": {w: max(v) for w, v in sorted(levels.items())},
         "kv_water_level_mean": {w: sum(v) / len(v) for w, v in sorted(levels.items())},
         "prefix_hit_rate": prefix_hit_rate(samples),
         "admission_queue_peak": max(queues) if queues else None,
-        "kv_transfer_bytes": (moved[-1] - moved[0]) if len(moved) >= 2 else None,
+        "kv_transfer_bytes": counter_growth(samples, "kv_transfer_bytes"),
         "sim_late_share": sim_late_share(samples),
     }
+
+
+def measured_hit_rate(records: Sequence[RequestRecord]) -> float | None:
+    """Cached prompt tokens ÷ prompt tokens over the completed ``records`` whose server reported
+    ``cached_tokens`` (None: it reported none)."""
+    counted = [r for r in records if r.ok and r.cached_tokens is not None]
+    total = sum(r.input_tokens for r in counted)
+    return sum(r.cached_tokens or 0 for r in counted) / total if total else None
+
+
+def prefix_figures(expected: float | None, measured: float | None) -> dict[str, Any]:
+    """``expected`` (from the workload), ``measured`` (from the server's usage), and ``flagged`` when the
+    measured rate exceeds the expected one by more than ``HIT_RATE_SLACK``: prompts were served from a
+    cache the workload did not mean them to be in."""
+    flagged = expected is not None and measured is not None and measured > expected + HIT_RATE_SLACK
+    return {"expected_hit_rate": expected, "measured_hit_rate": measured, "flagged": flagged}
+
+
+def steady_figures(window: Window, summary: Summary, offered: float) -> dict[str, Any]:
+    """The ``steady`` part of a run document."""
+    return {"window": window.to_dict(), "summary": summary.to_dict(), "offered_rate": offered,
+            "saturated": saturated(summary, offered)}
 
 
 def _clean(value: Any) -> Any:
@@ -44,10 +79,11 @@ def _clean(value: Any) -> Any:
 
 
 def run_document(config: dict[str, Any], summary: Summary, records: list[dict[str, object]],
-                 samples: list[MetricsSample], interrupted: bool) -> dict[str, Any]:
-    return _clean({"config": config, "summary": summary.to_dict(), "router": router_figures(samples),
-                   "interrupted": interrupted, "requests": records,
-                   "metrics_samples": [s.to_dict() for s in samples]})
+                 samples: list[MetricsSample], interrupted: bool, *, steady: dict[str, Any] | None = None,
+                 prefix: dict[str, Any] | None = None) -> dict[str, Any]:
+    return _clean({"config": config, "summary": summary.to_dict(), "steady": steady or {},
+                   "prefix": prefix or {}, "router": router_figures(samples), "interrupted": interrupted,
+                   "requests": records, "metrics_samples": [s.to_dict() for s in samples]})
 
 
 def write_json(path: Path, document: dict[str, Any]) -> Path:
@@ -56,17 +92,41 @@ def write_json(path: Path, document: dict[str, Any]) -> Path:
     return path
 
 
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
 def markdown(document: dict[str, Any]) -> str:
     """A short human summary of a run document."""
     cfg, s, router = document["config"], document["summary"], document["router"]
+    scale = cfg.get("time_scale", 1)
     lines = [f"# Load test: {cfg.get('model')} at {cfg.get('base_url')}", "",
-             f"Arrivals: {cfg.get('arrivals')}; workload: {cfg.get('workload')}; "
-             f"time scale {cfg.get('time_scale', 1)} (latencies in simulated time when ≠ 1)."
-             + (" **Interrupted**: figures cover what was measured." if document.get("interrupted") else ""), "",
-             "| metric | value |", "| --- | --- |"]
-    lines += [f"| {name} | {value} |" for name, value in _summary_rows(s)]
+             f"Arrivals: {cfg.get('arrivals')}; workload: {cfg.get('workload')}; {cfg.get('num_requests')} requests; "
+             f"SLO: {cfg.get('slo') or 'none given'}; time scale {scale}"
+             + (" (every time below is simulated: wall-clock time ÷ the scale)." if scale not in (0, 1) else ".")
+             + (" **Interrupted**: figures cover what was measured." if document.get("interrupted") else ""), ""]
+    steady = document.get("steady") or {}
+    if steady:
+        w = steady["window"]
+        verdict = ("steady" if w["steady"] else f"**too short** to reach steady state: {w['reason']}")
+        lines += [f"Measured window: {w['start_s']:.3g}–{w['end_s']:.3g} s of the run ({w['length_s']:.3g} s, "
+                  f"{w['requests']} requests arrived in it; warm-up {w['warmup_s']:.3g} s, the drain after the last "
+                  f"arrival left out): {verdict}."
+                  + (" The server was **saturated**: it served less than 90% of the rate offered in the window."
+                     if steady.get("saturated") else ""), ""]
+    prefix = document.get("prefix") or {}
+    if prefix:
+        lines += [f"Prefix hit rate: {_pct(prefix.get('measured_hit_rate'))} measured (cached ÷ prompt tokens the "
+                  f"server reported), {_pct(prefix.get('expected_hit_rate'))} at most by the workload"
+                  + (" — **higher than the workload allows: prompts were served from a cache they should not "
+                     "have been in**." if prefix.get("flagged") else "."), ""]
+    lines += ["| metric | whole run (vllm bench serve) | measured window |", "| --- | --- | --- |"]
+    window = steady.get("summary") if steady else None
+    for (name, whole), (_, inside) in zip(_summary_rows(s), _summary_rows(window or s), strict=True):
+        lines.append(f"| {name} | {whole} | {inside if window else '–'} |")
     if router:
-        lines += ["", "Router (scraped from `/metrics` during the run):", "", "| metric | value |", "| --- | --- |"]
+        lines += ["", "Router (scraped from `/metrics` during the whole run):", "", "| metric | value |",
+                  "| --- | --- |"]
         for key, value in router.items():
             if isinstance(value, dict):
                 value = ", ".join(f"{w}: {v:.2f}" for w, v in value.items()) or "–"
@@ -79,15 +139,18 @@ def markdown(document: dict[str, Any]) -> str:
 def _summary_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("requests (completed / failed)", f"{s['completed']} / {s['failed']}"),
             ("duration", f"{s['duration_s']:.2f} s"),
-            ("request throughput", f"{s['request_rate']:.2f} req/s"),
-            ("input / output tokens/s", f"{s['input_tokens_per_s']:.0f} / {s['output_tokens_per_s']:.0f}")]
+            ("request throughput", f"{s['request_rate']:.2f} req/s" if s.get("request_rate") is not None else "–"),
+            ("input / output tokens/s", f"{s['input_tokens_per_s'] or 0:.0f} / {s['output_tokens_per_s'] or 0:.0f}")]
     if s.get("goodput") is not None:
-        rows.append(("goodput (meeting the SLO)", f"{s['goodput']:.2f} req/s ({s['slo_met']} requests)"))
+        rows.append(("goodput (meeting the SLO)", f"{s['goodput']:.2f} req/s ({s['slo_met']} requests met it)"))
+    else:
+        rows.append(("goodput (meeting the SLO)", "– (no SLO)"))
     for name in ("ttft", "tpot", "itl", "e2e"):
         p = s[name]
-        if p.get("count"):
-            rows.append((f"{name.upper()} mean / p50 / p90 / p99",
-                         " / ".join(f"{(p[k] or 0) * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")) + " ms"))
-    if s.get("errors"):
-        rows.append(("errors", ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items()))))
+        rows.append((f"{name.upper()} mean / p50 / p90 / p99",
+                     " / ".join(f"{(p[k] or 0) * 1e3:.1f}" for k in ("mean", "p50", "p90", "p99")) + " ms"
+                     if p.get("count") else "–"))
+    chunk = s.get("tokens_per_chunk")
+    rows.append(("tokens per streamed chunk", "–" if chunk is None else f"{chunk:.3f}"))
+    rows.append(("errors", ", ".join(f"{k}: {v}" for k, v in sorted(s["errors"].items())) or "none"))
     return rows

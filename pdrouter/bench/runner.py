@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TextIO
 
 from pdrouter.bench.arrivals import arrival_times
 from pdrouter.bench.client import CompletionsClient
+from pdrouter.bench.progress import Progress
 from pdrouter.bench.scrape import MetricsSample, MetricsScraper
 from pdrouter.bench.stats import RequestRecord
 from pdrouter.bench.workload import RequestSpec
@@ -79,36 +78,6 @@ class RunResult:
     interrupted: bool = False
 
 
-class Progress:
-    """One status line on a terminal (requests done, current rate, errors); silent elsewhere."""
-
-    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool | None = None) -> None:
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty() if enabled is None else enabled
-        self.done = self.errors = 0
-        self._start = time.perf_counter()
-        self._shown = 0.0
-
-    def update(self, record: RequestRecord) -> None:
-        self.done += 1
-        self.errors += not record.ok
-        now = time.perf_counter()
-        if self.enabled and (now - self._shown > 0.25 or self.done == self.total):
-            self._shown = now
-            rate = self.done / max(now - self._start, 1e-9)
-            width = 30
-            filled = int(width * self.done / max(self.total, 1))
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                              f"{rate:.1f} req/s  errors {self.errors}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            self.stream.write("\n")
-            self.stream.flush()
-
-
 async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
               progress: Progress | None = None,
               on_record: Callable[[RequestRecord], None] | None = None) -> RunResult:
@@ -125,7 +94,7 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
     def finish(record: RequestRecord) -> None:
         records.append(record)
         if progress is not None:
-            progress.update(record)
+            progress.update(record.ok)
         if on_record is not None:
             on_record(record)
 
@@ -172,9 +141,15 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
                 t.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
 
+    async def ticker(p: Progress) -> None:
+        while True:  # a line off a terminal even while no request ends
+            await asyncio.sleep(1.0)
+            p.tick()
+
     interrupted = False
     if scraper is not None:
         scraper.start(zero)
+    ticking = asyncio.create_task(ticker(progress)) if progress is not None else None
     try:
         if config.rate is not None:
             offsets = arrival_times(config.rate, len(specs), burstiness=config.burstiness, seed=config.seed)
@@ -190,11 +165,12 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
         duration = time.perf_counter() - zero
         for spec, start in list(in_flight.values()):
             records.append(RequestRecord(index=spec.index, start_s=start, input_tokens=spec.input_tokens,
-                                         error="cancelled"))
+                                         prompt_digest=spec.digest, error="cancelled"))
+        if ticking is not None:
+            ticking.cancel()
+            await asyncio.gather(ticking, return_exceptions=True)
         if scraper is not None:
             await scraper.stop()
         await client.close()
-        if progress is not None:
-            progress.close()
     records.sort(key=lambda r: r.index)
     return RunResult(records, duration, scraper.samples if scraper is not None else [], interrupted)

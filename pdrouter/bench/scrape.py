@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -48,7 +48,8 @@ class MetricsSample:
 
 
 def parse_metrics(text: str, t_s: float) -> MetricsSample:
-    """The figures of one ``/metrics`` page (missing ones stay empty / None)."""
+    """The figures of one ``/metrics`` page (missing ones stay empty / None; a counter the page declares
+    but shows no sample of yet reads 0)."""
     reserved: dict[str, float] = {}
     capacity: dict[str, float] = {}
     scalars: dict[str, float] = {}
@@ -56,6 +57,9 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
               "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes",
               "pdrouter_worker_sim_modeled_seconds": "modeled", "pdrouter_worker_sim_late_seconds": "late"}
     for family in text_string_to_metric_families(text):
+        if family.type == "counter" and not family.samples and f"{family.name}_total" in wanted:
+            # Declared but not yet moved (a labelled counter before its first child): 0, as counters start.
+            scalars.setdefault(wanted[f"{family.name}_total"], 0.0)
         for s in family.samples:
             if s.name == "pdrouter_kv_reserved_blocks":
                 reserved[s.labels.get("worker", "")] = s.value
@@ -78,6 +82,17 @@ def _growth(samples: Iterable[MetricsSample], part: str, whole: str) -> float | 
     return (getattr(seen[-1], part) - getattr(seen[0], part)) / grown if grown > 0 else None
 
 
+def counter_growth(samples: Sequence[MetricsSample], name: str) -> float | None:
+    """How much counter ``name`` grew from the first sample to the last. A counter that a page does
+    not show yet counts as 0 there, as Prometheus counters start at 0 (a labelled one is exported
+    only once it moved: a fresh router shows no KV bytes until its first transfer). None when no
+    sample shows it, or fewer than two samples were taken."""
+    values = [getattr(s, name) for s in samples]
+    if len(values) < 2 or all(v is None for v in values):
+        return None
+    return (values[-1] or 0.0) - (values[0] or 0.0)
+
+
 def prefix_hit_rate(samples: Iterable[MetricsSample]) -> float | None:
     """Hit tokens ÷ queried tokens over the run (the counters' growth from the first to the last sample)."""
     return _growth(samples, "prefix_hit_tokens", "prefix_query_tokens")
@@ -89,13 +104,30 @@ def sim_late_share(samples: Iterable[MetricsSample]) -> float | None:
     return _growth(samples, "sim_late_s", "sim_modeled_s")
 
 
+def _wanted_lines(text: str) -> str:
+    """The lines of a page that :func:`parse_metrics` reads (a router's page is mostly histograms it
+    does not): a few hundred microseconds to parse instead of tens of milliseconds."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(_PREFIXES)
+                     or (line.startswith("# ") and any(name in line for name in _PREFIXES)))
+
+
+_PREFIXES = ("pdrouter_kv_reserved_blocks", "pdrouter_kv_capacity_blocks", "pdrouter_admission_queue_length",
+             "pdrouter_prefix_cache_query_tokens_total", "pdrouter_prefix_cache_hit_tokens_total",
+             "pdrouter_kv_transfer_bytes", "pdrouter_worker_sim_modeled_seconds", "pdrouter_worker_sim_late_seconds")
+
+
 class MetricsScraper:
-    """Scrapes ``url`` every ``interval_s`` in the background until ``stop``."""
+    """Scrapes ``url`` every ``interval_s`` in the background until ``stop``.
+
+    The pages are kept as text during the run and parsed when it stops: parsing runs in the load
+    generator's own event loop, where a whole router page (tens of milliseconds of Python) would
+    delay the timestamps of the tokens arriving meanwhile."""
 
     def __init__(self, url: str, interval_s: float = 1.0, timeout_s: float = 2.0, api_key: str | None = None) -> None:
         self.url = url
         self.interval_s = interval_s
         self.samples: list[MetricsSample] = []
+        self._pages: list[tuple[float, str]] = []
         self.errors = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None  # a router's /metrics behind its key
         self._http = httpx.AsyncClient(timeout=timeout_s, headers=headers)
@@ -110,7 +142,7 @@ class MetricsScraper:
         try:
             response = await self._http.get(self.url)
             if response.status_code == 200:
-                self.samples.append(parse_metrics(response.text, time.perf_counter() - self._zero))
+                self._pages.append((time.perf_counter() - self._zero, response.text))
                 return
         except (httpx.HTTPError, ValueError):
             pass
@@ -128,3 +160,9 @@ class MetricsScraper:
                 await self._task
         await self.scrape_once()  # the counters' final values
         await self._http.aclose()
+        for t_s, text in self._pages:
+            try:
+                self.samples.append(parse_metrics(_wanted_lines(text), t_s))
+            except ValueError:  # not the Prometheus text format
+                self.errors += 1
+        self._pages.clear()

@@ -21,6 +21,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
 
 from pdrouter.core.errors import ConfigError
 
@@ -45,6 +46,10 @@ class RequestRecord:
     ``cancelled``…"""
     cached_tokens: int | None = None
     """Prompt tokens the server served from its prefix cache, when its usage reports them."""
+    detail: str = ""
+    """A failure's reason as the server gave it (the error body's message), "" when ok or none."""
+    prompt_digest: str = ""
+    """A digest of the prompt's token ids (BLAKE2b, 8 bytes, hex): which requests sent the same prompt."""
 
     @property
     def ok(self) -> bool:
@@ -222,6 +227,10 @@ class Summary:
     goodput: float | None
     """Requests/s meeting the SLO (None without one)."""
     slo_met: int | None
+    tokens_per_chunk: float = math.nan
+    """Output tokens ÷ streamed chunks of the completed requests: 1 when every chunk carried one token;
+    above 1 when the server merged tokens into a chunk (each chunk is one ITL gap, so ITL and TPOT
+    then differ)."""
 
     def to_dict(self) -> dict[str, object]:
         """Every field; the percentiles as nested dicts (NaN where there were no values)."""
@@ -237,6 +246,7 @@ class Summary:
                 f"output_token_throughput: {self.output_tokens_per_s:.6g} tok/s"]
         if self.goodput is not None:
             out += [f"goodput: {self.goodput:.6g} req/s", f"slo_met: {self.slo_met}"]
+        out.append(f"tokens_per_chunk: {self.tokens_per_chunk:.4g}")
         for name in ("ttft", "tpot", "itl", "e2e"):
             p: Percentiles = getattr(self, name)
             out += [f"{name}_{stat}: {getattr(p, stat) * 1e3:.6g} ms" for stat in ("mean", "p50", "p90", "p99")]
@@ -255,22 +265,40 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, slo: Slo | No
         return x / duration_s if duration_s > 0 else math.nan
 
     done = [r for r in records if r.ok]
-    errors = Counter(r.error_kind for r in records if not r.ok)
-    tpots = [t for r in done if (t := r.tpot_s) is not None]
     slo_met = sum(slo.met(r) for r in records) if slo is not None else None
     return Summary(
         duration_s=duration_s,
-        requests=len(records),
-        completed=len(done),
-        failed=len(records) - len(done),
-        errors=dict(sorted(errors.items())),
         request_rate=rate(len(done)),
         input_tokens_per_s=rate(sum(r.input_tokens for r in done)),
         output_tokens_per_s=rate(sum(r.output_tokens for r in done)),
-        ttft=Percentiles.of([r.ttft_s for r in done if r.ttft_s is not None]),
-        tpot=Percentiles.of(tpots),
-        itl=Percentiles.of([g for r in done for g in r.itl_s]),
-        e2e=Percentiles.of([r.e2e_s for r in done if r.e2e_s is not None]),
         goodput=None if slo_met is None else rate(slo_met),
         slo_met=slo_met,
+        **counts(records),
+        **latencies(done),
     )
+
+
+def counts(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The count fields of a :class:`Summary`: requests, completed, failed, failures by kind."""
+    done = sum(r.ok for r in records)
+    errors = Counter(r.error_kind for r in records if not r.ok)
+    return {"requests": len(records), "completed": done, "failed": len(records) - done,
+            "errors": dict(sorted(errors.items()))}
+
+
+def latencies(done: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The latency fields of a :class:`Summary` over completed records: TTFT, TPOT (per request), ITL
+    (every gap), E2E and tokens per chunk."""
+    return {"ttft": Percentiles.of([r.ttft_s for r in done if r.ttft_s is not None]),
+            "tpot": Percentiles.of([t for r in done if (t := r.tpot_s) is not None]),
+            "itl": Percentiles.of([g for r in done for g in r.itl_s]),
+            "e2e": Percentiles.of([r.e2e_s for r in done if r.e2e_s is not None]),
+            "tokens_per_chunk": tokens_per_chunk(done)}
+
+
+def tokens_per_chunk(done: Sequence[RequestRecord]) -> float:
+    """Output tokens ÷ streamed chunks over ``done`` (completed records; 1.0: one token per chunk;
+    NaN: none)."""
+    chunks = sum(len(r.itl_s) + 1 for r in done if r.ttft_s is not None)
+    tokens = sum(r.output_tokens for r in done if r.ttft_s is not None)
+    return tokens / chunks if chunks else math.nan

@@ -6,16 +6,29 @@ inclusive, ``hi`` exclusive), by default 32–126: the printable ASCII bytes of 
 tokenizer, valid ids (one token each) in every vocabulary of this project's models and of the usual
 HF ones, and readable when a server logs the decoded prompt.
 
-Every builder is deterministic: the same arguments (``seed`` included) give the same list.
-A request's ``index`` is its position in the returned list.
+Every builder is deterministic: the same arguments (``seed`` and ``point`` included) give the same
+list. A request's ``index`` is its position in the returned list.
+
+**Fresh requests per point.** A command that runs several points (a sweep's rates, a search's steps,
+a comparison's layouts) builds each point's requests with its own ``point`` number, so that no point
+resends a prompt another one sent: a server's prefix cache would serve it, and the later points'
+TTFT would measure the cache instead of the load. The first tokens after a request's shared prefix
+(its first tokens when it has none) spell the point and the request's index in the base of the token
+range (:func:`nonce`), so two requests of one seed never share a prompt, nor even a first uncached
+block. Only a prefix a workload declares (``shared-prefix`` and ``rag``: its system prompts, the same in
+every point) is meant to be served from the cache; ``RequestSpec.shared_prefix_len`` says how much,
+and :func:`expected_hit_rate` turns it into the prefix hit rate a point can reach at most.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import random
 import re
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,11 +161,19 @@ class RequestSpec:
     """Trace replay: seconds after the start (None: the arrival process decides)."""
     prefix_group: int | None = None
     """Shared-prefix workload: which system prompt this request starts with."""
+    shared_prefix_len: int = 0
+    """Tokens at the start of the prompt that the workload shares with other requests on purpose (a
+    system prompt): the only part a prefix cache may serve."""
 
     @property
     def input_tokens(self) -> int:
         """The prompt's length in tokens."""
         return len(self.prompt)
+
+    @property
+    def digest(self) -> str:
+        """BLAKE2b (8 bytes, hex) of the prompt's ids: equal prompts, equal digests."""
+        return hashlib.blake2b(array("I", self.prompt).tobytes(), digest_size=8).hexdigest()
 
 
 def _check_common(n: int, token_range: tuple[int, int]) -> None:
@@ -167,26 +188,66 @@ def _ids(rng: random.Random, length: int, token_range: tuple[int, int]) -> tuple
     return tuple(rng.choices(range(*token_range), k=length))
 
 
-def synthetic(n: int, input_len: LengthDist, output_len: LengthDist, *, seed: int,
+MAX_POINTS = 1 << 12
+"""Points one command may number (``point`` in ``0 .. MAX_POINTS - 1``)."""
+MAX_POINT_REQUESTS = 1 << 20
+"""Requests one point may hold."""
+
+
+def nonce(point: int, index: int, token_range: tuple[int, int]) -> tuple[int, ...]:
+    """The serial ``point · 2^20 + index`` spelt in base ``hi - lo`` with ids of ``token_range``,
+    most significant digit first, as many digits as the largest serial needs (5 over printable ASCII):
+    distinct for every (point, index), so prompts that start with it differ in their first block."""
+    if not 0 <= point < MAX_POINTS:
+        raise ConfigError(f"a command runs at most {MAX_POINTS} points, got point {point}")
+    if not 0 <= index < MAX_POINT_REQUESTS:
+        raise ConfigError(f"a point holds at most {MAX_POINT_REQUESTS} requests, got index {index}")
+    lo, hi = token_range
+    base = hi - lo
+    digits = 1
+    while base ** digits < MAX_POINTS * MAX_POINT_REQUESTS:
+        digits += 1
+    serial = point * MAX_POINT_REQUESTS + index
+    out = []
+    for _ in range(digits):
+        serial, digit = divmod(serial, base)
+        out.append(lo + digit)
+    return tuple(reversed(out))
+
+
+def _point_rng(seed: int, point: int, what: str) -> random.Random:
+    """A generator of its own for each (seed, point, purpose): str seeds are hashed (SHA-512) by
+    ``random``, the same on every run and platform."""
+    return random.Random(f"pdrouter-bench:{seed}:{point}:{what}")
+
+
+def _fresh(rng: random.Random, length: int, point: int, index: int, token_range: tuple[int, int]) -> tuple[int, ...]:
+    """``length`` ids: the request's nonce (cut to ``length``), then random ids."""
+    head = nonce(point, index, token_range)[:length]
+    return head + _ids(rng, length - len(head), token_range)
+
+
+def synthetic(n: int, input_len: LengthDist, output_len: LengthDist, *, seed: int, point: int = 0,
               token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE) -> list[RequestSpec]:
     """``n`` requests of random token ids in ``token_range`` (default: printable ASCII of the byte-level
     tokenizer, so each id is one valid token for any tokenizer of ours), lengths drawn from the two
-    distributions."""
+    distributions. Each prompt starts with its :func:`nonce` (``point``, index): no two share a block."""
     _check_common(n, token_range)
-    rng = random.Random(seed)
+    rng = _point_rng(seed, point, "requests")
     specs = []
     for i in range(n):
         length = input_len.sample(rng)
         max_tokens = output_len.sample(rng)
-        specs.append(RequestSpec(i, _ids(rng, length, token_range), max_tokens))
+        specs.append(RequestSpec(i, _fresh(rng, length, point, i, token_range), max_tokens))
     return specs
 
 
 def shared_prefix(n: int, *, prefixes: int, prefix_len: int, suffix_len: LengthDist, output_len: LengthDist,
-                  seed: int, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE) -> list[RequestSpec]:
+                  seed: int, point: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE) -> list[RequestSpec]:
     """The traffic of prefix caching (RAG, agents): ``prefixes`` distinct system prompts of
-    ``prefix_len`` tokens each; request ``i`` uses prefix ``i % prefixes`` (round-robin, so groups
-    are equal in size to within one and interleaved) followed by its own random suffix."""
+    ``prefix_len`` tokens each, drawn from ``seed`` alone (the same at every ``point``); request ``i``
+    uses prefix ``i % prefixes`` (round-robin, so groups are equal in size to within one and
+    interleaved) followed by its own suffix, which starts with its :func:`nonce`."""
     _check_common(n, token_range)
     if prefixes < 1:
         raise ConfigError(f"--prefixes must be >= 1, got {prefixes}")
@@ -196,21 +257,32 @@ def shared_prefix(n: int, *, prefixes: int, prefix_len: int, suffix_len: LengthD
     if width ** min(prefix_len, 64) < prefixes:  # exact; 2**64 exceeds any count of prefixes
         raise ConfigError(f"--prefixes: {prefixes} distinct prefixes of {prefix_len} tokens "
                           f"do not exist over {width} token ids")
-    rng = random.Random(seed)
+    head_rng = _point_rng(seed, 0, "prefixes")
     heads: list[tuple[int, ...]] = []
     seen: set[tuple[int, ...]] = set()
     while len(heads) < prefixes:
-        head = _ids(rng, prefix_len, token_range)
+        head = _ids(head_rng, prefix_len, token_range)
         if head not in seen:  # distinct groups must not share a cache entry
             seen.add(head)
             heads.append(head)
+    rng = _point_rng(seed, point, "requests")
     specs = []
     for i in range(n):
         group = i % prefixes
         length = suffix_len.sample(rng)
         max_tokens = output_len.sample(rng)
-        specs.append(RequestSpec(i, heads[group] + _ids(rng, length, token_range), max_tokens, prefix_group=group))
+        specs.append(RequestSpec(i, heads[group] + _fresh(rng, length, point, i, token_range), max_tokens,
+                                 prefix_group=group, shared_prefix_len=prefix_len))
     return specs
+
+
+def expected_hit_rate(specs: Sequence[RequestSpec]) -> float:
+    """The prefix hit rate a server can reach at most on ``specs``: the declared shared prefixes'
+    tokens ÷ every prompt token (0 for a workload that shares nothing). A cache serves whole blocks
+    and misses each prefix the first time a worker sees it, so a measured rate sits at or below it;
+    a higher one means prompts were served from a cache they should not have been in."""
+    total = sum(s.input_tokens for s in specs)
+    return sum(min(s.shared_prefix_len, s.input_tokens) for s in specs) / total if total else 0.0
 
 
 def _line_int(obj: dict[str, object], key: str, where: str) -> int | None:
@@ -233,30 +305,37 @@ def _line_ids(value: object, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def from_jsonl(path: Path, *, seed: int, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
-               default_output: int = 128) -> list[RequestSpec]:
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One line of a JSONL trace: its own token ids, or a length to fill with fresh random ids."""
+
+    prompt: tuple[int, ...] | None
+    input_len: int
+    output_len: int
+    arrival_s: float | None
+
+
+def read_trace(path: Path, *, default_output: int = 128) -> list[TraceRow]:
     """A trace: one JSON object per line, blank lines ignored, other keys ignored.
 
-    * ``prompt_token_ids`` (list of ints) or ``input_len`` (int: that many random ids in
-      ``token_range``, seeded); both may be given when they agree;
+    * ``prompt_token_ids`` (list of ints) or ``input_len`` (int: that many random ids, drawn when a
+      point is built); both may be given when they agree;
     * ``output_len`` (int, optional: ``default_output``);
     * ``timestamp`` (seconds, optional, relative or absolute): on every line or on none. Arrivals are
-      normalised so the earliest is 0, and the requests are **sorted by timestamp** (a stable sort:
-      ties keep the file's order); ``index`` is then the position in that order.
+      normalised so the earliest is 0, and the rows are **sorted by timestamp** (a stable sort:
+      ties keep the file's order).
 
     ConfigError naming the file and the line for bad JSON, a line that is not an object, neither
     ``prompt_token_ids`` nor ``input_len``, non-positive lengths, non-integer ids, a bad or missing
     timestamp; naming the file for an unreadable or empty one.
     """
-    _check_common(0, token_range)
     if default_output < 1:
         raise ConfigError(f"--output-len must be >= 1, got {default_output}")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read the workload file: {e}") from None
-    rng = random.Random(seed)
-    rows: list[tuple[tuple[int, ...], int, float | None]] = []
+    rows: list[TraceRow] = []
     first_line: dict[bool, int] = {}
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -269,14 +348,14 @@ def from_jsonl(path: Path, *, seed: int, token_range: tuple[int, int] = DEFAULT_
         if not isinstance(obj, dict):
             raise ConfigError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         input_len = _line_int(obj, "input_len", where)
+        prompt: tuple[int, ...] | None = None
         if "prompt_token_ids" in obj:
             prompt = _line_ids(obj["prompt_token_ids"], where)
             if input_len is not None and input_len != len(prompt):
                 raise ConfigError(f"{where}: input_len {input_len} disagrees with the "
                                   f"{len(prompt)} prompt_token_ids")
-        elif input_len is not None:
-            prompt = _ids(rng, input_len, token_range)
-        else:
+            input_len = len(prompt)
+        elif input_len is None:
             raise ConfigError(f"{where}: give prompt_token_ids (a list of ids) or input_len (a length)")
         output = _line_int(obj, "output_len", where) or default_output
         stamp = obj.get("timestamp")
@@ -287,14 +366,32 @@ def from_jsonl(path: Path, *, seed: int, token_range: tuple[int, int] = DEFAULT_
         if len(first_line) == 2:
             raise ConfigError(f"{where}: timestamp on some lines and not others "
                               f"(lines {first_line[True]} and {first_line[False]})")
-        rows.append((prompt, output, None if stamp is None else float(stamp)))
+        rows.append(TraceRow(prompt, input_len, output, None if stamp is None else float(stamp)))
     if not rows:
         raise ConfigError(f"{path}: the workload file holds no requests")
-    if rows[0][2] is not None:
-        rows.sort(key=lambda row: row[2] or 0.0)
-        zero = rows[0][2] or 0.0
-        rows = [(p, o, (t or 0.0) - zero) for p, o, t in rows]
-    return [RequestSpec(i, p, o, arrival_s=t) for i, (p, o, t) in enumerate(rows)]
+    if rows[0].arrival_s is not None:
+        rows.sort(key=lambda row: row.arrival_s or 0.0)
+    return rows
+
+
+def from_trace(rows: Sequence[TraceRow], *, seed: int, point: int = 0,
+               token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE) -> list[RequestSpec]:
+    """The requests of ``rows``: their own ids, or fresh ones (a :func:`nonce` first) for the rows that
+    give a length; arrivals shifted so that the first row's is 0."""
+    _check_common(0, token_range)
+    rng = _point_rng(seed, point, "trace")
+    zero = rows[0].arrival_s if rows and rows[0].arrival_s is not None else 0.0
+    return [RequestSpec(i, row.prompt if row.prompt is not None else _fresh(rng, row.input_len, point, i, token_range),
+                        row.output_len, arrival_s=None if row.arrival_s is None else row.arrival_s - zero)
+            for i, row in enumerate(rows)]
+
+
+def from_jsonl(path: Path, *, seed: int, point: int = 0, token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE,
+               default_output: int = 128) -> list[RequestSpec]:
+    """:func:`read_trace` then :func:`from_trace`: ``index`` is the position in timestamp order."""
+    _check_common(0, token_range)
+    return from_trace(read_trace(path, default_output=default_output), seed=seed, point=point,
+                      token_range=token_range)
 
 
 PRESETS: dict[str, tuple[LengthDist, LengthDist]] = {
@@ -322,3 +419,83 @@ def preset(name: str) -> tuple[LengthDist, LengthDist]:
     except KeyError:
         raise ConfigError(f"--workload: unknown preset {name!r} (choose from {', '.join(PRESETS)})") from None
 
+
+@dataclass(frozen=True)
+class Workload:
+    """A workload as a recipe: every point of a command builds its own requests from it (:meth:`build`).
+
+    ``name`` is one of ``synthetic``, ``shared-prefix``, ``rag``, ``chat``, ``summarize``,
+    ``generate``, ``jsonl``; ``input_len`` is the prompt's length, or the suffix's after a shared prefix
+    (``prefixes`` × ``prefix_len``); ``trace`` holds a ``jsonl`` workload's rows."""
+
+    name: str
+    label: str
+    input_len: LengthDist
+    output_len: LengthDist
+    seed: int = 0
+    prefixes: int = 0
+    prefix_len: int = 0
+    trace: tuple[TraceRow, ...] = ()
+    token_range: tuple[int, int] = DEFAULT_TOKEN_RANGE
+
+    @property
+    def replays_prompts(self) -> bool:
+        """A trace that brings its own token ids: its prompts cannot be drawn afresh, so each point
+        takes rows no other point took."""
+        return any(row.prompt is not None for row in self.trace)
+
+    def build(self, n: int, point: int, first_row: int = 0) -> list[RequestSpec]:
+        """Point ``point``'s ``n`` requests (a trace: its rows from ``first_row``, at most ``n``)."""
+        if self.name == "jsonl":
+            return from_trace(self.trace[first_row:first_row + n], seed=self.seed, point=point,
+                              token_range=self.token_range)
+        if self.prefixes:
+            return shared_prefix(n, prefixes=self.prefixes, prefix_len=self.prefix_len, suffix_len=self.input_len,
+                                 output_len=self.output_len, seed=self.seed, point=point,
+                                 token_range=self.token_range)
+        return synthetic(n, self.input_len, self.output_len, seed=self.seed, point=point,
+                         token_range=self.token_range)
+
+
+_NO_RESEND = ("because no point resends a prompt another one sent (a prefix cache would serve it): give a "
+              "longer trace, or fewer or smaller points (--num-requests)")
+
+
+class PointSource:
+    """Numbers the points of one command and builds each one's requests, so that no two points send
+    the same prompt: ``take(n)`` gives the next point's number and requests; ``number()`` a number for
+    requests built elsewhere (a warm-up). A trace with its own token ids is dealt out row by row:
+    a point takes rows no earlier point took, and a ConfigError says so when the trace runs out."""
+
+    def __init__(self, workload: Workload) -> None:
+        self.workload = workload
+        self._next = 0
+        self._row = 0
+
+    def number(self) -> int:
+        point = self._next
+        self._next += 1
+        return point
+
+    def rows_needed(self, sizes: Sequence[int]) -> int:
+        """Rows of a trace with its own ids that points of these sizes would take (0 otherwise)."""
+        return sum(sizes) if self.workload.replays_prompts else 0
+
+    def check(self, sizes: Sequence[int]) -> None:
+        """ConfigError, before anything runs, when points of ``sizes`` would run out of trace rows."""
+        need = self.rows_needed(sizes)
+        if need > len(self.workload.trace):
+            raise ConfigError(f"--dataset holds {len(self.workload.trace)} requests with their own "
+                              f"prompt_token_ids; {len(sizes)} points need {need}, {_NO_RESEND}")
+
+    def take(self, n: int) -> tuple[int, list[RequestSpec]]:
+        point = self.number()
+        if not self.workload.replays_prompts:
+            return point, self.workload.build(n, point)
+        if self._row + n > len(self.workload.trace):
+            raise ConfigError(f"--dataset holds {len(self.workload.trace)} requests with their own "
+                              f"prompt_token_ids and earlier points sent {self._row}; the next needs {n}, "
+                              f"{_NO_RESEND}")
+        specs = self.workload.build(n, point, self._row)
+        self._row += n
+        return point, specs

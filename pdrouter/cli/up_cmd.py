@@ -47,7 +47,7 @@ from typing import TextIO
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, stop_all, worker_args
 from pdrouter.cli.security_flags import internal_token_from_env
 from pdrouter.cli.vllm_worker import CPU_BLOCK_SIZE
-from pdrouter.cli.worker_cmd import KV_TOKEN_ENV, TORCH_THREADS_ENV, kv_token_from_env
+from pdrouter.cli.worker_cmd import DEFAULT_UTILIZATION, KV_TOKEN_ENV, TORCH_THREADS_ENV, kv_token_from_env
 from pdrouter.core.errors import ConfigError, UnavailableError
 from pdrouter.core.net import is_loopback
 from pdrouter.core.redact import redact_url
@@ -93,6 +93,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--backend sim: simulated time runs this many times slower than the wall clock")
     p.add_argument("--calibration", default=None,
                    help="--backend sim: the engine modelled, a preset (vllm | trtllm | torch-eager | ...) or a file")
+    p.add_argument("--link", default=None,
+                   help="--backend sim: the prefill workers' KV link preset (nvlink | rdma-400g | tcp-100g | "
+                        "tcp-25g; default: the workers', rdma-400g)")
+    p.add_argument("--utilization", type=float, default=None,
+                   help="--backend sim: share of each simulated GPU's memory the engine may use (default 0.9, or "
+                        "quota ÷ physical under --quota-gb)")
+    p.add_argument("--quota-gb", type=float, default=None,
+                   help="--backend sim: memory quota per simulated GPU in GiB (HAMi nvidia.com/gpumem); derives "
+                        "the utilization")
     p.add_argument("--per-process", type=int, default=None, metavar="N",
                    help=f"--backend sim: simulated workers per process, grouped by role (default: one per "
                         f"process up to {FLEET_THRESHOLD} workers in all, else up to {FLEET_SIZE})")
@@ -155,6 +164,7 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     from pdrouter.core.gpu import get_gpu_preset
     from pdrouter.core.model_spec import get_model_preset
     from pdrouter.engine.sim.calibration import resolve_calibration
+    from pdrouter.engine.sim.link import get_link_preset
 
     get_gpu_preset(args.gpu)
     get_model_preset(args.model_preset)
@@ -166,7 +176,46 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     if args.calibration is not None:
         resolve_calibration(args.calibration)
         out += ["--calibration", str(args.calibration)]
+    if args.link is not None:
+        get_link_preset(args.link)
+        out += ["--link", args.link]
+    if args.utilization is not None:
+        out += ["--utilization", str(args.utilization)]
+    if args.quota_gb is not None:
+        out += ["--quota-gb", str(args.quota_gb)]
+    sim_pool(args)  # a utilization or quota the GPU cannot hold is refused here, before anything starts
     return out
+
+
+def sim_pool(args: argparse.Namespace) -> str:
+    """The banner's line for a simulated fleet: GPU, TP, model, time scale, link and each worker's KV
+    pool as the workers will size it (``--num-blocks``, else the capacity math at the utilization or
+    quota given)."""
+    from pdrouter.core.capacity import kv_bytes_per_token, plan_capacity, resolve_utilization
+    from pdrouter.core.gpu import GiB, get_gpu_preset
+    from pdrouter.core.model_spec import get_model_preset
+
+    gpu, spec = get_gpu_preset(args.gpu), get_model_preset(args.model_preset)
+    quota = None if args.quota_gb is None else int(args.quota_gb * GiB)
+    if args.quota_gb is not None and not args.quota_gb > 0:
+        raise ConfigError(f"--quota-gb must be > 0, got {args.quota_gb:g}")
+    utilization = resolve_utilization(args.utilization, quota, gpu.memory_bytes, default=DEFAULT_UTILIZATION,
+                                      source=None if quota is None else f"--quota-gb {args.quota_gb:g}")
+    if args.num_blocks is not None:
+        blocks, basis = args.num_blocks, "--num-blocks"
+    else:
+        plan = plan_capacity(spec, gpu, tp=args.tp, utilization=utilization, quota_bytes=quota)
+        blocks, basis = plan.num_blocks, f"utilization {utilization:.3g}" + (
+            f", quota {args.quota_gb:g} GiB" if quota is not None else "")
+        if blocks <= 0:
+            raise ConfigError(f"{args.model_preset} at TP {args.tp} leaves no KV room on {gpu.name} at {basis}")
+    block = 16
+    pool_gib = blocks * block * kv_bytes_per_token(spec, args.tp) / GiB
+    scale = "real time" if args.time_scale == 1 else (
+        "no sleeping (time scale 0)" if args.time_scale == 0 else f"{args.time_scale:g}× slower than real time")
+    return (f"{gpu.name}{f' ×{args.tp} (TP {args.tp})' if args.tp > 1 else ''}, {spec.name}, time scale "
+            f"{args.time_scale:g} ({scale}), KV link {args.link or 'rdma-400g'}; KV pool per worker {blocks:,} "
+            f"blocks of {block} tokens ({pool_gib:.1f} GiB, {basis})")
 
 
 def router_ports(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -278,8 +327,14 @@ def run(args: argparse.Namespace) -> int:
     api_key, router_keys = router_api_keys(args)
     check_ports_free(args.host, ports)  # before anything starts: a taken port is one line, not a traceback
     sim: list[str] | None = None
+    if args.backend != "sim":
+        given = [flag for flag, value in (("--link", args.link), ("--utilization", args.utilization),
+                                          ("--quota-gb", args.quota_gb)) if value is not None]
+        if given:
+            raise ConfigError(f"{', '.join(given)} only apply to --backend sim")
     if args.backend == "sim":
         sim = _sim_args(args)
+        print(f"sim        {sim_pool(args)}", flush=True)
         if args.model == DEFAULT_MODEL_DIR:
             args.model = Path(".pdrouter") / "models" / f"sim-{args.model_preset}"
         if not (args.model / "config.json").is_file():

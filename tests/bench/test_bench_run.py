@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -26,9 +27,10 @@ from pdrouter.state.embedded_redis import EmbeddedRedis
 MODEL = "llama-3-8b"
 
 
-def bench(*args: str, timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+def bench(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "pdrouter", "bench", "run", "--no-progress", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
 
 
 def document(out: Path) -> dict[str, Any]:
@@ -157,15 +159,37 @@ def test_ctrl_c_writes_what_was_measured(cluster: str, tmp_path: Path) -> None:
     assert "results:" in stdout
 
 
-def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tmp_path: Path) -> None:
-    base = ["--url", cluster, "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--json"]
-    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
-                           "--rates", "5,10", "--out", str(tmp_path / "list")], capture_output=True, text=True,
-                          timeout=120)
+def sweep_points(stdout: str) -> list[dict[str, Any]]:
+    points = json.loads(Path(json.loads(stdout)["file"]).read_text())["points"]
+    assert isinstance(points, list)
+    return points
+
+
+def digests(points: list[dict[str, Any]]) -> list[str]:
+    return [r["prompt_digest"] for p in points for r in json.loads(Path(p["file"]).read_text())["requests"]]
+
+
+def test_a_sweep_sends_fresh_prompts_at_every_rate_to_a_server_that_stays_up(cluster: str, tmp_path: Path) -> None:
+    """The cluster stays up across the rates, so a prompt sent twice would be a prefix-cache hit."""
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", "--url", cluster,
+                           "--num-requests", "30", "--input-len", "256", "--output-len", "8", "--seed", "11",
+                           "--rates", "5,10,20", "--json", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=180)
     assert done.returncode == 0, done.stderr
-    sweep = json.loads(Path(json.loads(done.stdout)["file"]).read_text())
-    assert [p["rate"] for p in sweep["points"]] == [5.0, 10.0]
-    assert all(p["summary"]["completed"] == 20 for p in sweep["points"])
+    points = sweep_points(done.stdout)
+    assert [p["rate"] for p in points] == [5.0, 10.0, 20.0]
+    assert all(p["run_summary"]["completed"] == 30 for p in points)
+    sent = digests(points)
+    assert len(sent) == 90 and len(set(sent)) == 90
+    for p in points:
+        assert p["prefix"] == {"expected_hit_rate": 0.0, "measured_hit_rate": 0.0, "flagged": False}
+        assert p["router"]["prefix_hit_rate"] == 0.0  # the router's index found nothing either
+        assert not p["window"]["steady"]  # 30 requests leave fewer than 50 in the window: marked
+
+
+def test_a_search_steps_with_prompts_of_their_own_and_finds_the_slo_edge(cluster: str, tmp_path: Path) -> None:
+    base = ["--url", cluster, "--num-requests", "20", "--input-len", "64", "--output-len", "8", "--json",
+            "--seed", "12"]
     # TPOT is one modeled decode step (6.7 ms): a 20 ms bound holds at any low rate, 5 ms never does.
     for bound, met in (("20ms", True), ("5ms", False)):
         done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "sweep", "--no-progress", *base,
@@ -175,6 +199,8 @@ def test_a_sweep_runs_each_rate_and_a_search_finds_the_slo_edge(cluster: str, tm
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert (result["best_rate"] is not None) is met and result["points"] == 2
+        sent = digests(sweep_points(done.stdout))
+        assert len(sent) == 40 and len(set(sent)) == 40
 
 
 def test_a_time_scale_stretches_arrivals_and_shrinks_latencies(cluster: str, tmp_path: Path) -> None:
@@ -191,3 +217,59 @@ def test_a_time_scale_stretches_arrivals_and_shrinks_latencies(cluster: str, tmp
     step = TimingModel(get_model_preset(MODEL), get_gpu_preset("h100")).decode_step(1, 68).seconds
     summary = json.loads(done.stdout)["summary"]
     assert summary["tpot"]["p50"] == pytest.approx(step / 2, rel=0.15)
+
+
+def test_a_run_too_short_for_a_steady_window_is_marked(cluster: str, tmp_path: Path) -> None:
+    done = bench("--url", cluster, "--rate", "20", "--num-requests", "20", "--input-len", "64", "--output-len", "8",
+                 "--out", str(tmp_path), "--seed", "13", "--slo", "ttft=1s")
+    assert done.returncode == 0, done.stderr
+    assert "steady_state: no" in done.stdout
+    doc = document(tmp_path)
+    window = doc["steady"]["window"]
+    assert not window["steady"] and "fewer than 50" in window["reason"]
+    text = next(tmp_path.glob("*.md")).read_text()
+    assert "**too short** to reach steady state" in text and "SLO: ttft <= 1000 ms" in text
+
+
+def test_max_completion_tokens_bounds_a_completion(cluster: str) -> None:
+    import httpx
+
+    body = {"model": MODEL, "prompt": [65] * 40, "max_completion_tokens": 5, "ignore_eos": True}
+    reply = httpx.post(f"{cluster}/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.fixture(scope="module")
+def keyed_router(cluster: str, redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second router over the same workers that asks for an API key."""
+    folder = write_config_folder(get_model_preset(MODEL), tmp_path_factory.mktemp("keyed") / MODEL)
+    router = ManagedProcess("router", ["router", "--model", str(folder), "--redis", redis_server.url,
+                                       "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"],
+                            env={"PDROUTER_API_KEYS": "k-" + "z" * 30})
+    try:
+        yield f"http://{router.wait_ready()}/v1"
+    finally:
+        router.stop()
+
+
+def test_a_missing_key_is_named_as_such_not_as_a_bad_url(keyed_router: str, tmp_path: Path) -> None:
+    done = bench("--url", keyed_router, "--num-requests", "2", "--out", str(tmp_path), env={"OPENAI_API_KEY": ""})
+    assert done.returncode == 2
+    assert "wants an API key: give --api-key or set OPENAI_API_KEY" in done.stderr and "check --url" not in done.stderr
+    done = bench("--url", keyed_router, "--model", MODEL, "--num-requests", "2", "--out", str(tmp_path),
+                 env={"OPENAI_API_KEY": ""})
+    assert done.returncode == 1
+    assert "http_401" in done.stderr and "--api-key" in done.stderr and "check --url" not in done.stderr
+    done = bench("--url", keyed_router, "--num-requests", "2", "--input-len", "8", "--output-len", "2", "--out",
+                 str(tmp_path / "ok"), env={"OPENAI_API_KEY": "k-" + "z" * 30})
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_prompt_the_server_refuses_carries_its_reason(cluster: str, tmp_path: Path) -> None:
+    done = bench("--url", cluster, "--num-requests", "2", "--input-len", "9000", "--output-len", "2",
+                 "--out", str(tmp_path))
+    assert done.returncode == 1
+    assert "http_400: " in done.stderr and "9000" in done.stderr and "context" in done.stderr, done.stderr
+    records = document(tmp_path)["requests"]
+    assert all("9000" in r["detail"] for r in records)

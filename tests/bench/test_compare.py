@@ -62,40 +62,116 @@ def test_the_winner_per_rate_ties_and_crossovers() -> None:
     assert crossovers(winners) == [(1.0, 4.0, "tie: colocated-2, 1p1d", "1p1d")]
 
 
-def test_compare_quick_writes_the_report_and_its_plots(tmp_path: Path) -> None:
+def test_compare_quick_sends_fresh_prompts_to_every_point_and_measures_steady_windows(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--quick", "--no-progress",
-                           "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=170)
+                           "--json", "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr + done.stdout
     report = Path(json.loads(done.stdout)["report"])
     folder = report.parent
     text = report.read_text()
     assert "| rate | colocated-2 | 1p1d | best | why |" in text and "Crossovers:" in text
-    assert "simulated time lost to this machine" in text
-    data = json.loads((folder / "plots.json").read_text())
-    for key in ("goodput", "slo_met_percent", "ttft_p99", "itl_p99", "pareto"):
-        assert set(data[key]) == {"colocated-2", "1p1d"}
-        assert all(len(points) == 2 for points in data[key].values())
-    # Goodput cannot exceed the offered rate by more than the noise of 16 Poisson arrivals.
-    assert all(0 < y <= 2.0 * x for pts in data["goodput"].values() for x, y in pts)
+    assert "simulated time lost to this machine" in text and "SLO: ttft <= 1000 ms, tpot <= 50 ms" in text
+    assert "60–120 requests a point" in text and "warm-up" in text and "time scale 1" in text
+    assert "not run" not in text  # nothing was skipped
+    layouts = json.loads((folder / "compare.json").read_text())["layouts"]
+    assert [len(layout["points"]) for layout in layouts] == [2, 2]
+    digests: list[str] = []
+    for layout in layouts:
+        for p in layout["points"]:
+            assert p["requests"] == 6 * p["rate"]  # rate × 6 simulated seconds
+            assert p["window"]["steady"], p["window"]
+            assert 0 < p["window"]["start_s"] < p["window"]["end_s"]
+            doc = json.loads(Path(p["file"]).read_text())
+            records = doc["requests"]
+            assert len(records) == p["requests"]  # the warm-up requests are not among the measured ones
+            digests += [r["prompt_digest"] for r in records]
+            # nothing shared, so nothing may come from a prefix cache: at every rate, for every layout
+            assert p["prefix"]["expected_hit_rate"] == 0.0
+            assert p["prefix"]["measured_hit_rate"] == 0.0 and not p["prefix"]["flagged"]
+            assert p["router"]["prefix_hit_rate"] in (None, 0.0)
+            met = p["summary"]["slo_met"]
+            assert p["slo_met_percent"] == pytest.approx(100.0 * met / p["window"]["requests"])
+            # Simulated workers report how much of their modeled time this machine made late.
+            assert p["router"]["sim_late_share"] is not None and 0 <= p["router"]["sim_late_share"] < 1
+    assert len(digests) == 6 * (10 + 20) * 2 and len(set(digests)) == len(digests)  # no prompt sent twice
+    check_plots(folder, slo_ms={"ttft_p99": 1000.0, "tpot_p99": 50.0, "itl_p99": 50.0}, target=90.0)
+
+
+def check_plots(folder: Path, *, slo_ms: dict[str, float], target: float) -> None:
+    """Every PNG of a comparison drawn, and its spec in plots.json carries the lines a reader needs."""
     import matplotlib.image
 
-    assert all(0 <= y <= 100 for pts in data["slo_met_percent"].values() for _, y in pts)
-    assert "SLO attainment" in text and "highest rate" in text
-    for name in ("goodput", "slo_met_percent", "ttft_p99", "itl_p99", "pareto"):
+    specs = json.loads((folder / "plots.json").read_text())
+    assert set(specs) == {"ttft_p99", "tpot_p99", "itl_p99", "slo_met_percent", "goodput", "pareto"}
+    for name, spec in specs.items():
         image = matplotlib.image.imread(folder / f"{name}.png")
         assert image.shape[0] > 200 and image.shape[1] > 300
         assert image[..., :3].std() > 0.05  # not a blank canvas: axes and curves were drawn
-    layouts = json.loads((folder / "compare.json").read_text())["layouts"]
-    assert [len(layout["points"]) for layout in layouts] == [2, 2]
-    assert all(p["summary"]["completed"] == 16 for layout in layouts for p in layout["points"])
-    for layout in layouts:  # the attainment each point reports is its own records' share within the SLO
-        for p in layout["points"]:
-            records = json.loads(Path(p["file"]).read_text())["requests"]
-            assert len(records) == 16  # the warm-up requests are not among the measured ones
-            met = p["summary"]["slo_met"]
-            assert p["slo_met_percent"] == pytest.approx(100.0 * met / 16)
-            # Simulated workers report how much of their modeled time this machine made late.
-            assert p["router"]["sim_late_share"] is not None and 0 <= p["router"]["sim_late_share"] < 1
+        assert {s["layout"] for s in spec["series"]} == {"colocated-2", "1p1d"}
+        assert all(len(s["points"]) == 2 for s in spec["series"])
+        assert spec["y"]["min"] == 0.0 or spec["y"]["scale"] == "log"  # no axis zooms noise into a trend
+        assert "requests a point" in spec["footer"] and "time scale" in spec["footer"]
+        if name in slo_ms:
+            assert [line["value"] for line in spec["lines"] if line["kind"] == "slo"] == [slo_ms[name]]
+    attainment = specs["slo_met_percent"]
+    assert (attainment["y"]["min"], attainment["y"]["max"]) == (0.0, 100.0)
+    assert [line["value"] for line in attainment["lines"] if line["kind"] == "target"] == [target]
+    assert all(0 <= p["y"] <= 100 for s in attainment["series"] for p in s["points"])
+    assert ("offered", "diagonal") in {(line["kind"], line["axis"]) for line in specs["goodput"]["lines"]}
+    kinds = {(line["kind"], line["axis"]) for line in specs["pareto"]["lines"]}
+    assert kinds == {("slo", "x")}
+    assert all(p["label"].endswith("/s") for s in specs["pareto"]["series"] for p in s["points"])
+
+
+def result(name: str, rates_goodput: list[tuple[float, float]], *, steady: bool = True) -> LayoutResult:
+    layout = Layout(name, colocated=2) if name.startswith("colocated") else Layout(name, prefill=1, decode=1)
+    points = []
+    for rate, goodput in rates_goodput:
+        p = point(rate, goodput)
+        p |= {"slo_met_percent": 100.0 * goodput / rate, "requests": 100, "offered_rate": rate,
+              "window": {"start_s": 1.0, "end_s": 10.0, "requests": 90 if steady else 20, "steady": steady,
+                         "reason": "" if steady else "20 requests arrived in the window, fewer than 50"},
+              "prefix": {"expected_hit_rate": 0.0, "measured_hit_rate": 0.0, "flagged": False}}
+        points.append(p)
+    return LayoutResult(layout, points)
+
+
+def test_a_point_too_short_is_marked_in_the_report_and_drawn_hollow(tmp_path: Path) -> None:
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
+    from pdrouter.bench.stats import Slo
+
+    results = [result("colocated-2", [(4, 4.0), (8, 7.0)], steady=False), result("1p1d", [(4, 4.0), (8, 8.0)])]
+    report = write_compare_report(results, tmp_path, CompareSetup("t", Slo.parse("ttft=1s"), 90.0))
+    text = report.read_text()
+    assert "too short to reach steady state**: colocated-2 at 4 req/s, colocated-2 at 8 req/s" in text
+    assert "| 4 | 100%† | 100% |" in text
+    assert "fewer than 50" in text
+    specs = json.loads((tmp_path / "plots.json").read_text())
+    hollow = {s["layout"]: [p["steady"] for p in s["points"]] for s in specs["slo_met_percent"]["series"]}
+    assert hollow == {"colocated-2": [False, False], "1p1d": [True, True]}
+    assert specs["slo_met_percent"]["notes"] == ["colocated-2 and 1p1d at 4 req/s"]  # the tie is named
+
+
+def test_prefix_hits_above_the_workloads_are_flagged(tmp_path: Path) -> None:
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
+    from pdrouter.bench.stats import Slo
+
+    results = [result("colocated-2", [(4, 4.0)]), result("1p1d", [(4, 4.0)])]
+    results[1].points[0]["prefix"] = {"expected_hit_rate": 0.0, "measured_hit_rate": 0.93, "flagged": True}
+    text = write_compare_report(results, tmp_path, CompareSetup("t", Slo.parse("ttft=1s"), 90.0)).read_text()
+    assert "Prefix hits above what the workload allows** (prompts served from a cache they should not have been " \
+           "in): 1p1d at 4 req/s" in text
+    assert "93.0% / 0.0% **above the workload's**" in text
+
+
+def test_a_point_too_small_for_a_steady_window_is_refused_before_any_cluster(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--gpus", "2", "--layouts",
+                           "colocated,1p1d", "--rates", "4,8", "--point-duration", "5", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "a point of 20 requests at 4 req/s is too short to reach steady state" in done.stderr
+    assert "--point-duration 14" in done.stderr and done.stderr.strip().count("\n") == 0
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(("args", "expected"), [

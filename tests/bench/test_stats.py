@@ -70,8 +70,8 @@ def test_record_to_dict_is_json_ready() -> None:
     r.cached_tokens = 3
     d = r.to_dict()
     assert d == {"index": 0, "start_s": 0.0, "input_tokens": 10, "output_tokens": 4, "ttft_s": 0.1,
-                 "itl_s": [0.02], "e2e_s": 0.2, "status": 200, "error": "", "cached_tokens": 3, "ok": True,
-                 "tpot_s": pytest.approx(0.1 / 3)}
+                 "itl_s": [0.02], "e2e_s": 0.2, "status": 200, "error": "", "cached_tokens": 3, "detail": "",
+                 "prompt_digest": "", "ok": True, "tpot_s": pytest.approx(0.1 / 3)}
     json.dumps(d)
 
 
@@ -229,7 +229,7 @@ def test_summary_to_dict_and_lines() -> None:
     assert d["ttft"] == {"mean": pytest.approx(0.2), "p50": 0.2, "p90": pytest.approx(0.28),
                          "p99": pytest.approx(0.298), "count": 3}
     assert set(d) == {"duration_s", "requests", "completed", "failed", "errors", "request_rate", "input_tokens_per_s",
-                      "output_tokens_per_s", "ttft", "tpot", "itl", "e2e", "goodput", "slo_met"}
+                      "output_tokens_per_s", "ttft", "tpot", "itl", "e2e", "goodput", "slo_met", "tokens_per_chunk"}
     json.dumps(d)
     lines = s.lines()
     assert lines[:11] == ["duration: 2 s", "requests: 5", "completed: 3", "failed: 2", "errors_http_429: 1",

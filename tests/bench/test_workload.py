@@ -13,9 +13,14 @@ import pytest
 from pdrouter.bench.workload import (
     PRESETS,
     LengthDist,
+    PointSource,
     RequestSpec,
+    Workload,
+    expected_hit_rate,
     from_jsonl,
+    nonce,
     preset,
+    read_trace,
     shared_prefix,
     synthetic,
 )
@@ -266,3 +271,52 @@ def test_presets() -> None:
     assert set(PRESETS) == {"chat", "summarize", "generate", "rag"}
     with pytest.raises(ConfigError, match="--workload: unknown preset 'nope' \\(choose from chat, summarize"):
         preset("nope")
+
+
+def test_every_point_draws_prompts_of_its_own() -> None:
+    chat = Workload("chat", "chat", LengthDist("lognormal", 300, 0.5), LengthDist("fixed", 4), seed=0)
+    points = [chat.build(200, point) for point in range(6)]
+    prompts = [s.prompt for specs in points for s in specs]
+    assert len(set(prompts)) == len(prompts)
+    assert len({p[:16] for p in prompts if len(p) >= 16}) == sum(len(p) >= 16 for p in prompts)  # first blocks too
+    assert points[0] == chat.build(200, 0)  # still deterministic in (seed, point)
+    assert expected_hit_rate(points[0]) == 0.0
+
+
+def test_the_nonce_spells_the_point_and_the_index() -> None:
+    assert nonce(0, 0, (32, 127)) == (32,) * 5
+    assert nonce(0, 1, (32, 127)) == (32, 32, 32, 32, 33)
+    seen = {nonce(p, i, (32, 127)) for p in (0, 1, 4095) for i in (0, 1, 94, 95, (1 << 20) - 1)}
+    assert len(seen) == 15
+    assert all(32 <= t < 127 for n in seen for t in n)
+    assert len(nonce(3, 7, (0, 2))) == 32  # a narrow range spells it in more digits
+    with pytest.raises(ConfigError, match="at most 4096 points"):
+        nonce(4096, 0, (32, 127))
+
+
+def test_shared_prefixes_are_the_same_in_every_point_and_nothing_else_is() -> None:
+    rag = Workload("rag", "rag", LengthDist("fixed", 50), LengthDist("fixed", 4), seed=3, prefixes=2, prefix_len=64)
+    a, b = rag.build(20, 0), rag.build(20, 1)
+    assert {s.prompt[:64] for s in a} == {s.prompt[:64] for s in b} and len({s.prompt[:64] for s in a}) == 2
+    assert not {s.prompt[64:] for s in a} & {s.prompt[64:] for s in b}
+    assert all(s.shared_prefix_len == 64 for s in a)
+    assert expected_hit_rate(a) == pytest.approx(64 / 114)
+
+
+def test_a_trace_with_its_own_ids_is_dealt_out_without_resending(tmp_path: Path) -> None:
+    path = _write(tmp_path, *(json.dumps({"prompt_token_ids": [i, i + 1, i + 2]}) for i in range(10)))
+    rows = tuple(read_trace(path))
+    source = PointSource(Workload("jsonl", "t", LengthDist("fixed", 1), LengthDist("fixed", 2), trace=rows))
+    _, first = source.take(4)
+    _, second = source.take(4)
+    assert [s.prompt[0] for s in first] == [0, 1, 2, 3] and [s.prompt[0] for s in second] == [4, 5, 6, 7]
+    with pytest.raises(ConfigError, match="no point resends a prompt"):
+        source.take(4)
+    with pytest.raises(ConfigError, match="3 points need 12"):
+        PointSource(source.workload).check([4, 4, 4])
+    lengths = Workload("jsonl", "t", LengthDist("fixed", 1), LengthDist("fixed", 2),
+                       trace=tuple(read_trace(_write(tmp_path, *(json.dumps({"input_len": 40})
+                                                                 for _ in range(5))))))
+    fresh = PointSource(lengths)
+    (_, a), (_, b) = fresh.take(5), fresh.take(5)  # lengths only: fresh ids, as often as asked
+    assert not {s.prompt for s in a} & {s.prompt for s in b}

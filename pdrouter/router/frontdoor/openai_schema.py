@@ -7,7 +7,8 @@ Accepted (``/v1/completions`` and ``/v1/chat/completions``):
   in (0, 1]), ``seed`` (in [0, 2^63)), ``stop`` (a string or a list of at most
   ``FrontdoorConfig.max_stop_strings`` strings of at most :data:`MAX_STOP_CHARS` characters each,
   applied to the decoded text by the front door), ``user`` (ignored);
-* ``max_tokens`` (chat also ``max_completion_tokens``, which wins): at least 1, and with the
+* ``max_tokens`` (or OpenAI's newer ``max_completion_tokens``, which wins; clients such as aiperf
+  send it to ``/v1/completions`` too): at least 1, and with the
   prompt within the model's context. When absent: the context left after the prompt, capped at
   ``FrontdoorConfig.default_max_tokens`` (256 by default);
 * extensions (vLLM's): ``stop_token_ids`` (at most ``MAX_STOP_TOKEN_IDS``, in the vocabulary),
@@ -349,7 +350,7 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
         raise FieldError("model", f"model names have at most {MAX_MODEL_NAME_CHARS} characters")
     _check_unsupported(data, chat)
     max_tokens = _int(data, "max_tokens")
-    if chat and data.get("max_completion_tokens") is not None:
+    if data.get("max_completion_tokens") is not None:
         max_tokens = _int(data, "max_completion_tokens")
     stop_ids = data.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(type(t) is int for t in stop_ids)):

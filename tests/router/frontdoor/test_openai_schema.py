@@ -61,6 +61,11 @@ def test_chat_roles_parts_and_max_completion_tokens() -> None:
     assert req.max_tokens == 9
 
 
+def test_completions_honour_max_completion_tokens() -> None:
+    assert parse({"model": "echo", "prompt": "hi", "max_completion_tokens": 7}).max_tokens == 7
+    assert parse({"model": "echo", "prompt": "hi", "max_tokens": 5, "max_completion_tokens": 3}).max_tokens == 3
+
+
 def test_field_errors_name_the_parameter() -> None:
     with pytest.raises(FieldError) as raised:
         parse({"model": "echo", "prompt": "hi", "top_k": "3"})

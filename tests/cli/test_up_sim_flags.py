@@ -1,0 +1,64 @@
+"""``pdrouter up --backend sim``: ``--link``, ``--utilization`` and ``--quota-gb`` reach the simulated
+workers, and the banner says what was brought up (GPU, model, time scale, link, each worker's pool).
+
+The cluster test runs the real ``pdrouter up`` and reads the workers' pools and the KV transfer time
+back from the router's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdrouter.bench.compare import Layout, bring_up
+from pdrouter.cli.main import main
+from pdrouter.core.capacity import kv_bytes_per_token, plan_capacity
+from pdrouter.core.gpu import get_gpu_preset
+from pdrouter.core.model_spec import get_model_preset
+from pdrouter.engine.model_folder import write_config_folder
+
+
+def samples(url: str, name: str) -> dict[str, float]:
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=10).text
+    return {s.labels.get("worker", ""): s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == name}
+
+
+def test_the_flags_reach_the_workers_and_the_banner_says_so(tmp_path: Path) -> None:
+    folder = write_config_folder(get_model_preset("llama-3-8b"), tmp_path / "model")
+    with bring_up(Layout("1p1d", prefill=1, decode=1), folder, gpu="h100", time_scale=1.0,
+                  extra=["--link", "tcp-25g", "--quota-gb", "40"]) as cluster:
+        (banner,) = [line for line in cluster.banner if line.startswith("sim ")]
+        spec, gpu = get_model_preset("llama-3-8b"), get_gpu_preset("h100")
+        blocks = plan_capacity(spec, gpu, utilization=None, quota_bytes=40 * 2**30).num_blocks
+        gib = blocks * 16 * kv_bytes_per_token(spec) / 2**30
+        assert banner == (f"sim        h100-80g, llama-3-8b, time scale 1 (real time), KV link tcp-25g; KV pool per "
+                          f"worker {blocks:,} blocks of 16 tokens ({gib:.1f} GiB, utilization 0.5, quota 40 GiB)")
+        url = cluster.url
+        deadline = time.monotonic() + 30
+        while len(samples(url, "pdrouter_kv_capacity_blocks")) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(samples(url, "pdrouter_kv_capacity_blocks").values()) == {float(blocks)}
+        # 1,024 prompt tokens of Llama-3-8B are 128 MiB of KV: 43 ms on a 25 Gb/s link, 0.3 ms on NVLink
+        body = {"model": "model", "prompt": [65] * 1024, "max_tokens": 2}
+        assert httpx.post(f"{url}/completions", json=body, timeout=60).status_code == 200
+        moved = samples(url, "pdrouter_kv_transfer_duration_seconds_sum")
+        assert sum(moved.values()) >= 1024 * kv_bytes_per_token(spec) / 3.125e9
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--backend", "torch", "--link", "nvlink"], "--link only apply to --backend sim"),
+    (["--backend", "torch", "--utilization", "0.5", "--quota-gb", "4"], "--utilization, --quota-gb only apply"),
+    (["--backend", "sim", "--link", "carrier-pigeon"], "presets: nvlink, rdma-400g"),
+    (["--backend", "sim", "--quota-gb", "40", "--utilization", "0.9"], "0.9"),
+    (["--backend", "sim", "--quota-gb", "-1"], "--quota-gb must be > 0"),
+])
+def test_bad_sim_flags_are_one_line_errors(args: list[str], expected: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["up", "--no-api-key", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert expected in err and err.count("\n") == 0, err
