@@ -143,7 +143,8 @@ def test_a_killed_engine_core_makes_the_worker_unhealthy_and_a_restart_rejoins(v
     victim, events = run(_killed_mid_stream(vllm_pool))
     errors = [json.loads(e) for e in events if e.startswith("{") and '"error"' in e]
     assert len(errors) == 1, events[-5:]  # a clean error event ends the stream
-    assert "engine" in errors[0]["error"]["message"] and "Traceback" not in errors[0]["error"]["message"]
+    assert errors[0]["error"]["code"] == "unavailable", errors  # retryable, in the router's words
+    assert "Traceback" not in errors[0]["error"]["message"]
     address = vllm_pool.worker_address(victim)
     poll(lambda: run(_health(address)), lambda s: s == health_pb2.HealthCheckResponse.NOT_SERVING,
          "the worker's health NOT_SERVING")

@@ -109,21 +109,26 @@ class Admission:
         The booking gets an id of its own (``Reservation.booking_id``); ``request_id`` is the
         client's, for logs only. Redis errors propagate (``redis.exceptions.RedisError``, ``OSError``).
 
-        ``prefer``: a candidate to book on whenever it has room now (from credit, or one booking
-        call for it alone first), e.g. the colocated worker holding the prompt's prefix; else, and
-        for a request that waited, the candidates as usual.
+        ``prefer``: a candidate to book on whenever it has room now (from this router's credit on it,
+        else one booking call for it alone), e.g. the colocated worker holding the prompt's prefix;
+        else, and for a request that has to wait, the candidates as usual.
         """
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
+        preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
+        if not queue and preferred and len(candidates) > 1:
+            if cfg.credit_fraction > 0:
+                credited = self._credit.take(booking_id, blocks, preferred)
+                if credited is not None:
+                    self.stats.admitted_on_credit += 1
+                    return self._admitted(credited)
+            with contextlib.suppress(CapacityError):
+                return self._admitted(await self.reservations.reserve(booking_id, blocks, preferred, cfg.lease_ms))
         if not queue and cfg.credit_fraction > 0:
-            credited = self._credit.take(booking_id, blocks, candidates, prefer)
+            credited = self._credit.take(booking_id, blocks, candidates)
             if credited is not None:
                 self.stats.admitted_on_credit += 1
                 return self._admitted(credited)
-        preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
-        if not queue and preferred and len(candidates) > 1:
-            with contextlib.suppress(CapacityError):
-                return self._admitted(await self.reservations.reserve(booking_id, blocks, preferred, cfg.lease_ms))
         if not queue:
             try:
                 return self._admitted(await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms))

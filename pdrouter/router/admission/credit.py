@@ -22,7 +22,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError
-from pdrouter.core.ids import WorkerId
 from pdrouter.router.admission.config import AdmissionConfig
 from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations, Reservation
 
@@ -85,24 +84,18 @@ class CreditBook:
         """Whether ``booking_id`` was admitted on credit and has not been settled."""
         return booking_id in self._lent
 
-    def take(self, booking_id: BookingId, blocks: int, candidates: Sequence[DecodeCapacity],
-             prefer: WorkerId | None = None) -> Reservation | None:
-        """Admit from this router's unused credit (no round trip), or None; tops credit up.
-
-        The candidate with the most unused credit gets it, but ``prefer`` (a worker holding the
-        prompt's prefix) whenever its credit has room."""
-        roomy: list[WorkerCredit] = []
+    def take(self, booking_id: BookingId, blocks: int, candidates: Sequence[DecodeCapacity]) -> Reservation | None:
+        """Admit from this router's unused credit (no round trip), or None; tops credit up."""
+        best: WorkerCredit | None = None
         for cand in candidates:
             credit = self._credits.get((cand.worker_id, cand.epoch))
             if credit is None:
                 credit = self._credits[(cand.worker_id, cand.epoch)] = WorkerCredit(cand)
-            if credit.free >= blocks:
-                roomy.append(credit)
+            if credit.free >= blocks and (best is None or credit.free > best.free):
+                best = credit
             self._maybe_top_up(credit)
-        if not roomy:
+        if best is None:
             return None
-        preferred = [c for c in roomy if c.worker.worker_id == prefer]
-        best = preferred[0] if preferred else max(roomy, key=lambda c: c.free)
         best.used += blocks
         if best.idle_timer is not None:
             best.idle_timer.cancel()
