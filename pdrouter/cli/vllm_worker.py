@@ -41,7 +41,7 @@ from pdrouter.core.capacity import (
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.model_spec import ModelSpec, normalize_dtype
-from pdrouter.engine.vllm.config import VllmEngineConfig, parse_engine_arg
+from pdrouter.engine.vllm.config import OWNED_ARGS, VllmEngineConfig, parse_engine_arg
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,10 @@ def vllm_config(args: argparse.Namespace, environ: Mapping[str, str], quota: Mem
         raise ConfigError(f"--model {args.model} is not a model folder with a config.json (create one with "
                           f"`pdrouter make-model`)")
     passed = dict(parse_engine_arg(item) for item in args.vllm_arg)
+    owned = sorted(OWNED_ARGS & set(passed))
+    if owned:
+        raise ConfigError(f"--vllm-arg {owned[0]}: the worker sets it itself" + (" (use --model)" if owned[0] == "model"
+                                                                                  else ""))
     spec = ModelSpec.from_pretrained_dir(args.model)
     dtype = args.dtype or passed.get("dtype")
     if isinstance(dtype, str) and dtype != "auto":

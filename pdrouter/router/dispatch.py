@@ -270,12 +270,18 @@ class Dispatcher:
     # -- disaggregated ------------------------------------------------------------------------
     async def _admit(self, request: RouterRequest, role: WorkerRole,
                      tried: Collection[WorkerId] = ()) -> tuple[WorkerHandle, Reservation | None]:
-        """Pick the decode (or colocated) worker, not one of ``tried``; with admission, book its KV first."""
+        """Pick the decode (or colocated) worker, not one of ``tried``; with admission, book its KV first.
+
+        A colocated worker computes the prompt too, so its prefix cache counts: with the cache-aware
+        policy, the worker prefill placement would pick (``_holder``) is booked whenever it has room."""
         candidates = self.pool.available(role)
         if tried:
             candidates = [h for h in candidates if h.worker_id not in tried]
         blocks = self._blocks_needed(request)
+        prefer = await self._holder(request, candidates) if role is WorkerRole.COLOCATED else None
         if self.admission is None:
+            if prefer is not None and prefer.load.free_blocks >= blocks:
+                return prefer, None
             return self.policy.pick_decode(request, candidates, blocks), None
         if not candidates:
             raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
@@ -284,7 +290,8 @@ class Dispatcher:
         start = time.perf_counter()
         try:
             reservation = await self.admission.admit(request.request_id, blocks, caps, priority=request.priority,
-                                                     deadline=request.deadline)
+                                                     deadline=request.deadline,
+                                                     prefer=None if prefer is None else prefer.worker_id)
         except (RedisError, OSError) as exc:
             return self._without_admission(request, candidates, blocks, exc), None
         if not self.admission_ok:
@@ -293,6 +300,20 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.observe_queue_time(time.perf_counter() - start)
         return by_id[reservation.worker_id], reservation
+
+    async def _holder(self, request: RouterRequest, candidates: Sequence[WorkerHandle]) -> WorkerHandle | None:
+        """The colocated worker to prefer for ``request``: the cache-aware policy's pick among those
+        holding a prefix of it worth placing by (``min_hit_tokens`` or more), or None.
+
+        One prefix-index lookup (a Redis round trip) before admission, for prompts long enough to
+        hold such a prefix; shorter ones, and a pool of one worker, cost nothing."""
+        if not isinstance(self.policy, CacheAware) or len(candidates) < 2 or \
+                len(request.prompt_token_ids) < self.policy.config.min_hit_tokens:
+            return None
+        cached = await self._cached_tokens(request, candidates)
+        if max(cached.values(), default=0) < self.policy.config.min_hit_tokens:
+            return None
+        return self.policy.pick_prefill(request, candidates, cached)
 
     def _without_admission(self, request: RouterRequest, candidates: Sequence[WorkerHandle], blocks: int,
                            exc: BaseException) -> WorkerHandle:

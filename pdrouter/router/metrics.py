@@ -179,6 +179,14 @@ class RouterMetrics:
         self.worker_running_requests = Gauge(
             "pdrouter_worker_running_requests", "Requests running on a worker (last heartbeat).",
             ["worker", "role"], registry=r)
+        self.worker_waiting_requests = Gauge(
+            "pdrouter_worker_waiting_requests",
+            "Requests queued in a worker's engine, not running yet (last heartbeat).",
+            ["worker", "role"], registry=r)
+        self.worker_kv_cache_usage = Gauge(
+            "pdrouter_worker_kv_cache_usage_ratio",
+            "Fraction of a worker's KV blocks held by requests, 0 to 1 (last heartbeat; vLLM's kv_cache_usage "
+            "on a vLLM worker).", ["worker", "role"], registry=r)
         self.worker_queued_prefill_tokens = Gauge(
             "pdrouter_worker_queued_prefill_tokens", "Uncached prompt tokens queued on a worker.",
             ["worker", "role"], registry=r)
@@ -186,9 +194,10 @@ class RouterMetrics:
             "pdrouter_worker_free_kv_blocks", "Allocatable KV blocks on a worker (free + evictable).",
             ["worker", "role"], registry=r)
         self.worker_info = Gauge(
-            "pdrouter_worker_info", "1 for every worker in the pool; what it runs on (cpu, cuda:0, sim:h100-80g…).",
-            ["worker", "role", "device"], registry=r)
-        self._worker_devices: dict[tuple[str, str], str] = {}
+            "pdrouter_worker_info", "1 for every worker in the pool; what it runs on (cpu, cuda:0, sim:h100-80g…) "
+            "and with which engine (torch, sim, vllm) of which version.",
+            ["worker", "role", "device", "engine", "version"], registry=r)
+        self._worker_devices: dict[tuple[str, str], tuple[str, str, str]] = {}
         self.worker_sim_modeled_seconds = Gauge(
             "pdrouter_worker_sim_modeled_seconds",
             "A simulated GPU's modeled step time so far, in simulated seconds (last heartbeat; cumulative).",
@@ -231,16 +240,20 @@ class RouterMetrics:
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
                         free_blocks: int, device: str = "", sim_modeled_s: float = 0.0,
-                        sim_late_s: float = 0.0) -> None:
+                        sim_late_s: float = 0.0, waiting: int = 0, kv_usage: float = 0.0, engine: str = "",
+                        engine_version: str = "") -> None:
         """Publish a worker's latest load (from its heartbeat) and what it runs on."""
-        if self._worker_devices.get((worker, role)) != device:
+        info = (device, engine, engine_version)
+        if self._worker_devices.get((worker, role)) != info:
             old = self._worker_devices.pop((worker, role), None)
             if old is not None:
                 with contextlib.suppress(KeyError):
-                    self.worker_info.remove(worker, role, old)
-            self._worker_devices[(worker, role)] = device
-            self.worker_info.labels(worker, role, device).set(1)
+                    self.worker_info.remove(worker, role, *old)
+            self._worker_devices[(worker, role)] = info
+            self.worker_info.labels(worker, role, *info).set(1)
         self.worker_running_requests.labels(worker, role).set(running)
+        self.worker_waiting_requests.labels(worker, role).set(waiting)
+        self.worker_kv_cache_usage.labels(worker, role).set(kv_usage)
         self.worker_queued_prefill_tokens.labels(worker, role).set(queued_prefill_tokens)
         self.worker_free_kv_blocks.labels(worker, role).set(free_blocks)
         if device.startswith("sim:"):
@@ -249,14 +262,15 @@ class RouterMetrics:
 
     def remove_worker(self, worker: str, role: str) -> None:
         """Drop a departed worker's gauges so they stop being exported."""
-        for gauge in (self.worker_running_requests, self.worker_queued_prefill_tokens,
-                      self.worker_free_kv_blocks, self.worker_sim_modeled_seconds, self.worker_sim_late_seconds):
+        for gauge in (self.worker_running_requests, self.worker_waiting_requests, self.worker_kv_cache_usage,
+                      self.worker_queued_prefill_tokens, self.worker_free_kv_blocks, self.worker_sim_modeled_seconds,
+                      self.worker_sim_late_seconds):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker, role)
-        device = self._worker_devices.pop((worker, role), None)
-        if device is not None:
+        info = self._worker_devices.pop((worker, role), None)
+        if info is not None:
             with contextlib.suppress(KeyError):
-                self.worker_info.remove(worker, role, device)
+                self.worker_info.remove(worker, role, *info)
 
     def observe_kv_transfer(self, nbytes: int, seconds: float, backend: str = "tcp") -> None:
         """One request's KV transfer: its size and how long it took."""

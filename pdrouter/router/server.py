@@ -154,7 +154,9 @@ class RouterProcess:
                 self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
                                              queued_prefill_tokens=h.load.queued_prefill_tokens,
                                              free_blocks=h.load.free_blocks, device=h.record.device,
-                                             sim_modeled_s=h.load.sim_modeled_s, sim_late_s=h.load.sim_late_s)
+                                             sim_modeled_s=h.load.sim_modeled_s, sim_late_s=h.load.sim_late_s,
+                                             waiting=h.load.waiting, kv_usage=h.load.kv_usage,
+                                             engine=h.record.engine, engine_version=h.record.engine_version)
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen

@@ -35,7 +35,8 @@ def test_metric_names_carry_prefix_and_unit() -> None:
         "pdrouter_time_to_first_token_seconds", "pdrouter_inter_token_latency_seconds",
         "pdrouter_request_duration_seconds", "pdrouter_requests", "pdrouter_requests_in_flight",
         "pdrouter_prompt_tokens", "pdrouter_generation_tokens", "pdrouter_queue_time_seconds",
-        "pdrouter_worker_running_requests", "pdrouter_worker_queued_prefill_tokens",
+        "pdrouter_worker_running_requests", "pdrouter_worker_waiting_requests",
+        "pdrouter_worker_kv_cache_usage_ratio", "pdrouter_worker_queued_prefill_tokens",
         "pdrouter_worker_free_kv_blocks", "pdrouter_worker_info", "pdrouter_worker_sim_modeled_seconds",
         "pdrouter_worker_sim_late_seconds", "pdrouter_kv_transfer_bytes",
         "pdrouter_kv_transfer_duration_seconds", "pdrouter_prefix_cache_query_tokens",
@@ -62,18 +63,21 @@ def test_orchestrator_side_api() -> None:
     metrics = RouterMetrics()
     r = metrics.registry
     metrics.set_worker_load("decode-0", "decode", running=3, queued_prefill_tokens=0, free_blocks=120,
-                            device="sim:h100-80g")
+                            device="sim:h100-80g", waiting=2, kv_usage=0.25, engine="sim", engine_version="0.1.0")
     metrics.set_worker_load("prefill-0", "prefill", running=1, queued_prefill_tokens=512, free_blocks=7)
     labels = {"worker": "decode-0", "role": "decode"}
-    assert r.get_sample_value("pdrouter_worker_info", {**labels, "device": "sim:h100-80g"}) == 1
+    info = {**labels, "device": "sim:h100-80g", "engine": "sim", "version": "0.1.0"}
+    assert r.get_sample_value("pdrouter_worker_info", info) == 1
     assert r.get_sample_value("pdrouter_worker_running_requests", labels) == 3
+    assert r.get_sample_value("pdrouter_worker_waiting_requests", labels) == 2
+    assert r.get_sample_value("pdrouter_worker_kv_cache_usage_ratio", labels) == 0.25
     assert r.get_sample_value("pdrouter_worker_free_kv_blocks", labels) == 120
     assert r.get_sample_value("pdrouter_worker_queued_prefill_tokens",
                               {"worker": "prefill-0", "role": "prefill"}) == 512
     metrics.remove_worker("decode-0", "decode")
     metrics.remove_worker("decode-0", "decode")  # twice is harmless
     assert r.get_sample_value("pdrouter_worker_running_requests", labels) is None
-    assert r.get_sample_value("pdrouter_worker_info", {**labels, "device": "sim:h100-80g"}) is None
+    assert r.get_sample_value("pdrouter_worker_info", info) is None
     metrics.observe_kv_transfer(4096, 0.002, backend="tcp")
     metrics.observe_kv_transfer(1024, 0.001, backend="tcp")
     assert r.get_sample_value("pdrouter_kv_transfer_bytes_total", {"backend": "tcp"}) == 5120

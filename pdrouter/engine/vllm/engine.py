@@ -241,7 +241,9 @@ class VllmEngine:
         reason = str(completion.finish_reason)
         if reason == "abort":
             return self._error_of_abort()
-        return UnavailableError(f"vLLM failed the request (finish reason {reason!r}; its log has the details)")
+        # As the project's engine reports a request its step could not compute: it fails alone.
+        return PdRouterError(f"vLLM could not compute this request (finish reason {reason!r}, its log says why); "
+                             f"it serves on")
 
     def _error_of_abort(self) -> PdRouterError:
         if self._failure.reason is not None or self.llm.errored:
@@ -262,7 +264,7 @@ class VllmEngine:
         if isinstance(exc, ValueError):  # vLLM's input checks raise plain ValueErrors too
             return InvalidRequestError(f"vLLM refused the request: {exc}")
         log.error("vLLM failed a request: %s: %s", type(exc).__name__, exc)
-        return UnavailableError(f"vLLM failed the request: {type(exc).__name__}")
+        return PdRouterError(f"vLLM could not compute this request ({type(exc).__name__}); it serves on")
 
     def abort(self, request_id: RequestId) -> bool:
         """End the request's stream (CancelledError there) and abort it in vLLM, which frees its blocks."""

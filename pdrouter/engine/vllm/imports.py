@@ -8,7 +8,9 @@ Two things go wrong on a fresh install, both caught here before anything starts:
   for another torch. transformers imports torchvision whenever it is installed, and the stray build
   fails inside torch (``operator torchvision::nms does not exist``), so vLLM cannot be imported.
   Blocking the import in the worker is not enough: vLLM's engine runs in processes of its own
-  (spawned, on the CPU), which import transformers afresh. The packages must go:
+  (spawned, on the CPU), which import transformers afresh and see the block only when the worker
+  was started from a script file (spawn runs it again in each child; it skips ``python -m
+  pdrouter``'s ``__main__``). The packages must go:
   ``pip uninstall -y torchvision torchaudio torchcodec`` (``scripts/install_vllm.sh`` installs the
   extra and removes them; nothing vLLM does with a text model needs them).
 """

@@ -20,6 +20,7 @@ every booking's lease (``leases``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -30,7 +31,7 @@ from typing import cast
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError
-from pdrouter.core.ids import RequestId
+from pdrouter.core.ids import RequestId, WorkerId
 from pdrouter.router.admission.config import AdmissionConfig, AdmissionStats
 from pdrouter.router.admission.credit import CreditBook
 from pdrouter.router.admission.leases import LeaseRenewer
@@ -102,14 +103,27 @@ class Admission:
         return BookingId(f"book-{self.owner}-{next(self._booking_seq)}")
 
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
-                    priority: int = 0, deadline: float | None = None) -> Reservation:
+                    priority: int = 0, deadline: float | None = None, prefer: WorkerId | None = None) -> Reservation:
         """Book ``blocks`` on a candidate, waiting in the queue if none has room now.
 
         The booking gets an id of its own (``Reservation.booking_id``); ``request_id`` is the
         client's, for logs only. Redis errors propagate (``redis.exceptions.RedisError``, ``OSError``).
+
+        ``prefer``: a candidate to book on whenever it has room now (from this router's credit on it,
+        else one booking call for it alone), e.g. the colocated worker holding the prompt's prefix;
+        else, and for a request that has to wait, the candidates as usual.
         """
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
+        preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
+        if not queue and preferred and len(candidates) > 1:
+            if cfg.credit_fraction > 0:
+                credited = self._credit.take(booking_id, blocks, preferred)
+                if credited is not None:
+                    self.stats.admitted_on_credit += 1
+                    return self._admitted(credited)
+            with contextlib.suppress(CapacityError):
+                return self._admitted(await self.reservations.reserve(booking_id, blocks, preferred, cfg.lease_ms))
         if not queue and cfg.credit_fraction > 0:
             credited = self._credit.take(booking_id, blocks, candidates)
             if credited is not None:
