@@ -228,9 +228,9 @@ def _check_value(name: str, value: Any) -> None:
 
 
 _VLLM = Calibration()
-_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.4, expert_efficiency=0.34,
-                      layer_overhead_s=2.5e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
-                      allreduce_latency_s=9.4e-6, activation_traffic=0.5, graph_max_batch=4096)
+_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.38, expert_efficiency=0.34,
+                      layer_overhead_s=2.4e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
+                      allreduce_latency_s=9.2e-6, activation_traffic=0.5, graph_max_batch=4096)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm": _VLLM,
     # vLLM's V0 engine (before 0.8) ran its scheduler, input preparation, sampling and output processing
@@ -243,7 +243,7 @@ CALIBRATION_PRESETS: dict[str, Calibration] = {
     # TensorRT-LLM before 0.8: its masked multi-head attention kernel ran one thread block per query head, so
     # a grouped-query model's KV head was read once per query head ("XQA kernel ... reducing data loading",
     # docs/source/blogs/XQA-kernel.md, which shipped XQA in 0.8).
-    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.3, kv_group_rereads=1.0),
+    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.34, kv_group_rereads=1.0),
     # PyTorch engines compiled with torch.compile and decoding from CUDA graphs (gpt-fast): the vllm preset's
     # costs, and weight-only int8 matmuls that Inductor generates as Triton kernels converting each weight
     # with a conversion instruction.
