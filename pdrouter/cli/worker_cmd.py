@@ -90,7 +90,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        help="--backend sim | vllm: tensor-parallel GPUs of the worker")
         p.add_argument("--calibration", default=None,
                        help="--backend sim: the engine modelled, a preset (vllm | vllm-v0 | trtllm | trtllm-0.6 | "
-                            "torch-eager; default vllm) or a JSON/YAML calibration file")
+                            "torch-compile | torch-eager; default vllm) or a JSON/YAML calibration file")
         p.add_argument("--operator-profile", type=Path, default=None,
                        help="--backend sim: a folder of profiled operator times for this model, GPU and TP "
                             "(Vidur's mlp.csv and all_reduce.csv), used where they cover a step")

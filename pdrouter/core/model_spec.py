@@ -56,6 +56,11 @@ class ModelSpec:
     """SwiGLU experts per layer (1: a dense MLP)."""
     experts_per_token: int = 1
     """Experts each token is routed to (top-k)."""
+    weight_only: bool = False
+    """The 1-byte weights are an 8-bit weight-only format (W8A16: int8 or FP8 weights, 16-bit
+    activations): the matmul kernels convert each weight to 16 bits before multiplying, at the 16-bit
+    rate whatever FP8 units the GPU has. False: FP8 weights multiply on FP8 tensor cores where the
+    GPU has them."""
 
     def __post_init__(self) -> None:
         for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -69,6 +74,9 @@ class ModelSpec:
             raise ConfigError(f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
                               f"num_kv_heads ({self.num_kv_heads})")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.weight_only and DTYPE_BYTES[self.dtype] != 1:
+            raise ConfigError(f"model {self.name!r}: weight_only describes 8-bit weights, but the dtype is "
+                              f"{self.dtype}; use float8 for an 8-bit weight-only format")
 
     @property
     def dtype_bytes(self) -> int:

@@ -7,7 +7,8 @@ its release (which kernels, graph capture or not), so they come as presets:
 
 * ``vllm`` (the default): vLLM with CUDA-graph decode and FlashAttention-class kernels;
 * ``trtllm``: TensorRT-LLM (a compiled engine, fused kernels, its own all-reduce);
-* ``torch-eager``: the project's own torch engine (eager PyTorch: no graphs, no fused kernels).
+* ``torch-eager``: the project's own torch engine (eager PyTorch: no graphs, no fused kernels);
+* release and variant presets: ``vllm-v0``, ``trtllm-0.6``, ``torch-compile`` (each below).
 
 ``benchmarks/sim_fidelity.py --fit`` fits the presets' fitted fields to the calibration rows of
 its table of published measurements; the rest come from operator profiles (cited per field).
@@ -36,7 +37,7 @@ from typing import Any
 from pdrouter.core.errors import ConfigError
 
 _FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu", "expert_efficiency")
-_UNIT_INTERVAL = ("serial_fraction",)
+_UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads")
 _POSITIVE = ("fp8_speedup",)
 _INTEGERS = ("graph_max_batch",)
 PRESET_KEY = "preset"
@@ -57,6 +58,12 @@ class Calibration:
     """Fraction of peak memory bandwidth the decode attention kernel reaches reading the KV cache: the
     attention kernel's own efficiency (paged gathers, partial tiles). A kernel that re-reads the KV
     once per query head of a group instead of once per group is this divided by the group size."""
+    kv_group_rereads: float = 0.0
+    """How many of a grouped-query attention group's query heads beyond the first read their KV head
+    again in a decode step, as a fraction of them: 0 for kernels that load each KV head once for the
+    whole group (TensorRT-LLM's XQA, FlashAttention and FlashInfer decode kernels), 1 for a kernel that
+    runs one thread block per query head (TensorRT-LLM's masked multi-head attention before XQA).
+    The re-reads are served by the L2 cache (``GpuSpec.l2_bandwidth_bytes_per_s``) at ``kv_mbu``."""
     attention_mfu: float = 0.5
     """Fraction of the BF16 peak a prefill's attention (QKᵀ and AV) reaches, FlashAttention-class."""
     serial_fraction: float = 0.5
@@ -71,6 +78,12 @@ class Calibration:
     """A mixture of experts' expert matmuls (grouped GEMMs, a few tokens per expert, routing and
     permutation kernels) compute at this fraction of the dense matmuls' ``mfu``; their weights
     stream at ``mbu`` like the others."""
+    dequant_convert_ops: float = 0.0
+    """Conversion instructions per weight in a weight-only 8-bit matmul (``ModelSpec.weight_only``),
+    run on the CUDA cores at ``GpuSpec.int_convert_per_s`` and added to the matmul's compute side: 1
+    for compiler-generated kernels that turn each int8 weight into a float with a conversion
+    instruction (the least any such kernel needs), 0 for hand-written kernels that convert with
+    integer bit operations on the ALUs (TensorRT-LLM's weight-only GEMV, Marlin)."""
     activation_traffic: float = 1.0
     """Bytes the elementwise kernels (norms, rotary, SwiGLU, residual adds) move, as a multiple of an
     unfused implementation's ``(10·h + 2(q+kv)/tp + 3·I/tp)`` activations per token and layer: 1 for
@@ -215,9 +228,9 @@ def _check_value(name: str, value: Any) -> None:
 
 
 _VLLM = Calibration()
-_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.4, expert_efficiency=0.34,
-                      layer_overhead_s=2.5e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
-                      allreduce_latency_s=9.4e-6, activation_traffic=0.5, graph_max_batch=4096)
+_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.38, expert_efficiency=0.34,
+                      layer_overhead_s=2.4e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
+                      allreduce_latency_s=9.2e-6, activation_traffic=0.5, graph_max_batch=4096)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm": _VLLM,
     # vLLM's V0 engine (before 0.8) ran its scheduler, input preparation, sampling and output processing
@@ -227,7 +240,14 @@ CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm-v0": dataclasses.replace(_VLLM, step_overhead_s=8.3e-4, decode_step_overhead_s=8.3e-4,
                                    per_seq_overhead_s=4.2e-5),
     "trtllm": _TRTLLM,
-    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.3),
+    # TensorRT-LLM before 0.8: its masked multi-head attention kernel ran one thread block per query head, so
+    # a grouped-query model's KV head was read once per query head ("XQA kernel ... reducing data loading",
+    # docs/source/blogs/XQA-kernel.md, which shipped XQA in 0.8).
+    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.34, kv_group_rereads=1.0),
+    # PyTorch engines compiled with torch.compile and decoding from CUDA graphs (gpt-fast): the vllm preset's
+    # costs, and weight-only int8 matmuls that Inductor generates as Triton kernels converting each weight
+    # with a conversion instruction.
+    "torch-compile": dataclasses.replace(_VLLM, dequant_convert_ops=1.0),
     "torch-eager": Calibration(kv_mbu=0.3, activation_traffic=2.0, step_overhead_s=2e-3, decode_step_overhead_s=2e-3,
                                layer_overhead_s=1.5e-4, decode_layer_overhead_s=1.5e-4, allreduce_latency_s=0.0,
                                graph_max_batch=0),

@@ -4,10 +4,10 @@ A step computes, for each sequence of the batch, ``n`` new tokens at positions `
 (``c`` = tokens already in its KV cache). Everything is per TP rank. With ``T = Σn`` tokens, ``S``
 sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` vocabulary::
 
-    matmuls    c = [2·P_act·T + 2·h·V·S] / tp / (peak·mfu)        m = W / (bw·mbu)
+    matmuls    c = [2·P_act·T + 2·h·V·S] / tp / (peak·mfu)  [+ W·q / cvt]      m = W / (bw·mbu)
                t_mm = max(c, m) + σ·min(c, m)² / max(c, m)
     attention  t_att = Σᵢ max( 4·L·H·d·(nᵢcᵢ + nᵢ(nᵢ+1)/2) / tp / (peak_bf16·attention_mfu),
-                               (cᵢ + nᵢ)·KV / (bw·kv_mbu) )  +  T·KV / (bw·mbu)
+                               (cᵢ + nᵢ)·KV·[1/bw + ρ·(g−1)/l2] / kv_mbu )  +  T·KV / (bw·mbu)
     elementwise t_el = activation_traffic · L·T·(10h + 2(q+kv)/tp + 3·k·I/tp)·a / (bw·mbu)
     collectives t_cc = 2L · allreduce(T·h·a) + [S > 0]·allgather(S·V·a)        (tp > 1)
     fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
@@ -24,11 +24,18 @@ sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` v
 * ``peak`` is the GPU's dense BF16 rate, × ``fp8_speedup`` for FP8 weights on FP8-capable GPUs,
   ½ for FP32; attention runs at the BF16 peak. ``a`` is 2 (activations stay BF16 under FP8).
 * Attention is its own kernel: a prefill's is compute-bound at FlashAttention-class efficiency, a
-  decode's reads each sequence's KV at the attention kernel's bandwidth efficiency.
+  decode's reads each sequence's KV at the attention kernel's bandwidth efficiency. A kernel that
+  reads a KV head once per query head of its group of ``g`` (``kv_group_rereads`` ρ = 1) gets the
+  ``g − 1`` re-reads from the L2 cache (``l2``, ``GpuSpec.l2_bandwidth_bytes_per_s``).
+* Weight-only 8-bit weights (``ModelSpec.weight_only``) compute at the 16-bit rate, and the kernel
+  converts each of the ``W`` weight bytes with ``q`` (``dequant_convert_ops``) conversion
+  instructions at the GPU's conversion rate ``cvt`` (``GpuSpec.int_convert_per_s``), on the compute
+  side of the overlap.
 * Collectives: the two all-reduces per layer (after attention, after the MLP) and the gather of the
   logits, each a latency plus its bytes over the interconnect's bus bandwidth (``GpuSpec.link``);
-  the latency is the engine's own kernel's over NVLink (``allreduce_latency_s``), else NCCL's.
-  Not overlapped with compute.
+  the latency is the engine's own one-shot kernel's over NVLink (``allreduce_latency_s`` at 2 GPUs,
+  more per GPU and past a directly linked group: ``InterconnectSpec.collective_latency_s``), else
+  NCCL's. Not overlapped with compute.
 * A decode-only step of at most ``graph_max_batch`` sequences is replayed from a captured graph and
   pays the decode costs; prefill and mixed steps pay the eager ones.
 
@@ -142,12 +149,20 @@ class TimingModel:
         self.dense_bytes = self.body_bytes - spec.num_layers * spec.num_experts * self.expert_bytes
         """Weight bytes per rank every step reads whatever its batch (all but the experts and the head)."""
 
-        self.peak_flops = gpu.bf16_flops * _dtype_flops_factor(spec.dtype, gpu, cal)
+        self.peak_flops = gpu.bf16_flops * _dtype_flops_factor(spec.dtype, gpu, cal, spec.weight_only)
         """Dense FLOP/s of one GPU for this model's weight dtype (before ``mfu``)."""
         self._mm_rate = self.peak_flops * cal.mfu
         self._attn_rate = gpu.bf16_flops * cal.attention_mfu
         self._bytes_rate = gpu.bandwidth_bytes_per_s * cal.mbu
         self._kv_rate = gpu.bandwidth_bytes_per_s * cal.kv_mbu
+        group = spec.num_heads // spec.num_kv_heads
+        rereads = cal.kv_group_rereads * (group - 1)
+        self._kv_s_per_token = self.kv_bytes_per_token * (1 / self._kv_rate
+                                                          + rereads / (gpu.l2_bytes_per_s * cal.kv_mbu))
+        """Seconds a decode attention kernel spends per cached token: its KV from DRAM, re-reads from L2."""
+        convert = cal.dequant_convert_ops if spec.weight_only else 0.0
+        self._convert_s_per_weight_byte = convert / gpu.int_convert_per_s if gpu.int_convert_per_s > 0 else 0.0
+        """Conversion seconds per weight byte a weight-only matmul streams (one weight per byte)."""
         layers, h = spec.num_layers, spec.hidden_size
         self._attn_flops_per_key = 4 * layers * spec.num_heads * spec.head_dim / tp
         expert_params = spec.num_layers * spec.experts_per_token * spec.expert_params if spec.is_moe else 0
@@ -161,8 +176,10 @@ class TimingModel:
         self._logit_bytes_per_seq = spec.vocab_size * ACTIVATION_BYTES
         link = gpu.link
         self._link = link
-        self._link_latency = cal.allreduce_latency_s if link.nvlink and cal.allreduce_latency_s > 0 else link.latency_s
-        fp8 = cal.fp8_layer_overhead_s if spec.dtype == "float8" and gpu.fp8 else 0.0
+        self._link_latency: float | None = (cal.allreduce_latency_s if link.nvlink and cal.allreduce_latency_s > 0
+                                            else None)
+        """The engine's one-shot all-reduce latency at 2 GPUs over NVLink; None: NCCL's."""
+        fp8 = cal.fp8_layer_overhead_s if spec.dtype == "float8" and gpu.fp8 and not spec.weight_only else 0.0
         self._eager_fixed = cal.step_overhead_s + layers * (cal.layer_overhead_s + fp8)
         self._graph_fixed = cal.decode_step_overhead_s + layers * cal.decode_layer_overhead_s
 
@@ -171,21 +188,22 @@ class TimingModel:
         """The modeled cost of one step over ``batch``; an empty batch costs nothing."""
         if not batch:
             return _ZERO
-        tokens = sampled = 0
+        tokens = sampled = kv_tokens = 0
         attn_c = attn_m = attn_s = attn_flops = 0.0
         decode_only = True
         for work in batch:
             n, c = work.num_new_tokens, work.context_before
             tokens += n
             sampled += work.samples
+            kv_tokens += c + n
             decode_only = decode_only and n == 1
             flops = self._attn_flops_per_key * (n * c + n * (n + 1) // 2)
-            ci, mi = flops / self._attn_rate, (c + n) * self.kv_bytes_per_token / self._kv_rate
+            ci, mi = flops / self._attn_rate, (c + n) * self._kv_s_per_token
             attn_flops += flops
             attn_c += ci
             attn_m += mi
             attn_s += ci if ci > mi else mi
-        return self._cost(len(batch), tokens, sampled, decode_only, attn_flops, attn_c, attn_m, attn_s)
+        return self._cost(len(batch), tokens, sampled, decode_only, attn_flops, attn_c, attn_m, attn_s, kv_tokens)
 
     def decode_step(self, batch_size: int, context: int) -> StepCost:
         """One decode step of ``batch_size`` sequences, each with ``context`` tokens cached."""
@@ -195,8 +213,8 @@ class TimingModel:
             return _ZERO
         b = batch_size
         flops = self._attn_flops_per_key * (context + 1)
-        ci, mi = flops / self._attn_rate, (context + 1) * self.kv_bytes_per_token / self._kv_rate
-        return self._cost(b, b, b, True, b * flops, b * ci, b * mi, b * max(ci, mi))
+        ci, mi = flops / self._attn_rate, (context + 1) * self._kv_s_per_token
+        return self._cost(b, b, b, True, b * flops, b * ci, b * mi, b * max(ci, mi), b * (context + 1))
 
     def prefill(self, tokens: int, cached: int = 0) -> StepCost:
         """One sequence's whole prompt of ``tokens`` tokens in one step, the first ``cached`` already in KV."""
@@ -232,7 +250,7 @@ class TimingModel:
         return dense, spec.num_layers * touched * self.expert_bytes
 
     def _cost(self, seqs: int, tokens: int, sampled: int, decode_only: bool, attn_flops: float, attn_c: float,
-              attn_m: float, attn_s: float) -> StepCost:
+              attn_m: float, attn_s: float, kv_tokens: int) -> StepCost:
         cal, layers = self.calibration, self.spec.num_layers
         graph = decode_only and 0 < seqs <= cal.graph_max_batch
         dense_bytes, expert_bytes = self._weight_bytes(tokens, sampled)
@@ -241,6 +259,7 @@ class TimingModel:
         mm_flops = self._mm_flops_per_token * tokens + self._head_flops * sampled + expert_flops
         write_s = tokens * self.kv_bytes_per_token / self._bytes_rate
         act_bytes = self._act_bytes_per_token * tokens
+        convert_s = weight_bytes * self._convert_s_per_weight_byte
         layer_ops = self.profile.layer_time(tokens) if self.profile is not None else None
         if layer_ops is not None:
             # Measured mode: the layers' matmuls and elementwise kernels from the profile; the LM head
@@ -252,6 +271,7 @@ class TimingModel:
         else:
             ee = cal.expert_efficiency
             c = (mm_flops - expert_flops) / self._mm_rate + expert_flops / (self._mm_rate * ee)
+            c += convert_s
             m = weight_bytes / self._bytes_rate
             matmul_s = _overlap(c, m, cal.serial_fraction)
             elementwise_s = act_bytes / self._bytes_rate
@@ -262,11 +282,11 @@ class TimingModel:
             if sampled:
                 comm_s += self._link.allgather_s(sampled * self._logit_bytes_per_seq, self.tp, self._link_latency)
         overhead_s = (self._graph_fixed if graph else self._eager_fixed) + cal.per_seq_overhead_s * seqs
-        nbytes = weight_bytes + act_bytes + (attn_m * self._kv_rate) + tokens * self.kv_bytes_per_token
+        nbytes = weight_bytes + act_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
         return StepCost(
             seconds=matmul_s + attention_s + elementwise_s + comm_s + overhead_s,
             flops=mm_flops + attn_flops, bytes=nbytes,
-            compute_s=mm_flops / self._mm_rate + attn_c,
+            compute_s=mm_flops / self._mm_rate + convert_s + attn_c,
             memory_s=weight_bytes / self._bytes_rate + attn_m + write_s + act_bytes / self._bytes_rate,
             comm_s=comm_s, overhead_s=overhead_s, matmul_s=matmul_s, attention_s=attention_s,
             elementwise_s=elementwise_s, graph=graph, measured=layer_ops is not None)
@@ -279,9 +299,11 @@ def _overlap(compute_s: float, memory_s: float, serial_fraction: float) -> float
     return hi + serial_fraction * lo * lo / hi if hi > 0 else 0.0
 
 
-def _dtype_flops_factor(dtype: str, gpu: GpuSpec, cal: Calibration) -> float:
-    """Peak FLOP/s for ``dtype`` weights relative to the GPU's dense BF16 rate."""
+def _dtype_flops_factor(dtype: str, gpu: GpuSpec, cal: Calibration, weight_only: bool = False) -> float:
+    """Peak FLOP/s for ``dtype`` weights relative to the GPU's dense BF16 rate (weight-only formats: 1)."""
     dtype = normalize_dtype(dtype)
+    if weight_only:
+        return 1.0
     if dtype == "float8":
         return cal.fp8_speedup if gpu.fp8 else 1.0
     if DTYPE_BYTES[dtype] == 4:

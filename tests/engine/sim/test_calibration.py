@@ -99,6 +99,15 @@ def test_presets_per_engine_and_a_file_on_top_of_one(tmp_path: Path) -> None:
         Calibration.preset("nope")
 
 
+def test_release_and_variant_presets_differ_from_their_family_in_their_own_fields_only() -> None:
+    trt, old = Calibration.preset("trtllm"), Calibration.preset("trtllm-0.6")
+    assert trt.kv_group_rereads == 0.0 and old.kv_group_rereads == 1.0
+    assert dataclasses.replace(old, kv_group_rereads=0.0, fp8_speedup=trt.fp8_speedup) == trt
+    compiled = Calibration.preset("torch-compile")
+    assert compiled.dequant_convert_ops == 1.0 and Calibration().dequant_convert_ops == 0.0
+    assert dataclasses.replace(compiled, dequant_convert_ops=0.0) == Calibration.preset("vllm")
+
+
 def test_calibration_flag_takes_a_preset_or_a_file(tmp_path: Path) -> None:
     assert resolve_calibration(None) == Calibration()
     assert resolve_calibration("trtllm") == Calibration.preset("trtllm")
@@ -119,6 +128,10 @@ def test_calibration_flag_takes_a_preset_or_a_file(tmp_path: Path) -> None:
     ({"layer_overhead_s": -1e-6}, "layer_overhead_s"),
     ({"decode_step_overhead_s": "fast"}, "decode_step_overhead_s"),
     ({"activation_traffic": float("inf")}, "activation_traffic"),
+    ({"kv_group_rereads": 1.5}, "kv_group_rereads"),
+    ({"kv_group_rereads": -0.1}, "kv_group_rereads"),
+    ({"dequant_convert_ops": -1}, "dequant_convert_ops"),
+    ({"dequant_convert_ops": None}, "dequant_convert_ops"),
 ])
 def test_the_new_fields_are_validated(tmp_path: Path, content: dict[str, object], field: str) -> None:
     _refused(_write(tmp_path, "cal.json", json.dumps(content)), repr(field))

@@ -51,6 +51,27 @@ def test_the_table_is_wide_and_every_row_is_cited(bench: ModuleType) -> None:
     assert any(bench.MODELS[m.model].is_moe for m in rows)
 
 
+def test_the_added_rows_are_cited_held_out_and_outside_the_split(bench: ModuleType) -> None:
+    added, rows = bench.ADDED, bench.MEASUREMENTS
+    assert len(added) >= 40
+    assert not {m.key for m in added} & {m.key for m in rows}
+    for m in added:
+        assert "http" in bench.SOURCES[m.source] and m.locator
+        assert m.published > 0 and m.model in bench.MODELS and m.kind in bench.KINDS
+        assert m.preset in CALIBRATION_PRESETS and m.engine in bench.ENGINES
+    # Adding rows leaves the split where the rule put it, and no added row calibrates.
+    assert bench.calibration_rows(rows) == bench.CALIBRATION
+    assert not {m.key for m in added} & bench.CALIBRATION
+    assert all(m not in added for engine in bench.FITTED for m in bench.fit_rows(engine))
+
+
+def test_a_variant_presets_rows_calibrate_its_family_with_its_own_fields(bench: ModuleType) -> None:
+    rows = bench.fit_rows("vllm")
+    assert rows and {m.preset for m in rows} == {"torch-compile"}
+    assert bench.variant_fields("torch-compile") == {"dequant_convert_ops": 1.0}
+    assert bench.variant_fields("vllm") == {}
+
+
 def test_the_split_is_the_rule_and_at_most_a_third(bench: ModuleType) -> None:
     rows, chosen = bench.MEASUREMENTS, bench.CALIBRATION
     assert 0 < len(chosen) <= len(rows) / 3
@@ -78,6 +99,15 @@ def test_the_printed_errors_are_the_recomputed_ones(bench: ModuleType) -> None:
     assert printed["fidelity_rows"] == len(bench.MEASUREMENTS)
     assert printed["fidelity_held_out_rows"] == len(held)
     assert printed["fidelity_held_out_within_target"] == sum(e <= 15.0 for e in held)
+    added = []
+    for m in bench.ADDED:
+        error = 100 * (bench.simulate(m, Calibration.preset(m.preset)) - m.published) / m.published
+        assert printed[f"{m.key}_error"] == pytest.approx(error, rel=1e-9)
+        assert "added, held out" in printed[m.key]
+        added.append(abs(error))
+    assert printed["added_rows"] == len(added)
+    assert printed["added_within_target"] == sum(e <= 15.0 for e in added)
+    assert printed["all_held_out_rows"] == len(added) + len(held)
     # The measured mode gives back the published operator times it was built from.
     assert printed["measured_published_points"] > 2000
     assert printed["measured_max_abs_error"] <= 5.0
@@ -85,12 +115,12 @@ def test_the_printed_errors_are_the_recomputed_ones(bench: ModuleType) -> None:
 
 def test_the_presets_are_the_fit_to_the_calibration_rows(bench: ModuleType) -> None:
     fitted = bench.fit_all()
-    assert set(fitted) == set(bench.FITTED)
+    assert set(fitted) == set(bench.FITTED) | set(bench.VARIANTS)
     for engine, cal in fitted.items():
-        preset = CALIBRATION_PRESETS[engine]
-        for name in bench.FITTED[engine]:
+        preset, mine = CALIBRATION_PRESETS[engine], bench.FITTED[bench.VARIANTS.get(engine, engine)]
+        for name in mine:
             assert getattr(preset, name) == pytest.approx(getattr(cal, name), rel=0.05, abs=1e-7), (engine, name)
         # The others are the preset's (a release preset's inherited ones, its family's fit).
-        others = {f.name for f in dataclasses.fields(Calibration)} - set(bench.FITTED[engine])
+        others = {f.name for f in dataclasses.fields(Calibration)} - set(mine)
         for name in others:
             assert getattr(cal, name) == pytest.approx(getattr(preset, name), rel=0.05, abs=1e-7), (engine, name)

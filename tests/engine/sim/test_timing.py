@@ -110,8 +110,11 @@ def test_tp2_halves_the_weights_per_rank_and_adds_the_all_reduces() -> None:
 def test_collectives_run_over_the_gpus_interconnect() -> None:
     cal = dataclasses.replace(IDEAL, allreduce_latency_s=NO_LATENCY)
     nvlink5 = dataclasses.replace(H100, interconnect="nvlink5")
-    normal = TimingModel(L70, H100, tp=4, calibration=cal).prefill(4096).comm_s
-    faster = TimingModel(L70, nvlink5, tp=4, calibration=cal).prefill(4096).comm_s
+    # 160 all-reduces and one gather, each paying the one-shot kernel's latency at 4 GPUs.
+    latency = (2 * 80 + 1) * H100.link.collective_latency_s(4, NO_LATENCY)
+    assert latency == pytest.approx(161 * 2 * H100.link.peer_latency_s, rel=1e-6)
+    normal = TimingModel(L70, H100, tp=4, calibration=cal).prefill(4096).comm_s - latency
+    faster = TimingModel(L70, nvlink5, tp=4, calibration=cal).prefill(4096).comm_s - latency
     assert faster == pytest.approx(normal / 2, rel=1e-9)
     assert normal == pytest.approx(2 * 80 * 2 * 3 / 4 * 4096 * 8192 * 2 / 350e9 + 3 / 4 * 128256 * 2 / 350e9,
                                    rel=1e-9)
@@ -134,6 +137,75 @@ def test_small_all_reduces_pay_the_engines_latency_over_nvlink_and_nccls_over_pc
     link, half = H100.link, H100.link.half_efficiency_bytes(8)
     assert 2 * 7 / 8 * half / link.allreduce_s(half, 8) == pytest.approx(link.bus_bytes_per_s / 2, rel=1e-9)
     assert link.allreduce_s(1e6, 1) == 0.0 and link.allgather_s(1e6, 1) == 0.0
+
+
+def test_a_one_shot_all_reduce_pays_per_gpu_and_two_rounds_past_the_directly_linked_group() -> None:
+    nvswitch, hcm = A100.link, get_gpu_preset("a100-80g-hcm").link
+    peer = nvswitch.peer_latency_s
+    assert peer > 0 and hcm.peer_latency_s == peer
+    # Behind an NVSwitch every GPU is one hop away: the engine's latency at 2 GPUs, plus each further peer.
+    assert [nvswitch.collective_latency_s(n, 10e-6) for n in (2, 4, 8)] == pytest.approx(
+        [10e-6, 10e-6 + 2 * peer, 10e-6 + 6 * peer], rel=1e-12)
+    # A hybrid cube mesh links each GPU to its quad's 3 others (and one relay): up to 4 GPUs it is the same,
+    # at 8 the kernel sums its quad, then exchanges with the relay after a second signal round.
+    assert hcm.collective_latency_s(4, 10e-6) == nvswitch.collective_latency_s(4, 10e-6)
+    assert hcm.collective_latency_s(8, 10e-6) == pytest.approx(2 * (10e-6 + 2 * peer), rel=1e-12)
+    # NCCL's latency is a measured intercept and stays as measured.
+    assert hcm.collective_latency_s(8) == nvswitch.collective_latency_s(2) == nvswitch.latency_s
+    # The bandwidth term is the same on both.
+    assert hcm.allreduce_s(1e6, 8, 0.0) - hcm.collective_latency_s(8, 0.0) == pytest.approx(
+        nvswitch.allreduce_s(1e6, 8, 0.0) - nvswitch.collective_latency_s(8, 0.0), rel=1e-12)
+    cal = dataclasses.replace(IDEAL, allreduce_latency_s=8e-6)
+    at8 = TimingModel(L70, get_gpu_preset("a100-80g-hcm"), tp=8, calibration=cal).decode_step(1, 10)
+    switched = TimingModel(L70, A100, tp=8, calibration=cal).decode_step(1, 10)
+    assert at8.comm_s - switched.comm_s == pytest.approx(161 * (2 * (8e-6 + 2 * peer) - (8e-6 + 6 * peer)), rel=1e-9)
+    with pytest.raises(ConfigError, match="full_mesh_ranks"):
+        dataclasses.replace(nvswitch, full_mesh_ranks=1)
+    with pytest.raises(ConfigError, match="latencies"):
+        dataclasses.replace(nvswitch, peer_latency_s=-1e-6)
+
+
+def test_a_kernel_that_reads_the_kv_per_query_head_gets_the_rereads_from_l2() -> None:
+    cal = dataclasses.replace(IDEAL, kv_group_rereads=1.0)
+    group = L70.num_heads // L70.num_kv_heads
+    xqa, pre = TimingModel(L70, H100, calibration=IDEAL), TimingModel(L70, H100, calibration=cal)
+    read = 64 * 2001 * xqa.kv_bytes_per_token
+    extra = pre.decode_step(64, 2000).attention_s - xqa.decode_step(64, 2000).attention_s
+    assert extra == pytest.approx(read * (group - 1) / H100.l2_bandwidth_bytes_per_s, rel=1e-9)
+    # The same DRAM bytes either way; a GPU without an L2 figure re-reads at the DRAM's bandwidth.
+    assert pre.decode_step(64, 2000).bytes == xqa.decode_step(64, 2000).bytes
+    nol2 = dataclasses.replace(H100, l2_bandwidth_bytes_per_s=0.0)
+    extra = (TimingModel(L70, nol2, calibration=cal).decode_step(64, 2000).attention_s
+             - xqa.decode_step(64, 2000).attention_s)
+    assert extra == pytest.approx(read * (group - 1) / H100.bandwidth_bytes_per_s, rel=1e-9)
+    # Without groups (one KV head per query head) there is nothing to re-read.
+    mha = dataclasses.replace(L8, num_kv_heads=L8.num_heads)
+    assert (TimingModel(mha, H100, calibration=cal).decode_step(8, 500).seconds
+            == TimingModel(mha, H100, calibration=IDEAL).decode_step(8, 500).seconds)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        dataclasses.replace(H100, l2_bandwidth_bytes_per_s=-1.0)
+
+
+def test_weight_only_8bit_weights_convert_each_weight_and_compute_at_the_16bit_rate() -> None:
+    cal = dataclasses.replace(IDEAL, fp8_speedup=1.5, dequant_convert_ops=1.0)
+    w8a16 = dataclasses.replace(L8, dtype="float8", weight_only=True)
+    on_a100 = TimingModel(w8a16, A100, calibration=cal)
+    plain = TimingModel(w8a16, A100, calibration=dataclasses.replace(cal, dequant_convert_ops=0.0))
+    step = on_a100.decode_step(1, 100)
+    # Batch 1 is bandwidth-bound; the conversions sit on the compute side: 1 instruction per weight byte.
+    converted = (on_a100.body_bytes + on_a100.head_bytes) / A100.int_convert_per_s
+    assert step.compute_s - plain.decode_step(1, 100).compute_s == pytest.approx(converted, rel=1e-9)
+    assert A100.int_convert_per_s == pytest.approx(16 * 108 * 1.41e9)
+    # FP8 tensor cores are not used for a weight-only format, nor is the FP8 per-layer cost paid.
+    assert TimingModel(w8a16, H100, calibration=cal).peak_flops == pytest.approx(989e12)
+    fp8cost = dataclasses.replace(cal, fp8_layer_overhead_s=3e-5)
+    assert TimingModel(w8a16, H100, calibration=fp8cost).prefill(128).overhead_s == 0.0
+    assert TimingModel(L8.with_dtype("fp8"), H100, calibration=fp8cost).prefill(128).overhead_s > 0
+    # A format that is not weight-only converts nothing.
+    assert (TimingModel(L8.with_dtype("fp8"), A100, calibration=cal).decode_step(1, 100).compute_s
+            == pytest.approx(TimingModel(L8.with_dtype("fp8"), A100, calibration=IDEAL).decode_step(1, 100).compute_s))
+    with pytest.raises(ConfigError, match="weight_only"):
+        dataclasses.replace(L8, weight_only=True)
 
 
 def test_overheads_are_per_step_per_layer_and_per_sequence_and_graphs_pay_less() -> None:
