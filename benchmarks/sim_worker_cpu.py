@@ -175,7 +175,8 @@ def export_tree(rev: str, into: Path) -> Path:
 @contextlib.contextmanager
 def workers(label: str, redis_url: str, pythonpath: Path | None) -> Iterator[dict[str, ManagedProcess]]:
     sim = ["--model-preset", PRESET, "--gpu", GPU, "--time-scale", "0"]
-    env = {"PYTHONPATH": str(pythonpath)} if pythonpath is not None else None
+    # PYTHONSAFEPATH: the working directory (this checkout, when run from it) must not come first.
+    env = {"PYTHONPATH": str(pythonpath), "PYTHONSAFEPATH": "1"} if pythonpath is not None else None
     procs: dict[str, ManagedProcess] = {}
     try:
         for role in ("worker", "prefill", "decode"):
