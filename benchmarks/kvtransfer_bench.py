@@ -19,6 +19,8 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
 - ``gloo_layerwise_gbps``: the same request through the gloo backend (MACs on its control frames).
 - ``tcp_one_block_latency_ms`` / ``tls_one_block_latency_ms`` / ``gloo_one_block_latency_ms``:
   median time to move one block (16 tokens, all 32 layers: 2 MiB) on a warm connection.
+- ``tcp_one_block_vs_raw_ratio``: one block over TCP with its MACs ÷ the raw socket moving the same
+  bytes, measured in turn, pair by pair (the median pair; ``..._p10`` / ``..._p90`` the spread).
 - ``raw_cpu_ns_per_byte``, ``tcp_mac_cpu_ns_per_byte``, ...: CPU time both processes spent per
   byte moved (all their threads, user and system): what each variant costs, whatever else the
   machine is doing (the throughputs depend on free cores; these much less).
@@ -293,6 +295,20 @@ def run(plan: Plan) -> dict[str, float]:
             latency["mac_layerwise"] = statistics.median([bench.transfer("mac", one_block, layerwise=True)
                                                           for _ in range(plan.latency_reps)])
             latency["raw"] = statistics.median([bench.raw_round(one_block=True) for _ in range(plan.latency_reps)])
+            # The acceptance pair: raw and TCP with MACs in turn (the order swapped each time), so
+            # that a burst of other load hits both; the ratio of each pair, then their median.
+            pairs = []
+            for i in range(plan.latency_reps):
+                tcp_first = i % 2 == 0
+                first = bench.transfer("mac", one_block, layerwise=False) if tcp_first \
+                    else bench.raw_round(one_block=True)
+                second = bench.raw_round(one_block=True) if tcp_first \
+                    else bench.transfer("mac", one_block, layerwise=False)
+                pairs.append(first / second if tcp_first else second / first)
+            pairs.sort()
+            latency["pair_median"] = statistics.median(pairs)
+            latency["pair_p10"] = pairs[len(pairs) // 10]
+            latency["pair_p90"] = pairs[len(pairs) * 9 // 10]
         finally:
             bench.close()
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
@@ -322,6 +338,9 @@ def run(plan: Plan) -> dict[str, float]:
         "tcp_one_block_layerwise_latency_ms": latency["mac_layerwise"] * 1e3,
         "tls_one_block_latency_ms": latency["tls_mac"] * 1e3,
         "gloo_one_block_latency_ms": latency["gloo"] * 1e3,
+        "tcp_one_block_vs_raw_ratio": latency["pair_median"],
+        "tcp_one_block_vs_raw_ratio_p10": latency["pair_p10"],
+        "tcp_one_block_vs_raw_ratio_p90": latency["pair_p90"],
     }
 
 
@@ -341,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for name, value in figures.items():
             unit = UNITS.get(name) or ("GB/s" if name.endswith("gbps") else "ns/B" if name.endswith("per_byte")
-                                       else "x" if name.endswith("ratio") else "ms")
+                                       else "x" if "_ratio" in name else "ms")
             print(f"{name}: {value:.3f} {unit}")
     return 0
 

@@ -15,8 +15,13 @@ def token_ids(values: object, vocab_size: int, what: str = "prompt") -> tuple[in
     """A tuple of ints in ``[0, vocab_size)``; InvalidRequestError naming the first bad one."""
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise InvalidRequestError(f"{what} must be a sequence of token ids, got {type(values).__name__}")
+    ids = tuple(values)
+    # Plain ints in range, checked by passes that run in C (a 2,000-token prompt: about a third of
+    # the per-element loop below, which then only runs to name the first bad value).
+    if not ids or (set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size):
+        return ids
     out: list[int] = []
-    for i, value in enumerate(values):
+    for i, value in enumerate(ids):
         if isinstance(value, bool):
             raise InvalidRequestError(f"{what}[{i}] is a bool, not a token id")
         try:

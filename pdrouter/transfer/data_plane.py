@@ -25,8 +25,8 @@ WriteGuard = Callable[[], AbstractContextManager[bool]]
 failed (the bytes must then be dropped), and lets an abort wait for a frame that is landing."""
 
 SEND_CHUNK_BYTES = 256 << 10
-"""The sender writes pieces this big; each is hashed right after the kernel copied it, while it is
-still in the CPU cache."""
+"""The sender writes pieces this big (a larger range cut, smaller ones gathered into one write);
+each is hashed right after the kernel copied it, while it is still in the CPU cache."""
 RECV_BATCH_BYTES = 1 << 20
 """The receiver reads up to this much per system call (one scatter-read straight into the blocks,
 waiting for all of it), then hashes it while it is still in cache."""
@@ -79,18 +79,20 @@ class SocketPlane:
         flags = wire.Flag.MAC_TRAILER if self._macs else wire.Flag.NO_CHECKSUM
         header = wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
                                   payload_checksum=0)
-        chunks = self._view.chunks(frame.src, SEND_CHUNK_BYTES)
+        # A block's layers are many small ranges (32 KiB each for Llama-3-8B): they go out
+        # gathered, one system call per SEND_CHUNK_BYTES rather than one per range.
+        batches = _batches(self._view.chunks(frame.src, SEND_CHUNK_BYTES), SEND_CHUNK_BYTES, _MAX_BUFFERS)
         with self._fs.exclusive():
             sealed = self._fs.write_header(header)
             if not self._macs:
-                for chunk in chunks:
-                    self._fs.write_all(chunk)
+                for batch in batches:
+                    self._fs.write_parts(batch)
                 return
             feed = self._feed(self._fs.send_payload_mac(sealed), frame.nbytes)
             try:
-                for chunk in chunks:
-                    self._fs.write_all(chunk)
-                    feed.add(chunk)  # the kernel's copy just pulled the chunk into cache
+                for batch in batches:
+                    self._fs.write_parts(batch)
+                    feed.add_all(batch)  # the kernel's copy just pulled the pieces into cache
                 tag = feed.finish()
             except BaseException:
                 feed.settle()

@@ -231,6 +231,11 @@ class FramedSocket:
         except OSError as exc:
             raise self._lost("send failed", exc) from exc
 
+    def write_parts(self, parts: Sequence[Buffer]) -> None:
+        """Write buffers completely and in order, gathered into as few system calls as the kernel
+        takes; only inside ``exclusive``."""
+        self._write(parts)
+
     def _write(self, parts: Sequence[Buffer]) -> None:
         if self._tls is None:
             self._send_raw(parts)

@@ -42,7 +42,7 @@ class TransferTarget:
     deadline_unix_ms: int = 0
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "dst_block_ids", tuple(int(b) for b in self.dst_block_ids))
+        object.__setattr__(self, "dst_block_ids", tuple(map(int, self.dst_block_ids)))
         tid = self.transfer_id.encode()
         if not tid or len(tid) > MAX_TRANSFER_ID_BYTES:
             raise InvalidRequestError(f"transfer_id must be 1..{MAX_TRANSFER_ID_BYTES} bytes, "

@@ -106,3 +106,22 @@ def test_prefill_side_holds_only_the_prompt(make_any_engine: AnyEngineFactory) -
     with pytest.raises(RequestTooLargeError):
         engine.add_prefill_request(rid(), [1] * 130, SamplingParams(max_tokens=1))  # 9 blocks
     engine.abort(r)
+
+
+def test_token_ids_fast_and_slow_paths_agree() -> None:
+    """Plain ints in range come back as they are; anything else goes through the per-value checks."""
+    from enum import IntEnum
+
+    from pdrouter.engine.validation import token_ids
+
+    class Tok(IntEnum):
+        A = 3
+
+    assert token_ids([1, 2, 3], 10) == (1, 2, 3)
+    assert token_ids((), 10) == ()
+    converted = token_ids([1, Tok.A], 10)
+    assert converted == (1, 3) and all(type(t) is int for t in converted)
+    for bad, words in (([1, True], "bool"), ([1, 2.0], "not an integer"), ([1, -1], "outside"),
+                       ([1, 10], "outside")):
+        with pytest.raises(InvalidRequestError, match=words):
+            token_ids(bad, 10)

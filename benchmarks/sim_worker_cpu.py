@@ -1,0 +1,265 @@
+"""Simulated workers' CPU per output token, in instant mode, and against another commit in the same run.
+
+Simulated GPUs (``--backend sim --time-scale 0``, ``--model-preset llama-3-8b --gpu h100``) are
+driven straight, without a router, the way the router drives them: a colocated worker's
+``ColocatedWorker.Generate``, and a prefill + decode pair's ``DecodeWorker.Serve`` (the decode
+worker reserves the blocks, calls the prefill worker, which computes the prompt and sends its KV
+over TCP with MACs, then decodes). Workload: 8 shared 2,000-token prefixes each followed by a
+unique 200-token suffix, 16 output tokens (``ignore_eos``), concurrency 32, over the workers' lanes;
+streamed (a chunk per token) and ``whole`` (a non-streaming caller: the tokens in one chunk).
+
+Per mode and kind: ``<mode>_<kind>_cpu_per_token``: the CPU time of the worker processes (all their
+threads, from each process's CPU-time clock, over the measured phases) ÷ the output tokens they
+produced; ``..._cpu_per_request`` the same per request.
+
+``--vs REV``: the same workers of commit ``REV`` as well (its ``pdrouter`` package exported with
+``git archive`` and put first on the workers' ``PYTHONPATH``), phases alternating between the two
+trees (the order reversed every round), so that the machine's drift hits both alike.
+``..._vs_cpu_per_token`` is theirs, ``..._ratio`` theirs ÷ this tree's (the median of the rounds'
+ratios, with ``..._ratio_min`` / ``..._ratio_max``): how many times less CPU a token costs now.
+
+    python benchmarks/sim_worker_cpu.py [--quick] [--json] [--vs REV] [--concurrency N]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _load import cpu_seconds
+from _report import Report, base_parser
+
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.core.sampling import SamplingParams
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.wire.convert import sampling_to_pb
+from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.wire.lane import LaneChannel, request_stubs
+from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+PRESET = "llama-3-8b"
+GPU = "h100"
+PREFIXES = 8
+PREFIX_TOKENS = 2_000
+SUFFIX_TOKENS = 200
+OUTPUT_TOKENS = 16
+TOKEN_RANGE = (32, 127)
+"""Prompt ids drawn from printable ASCII (the byte-level tokenizer of a preset's simulated worker)."""
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Plan:
+    requests: int
+    """Requests per phase."""
+    rounds: int
+    warmup: int
+
+
+QUICK = Plan(requests=64, rounds=2, warmup=32)
+FULL = Plan(requests=192, rounds=5, warmup=96)
+
+
+def prompts(seed: int) -> Iterator[list[int]]:
+    """Endless prompts: one of the shared prefixes, then a unique suffix."""
+    rng = random.Random(seed)
+    low, high = TOKEN_RANGE
+    prefixes = [[rng.randrange(low, high) for _ in range(PREFIX_TOKENS)] for _ in range(PREFIXES)]
+    for i in itertools.count():
+        yield prefixes[i % PREFIXES] + [rng.randrange(low, high) for _ in range(SUFFIX_TOKENS)]
+
+
+class Link:
+    """A worker's request stubs over its lane."""
+
+    def __init__(self, info: common_pb2.WorkerInfo) -> None:
+        self.info = info
+        self._lane = LaneChannel(info.lane_address)
+        self.prefill, self.decode, self.colocated = request_stubs(None, self._lane)
+
+    async def close(self) -> None:
+        await self._lane.close()
+
+
+async def worker_info(address: str) -> common_pb2.WorkerInfo:
+    import grpc
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        info: common_pb2.WorkerInfo = await worker_pb2_grpc.WorkerInfoServiceStub(channel).GetInfo(
+            worker_pb2.GetInfoRequest())
+    return info
+
+
+async def _drain(call: AsyncIterator[common_pb2.TokenChunk]) -> int:
+    tokens = 0
+    async for chunk in call:
+        tokens += len(chunk.token_ids)
+    return tokens
+
+
+@dataclass
+class Cluster:
+    """One tree's workers: a colocated worker, and a prefill + decode pair."""
+
+    label: str
+    procs: dict[str, ManagedProcess]
+    links: dict[str, Link] = field(default_factory=dict)
+    seq: Iterator[int] = field(default_factory=itertools.count)
+
+    def pids(self, mode: str) -> list[int]:
+        names = ["worker"] if mode == "colocated" else ["prefill", "decode"]
+        return [self.procs[name].proc.pid for name in names]
+
+    async def connect(self) -> None:
+        for name, proc in self.procs.items():
+            assert proc.address is not None
+            self.links[name] = Link(await worker_info(proc.address))
+
+    async def once(self, mode: str, whole: bool, prompt: list[int]) -> int:
+        rid = f"{self.label}-{next(self.seq)}"
+        sampling = sampling_to_pb(SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True))
+        if mode == "colocated":
+            return await _drain(self.links["worker"].colocated.Generate(worker_pb2.WorkerGenerateRequest(
+                request_id=rid, prompt_token_ids=prompt, sampling=sampling, whole=whole)))
+        prefill, decode = self.links["prefill"].info, self.links["decode"]
+        route = worker_pb2.PrefillRoute(worker_id=prefill.worker_id, address=prefill.address,
+                                        lane_address=prefill.lane_address)
+        return await _drain(decode.decode.Serve(worker_pb2.ServeRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+            model_compat_hash=decode.info.model_compat_hash, local_prefill_tokens=0, prefill=[route],
+            whole=whole)))
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            await link.close()
+
+
+async def phase(cluster: Cluster, mode: str, whole: bool, n: int, concurrency: int,
+                source: Iterator[list[int]]) -> tuple[float, int]:
+    """``n`` requests at ``concurrency``: (CPU seconds of the mode's worker processes, tokens received)."""
+    left, tokens = n, 0
+
+    async def slot() -> None:
+        nonlocal left, tokens
+        while left > 0:
+            left -= 1
+            got = await cluster.once(mode, whole, next(source))
+            tokens += got
+
+    pids = cluster.pids(mode)
+    cpu0 = sum(cpu_seconds(pid) for pid in pids)
+    await asyncio.gather(*(slot() for _ in range(concurrency)))
+    return sum(cpu_seconds(pid) for pid in pids) - cpu0, tokens
+
+
+def export_tree(rev: str, into: Path) -> Path:
+    """``rev``'s ``pdrouter`` package, exported into ``into`` (a folder to put on ``PYTHONPATH``)."""
+    into.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "pdrouter"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+@contextlib.contextmanager
+def workers(label: str, redis_url: str, pythonpath: Path | None) -> Iterator[dict[str, ManagedProcess]]:
+    sim = ["--model-preset", PRESET, "--gpu", GPU, "--time-scale", "0"]
+    # PYTHONSAFEPATH: the working directory (this checkout, when run from it) must not come first.
+    env = {"PYTHONPATH": str(pythonpath), "PYTHONSAFEPATH": "1"} if pythonpath is not None else None
+    procs: dict[str, ManagedProcess] = {}
+    try:
+        for role in ("worker", "prefill", "decode"):
+            args = worker_args(role, "", redis_url=redis_url, sim=sim)
+            args = [a for a in args if a not in ("--model", "")]  # a preset, not a folder
+            procs[role] = ManagedProcess(f"{label}-{role}", [*args, "--worker-id", f"{label}-{role}"], env=env)
+        for proc in procs.values():
+            proc.wait_ready()
+        yield procs
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+KINDS = [(mode, whole) for mode in ("colocated", "pd") for whole in (False, True)]
+
+
+def kind_name(mode: str, whole: bool) -> str:
+    return f"{mode}_{'whole' if whole else 'stream'}"
+
+
+async def measure(clusters: list[Cluster], plan: Plan, concurrency: int, report: Report) -> None:
+    source = prompts(0)
+    for cluster in clusters:
+        for mode, whole in KINDS:
+            await phase(cluster, mode, whole, plan.warmup, concurrency, source)
+    cpu = {(c.label, k): [] for c in clusters for k in KINDS}  # type: dict[tuple[str, tuple[str, bool]], list[float]]
+    for r in range(plan.rounds):
+        for cluster in clusters if r % 2 == 0 else list(reversed(clusters)):
+            for mode, whole in KINDS:
+                seconds, tokens = await phase(cluster, mode, whole, plan.requests, concurrency, source)
+                if tokens != plan.requests * OUTPUT_TOKENS:
+                    raise RuntimeError(f"{cluster.label} {mode}: {tokens} tokens, expected "
+                                       f"{plan.requests * OUTPUT_TOKENS}")
+                cpu[cluster.label, (mode, whole)].append(seconds / tokens)
+    for mode, whole in KINDS:
+        name = kind_name(mode, whole)
+        mine = cpu["now", (mode, whole)]
+        report.add(f"{name}_cpu_per_token", statistics.median(mine) * 1e6, "us/token")
+        report.add(f"{name}_cpu_per_request", statistics.median(mine) * OUTPUT_TOKENS * 1e6, "us/req")
+        if len(clusters) > 1:
+            theirs = cpu["vs", (mode, whole)]
+            ratios = [b / a for a, b in zip(mine, theirs, strict=True)]
+            report.add(f"{name}_vs_cpu_per_token", statistics.median(theirs) * 1e6, "us/token")
+            report.add(f"{name}_ratio", statistics.median(ratios), "x")
+            report.add(f"{name}_ratio_min", min(ratios), "x")
+            report.add(f"{name}_ratio_max", max(ratios), "x")
+
+
+async def main_async() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--vs", default=None, metavar="REV",
+                        help="also run the workers of this commit, interleaved, and report the ratio")
+    parser.add_argument("--concurrency", type=int, default=32)
+    args = parser.parse_args()
+    plan = QUICK if args.quick else FULL
+    report = Report()
+    report.add("concurrency", args.concurrency, "requests")
+    report.add("output_tokens", OUTPUT_TOKENS, "tokens")
+    report.add("prompt_tokens", PREFIX_TOKENS + SUFFIX_TOKENS, "tokens")
+    # Prefill and decode workers refuse to start without the deployment's KV secret.
+    if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):
+        os.environ["PDROUTER_KV_TOKEN"] = secrets.token_hex(16)
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sim-worker-cpu-")))
+        trees: list[tuple[str, Path | None]] = [("now", None)]
+        if args.vs:
+            trees.append(("vs", export_tree(args.vs, tmp / "vs")))
+        clusters = []
+        for label, path in trees:
+            redis_server = stack.enter_context(EmbeddedRedis())
+            clusters.append(Cluster(label, stack.enter_context(workers(label, redis_server.url, path))))
+        for cluster in clusters:
+            await cluster.connect()
+        try:
+            await measure(clusters, plan, args.concurrency, report)
+        finally:
+            for cluster in clusters:
+                await cluster.close()
+    report.add("wall", time.monotonic() - started, "s")
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    asyncio.run(main_async())
