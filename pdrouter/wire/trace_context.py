@@ -2,11 +2,11 @@
 
 * :func:`call_metadata`: the ``traceparent`` / ``tracestate`` pairs a call sends (gRPC metadata, or
   the lane's ``META`` frame: both stubs take ``metadata=``), None when the process does not trace;
-* :func:`traced`: decorates a worker servicer method (unary or streaming) whose servicer has a
+* :class:`traced`: decorates a worker servicer method (unary or streaming) whose servicer has a
   ``tracing`` attribute: with tracing on, the call runs in a server span continuing the caller's
   trace (from ``context.invocation_metadata()``, which the gRPC context and the lane's both have),
   as OpenTelemetry's current span, so spans made inside it, and calls made from it, join the trace.
-  With tracing off the method runs as it is: a streaming method's own generator is returned.
+  With tracing off the servers are handed the method itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+import types
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -34,57 +35,65 @@ def _attributes(name: str) -> dict[str, str]:
     return {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
 
 
-async def _traced_stream(tracing: Tracing, name: str, context: Any,
-                         responses: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    span = tracing.incoming(name, context.invocation_metadata(), _attributes(name))
-    try:
-        with tracing.current(span):
-            async for item in responses:
-                yield item
-    except BaseException as exc:
-        tracing.failed(span, exc)
-        raise
-    finally:
-        aclose = getattr(responses, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        span.end()
+class traced:
+    """Run a servicer method in a server span named ``name`` (``pdrouter.v1.Service/Method``) when its
+    servicer's ``tracing`` is set (see the module docstring). Put it above ``grpc_errors``.
 
+    A descriptor: reading the method off a servicer whose ``tracing`` is None gives the method
+    itself, so a server (gRPC or the lane), which reads it once when the servicer is registered,
+    calls it with nothing in between. With tracing it gives the traced method, of the same kind
+    (a coroutine function, or an async generator function: what gRPC tells apart).
+    """
 
-def traced(name: str) -> Callable[[F], F]:
-    """Run a servicer method in a server span named ``name`` (``pdrouter.v1.Service/Method``) when
-    its servicer's ``tracing`` is set (see the module docstring). Put it above ``grpc_errors``."""
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.attributes = _attributes(name)
+        self.fn: Callable[..., Any] | None = None
 
-    def decorate(fn: F) -> F:
+    def __call__(self, fn: F) -> F:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+        return self  # type: ignore[return-value]
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        fn = self.fn
+        assert fn is not None
+        if instance is None:
+            return self
+        tracing: Tracing | None = getattr(instance, "tracing", None)
+        if tracing is None:
+            return fn.__get__(instance, owner)
+        name, attributes = self.name, self.attributes
         if inspect.isasyncgenfunction(fn):
-            @functools.wraps(fn)
-            def stream(self: Any, request: Any, context: Any) -> AsyncIterator[Any]:
-                responses = fn(self, request, context)
-                tracing: Tracing | None = self.tracing
-                if tracing is None:
-                    return responses
-                return _traced_stream(tracing, name, context, responses)
+            async def stream(servicer: Any, request: Any, context: Any) -> AsyncIterator[Any]:
+                span = tracing.incoming(name, context.invocation_metadata(), attributes)
+                responses = fn(servicer, request, context)
+                try:
+                    with tracing.current(span):
+                        async for item in responses:
+                            yield item
+                except BaseException as exc:
+                    if not isinstance(exc, GeneratorExit):
+                        tracing.failed(span, exc)
+                    raise
+                finally:
+                    await responses.aclose()
+                    span.end()
 
-            return stream  # type: ignore[return-value]
+            return types.MethodType(stream, instance)
 
-        @functools.wraps(fn)
-        async def unary(self: Any, request: Any, context: Any) -> Any:
-            tracing: Tracing | None = self.tracing
-            if tracing is None:
-                return await fn(self, request, context)
-            span = tracing.incoming(name, context.invocation_metadata(), _attributes(name))
+        async def unary(servicer: Any, request: Any, context: Any) -> Any:
+            span = tracing.incoming(name, context.invocation_metadata(), attributes)
             try:
                 with tracing.current(span):
-                    return await fn(self, request, context)
+                    return await fn(servicer, request, context)
             except BaseException as exc:
                 tracing.failed(span, exc)
                 raise
             finally:
                 span.end()
 
-        return unary  # type: ignore[return-value]
-
-    return decorate
+        return types.MethodType(unary, instance)
 
 
 def past_span(tracing: Tracing, name: str, start: float, end: float,

@@ -276,23 +276,26 @@ class WorkerClient:
         _, self._decode, self._colocated = request_stubs(self.channel, self.lane)
 
     def serve(self, order: ServeOrder, timeout: float | None,
-              on_report: Callable[[PrefillReport], None] | None = None) -> TokenStream:
-        """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once."""
+              on_report: Callable[[PrefillReport], None] | None = None,
+              metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
+        """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once; ``metadata``:
+        the call's (its trace context: gRPC metadata, or the lane's ``META`` frame)."""
         try:
-            call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout)
+            call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 timeout: float | None, whole: bool = False, cache_salt: bytes = b"") -> TokenStream:
+                 timeout: float | None, whole: bool = False, cache_salt: bytes = b"",
+                 metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
         (``whole``: every token in one chunk at the end)."""
         msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                                sampling=sampling_to_pb(sampling), whole=whole,
                                                cache_salt=cache_salt)
         try:
-            call = self._colocated.Generate(msg, timeout=timeout)
+            call = self._colocated.Generate(msg, timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, request_id, len(prompt_token_ids))

@@ -5,7 +5,9 @@ Redis (``pdrouter.state.reservations``: one atomic script, shared by every route
 worker with room, under a lease that this router renews while the request runs. When no worker
 has room the request waits in a bounded queue (priority first, then FIFO) until blocks come back
 or its queue deadline passes (CapacityError → RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). A
-request larger than every worker's whole pool is refused at once (RequestTooLargeError).
+request larger than every worker's whole pool is refused at once (RequestTooLargeError). Waiting
+requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
+blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
 Every admission books under an id of its own (``book-<router>-<n>``, a :data:`BookingId`): the
 client's request id is only passed along for logs. Two requests that share a client id (by
@@ -103,7 +105,8 @@ class Admission:
         return BookingId(f"book-{self.owner}-{next(self._booking_seq)}")
 
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
-                    priority: int = 0, deadline: float | None = None, prefer: WorkerId | None = None) -> Reservation:
+                    priority: int = 0, deadline: float | None = None, prefer: WorkerId | None = None,
+                    flow: str | None = None, weight: float = 1.0) -> Reservation:
         """Book ``blocks`` on a candidate, waiting in the queue if none has room now.
 
         The booking gets an id of its own (``Reservation.booking_id``); ``request_id`` is the
@@ -111,7 +114,9 @@ class Admission:
 
         ``prefer``: a candidate to book on whenever it has room now (from this router's credit on it,
         else one booking call for it alone), e.g. the colocated worker holding the prompt's prefix;
-        else, and for a request that has to wait, the candidates as usual.
+        else, and for a request that has to wait, the candidates as usual. ``flow`` (the tenant,
+        None: none) and ``weight`` place a waiting request among the others of its ``priority``
+        (``queue``).
         """
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
@@ -136,10 +141,10 @@ class Admission:
                 if not exc.retryable:
                     self.stats.rejections["too_large"] += 1
                     raise
-        if queue.full:
+        waiter = queue.join(priority, flow, weight, blocks)
+        if waiter is None:
             self.stats.rejections["queue_full"] += 1
             raise _full(f"the admission queue is full ({cfg.queue_limit} waiting)", cfg.retry_after_s)
-        waiter = queue.join(priority)
         log.debug("%s waits for %d KV blocks (booking %s)", request_id, blocks, booking_id)
         self._credit.give_back_unused()  # someone waits for room: this router's spare credit goes first
         self._signals.ask()  # and the other routers' spare credit
@@ -148,12 +153,18 @@ class Admission:
         give_up = start + cfg.queue_timeout_s
         if deadline is not None:
             give_up = min(give_up, deadline)
+        served = False
         try:
             while True:
+                if waiter.evicted:
+                    self.stats.rejections["queue_full"] += 1
+                    raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
+                                f"tenants or a higher priority came", cfg.retry_after_s)
                 if queue.is_head(waiter):
                     try:
                         res = await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms)
                         self.stats.wait_seconds_total += time.monotonic() - start
+                        served = True
                         return self._admitted(res)
                     except CapacityError as exc:
                         if not exc.retryable:
@@ -163,11 +174,11 @@ class Admission:
                 if left <= 0:
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
-                                cfg.retry_after_s)
+                                cfg.retry_after_s, "timeout")
                 self._signals.ask()
                 await queue.wait(waiter, min(left, cfg.poll_interval_s))
         finally:
-            queue.leave(waiter)
+            queue.leave(waiter, served)
 
     def _admitted(self, res: Reservation) -> Reservation:
         self._active[res.booking_id] = res
@@ -220,5 +231,5 @@ class Admission:
                 yield res
 
 
-def _full(message: str, retry_after_s: int) -> CapacityError:
-    return CapacityError(message, retry_after_s=retry_after_s)
+def _full(message: str, retry_after_s: int, reason: str = "queue_full") -> CapacityError:
+    return CapacityError(message, retry_after_s=retry_after_s, reason=reason)
