@@ -514,8 +514,10 @@ class Dispatcher:
                         metadata = self._call_metadata(request, serving)
                     call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report,
                                                metadata=metadata)
+                    first = serving is not None
                     async for delta in call:
-                        if serving is not None and not answered:
+                        if first:
+                            first = False
                             self._first_token(request)
                         answered = True
                         yield delta
