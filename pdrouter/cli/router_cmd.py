@@ -64,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission-credit", type=float, default=0.05, metavar="FRACTION",
                    help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
                         "requests are admitted without a Redis round trip (0: book each request alone)")
+    p.add_argument("--fair-headroom", type=float, default=0.05, metavar="FRACTION",
+                   help="with --tenants: the fraction of each decode worker's pool a tenant with requests waiting "
+                        "may not book while another tenant is active, so that one sending at its fair share "
+                        "beside a flood is admitted on arrival (0: none; docs/tenants.md)")
     p.add_argument("--admission-on-redis-error", choices=["fail", "local"], default="fail",
                    help="when Redis cannot be reached to book a request's KV: fail answers 503 / UNAVAILABLE; "
                         "local places it by load alone, without shared admission")
@@ -132,6 +136,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
                                 default_deadline_s=deadline_s),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
+                                          fair_headroom=args.fair_headroom,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
         http_limits=http_limits_from_args(args), grpc_limits=grpc_limits,

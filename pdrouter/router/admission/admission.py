@@ -9,6 +9,14 @@ request larger than every worker's whole pool is refused at once (RequestTooLarg
 requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
+**Headroom.** While a tenant has a backlog here (two or more requests waiting) and another tenant
+has been active in the last ``fair_window_s``, the backlogged tenant books against each worker's
+pool less ``fair_headroom`` of it. The room it leaves goes to tenants with at most one request
+waiting, which may book it without being the queue's head. So a flood never fills the pools to
+the last block: a tenant sending at its fair share is admitted on arrival instead of at the next
+request's end anywhere in the pool. The cost is that headroom, idle while only the flood waits.
+A tenant alone, and every request of a router without tenants, books whole pools, head first.
+
 Every admission books under an id of its own (``book-<router>-<n>``, a :data:`BookingId`): the
 client's request id is only passed along for logs. Two requests that share a client id (by
 accident or not) hold two bookings, and neither can renew, shrink or release the other's.
@@ -26,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -60,6 +69,8 @@ class Admission:
         self.owner = uuid.uuid4().hex[:12]
         """This router's part of every booking id it assigns."""
         self._booking_seq = itertools.count()
+        self._seen: dict[str, float] = {}
+        """Per tenant, when it last asked for room (bounded by the tenants)."""
         tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
@@ -120,6 +131,8 @@ class Admission:
         """
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
+        if flow is not None:
+            self._seen[flow] = time.monotonic()
         preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
         if not queue and preferred and len(candidates) > 1:
             if cfg.credit_fraction > 0:
@@ -160,9 +173,12 @@ class Admission:
                     self.stats.rejections["queue_full"] += 1
                     raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
                                 f"tenants or a higher priority came", cfg.retry_after_s)
-                if queue.is_head(waiter):
+                held = self._held_back(flow)
+                if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back()):
                     try:
-                        res = await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms)
+                        res = await self.reservations.reserve(
+                            booking_id, blocks, self._without_headroom(candidates, blocks) if held else candidates,
+                            cfg.lease_ms)
                         self.stats.wait_seconds_total += time.monotonic() - start
                         served = True
                         return self._admitted(res)
@@ -179,6 +195,25 @@ class Admission:
                 await queue.wait(waiter, min(left, cfg.poll_interval_s))
         finally:
             queue.leave(waiter, served)
+
+    def _held_back(self, flow: str | None) -> bool:
+        """Whether ``flow`` books without the headroom now (see the module docstring)."""
+        if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2:
+            return False
+        since = time.monotonic() - self.config.fair_window_s
+        return any(other != flow and seen > since for other, seen in self._seen.items())
+
+    def _head_held_back(self) -> bool:
+        head = self._queue.head
+        return head is not None and self._held_back(head.flow)  # type: ignore[arg-type]
+
+    def _without_headroom(self, candidates: Sequence[DecodeCapacity], blocks: int) -> list[DecodeCapacity]:
+        """The candidates less their headroom (but never below the request: a request larger than a
+        pool's rest books that pool whole, or it could never be admitted)."""
+        share = self.config.fair_headroom
+        return [dataclasses.replace(c, capacity_blocks=max(blocks, c.capacity_blocks
+                                                           - math.ceil(c.capacity_blocks * share)))
+                for c in candidates]
 
     def _admitted(self, res: Reservation) -> Reservation:
         self._active[res.booking_id] = res

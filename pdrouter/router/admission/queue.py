@@ -58,7 +58,7 @@ class WaitQueue:
     moves its class's virtual time) and wakes the new head.
     """
 
-    __slots__ = ("_finish", "_heap", "_seq", "_vtime", "limit")
+    __slots__ = ("_finish", "_flows", "_heap", "_seq", "_vtime", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -69,9 +69,20 @@ class WaitQueue:
         self._finish: dict[tuple[int, Hashable], float] = {}
         """Per class and flow: the tag of its last waiter (bounded by the classes and flows seen
         since the queue was last empty)."""
+        self._flows: dict[Hashable, list[Waiter]] = {}
+        """Each flow's waiters (flows with none are dropped)."""
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def waiting(self, flow: Hashable) -> int:
+        """Waiters of ``flow`` in the queue."""
+        waiters = self._flows.get(flow)
+        return 0 if waiters is None else len(waiters)
+
+    @property
+    def head(self) -> Waiter | None:
+        return self._heap[0] if self._heap else None
 
     @property
     def full(self) -> bool:
@@ -95,11 +106,20 @@ class WaitQueue:
                 return None
             self._heap.remove(last)
             heapq.heapify(self._heap)
+            self._forget(last)
             last.evicted = True
             last.wake.set()
         self._finish[key] = tag
         heapq.heappush(self._heap, waiter)
+        self._flows.setdefault(flow, []).append(waiter)
         return waiter
+
+    def _forget(self, waiter: Waiter) -> None:
+        waiters = self._flows.get(waiter.flow)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._flows[waiter.flow]
 
     def is_head(self, waiter: Waiter) -> bool:
         return bool(self._heap) and self._heap[0] is waiter
@@ -123,12 +143,19 @@ class WaitQueue:
             else:
                 self._heap.remove(waiter)
                 heapq.heapify(self._heap)
+            self._forget(waiter)
         if not self._heap:  # idle: every flow starts afresh (and the bookkeeping stays small)
             self._vtime.clear()
             self._finish.clear()
         self.wake_head()
 
     def wake_head(self) -> None:
-        """Room may have come back: the head looks again."""
+        """Room may have come back: the head looks again, and so does every flow's only waiter
+        (with several flows waiting: one whose tenant is held back from the last room is not the
+        only one that may take it, see ``Admission``)."""
         if self._heap:
             self._heap[0].wake.set()
+            if len(self._flows) > 1:
+                for waiters in self._flows.values():
+                    if len(waiters) == 1:
+                        waiters[0].wake.set()

@@ -235,3 +235,32 @@ async def test_waiting_tenants_are_admitted_by_weight_and_a_priority_class_jumps
 
 async def _true(value: bool) -> bool:
     return value
+
+
+async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_arrival(
+        client: aioredis.Redis) -> None:
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=0.5))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))  # b was active a moment ago
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]  # the pool, full
+    waiting = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
+    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    await adm.release(held.pop())  # 10 blocks free: the headroom, which a's backlog may not book
+    b = asyncio.create_task(adm.admit(RequestId("b1"), 10, pool, flow="b"))
+    await until(lambda: _true(b.done()), "b admitted into the headroom")
+    assert b.result().blocks == 10 and adm.queue_length == 3 and not any(t.done() for t in waiting)
+    # A tenant's single request waiting behind the flood takes room that comes back before the flood does.
+    c = asyncio.create_task(adm.admit(RequestId("c1"), 10, pool, flow="c"))
+    await until(lambda: _true(adm.queue_length == 4), "c waits")
+    await adm.release(held.pop())
+    await until(lambda: _true(c.done()), "c admitted")
+    assert adm.queue_length == 3
+    # Once the others are quiet (fair_window_s), the flood books the whole pool again, head first.
+    for res in (b.result(), c.result(), *held[:1]):
+        await adm.release(res)
+    await asyncio.gather(*waiting)
+    assert [t.result().blocks for t in waiting] == [10, 10, 10]
+    for res in [*held[1:], *(t.result() for t in waiting)]:
+        await adm.release(res)
+    assert adm.queue_length == 0 and adm.active == 0
