@@ -18,6 +18,10 @@ would pass one waits until enough of the window's tokens leave it (one whose own
 limit is refused for good, ``retry_after_ms`` -1). A router that dies leaves its requests counted in
 the window (they were admitted) and its running ones until their leases lapse (``renew`` keeps a
 live router's).
+
+The script is idempotent per booking: redis-py retries a command whose connection failed, and a
+retry of a call that Redis ran (its reply lost) finds the booking already counted and admits it
+without counting it again.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ local member, prompt, output = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local rpm, ptpm, otpm, maxc = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
 local window, lease, booking = tonumber(ARGV[8]), tonumber(ARGV[9]), ARGV[10]
 local windowed = rpm > 0 or ptpm > 0 or otpm > 0
+-- Already admitted (a client's retry of a call whose reply was lost): admitted, counted once.
+if windowed and redis.call('ZSCORE', KEYS[1], member) then return {1} end
+if maxc > 0 and not windowed and redis.call('ZSCORE', KEYS[3], booking) then return {1} end
 if ptpm > 0 and prompt > ptpm then return {0, 'prompt_tokens_per_minute', ptpm, prompt, -1} end
 if otpm > 0 and output > otpm then return {0, 'output_tokens_per_minute', otpm, output, -1} end
 local r, p, o = 0, 0, 0

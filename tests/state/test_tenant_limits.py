@@ -123,10 +123,31 @@ async def test_limits_are_checked_together_and_nothing_is_counted_on_refusal(cli
     assert await limiter.usage("t") == {"requests": 1, "prompt_tokens": 30, "output_tokens": 1, "running": 1}
 
 
+async def test_a_retried_call_is_counted_once(client: aioredis.Redis) -> None:
+    """A client's retry of a call Redis ran (its reply lost) admits the booking again without
+    counting it twice, even when the budget is spent by then."""
+    limiter = TenantLimiter(client)
+    for limits in (TenantLimits(requests_per_minute=2, prompt_tokens_per_minute=100), TenantLimits(max_concurrent=2)):
+        tenant = f"t{limits.max_concurrent}"
+        assert isinstance(await limiter.acquire(tenant, limits, "b-1", 10, 1), LimitGrant)
+        assert isinstance(await limiter.acquire(tenant, limits, "b-2", 10, 1), LimitGrant)
+        assert isinstance(await limiter.acquire(tenant, limits, "b-2", 10, 1), LimitGrant)  # the retry
+        assert isinstance(await limiter.acquire(tenant, limits, "b-3", 10, 1), LimitRefusal)
+        usage = await limiter.usage(tenant)
+        if limits.max_concurrent:
+            assert usage["running"] == 2
+        else:
+            assert usage["requests"] == 2 and usage["prompt_tokens"] == 20
+
+
 async def test_on_a_redis_cluster(redis_cluster_url: str) -> None:
     cluster = redis_client(redis_cluster_url, max_connections=16, pool_timeout_s=5.0)
     try:
         limiter = TenantLimiter(cluster)
+        # redis-py's cluster client learns the cluster on its first calls, and calls racing that
+        # (a connection closed under them) fail with ConnectionError; a router's first calls are
+        # its registry's, so the bursts below meet a client that knows the cluster, as they would.
+        await limiter.usage("warm-up")
         limits = TenantLimits(requests_per_minute=7, output_tokens_per_minute=1000, max_concurrent=50)
         for tenant in ("team-a", "team-b", "team-c"):  # tags spread the tenants over the shards
             results = await _burst([limiter], tenant, limits, 20)
