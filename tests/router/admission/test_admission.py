@@ -201,32 +201,36 @@ async def test_a_request_waiting_on_one_router_gets_another_routers_spare_credit
 async def test_waiting_tenants_are_admitted_by_weight_and_a_priority_class_jumps_the_queue(
         client: aioredis.Redis) -> None:
     """A decode worker with room for one request at a time; three tenants keep a backlog (weights 1,
-    2, 3), and an interactive request arriving late is admitted next, before every one of them."""
+    2, 3), and an interactive request arriving late is admitted next, before every one of them.
+
+    Each admitted request holds the worker until the test gives it a turn, so the order does not
+    depend on how fast the loop runs."""
     adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(queue_timeout_s=30, poll_interval_s=0.005,
                                                                     credit_fraction=0))
     holder = await adm.admit(RequestId("holder"), 10, WORKER)
     weights = {"a": 1.0, "b": 2.0, "c": 3.0}
     order: list[str] = []
-    go_on = asyncio.Event()
+    turns: asyncio.Queue[None] = asyncio.Queue()
 
     async def request(tenant: str, priority: int = 0) -> None:
         res = await adm.admit(RequestId(tenant), 10, WORKER, priority=priority, flow=tenant,
                               weight=weights.get(tenant, 1))
         order.append(tenant)
-        if tenant == "ops":
-            await go_on.wait()
+        await turns.get()
         await adm.release(res)
 
     tasks = [asyncio.create_task(request(t)) for _ in range(40) for t in weights]
     await until(lambda: _true(adm.queue_length == 120), "the backlog queued")
     await adm.release(holder)
-    await until(lambda: _true(len(order) >= 30), "30 admitted")
+    for _ in range(29):
+        turns.put_nowait(None)
+    await until(lambda: _true(len(order) == 30), "30 admitted")
     urgent = asyncio.create_task(request("ops", priority=1))
-    await until(lambda: _true("ops" in order), "the interactive request admitted")
-    position = order.index("ops")
-    go_on.set()
+    await until(lambda: _true(adm.queue_length == 91), "the interactive request queued")
+    for _ in range(92):  # the 91 waiting and the one holding the worker
+        turns.put_nowait(None)
     await asyncio.gather(*tasks, urgent)
-    assert position <= 32  # admitted as soon as the one admitted while it arrived was done
+    assert order.index("ops") == 30  # admitted as soon as the one holding the worker was done
     shares = {t: order[:60].count(t) / 60 for t in weights}  # every tenant still had a backlog then
     for tenant, w in weights.items():
         assert abs(shares[tenant] - w / 6) <= 0.1 * w / 6 + 1 / 60, shares
