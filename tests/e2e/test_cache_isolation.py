@@ -1,9 +1,10 @@
 """Cache isolation: a prompt one tenant sent gives another tenant (another salt) no prefix hit and no
 time-to-first-token advantage, in the engines or in the Redis index; within one salt the hit is there.
 
-Simulated H100s on a weightless Llama-3-8B folder (``time_scale`` 1: modeled time is wall time), so
-a 2,048-token prompt's prefill takes tens of milliseconds and a cached one a fraction of that: the
-advantage a side channel would read is large, and compared as ratios within the test.
+Simulated H100s on a weightless Llama-3-8B folder (``time_scale`` 4: modeled time runs four times
+slower than the wall clock), so a 2,048-token prompt's prefill takes a few hundred milliseconds and a
+cached one a fraction of that: the advantage a side channel would read is large against what a
+loaded machine adds to every request, and compared as ratios within the test.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def sim_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 async def router(sim_model: Path, redis_url: str) -> AsyncIterator[RouterProcess]:
     token = "t" * 32
     procs = [ManagedProcess(role, worker_args(role, sim_model, redis_url=redis_url, sim=[
-        "--gpu", "h100", "--utilization", "0.5", "--time-scale", "1"], extra=("--worker-id", f"{role}-0")),
+        "--gpu", "h100", "--utilization", "0.5", "--time-scale", "4"], extra=("--worker-id", f"{role}-0")),
         env={INTERNAL_TOKEN_ENV: token}) for role in ("prefill", "decode")]
     key_tenants = {key: name for name, key in KEYS.items()}
     config = RouterConfig(model_dir=sim_model, redis_url=redis_url, http_port=0, grpc_port=0, refresh_interval_s=0.2,
