@@ -23,7 +23,7 @@ Two routers on the same workers and Redis: ``fair``, with a tenants file (tenant
 
 Per phase and tenant: requests sent, answered 200, refused (429), TTFT p50 / p99 of those answered
 (``b`` and ``c`` stream; ``a`` does not), and the admitted share: completions started in the phase's
-measured window (after ``--warmup`` s) over all of them. Then the checks of the acceptance:
+measured window (after ``--warmup`` s) over all of them. Then the ratios its targets are stated in:
 ``ratio_ttft_p99_{b,c}`` (fair ÷ solo; ≤ 1.5), ``share_error_*`` (|share − weight share| ÷ weight
 share; ≤ 0.10), ``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests) and the
 same ratios under FIFO for contrast.
