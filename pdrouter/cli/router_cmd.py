@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "or the environment). With any key, requests need 'Authorization: Bearer KEY'")
     p.add_argument("--api-key-file", action="append", default=[], type=Path, metavar="FILE",
                    help="a file of API keys, one a line (blank lines and # comments skipped; repeatable)")
+    p.add_argument("--tenants", type=Path, default=None, metavar="FILE",
+                   help="a tenants file (YAML): each API key's tenant with its limits (requests and tokens per "
+                        "minute, requests at once, enforced across every router through Redis), priority class, "
+                        "fair-share weight and cache policy (docs/tenants.md). Without it: no tenants")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve /metrics on a listener of its own, with no key asked (0: any free port); the "
                         "HTTP port then serves no /metrics. Without it, /metrics on the HTTP port needs the key")
@@ -60,6 +64,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--admission-credit", type=float, default=0.05, metavar="FRACTION",
                    help="book KV ahead in chunks of this fraction of a decode worker's pool, so that most "
                         "requests are admitted without a Redis round trip (0: book each request alone)")
+    p.add_argument("--fair-headroom", type=float, default=0.05, metavar="FRACTION",
+                   help="with --tenants: the fraction of each decode worker's pool a tenant with requests waiting "
+                        "may not book while another tenant is active, so that one sending at its fair share "
+                        "beside a flood is admitted on arrival (0: none; docs/tenants.md)")
     p.add_argument("--admission-on-redis-error", choices=["fail", "local"], default="fail",
                    help="when Redis cannot be reached to book a request's KV: fail answers 503 / UNAVAILABLE; "
                         "local places it by load alone, without shared admission")
@@ -82,10 +90,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def build_config(args: argparse.Namespace) -> RouterConfig:
+    from pdrouter.core.tenants import load_tenants
     from pdrouter.router.admission import AdmissionConfig
     from pdrouter.router.config import RouterConfig
     from pdrouter.router.dispatch import DEFAULT_DEADLINE_S, DispatchConfig
-    from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys
+    from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys, key_file_tenants
     from pdrouter.router.served_models import FrontdoorConfig
 
     if not (args.model / "config.json").is_file():
@@ -105,6 +114,10 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     if not deadline_s > 0:
         raise ConfigError(f"--request-timeout-s must be > 0, got {deadline_s:g}")
     api_keys = collect_api_keys(args.api_key, args.api_key_file, os.environ.get(ENV_VAR))
+    key_tenants = key_file_tenants(args.api_key_file)
+    if key_tenants and args.tenants is None:
+        raise ConfigError("--api-key-file names tenants beside keys: give the tenants file too (--tenants FILE)")
+    tenants = load_tenants(args.tenants, key_tenants) if args.tenants is not None else None
     tls = tls_from_args(args)
     if tls is not None and not tls.ca:
         raise ConfigError("--tls-ca is needed with --tls-cert: the router verifies its workers' certificates")
@@ -115,7 +128,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         model_dir=args.model, model_name=args.served_model_name, redis_url=redis_url(args.redis),
         static_workers=workers,
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
-        metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_keys=api_keys,
+        metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_keys=api_keys, tenants=tenants,
         tls=tls, internal_token=internal_token_from_env(),
         block_size=args.block_size, worker_transport=args.worker_transport,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
@@ -123,6 +136,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
                                 default_deadline_s=deadline_s),
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
+                                          fair_headroom=args.fair_headroom,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
         http_limits=http_limits_from_args(args), grpc_limits=grpc_limits,
@@ -152,7 +166,9 @@ def run(args: argparse.Namespace) -> int:
     # the servers would be a traceback).
     check_ports_free(config.host, [(config.http_port, "--http-port"), (config.grpc_port, "--grpc-port")]
                      + ([(config.metrics_port, "--metrics-port")] if config.metrics_port else []))
-    process = RouterProcess(config)
+    from pdrouter.core.tracing import tracing_from_env
+
+    process = RouterProcess(config, tracing=tracing_from_env("pdrouter-router"))
     serve_until_signal(process, lambda: ready_line("router", f"{process.config.host}:{process.http_port}",
                                                    process.grpc_address))
     return 0

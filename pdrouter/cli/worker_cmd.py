@@ -434,7 +434,9 @@ def run(args: argparse.Namespace) -> int:
         from pdrouter.cli.vllm_worker import apply_vllm_environment
 
         apply_vllm_environment(args, os.environ)
-    process = WorkerProcess(config, build_role)
+    from pdrouter.core.tracing import tracing_from_env
+
+    process = WorkerProcess(config, build_role, tracing=tracing_from_env(f"pdrouter-{config.role.value}"))
     serve_until_signal(process, lambda: ready_line(f"{process.config.role.value} worker {process.config.worker_id}",
                                                    process.address))
     return 0

@@ -79,10 +79,12 @@ class CapacityError(PdRouterError):
     openai_type = "rate_limit_error"
     retryable = True
 
-    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+    def __init__(self, message: str, retry_after_s: int | None = None, reason: str = "capacity") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
         """Seconds after which a retry may succeed (HTTP ``Retry-After``); None: unknown."""
+        self.reason = reason
+        """What ran out, for metrics: ``capacity``, admission's ``queue_full`` / ``timeout``, a tenant's limit."""
 
 
 class RequestTooLargeError(CapacityError):

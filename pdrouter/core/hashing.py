@@ -5,6 +5,14 @@
 ``0..i`` all match. Only full blocks are hashed; a trailing partial block has no hash. The result
 depends only on the tokens, the block size and the seed, never on the process (no ``hash()``),
 so the router and every worker on every machine agree.
+
+**Cache salts.** A request with a cache salt (vLLM's ``cache_salt``, or its tenant's, see
+:func:`cache_salt_key`) chains its blocks on a root of its own, ``h[-1] = XXH3-128("pdrouter-salt-v1"
+‖ root ‖ salt)`` (:meth:`BlockHasher.salted_root`): every hash of the prompt changes, so prompts
+with different salts share no block, in an engine's prefix cache or in the router's index, and a
+tenant cannot tell from its own time to first token whether another sent a prompt. The salted
+root's input starts with a 16-byte domain where a block's starts with its parent's hash, so no
+salt can give a root equal to any block's hash.
 """
 
 from __future__ import annotations
@@ -19,6 +27,9 @@ from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.ids import BlockHash
 
 _DOMAIN = b"pdrouter-block-v1"
+_SALT_DOMAIN = b"pdrouter-salt-v1"
+MAX_CACHE_SALT_CHARS = 256
+"""The longest ``cache_salt`` a request may send."""
 _ARRAY_IS_LE = array("I", [1]).tobytes() == b"\x01\x00\x00\x00"
 _hash128 = xxhash.xxh3_128_digest
 
@@ -32,6 +43,22 @@ def root_hash(seed: int | str | bytes = 0) -> BlockHash:
     else:
         seed_bytes = bytes(seed)
     return BlockHash(_hash128(_DOMAIN + seed_bytes))
+
+
+def cache_salt_key(tenant: str | None, request_salt: str | None) -> bytes:
+    """The salt a request's blocks are hashed under: its tenant's part (set by the router from the
+    tenants file, never by the request) and its own ``cache_salt``. Empty when it has neither: the
+    unsalted chain every request shared before salts existed.
+
+    Each part is length-prefixed, so no request salt can reproduce another tenant's part (a
+    request of a tenant without a part of its own and one of tenant ``t`` never meet, whatever
+    their ``cache_salt``).
+    """
+    if not tenant and not request_salt:
+        return b""
+    t = (tenant or "").encode()
+    r = (request_salt or "").encode()
+    return struct.pack("<II", len(t), len(r)) + t + r
 
 
 def _token_bytes(tokens: Sequence[int]) -> bytes:
@@ -60,6 +87,13 @@ class BlockHasher:
     def root(self) -> BlockHash:
         return self._root
 
+    def salted_root(self, salt: bytes) -> BlockHash | None:
+        """The parent of block 0 for prompts salted with ``salt`` (:func:`cache_salt_key`); None for
+        no salt (the unsalted ``root``). Pass it as ``parent`` to :meth:`hash_blocks`."""
+        if not salt:
+            return None
+        return BlockHash(_hash128(_SALT_DOMAIN + self._root + salt))
+
     def hash_blocks(self, tokens: Sequence[int], parent: BlockHash | None = None) -> list[BlockHash]:
         """Hashes of every full block of ``tokens``; the trailing partial block is ignored.
 
@@ -86,6 +120,9 @@ class BlockHasher:
         return BlockHash(_hash128(prev + _token_bytes(block_tokens)))
 
 
-def hash_blocks(tokens: Sequence[int], block_size: int = 16, seed: int | str | bytes = 0) -> list[BlockHash]:
-    """Convenience: ``BlockHasher(block_size, seed).hash_blocks(tokens)``."""
-    return BlockHasher(block_size, seed).hash_blocks(tokens)
+def hash_blocks(tokens: Sequence[int], block_size: int = 16, seed: int | str | bytes = 0,
+                salt: bytes = b"") -> list[BlockHash]:
+    """Convenience: ``BlockHasher(block_size, seed).hash_blocks(tokens)``, chained on the salted
+    root when ``salt`` is given."""
+    hasher = BlockHasher(block_size, seed)
+    return hasher.hash_blocks(tokens, hasher.salted_root(salt))

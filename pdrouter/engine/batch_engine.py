@@ -157,19 +157,22 @@ class BatchEngine:
 
     # -- requests in ---------------------------------------------------------------------------
     def add_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams) -> None:
-        """Queue a request to prefill and decode here."""
-        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.GENERATE))
+                    sampling: SamplingParams, *, cache_salt: bytes = b"") -> None:
+        """Queue a request to prefill and decode here. ``cache_salt`` (every method taking one): its
+        blocks are hashed under it (``pdrouter.core.hashing``), so it shares prefix blocks only with
+        requests of the same salt."""
+        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.GENERATE, cache_salt))
 
     def add_prefill_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                            sampling: SamplingParams) -> None:
+                            sampling: SamplingParams, *, cache_salt: bytes = b"") -> None:
         """Queue a prefill-only request; its one output carries a :class:`PrefillResult`."""
-        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.PREFILL_ONLY))
+        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.PREFILL_ONLY,
+                                        cache_salt))
 
     def reserve_remote(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                       sampling: SamplingParams) -> KvReservation:
+                       sampling: SamplingParams, *, cache_salt: bytes = b"") -> KvReservation:
         """Allocate blocks for a prompt whose KV another worker will write; CapacityError if short now."""
-        req = self._new_request(request_id, prompt_token_ids, sampling, RequestKind.REMOTE_KV)
+        req = self._new_request(request_id, prompt_token_ids, sampling, RequestKind.REMOTE_KV, cache_salt)
         hashes = req.hashes(self.hasher)
         with self._lock:
             self._check_new_id(request_id)
@@ -351,9 +354,10 @@ class BatchEngine:
             return sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
                 r.num_uncomputed_tokens for r in s.running if r.num_uncomputed_tokens > 1)
 
-    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int]) -> int:
-        """Tokens of this prompt's longest prefix whose KV is cached here (a pure query)."""
-        hashes = self.hasher.hash_blocks(token_ids(prompt_token_ids, self.spec.vocab_size))
+    def cached_prefix_tokens(self, prompt_token_ids: Sequence[int], cache_salt: bytes = b"") -> int:
+        """Tokens of this prompt's longest prefix whose KV is cached here under ``cache_salt`` (a pure query)."""
+        hashes = self.hasher.hash_blocks(token_ids(prompt_token_ids, self.spec.vocab_size),
+                                         self.hasher.salted_root(cache_salt))
         with self._lock:
             return len(self.block_manager.match_prefix(hashes)) * self.block_size
 
@@ -375,7 +379,7 @@ class BatchEngine:
 
     # -- internals ---------------------------------------------------------------------------
     def _new_request(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                     kind: RequestKind) -> Request:
+                     kind: RequestKind, cache_salt: bytes = b"") -> Request:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         ids = validate_request(prompt, sampling, self.spec, num_blocks=self.kv_layout.num_blocks,
@@ -384,7 +388,10 @@ class BatchEngine:
         if not sampling.ignore_eos:
             stop.update(self.eos_token_ids)
         state = RequestState.AWAITING_KV if kind is RequestKind.REMOTE_KV else RequestState.WAITING
-        return Request(request_id, ids, sampling, kind, frozenset(stop), self.spec.max_context, state=state)
+        if not isinstance(cache_salt, bytes):
+            raise InvalidRequestError(f"cache_salt must be bytes, got {type(cache_salt).__name__}")
+        return Request(request_id, ids, sampling, kind, frozenset(stop), self.spec.max_context, state=state,
+                       root=self.hasher.salted_root(cache_salt))
 
     def _check_new_id(self, request_id: RequestId) -> None:
         if request_id in self._requests:

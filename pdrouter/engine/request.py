@@ -83,6 +83,9 @@ class Request:
     freed until that ends)."""
     kv_finite: bool | None = None
     """A remote-KV request's received blocks: None until checked, then whether every value was finite."""
+    root: BlockHash | None = None
+    """The parent of its first block: its cache salt's root (``BlockHasher.salted_root``), None
+    when it has no salt (the hasher's own root)."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -123,7 +126,7 @@ class Request:
         have = len(self.block_hashes)
         if want > have:
             bs = hasher.block_size
-            parent = self.block_hashes[-1] if have else None
+            parent = self.block_hashes[-1] if have else self.root
             self.block_hashes.extend(hasher.hash_blocks(self.all_token_ids[have * bs:want * bs], parent))
         return self.block_hashes[:want]
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Literal
 
 from pdrouter.core.errors import ConfigError
+from pdrouter.core.tenants import Tenants
 from pdrouter.core.tls import TlsFiles
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
@@ -39,6 +40,9 @@ class RouterConfig:
     """Bind host of the metrics listener (None: ``host``)."""
     api_keys: ApiKeys = field(default_factory=ApiKeys)
     """The keys both front doors ask for (none: the doors are open)."""
+    tenants: Tenants | None = None
+    """Whose key is whose, and each tenant's limits, priority, weight and cache policy
+    (``--tenants``, ``pdrouter.core.tenants``); None: no tenants, every request as before."""
     tls: TlsFiles | None = None
     """TLS: the front doors serve ``cert``/``key`` (no client certificate asked), and the calls to
     the workers verify them against ``ca`` and present ``cert`` (mutual TLS). None: plaintext."""

@@ -38,6 +38,12 @@ Colocated: the request goes to one colocated worker, which streams every token.
 Either way, a request the front door marks ``whole`` (not streamed, no stop strings) asks its
 worker for the tokens in one chunk at the end (``Serve``: after the first token, which brings the
 prefill report), so its cost here does not grow with its output.
+
+A request's ``cache_salt`` salts the hashes its prefix is looked up under and goes to its workers,
+whose engines hash its blocks the same way. Its tenant places it in the admission queue (priority
+class, fair-share weight). A traced request (``RouterRequest.trace``: the router traces) gets spans
+for its admission wait, its placement, the worker call (whose trace context goes with it) and its
+first token, all under the request's span; an untraced one pays an ``is None`` test per step.
 """
 from __future__ import annotations
 
@@ -47,7 +53,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from redis.exceptions import RedisError
 
@@ -56,6 +62,7 @@ from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import DeadlineExceededError, PdRouterError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
+from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.metrics import RouterMetrics
@@ -125,8 +132,10 @@ class Dispatcher:
     def __init__(self, pool: WorkerPool, model: ModelInfo, config: DispatchConfig | None = None,
                  policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
                  admission: Admission | None = None, hash_seed: int | str | bytes = 0,
-                 metrics: RouterMetrics | None = None) -> None:
+                 metrics: RouterMetrics | None = None, tracing: Tracing | None = None) -> None:
+        """``tracing``: the router's tracer, for the spans of requests that carry one (``RouterRequest.trace``)."""
         self.pool = pool
+        self.tracing = tracing
         self.model = model
         self.config = config or DispatchConfig()
         self.prefix_index = prefix_index
@@ -204,7 +213,7 @@ class Dispatcher:
         if self.prefix_index is None or not candidates or len(request.prompt_token_ids) < self.model.block_size:
             return {}
         start = time.perf_counter()
-        hashes = self.hasher.hash_blocks(request.prompt_token_ids)
+        hashes = self.hasher.hash_blocks(request.prompt_token_ids, self.hasher.salted_root(request.cache_salt))
         try:
             held = await self.prefix_index.matched_blocks(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
         except (RedisError, OSError) as exc:
@@ -236,6 +245,51 @@ class Dispatcher:
         return self._background.spawn(self._cached_tokens(request, candidates),
                                       name=f"prefix-lookup-{request.request_id}")
 
+    # -- tracing (only for requests with a span) ---------------------------------------------
+    def _span(self, name: str, request: RouterRequest, attributes: dict[str, object] | None = None,
+              kind: object = None) -> Any:
+        assert self.tracing is not None
+        return self.tracing.span(name, request.trace, attributes, kind)
+
+    def _failed(self, span: Any, exc: BaseException) -> None:
+        assert self.tracing is not None
+        self.tracing.failed(span, exc)
+        span.end()
+
+    def _call_metadata(self, request: RouterRequest, span: Any = None) -> list[tuple[str, str]] | None:
+        """The trace context a worker call carries (its own span's, else the request's); None untraced."""
+        if request.trace is None or self.tracing is None:
+            return None
+        return list(self.tracing.headers(span if span is not None else request.trace).items())
+
+    @staticmethod
+    def _placed(span: Any, decode: WorkerHandle, routes: Sequence[tuple[WorkerHandle, int]]) -> None:
+        """The placement's span gets where the request goes and how much of its prompt is cached there."""
+        cached = routes[0][1] if routes else 0
+        span.set_attribute("pdrouter.decode_worker", decode.worker_id)
+        span.set_attribute("pdrouter.prefill_workers", [h.worker_id for h, _ in routes])
+        span.set_attribute("pdrouter.prefix_cached_tokens", cached)
+        span.set_attribute("pdrouter.local_prefill", not routes)
+        span.end()
+
+    @staticmethod
+    def _reported(span: Any, report: PrefillReport) -> None:
+        """The worker call's span gets the decode worker's prefill report (who computed the prompt,
+        the prefix depth it found, the KV transfer)."""
+        for name, value in (("pdrouter.prefill_worker", report.worker_id), ("pdrouter.local_prefill", report.local),
+                            ("pdrouter.cached_tokens", report.cached_tokens),
+                            ("pdrouter.decode_cached_tokens", report.decode_cached_tokens),
+                            ("pdrouter.kv.bytes", report.bytes_sent), ("pdrouter.kv.transfer_ms", report.transfer_ms),
+                            ("pdrouter.prefill_failures", len(report.failures))):
+            span.set_attribute(name, value)
+
+    def _first_token(self, request: RouterRequest) -> None:
+        """The span from the request's arrival to its first token (its span's start to now)."""
+        assert self.tracing is not None
+        root = request.trace
+        span = self.tracing.span("first_token", root, start_time_ns=getattr(root, "start_time", None))
+        span.end()
+
     # -- colocated ----------------------------------------------------------------------------
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         tried: set[WorkerId] = set()
@@ -247,8 +301,11 @@ class Dispatcher:
             answered = False
             try:
                 call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
-                                              timeout=self._timeout(request), whole=request.whole)
+                                              timeout=self._timeout(request), whole=request.whole,
+                                              cache_salt=request.cache_salt, metadata=self._call_metadata(request))
                 async for delta in call:
+                    if not answered and request.trace is not None:
+                        self._first_token(request)
                     answered = True
                     yield delta
                 handle.breaker.on_success()
@@ -287,18 +344,32 @@ class Dispatcher:
             raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
         by_id = {h.worker_id: h for h in candidates}
         caps = [DecodeCapacity(h.worker_id, h.record.epoch, h.record.capacity_blocks) for h in candidates]
+        tenant = request.tenant
+        span = None if request.trace is None else self._span("admission", request, {"pdrouter.kv_blocks": blocks})
         start = time.perf_counter()
         try:
-            reservation = await self.admission.admit(request.request_id, blocks, caps, priority=request.priority,
-                                                     deadline=request.deadline,
-                                                     prefer=None if prefer is None else prefer.worker_id)
+            reservation = await self.admission.admit(
+                request.request_id, blocks, caps, priority=request.priority, deadline=request.deadline,
+                prefer=None if prefer is None else prefer.worker_id,
+                flow=None if tenant is None else tenant.name, weight=1.0 if tenant is None else tenant.weight)
         except (RedisError, OSError) as exc:
+            if span is not None:
+                span.end()
             return self._without_admission(request, candidates, blocks, exc), None
+        except BaseException as exc:
+            if span is not None:
+                self._failed(span, exc)
+            raise
+        waited = time.perf_counter() - start
+        if span is not None:
+            span.set_attribute("pdrouter.decode_worker", reservation.worker_id)
+            span.set_attribute("pdrouter.queue_wait_ms", waited * 1e3)
+            span.end()
         if not self.admission_ok:
             log.info("KV admission available again")
         self.admission_ok = True
         if self.metrics is not None:
-            self.metrics.observe_queue_time(time.perf_counter() - start)
+            self.metrics.observe_queue_time(waited, None if tenant is None else tenant.name)
         return by_id[reservation.worker_id], reservation
 
     async def _holder(self, request: RouterRequest, candidates: Sequence[WorkerHandle]) -> WorkerHandle | None:
@@ -387,8 +458,10 @@ class Dispatcher:
             accounted: WorkerHandle | None = None
             call: TokenStream | None = None
             decode.inflight += 1
+            serving = None  # the worker call's span, when traced
             try:
                 if order is None:
+                    placing = None if request.trace is None else self._span("placement", request)
                     if tokens > self.config.local_prefill_tokens:
                         cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
                         handles = self._prefill_routes(request, cached_tokens)
@@ -400,7 +473,9 @@ class Dispatcher:
                                              lane_address=h.record.lane_address if h.lane is not None else "",
                                              cached_tokens=cached)
                                 for h, cached in handles],
-                        whole=request.whole)
+                        whole=request.whole, cache_salt=request.cache_salt)
+                    if placing is not None:
+                        self._placed(placing, decode, handles)
                 if handles:
                     # The best candidate is charged with the prompt until its report arrives.
                     accounted, cached = handles[0]
@@ -426,10 +501,24 @@ class Dispatcher:
                         accounted.inflight_prefill_tokens -= tokens
                         accounted = None
                     self._on_report(report, request)
+                    span = serving  # noqa: B023 (called within this iteration: its call's stream reads the report)
+                    if span is not None:
+                        self._reported(span, report)
 
                 try:
-                    call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report)
+                    metadata = None
+                    if request.trace is not None:
+                        serving = self._span("pdrouter.v1.DecodeWorker/Serve", request, {
+                            "rpc.system": "grpc", "rpc.service": "pdrouter.v1.DecodeWorker", "rpc.method": "Serve",
+                            "pdrouter.decode_worker": decode.worker_id}, kind=self.tracing.CLIENT)  # type: ignore[union-attr]
+                        metadata = self._call_metadata(request, serving)
+                    call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report,
+                                               metadata=metadata)
+                    first = serving is not None
                     async for delta in call:
+                        if first:
+                            first = False
+                            self._first_token(request)
                         answered = True
                         yield delta
                 except UnavailableError as exc:
@@ -445,7 +534,14 @@ class Dispatcher:
                     raise client_error(exc, failed_role, decode.worker_id, request.request_id) from None
                 decode.breaker.on_success()
                 return
+            except BaseException as exc:
+                if serving is not None and not isinstance(exc, GeneratorExit):  # not a consumer that stopped
+                    self._failed(serving, exc)
+                    serving = None
+                raise
             finally:
+                if serving is not None:
+                    serving.end()
                 decode.inflight -= 1
                 if accounted is not None:
                     accounted.inflight -= 1

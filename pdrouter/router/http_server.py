@@ -40,7 +40,8 @@ What the server promises a handler:
 
 * ``head`` (:class:`RequestHead`) has the values of the request's ``Authorization``, ``Content-Type``
   and ``X-Request-Id`` headers, None for one it lacks (a request with several of one never reaches a
-  handler: uvicorn's cycle takes it, and the application answers it);
+  handler: uvicorn's cycle takes it, and the application answers it), and of its W3C trace context
+  (``traceparent``, ``tracestate``; None when absent or repeated);
 * ``receive()`` gives the whole body in one ``http.request`` message (``more_body`` False) or, once
   the body has outgrown the handler's limit, what came of it with ``more_body`` True (the
   connection is then not kept); after that it waits, and gives ``http.disconnect`` once the
@@ -128,6 +129,9 @@ class RequestHead(NamedTuple):
     content_type: bytes | None
     request_id: bytes | None
     """The client's ``X-Request-Id``: a label to echo back, never a key of anything."""
+    traceparent: bytes | None = None
+    tracestate: bytes | None = None
+    """The W3C trace context (None when absent, or sent more than once)."""
 
 
 NO_HEAD = RequestHead(None, None, None)
@@ -194,6 +198,8 @@ _PASS_ON = (b"\ntransfer-encoding:", b"\nexpect:", b"\nupgrade:")
 _AUTHORIZATION = b"\nauthorization:"
 _CONTENT_TYPE = b"\ncontent-type:"
 _REQUEST_ID = b"\nx-request-id:"
+_TRACEPARENT = b"\ntraceparent:"
+_TRACESTATE = b"\ntracestate:"
 
 
 def whole_request(data: bytes, routes: Mapping[bytes, T]) -> tuple[T, bool, bytes] | None:
@@ -272,8 +278,15 @@ def whole_request_head(data: bytes, routes: Mapping[bytes, T]
     if authorization is _SEVERAL or content_type is _SEVERAL or request_id is _SEVERAL:
         return None
     head = RequestHead(cast("bytes | None", authorization), cast("bytes | None", content_type),
-                       cast("bytes | None", request_id))
+                       cast("bytes | None", request_id), _one_value(lower, block, _TRACEPARENT),
+                       _one_value(lower, block, _TRACESTATE))
     return route, keep_alive, body, target, head
+
+
+def _one_value(lower: bytes, block: bytes, name: bytes) -> bytes | None:
+    """The value of header ``name`` when sent once, else None."""
+    value = _header(lower, block, name)
+    return None if value is _SEVERAL else cast("bytes | None", value)
 
 
 def _one(value: bytes | None) -> tuple[bytes, ...]:
@@ -282,6 +295,15 @@ def _one(value: bytes | None) -> tuple[bytes, ...]:
 
 def _first(values: Sequence[bytes]) -> bytes | None:
     return values[0] if values else None
+
+
+def _trace_values(headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+    """``(traceparent, tracestate)`` of a head's trace headers, each None when absent or repeated."""
+    if not headers:
+        return None, None
+    parent = [v for n, v in headers if n == b"traceparent"]
+    state = [v for n, v in headers if n == b"tracestate"]
+    return (parent[0] if len(parent) == 1 else None), (state[0] if len(state) == 1 else None)
 
 
 def status_line(status: int) -> bytes:
@@ -651,6 +673,7 @@ class HttpProtocol(HttpToolsProtocol):
         authorization: list[bytes] = []
         content_type: list[bytes] = []
         request_id: list[bytes] = []
+        trace: list[tuple[bytes, bytes]] = []
         for name, value in self.headers:
             if name == b"authorization":
                 authorization.append(value)
@@ -658,6 +681,8 @@ class HttpProtocol(HttpToolsProtocol):
                 content_type.append(value)
             elif name == b"x-request-id":
                 request_id.append(value)
+            elif name == b"traceparent" or name == b"tracestate":
+                trace.append((name, value))
         # Pipelined behind a response in progress, a request is queued (its connection not read
         # meanwhile) and checked by the application at its turn: an answer now would cut into the
         # response being sent.
@@ -678,7 +703,8 @@ class HttpProtocol(HttpToolsProtocol):
             return
         handler, body_limit = fast  # entry point 2: parsed by httptools, served by a FastCycle
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        head = RequestHead(_first(authorization), _first(content_type), _first(request_id))
+        head = RequestHead(_first(authorization), _first(content_type), _first(request_id),
+                           *_trace_values(trace))
         self.cycle = FastCycle(self, handler, keep_alive, body_limit, head=head)  # type: ignore[assignment]
 
     def _fast_handler(self, queued: bool) -> tuple[Handler, int] | None:

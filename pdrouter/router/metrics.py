@@ -7,7 +7,9 @@ load, KV transfers, prefix-cache hits) through the small ``observe_*`` / ``set_*
 Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);
 counters end in ``_total``. Label sets are small and bounded: ``frontdoor`` (``http`` | ``grpc``),
 ``outcome`` (see :func:`outcome_of`), ``worker`` and ``role`` for per-worker gauges, ``backend``
-for KV transfers.
+for KV transfers, ``tenant`` (a name from the tenants file, or ``default``: never a key) and
+``reason`` (a limit's name, or admission's ``queue_full`` / ``timeout`` / ``capacity``) for the
+per-tenant metrics (:class:`TenantMetrics`, only on a router with a tenants file).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -143,6 +145,60 @@ class FrontdoorMetrics:
             self.e2e.observe(duration_s)
 
 
+class TenantFamilies:
+    """The per-tenant metrics (registered only on a router with tenants)."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.tenant_requests_total = Counter(
+            "pdrouter_tenant_requests_total", "Finished requests per tenant and outcome (refusals by the "
+            "tenant's limits included).", ["tenant", "outcome"], registry=r)
+        self.tenant_prompt_tokens_total = Counter(
+            "pdrouter_tenant_prompt_tokens_total", "Prompt tokens of each tenant's requests that passed its limits.",
+            ["tenant"], registry=r)
+        self.tenant_generation_tokens_total = Counter(
+            "pdrouter_tenant_generation_tokens_total", "Tokens the workers generated for each tenant.",
+            ["tenant"], registry=r)
+        self.tenant_rejections_total = Counter(
+            "pdrouter_tenant_rejections_total", "Requests refused per tenant: over one of its limits (reason: "
+            "the limit) or by KV admission (queue_full, timeout, capacity).", ["tenant", "reason"], registry=r)
+        self.tenant_requests_in_flight = Gauge(
+            "pdrouter_tenant_requests_in_flight", "Requests of each tenant past its limits and not finished.",
+            ["tenant"], registry=r)
+        self.tenant_queue_wait_seconds = Histogram(
+            "pdrouter_tenant_queue_wait_seconds", "Time a tenant's requests waited for KV admission.",
+            ["tenant"], buckets=_QUEUE_BUCKETS, registry=r)
+
+
+class TenantCounts:
+    """The children of one tenant's metrics, resolved once (no label lookups per request)."""
+
+    __slots__ = ("_outcomes", "_rejections", "_rejections_family", "_tenant", "generation_tokens", "in_flight",
+                 "prompt_tokens", "queue_wait")
+
+    def __init__(self, metrics: TenantFamilies, tenant: str) -> None:
+        self._outcomes = {o: _unlocked(metrics.tenant_requests_total.labels(tenant, o)) for o in OUTCOMES}
+        self._rejections_family = metrics.tenant_rejections_total
+        self._rejections: dict[str, Any] = {}
+        self.prompt_tokens = _unlocked(metrics.tenant_prompt_tokens_total.labels(tenant))
+        self.generation_tokens = _unlocked(metrics.tenant_generation_tokens_total.labels(tenant))
+        self.in_flight = _unlocked(metrics.tenant_requests_in_flight.labels(tenant))
+        self.queue_wait = _FastHistogram(_unlocked(metrics.tenant_queue_wait_seconds.labels(tenant)))
+        self._tenant = tenant
+
+    def finished(self, exc: BaseException | None, prompt_tokens: int, generation_tokens: int) -> None:
+        """One request of the tenant ended (``exc``: how, None when it succeeded)."""
+        self._outcomes[outcome_of(exc)].inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+
+    def rejected(self, reason: str) -> None:
+        """One request refused: over one of the tenant's limits (its name), or by admission."""
+        child = self._rejections.get(reason)
+        if child is None:
+            child = self._rejections[reason] = _unlocked(self._rejections_family.labels(self._tenant, reason))
+        child.inc()
+
+
 class RouterMetrics:
     """All of one router's metrics on its own ``CollectorRegistry``."""
 
@@ -220,6 +276,8 @@ class RouterMetrics:
         self.prefix_hit_tokens_total = Counter(
             "pdrouter_prefix_cache_hit_tokens_total",
             "Prompt tokens found cached on the chosen prefill worker.", registry=r)
+        self.tenant_families: TenantFamilies | None = None
+        self._tenants: dict[str, TenantCounts] = {}
         self._frontdoors: dict[str, FrontdoorMetrics] = {}
         # Recorded once per request or placement: no locks (see _PlainValue), binary-search buckets.
         self._queue_time = _FastHistogram(_unlocked(self.queue_time_seconds))
@@ -233,10 +291,30 @@ class RouterMetrics:
             found = self._frontdoors[name] = FrontdoorMetrics(self, name)
         return found
 
+    def enable_tenants(self, names: Iterable[str]) -> None:
+        """Register the per-tenant metrics, with a series for each of ``names`` (a router with
+        tenants; without, they are not exported at all)."""
+        if self.tenant_families is None:
+            self.tenant_families = TenantFamilies(self.registry)
+        for name in names:
+            self.tenant(name)
+
+    def tenant(self, name: str) -> TenantCounts:
+        """The pre-resolved metrics of tenant ``name`` (names come from the tenants file: bounded);
+        :meth:`enable_tenants` first."""
+        found = self._tenants.get(name)
+        if found is None:
+            assert self.tenant_families is not None, "enable_tenants first"
+            found = self._tenants[name] = TenantCounts(self.tenant_families, name)
+        return found
+
     # -- recorded by the dispatcher ---------------------------------------------------------
 
-    def observe_queue_time(self, seconds: float) -> None:
+    def observe_queue_time(self, seconds: float, tenant: str | None = None) -> None:
+        """A request's wait for KV admission (``tenant``: also on its tenant's histogram)."""
         self._queue_time.observe(seconds)
+        if tenant is not None and tenant in self._tenants:
+            self._tenants[tenant].queue_wait.observe(seconds)
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
                         free_blocks: int, device: str = "", sim_modeled_s: float = 0.0,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tenants import Tenant
 from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 
 __all__ = ["FinishReason", "ModelInfo", "Orchestrator", "RouterRequest", "TokenDelta", "Usage"]
@@ -39,6 +40,13 @@ class RouterRequest:
     label: str | None = None
     """What the client calls the request (HTTP ``X-Request-Id``, gRPC ``request_id``): echoed back to
     it and logged beside ``request_id``, never used as a key."""
+    tenant: Tenant | None = None
+    """Whose request it is (its API key's tenant); None on a router without a tenants file."""
+    cache_salt: bytes = b""
+    """The salt its prompt's blocks are hashed under (``pdrouter.core.hashing.cache_salt_key``: its
+    tenant's part and its own ``cache_salt``); empty: none."""
+    trace: Any = None
+    """The request's span (``pdrouter.core.tracing``), when the router traces; None otherwise."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@ static worker list, placing by load alone and without shared admission. Shutdown
 accepting, drain in-flight requests, release every reservation.
 
 With API keys both doors ask for one (``pdrouter.router.frontdoor.auth``); without, a router bound
-to an address other than loopback says at start, once, that its doors are open.
+to an address other than loopback says at start, once, that its doors are open. With tenants
+(``RouterConfig.tenants``) the doors call the tenants' gate (``pdrouter.router.tenancy``) over the
+dispatcher; with tracing (``tracing``, from the OTEL_* variables) requests are traced end to end.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pdrouter.core.net import is_loopback
 from pdrouter.core.redact import redact_url
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
@@ -36,12 +39,14 @@ from pdrouter.router.limits import HttpLimits
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool
-from pdrouter.router.request import ModelInfo
+from pdrouter.router.request import ModelInfo, Orchestrator
 from pdrouter.router.state_metrics import StateMetrics
+from pdrouter.router.tenancy import TenantGate
 from pdrouter.state.client import RedisClient, redis_client
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
+from pdrouter.state.tenant_limits import TenantLimiter
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.security import grpc_server_credentials
 
@@ -49,10 +54,13 @@ log = logging.getLogger(__name__)
 
 
 class RouterProcess:
-    """Owns every part of one router; ``start`` then ``stop``."""
+    """Owns every part of one router; ``start`` then ``stop``. ``tracing``: the process's tracer
+    (None: off), flushed by ``stop``."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing
+        self.gate: TenantGate | None = None
         spec = ModelSpec.from_pretrained_dir(config.model_dir)
         self.model_name = config.model_name or spec.name
         self.model = ModelInfo(name=self.model_name, max_context=spec.max_context, vocab_size=spec.vocab_size,
@@ -100,19 +108,31 @@ class RouterProcess:
         await self.pool.start()
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
         self.dispatcher = Dispatcher(self.pool, self.model, cfg.dispatch, policy, index,
-                                           self.admission, cfg.hash_seed, metrics=self.metrics)
+                                     self.admission, cfg.hash_seed, metrics=self.metrics, tracing=self.tracing)
         self.state_metrics = StateMetrics(self.dispatcher)
         self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
+        orchestrator: Orchestrator = self.dispatcher
+        if cfg.tenants is not None:
+            self.metrics.enable_tenants(cfg.tenants.names)
+            limiter = None
+            if self.redis is not None:
+                limiter = TenantLimiter(self.redis, lease_ms=cfg.admission_config.lease_ms)
+            elif any(cfg.tenants.get(name).limits.limited for name in cfg.tenants.names):
+                log.warning("tenants' limits need Redis (--redis): without it they are not enforced")
+            self.gate = TenantGate(self.dispatcher, limiter, self.metrics, cfg.admission_config.on_redis_error)
+            self.gate.start()
+            orchestrator = self.gate
         keys = cfg.api_keys
         door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
         self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (),
                                credentials=door_credentials, limits=cfg.grpc_limits)
-        grpc_api.add_to_server(self.grpc, RouterServicer(self.dispatcher, tokenizers, metrics=self.metrics,
-                                                         config=cfg.frontdoor))
+        grpc_api.add_to_server(self.grpc, RouterServicer(orchestrator, tokenizers, metrics=self.metrics,
+                                                         config=cfg.frontdoor, tenants=cfg.tenants,
+                                                         tracing=self.tracing))
         await self.grpc.start()
-        app = create_app(self.dispatcher, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
-                         serve_metrics=cfg.metrics_port is None)
+        app = create_app(orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
+                         serve_metrics=cfg.metrics_port is None, tenants=cfg.tenants, tracing=self.tracing)
         self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http",
                                                                         cfg.tls, cfg.http_limits)
         if cfg.metrics_port is not None:
@@ -120,11 +140,11 @@ class RouterProcess:
                 metrics_app(self.metrics), cfg.metrics_host or cfg.host, cfg.metrics_port, "router-metrics-http",
                 cfg.tls, cfg.http_limits)
         self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
-        log.info("router for %s (%s) on %s://%s:%d and grpc%s %s%s; API keys: %s", self.model_name, cfg.mode,
-                 "http" if cfg.tls is None else "https", cfg.host, self.http_port,
+        log.info("router for %s (%s) on %s://%s:%d and grpc%s %s%s; API keys: %s; tenants: %s", self.model_name,
+                 cfg.mode, "http" if cfg.tls is None else "https", cfg.host, self.http_port,
                  "" if cfg.tls is None else " (TLS)", self.grpc.address,
                  "" if self.metrics_port is None else f", metrics on port {self.metrics_port}",
-                 len(keys) if keys.enabled else "none")
+                 len(keys) if keys.enabled else "none", "none" if cfg.tenants is None else len(cfg.tenants))
         if not keys.enabled and not is_loopback(cfg.host):
             log.warning("no API keys: the HTTP and gRPC front doors on %s are open to anyone who reaches them "
                         "(give --api-key-file or PDROUTER_API_KEYS)", cfg.host)
@@ -187,12 +207,16 @@ class RouterProcess:
         await cancel_and_wait(self._metrics_task)
         if self.dispatcher is not None:
             await self.dispatcher.drain(bound)
+        if self.gate is not None:
+            await _bounded("tenants' gate stop", self.gate.stop(), bound)
         if self.admission is not None:
             await _bounded("admission stop", self.admission.stop(), bound)
         if self.pool is not None:
             await _bounded("worker pool stop", self.pool.stop(), bound)
         if self.redis is not None:
             await _bounded("Redis client close", self.redis.aclose(), bound)
+        if self.tracing is not None:
+            await _bounded("trace export", asyncio.to_thread(self.tracing.shutdown), bound)
 
 
 async def _serve(app: Any, host: str, port: int, name: str, tls: TlsFiles | None = None,

@@ -4,7 +4,8 @@ Two users besides Redis's ``default`` (whose password, ``requirepass``, is the o
 health checks'):
 
 * :data:`ROUTER_USER`: reads the registry (``workers``, ``hb:*``), reads and prunes the prefix index
-  (``px*``), owns the KV bookings (``kv:*``), publishes and hears the ``credit-wanted`` channel;
+  (``px*``), owns the KV bookings (``kv:*``) and the tenants' limits (``<ns>:tenant:*``), publishes
+  and hears the ``credit-wanted`` channel;
 * :data:`WORKER_USER`: writes the registry (its record, its heartbeat, the ``epoch`` counter) and the
   prefix index; it cannot read or touch a booking, and hears no channel.
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdrouter.state.keys import PoolKeys
+from pdrouter.state.keys import PoolKeys, TenantKeys
 
 ROUTER_USER = "pdrouter-router"
 WORKER_USER = "pdrouter-worker"
@@ -53,7 +54,8 @@ def acl_rules(user: str, namespace: str = "pdr", read_only_patterns: bool = True
         channels: list[str] = []
     elif user == ROUTER_USER:
         read = "%R~" if read_only_patterns else "~"
-        keys = [f"{read}{p}" for p in registry[:2]] + [f"~{p}" for p in (*index, *bookings)]
+        tenants = [TenantKeys.pattern(namespace)]
+        keys = [f"{read}{p}" for p in registry[:2]] + [f"~{p}" for p in (*index, *bookings, *tenants)]
         channels = [f"&{PoolKeys(namespace, '*').credit_wanted}"]
     else:
         raise ValueError(f"no such pd-router Redis user: {user!r}")

@@ -16,6 +16,12 @@ liveness set, the incarnation's own set and the block sets together). No script 
 both, so the two can live apart. On one Redis the tag does nothing, and the bookings keep the
 names they always had (routers of two versions sharing one Redis keep one ledger). See
 docs/scale.md, "Redis Cluster".
+
+Tenants' limits (``TenantKeys``, ``pdrouter.state.tenant_limits``) are per tenant, not per pool (a
+tenant's budget is one across every model of the namespace): ``<ns>:tenant:{<tenant>}:…``, one
+hash tag per tenant, so the one script a request runs touches one slot, and tenants spread over a
+cluster's shards. Their names start ``<ns>:tenant:``, never ``<ns>:{``, so no pattern of a pool's
+keys matches them (nor the reverse), whatever the names of pools and tenants.
 """
 
 from __future__ import annotations
@@ -124,3 +130,37 @@ class PoolKeys:
     def kv_used(self, worker_id: str, epoch: int) -> str:
         """Integer: blocks booked on one decode worker incarnation (sum of the bookings hash)."""
         return f"{self.bookings_tag}:kv:used:{worker_id}:{epoch}"
+
+
+@dataclass(frozen=True)
+class TenantKeys:
+    """Keys of one tenant's limits (``pdrouter.state.tenant_limits``), all under the tag ``{<tenant>}``."""
+
+    namespace: str
+    tenant: str
+
+    @property
+    def tag(self) -> str:
+        """``<ns>:tenant:{<tenant>}``."""
+        return f"{self.namespace}:tenant:{{{self.tenant}}}"
+
+    @staticmethod
+    def pattern(namespace: str) -> str:
+        """Every tenant key of ``namespace`` (the ACL pattern of the router's user)."""
+        return f"{namespace}:tenant:*"
+
+    @property
+    def window(self) -> str:
+        """Sorted set: one member per request admitted in the last minute (``<booking>|<prompt
+        tokens>|<output tokens>``), scored by its admission time (ms, Redis clock)."""
+        return f"{self.tag}:window"
+
+    @property
+    def totals(self) -> str:
+        """Hash of the window's token sums: ``p`` prompt tokens, ``o`` output tokens."""
+        return f"{self.tag}:totals"
+
+    @property
+    def running(self) -> str:
+        """Sorted set: the tenant's requests being served (booking → lease expiry, ms, Redis clock)."""
+        return f"{self.tag}:running"

@@ -25,6 +25,7 @@ import grpc
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tracing import Tracing
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
@@ -70,10 +71,14 @@ class _Link:
 class PrefillLinks:
     """``prefill(route, …)``: one ``PrefillWorker.Prefill`` call; ``stub(route)``: that worker's stub."""
 
-    def __init__(self, max_links: int = 256, connect_timeout_s: float = 2.0, security: PeerSecurity = OPEN) -> None:
-        """``security``: the credentials each call to a prefill worker presents (internal secret, TLS)."""
+    def __init__(self, max_links: int = 256, connect_timeout_s: float = 2.0, security: PeerSecurity = OPEN,
+                 tracing: Tracing | None = None) -> None:
+        """``security``: the credentials each call to a prefill worker presents (internal secret, TLS);
+        ``tracing``: the process's tracer (each call is a client span of the current trace, its
+        context sent with the call)."""
         if max_links <= 0:
             raise ValueError("max_links must be > 0")
+        self.tracing = tracing
         self.security = security
         self.max_links = max_links
         self.connect_timeout_s = connect_timeout_s
@@ -94,7 +99,7 @@ class PrefillLinks:
 
     async def prefill(self, route: RouteAddress, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: SamplingParams, target: TransferTarget, decode_worker_id: str,
-                      model_compat_hash: str, timeout: float | None) -> PrefillOutcome:
+                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"") -> PrefillOutcome:
         """Have ``route``'s worker compute the prompt and push its KV to ``target`` (on ``decode_worker_id``).
 
         Raises the ``pdrouter.core.errors`` type of the call's status (``UnavailableError`` when the
@@ -103,15 +108,29 @@ class PrefillLinks:
         msg = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                         sampling=sampling_to_pb(sampling),
                                         target=target_to_pb(target, decode_worker_id),
-                                        model_compat_hash=model_compat_hash)
-        call = self.stub(route).Prefill(msg, timeout=timeout)
+                                        model_compat_hash=model_compat_hash, cache_salt=cache_salt)
+        tracing, span = self.tracing, None
+        if tracing is None:
+            call = self.stub(route).Prefill(msg, timeout=timeout)
+        else:
+            span = tracing.span("pdrouter.v1.PrefillWorker/Prefill", kind=tracing.CLIENT, attributes={
+                "rpc.system": "grpc", "rpc.service": "pdrouter.v1.PrefillWorker", "rpc.method": "Prefill",
+                "pdrouter.prefill_worker": route.worker_id, "server.address": self.key(route)[1]})
+            call = self.stub(route).Prefill(msg, timeout=timeout, metadata=list(tracing.headers(span).items()))
         try:
             resp = await call
-        except asyncio.CancelledError:
-            call.cancel()
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                call.cancel()
+            if span is not None:
+                assert tracing is not None
+                tracing.failed(span, exc)
+            if isinstance(exc, RPC_ERRORS):
+                raise from_rpc_error(exc) from None
             raise
-        except RPC_ERRORS as exc:
-            raise from_rpc_error(exc) from None
+        finally:
+            if span is not None:
+                span.end()
         stats = resp.stats
         return PrefillOutcome(first_token=resp.first_token_id, cached_tokens=stats.cached_tokens,
                               compute_ms=stats.compute_ms, transfer_ms=stats.transfer_ms, bytes_sent=stats.bytes_sent)

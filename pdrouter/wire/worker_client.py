@@ -67,6 +67,8 @@ class ServeOrder:
     whole: bool = False
     """The caller does not stream: after the first token (and the report), the rest comes in one
     chunk at the end."""
+    cache_salt: bytes = b""
+    """The prompt's cache salt (``pdrouter.core.hashing.cache_salt_key``; empty: none)."""
 
 
 @dataclass(slots=True)
@@ -117,7 +119,7 @@ def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
                                          cached_tokens=r.cached_tokens) for r in order.routes],
-        whole=order.whole)
+        whole=order.whole, cache_salt=order.cache_salt)
 
 
 def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
@@ -126,7 +128,7 @@ def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
         request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
         model_compat_hash=msg.model_compat_hash, backend=msg.backend, local_prefill_tokens=msg.local_prefill_tokens,
         routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]),
-        whole=msg.whole)
+        whole=msg.whole, cache_salt=msg.cache_salt)
 
 
 def _at_once(step: Any) -> tuple[bool, Any]:
@@ -274,22 +276,26 @@ class WorkerClient:
         _, self._decode, self._colocated = request_stubs(self.channel, self.lane)
 
     def serve(self, order: ServeOrder, timeout: float | None,
-              on_report: Callable[[PrefillReport], None] | None = None) -> TokenStream:
-        """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once."""
+              on_report: Callable[[PrefillReport], None] | None = None,
+              metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
+        """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once; ``metadata``:
+        the call's (its trace context: gRPC metadata, or the lane's ``META`` frame)."""
         try:
-            call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout)
+            call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
-                 timeout: float | None, whole: bool = False) -> TokenStream:
+                 timeout: float | None, whole: bool = False, cache_salt: bytes = b"",
+                 metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
         (``whole``: every token in one chunk at the end)."""
         msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                               sampling=sampling_to_pb(sampling), whole=whole)
+                                               sampling=sampling_to_pb(sampling), whole=whole,
+                                               cache_salt=cache_salt)
         try:
-            call = self._colocated.Generate(msg, timeout=timeout)
+            call = self._colocated.Generate(msg, timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
         return TokenStream(call, request_id, len(prompt_token_ids))

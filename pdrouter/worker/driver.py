@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
@@ -151,23 +151,25 @@ class EngineDriver:
             if not finished:
                 self.engine.abort(request_id)
 
-    def generate(self, request_id: RequestId, prompt: Sequence[int],
-                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
-        """Prefill and decode here; outputs until the finished one. Validation errors raise now."""
+    def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
+        """Prefill and decode here; outputs until the finished one. Validation errors raise now.
+        (``trace_headers`` are for engines that trace themselves; this one does not.)"""
         queue = self._open(request_id)
         try:
-            self.engine.add_request(request_id, prompt, sampling)
+            self.engine.add_request(request_id, prompt, sampling, cache_salt=cache_salt)
         except PdRouterError:
             self._queues.pop(request_id, None)
             raise
         return self._stream(request_id, queue)
 
-    async def prefill(self, request_id: RequestId, prompt: Sequence[int],
-                      sampling: SamplingParams) -> PrefillResult:
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                      cache_salt: bytes = b"") -> PrefillResult:
         """Run the prompt; the blocks stay held until ``release`` / ``abort``."""
         queue = self._open(request_id)
         try:
-            self.engine.add_prefill_request(request_id, prompt, sampling)
+            self.engine.add_prefill_request(request_id, prompt, sampling, cache_salt=cache_salt)
         except PdRouterError:
             self._queues.pop(request_id, None)
             raise
@@ -181,10 +183,10 @@ class EngineDriver:
         assert out.prefill is not None
         return out.prefill
 
-    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int],
-                       sampling: SamplingParams) -> KvReservation:
+    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                       cache_salt: bytes = b"") -> KvReservation:
         self._check()
-        return self.engine.reserve_remote(request_id, prompt, sampling)
+        return self.engine.reserve_remote(request_id, prompt, sampling, cache_salt=cache_salt)
 
     async def check_received_kv(self, request_id: RequestId, kv_bytes: int) -> None:
         """The engine's check of a reservation's received KV (TransferError when it holds a value that is

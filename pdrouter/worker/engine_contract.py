@@ -15,6 +15,11 @@ top of ``VllmEngine``'s per-request parameters (see ``pdrouter/engine/vllm/READM
 
 ``EngineIdentity`` (``pdrouter.core.workers``) names what runs the model in the worker's record.
 
+A request's ``cache_salt`` (bytes, ``pdrouter.core.hashing.cache_salt_key``; empty: none) keeps its
+prefix blocks apart from those of every other salt: an engine reuses cached blocks only between
+requests of one salt. ``trace_headers`` (W3C ``traceparent`` / ``tracestate``) are for an engine that
+traces requests itself (vLLM); others ignore them.
+
 Every method is called on the worker's event loop. Errors are ``pdrouter.core.errors`` types: bad
 input raises ``InvalidRequestError`` (and its kin) before anything is started, an engine that
 stopped raises ``UnavailableError``. Leaving an output stream before its finished output (closing
@@ -23,7 +28,7 @@ it, or cancelling the task iterating it) aborts the request in the engine and fr
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from pdrouter.core.ids import RequestId
@@ -52,8 +57,9 @@ class ServingEngine(Protocol):
     @property
     def identity(self) -> EngineIdentity: ...
 
-    def generate(self, request_id: RequestId, prompt: Sequence[int],
-                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode; one output per step with new tokens, the last one ``finished``.
 
         Validation errors raise here, before the stream starts; the engine's own refusals of a
@@ -87,13 +93,13 @@ class ServingEngine(Protocol):
 class DisaggregatedEngine(ServingEngine, Protocol):
     """An engine whose KV can move to or from another worker's (prefill and decode workers)."""
 
-    async def prefill(self, request_id: RequestId, prompt: Sequence[int],
-                      sampling: SamplingParams) -> PrefillResult:
+    async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                      cache_salt: bytes = b"") -> PrefillResult:
         """Compute the prompt and its first token; its blocks stay held until ``release`` / ``abort``."""
         ...
 
-    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int],
-                       sampling: SamplingParams) -> KvReservation:
+    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                       cache_salt: bytes = b"") -> KvReservation:
         """Blocks for a prompt whose KV another worker writes (``CapacityError`` when short now)."""
         ...
 

@@ -37,6 +37,7 @@ from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.kv_layout import model_compat_hash
 from pdrouter.core.model_spec import ModelSpec
+from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.state.client import RedisClient
@@ -63,12 +64,14 @@ class WorkerProcess:
     ``build_role`` makes the role's part once the engine is up (``pdrouter.worker.roles.build_role``
     picks it from ``config.role``). ``redis``: a client of ``config.redis_url`` shared with other
     workers of this process; it is used instead of connecting one, and left open by ``stop`` (its
-    owner closes it). Without ``config.redis_url`` it is ignored.
+    owner closes it). Without ``config.redis_url`` it is ignored. ``tracing``: the process's tracer
+    (``pdrouter.core.tracing``; None: off), handed to the role and shut down (flushed) by ``stop``.
     """
 
     def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None,
-                 sweep_turn: tuple[int, int] = (0, 1)) -> None:
+                 sweep_turn: tuple[int, int] = (0, 1), tracing: Tracing | None = None) -> None:
         self.config = config
+        self.tracing = tracing
         self.build_role = build_role
         self._shared_redis = redis
         self._sweep_turn = sweep_turn
@@ -124,7 +127,7 @@ class WorkerProcess:
         pacing = TransferPacing.for_engine(self.engine.engine) if isinstance(self.engine, EngineDriver) else None
         self.role = await self.build_role(RoleContext(
             config=cfg, engine=self.engine, epoch=self.epoch, model_compat_hash=compat, registry=self.registry,
-            pacing=pacing))
+            pacing=pacing, tracing=self.tracing))
         for service in self.role.services():
             self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(
@@ -221,6 +224,8 @@ class WorkerProcess:
         if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans still buffered go out
         self._stopped.set()
 
 

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch
+from pdrouter.core.tracing import Tracing
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.config import Backend, TransferConfig
 from pdrouter.transfer.pool_bytes import PoolBytes
@@ -38,6 +39,8 @@ class RoleContext:
     """The pool's registry (None without ``--redis``)."""
     pacing: TransferPacing | None = None
     """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
+    tracing: Tracing | None = None
+    """The process's tracer (None: tracing off); a role's servicers continue their callers' traces."""
 
     def disaggregated(self) -> DisaggregatedEngine:
         """The engine as prefill and decode roles need it (its KV moves); ConfigError for one that cannot."""

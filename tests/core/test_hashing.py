@@ -66,3 +66,30 @@ def test_prefix_property(tokens: list[int], block_size: int) -> None:
     assert len(hashes) == len(tokens) // block_size
     cut = len(tokens) // 2
     assert hash_blocks(tokens[:cut], block_size) == hashes[: cut // block_size]
+
+
+def test_salted_prompts_share_no_block_and_one_salt_shares_them_all() -> None:
+    plain = hash_blocks(TOKENS, 16)
+    a1, a2 = hash_blocks(TOKENS, 16, salt=b"tenant-a"), hash_blocks(TOKENS, 16, salt=b"tenant-a")
+    b = hash_blocks(TOKENS, 16, salt=b"tenant-b")
+    assert a1 == a2
+    assert not set(a1) & set(b) and not set(a1) & set(plain) and not set(b) & set(plain)
+    assert hash_blocks(TOKENS, 16, salt=b"") == plain
+    hasher = BlockHasher(16)
+    assert hasher.salted_root(b"") is None
+    assert hasher.salted_root(b"x") not in (hasher.root, root_hash(0))
+    # A salted chain is an ordinary chain on its own root: continuing it gives the same hashes.
+    assert hasher.hash_blocks(TOKENS[32:], a1[1]) == a1[2:]
+
+
+def test_a_request_salt_never_reproduces_a_tenants_part() -> None:
+    from pdrouter.core.hashing import cache_salt_key
+
+    assert cache_salt_key(None, None) == b""
+    keys = {cache_salt_key("team-a", None), cache_salt_key("team-a", "x"), cache_salt_key(None, "team-a"),
+            cache_salt_key(None, "x"), cache_salt_key("team-ax", None), cache_salt_key("team-b", "x")}
+    assert len(keys) == 6
+    # Whatever a request sends, it cannot land on another tenant's salt: the parts are length-prefixed.
+    for forged in ("team-a", "\x06\x00\x00\x00\x00\x00\x00\x00team-a", "a", ""):
+        assert cache_salt_key(None, forged or None) != cache_salt_key("team-a", None)
+        assert cache_salt_key("team-b", forged or None) != cache_salt_key("team-a", None)

@@ -11,7 +11,7 @@ import pytest
 
 from pdrouter.cli.main import main
 from pdrouter.core.capacity import plan_capacity
-from pdrouter.core.errors import ConfigError
+from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
@@ -196,3 +196,32 @@ def test_the_simulated_engine_never_imports_torch() -> None:
             "e.generate([[1, 2, 3]], SamplingParams(max_tokens=4))\n"
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, sorted(sys.modules)\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _run(engine: SimEngine, prompt: list[int], salt: bytes) -> tuple[int, float]:
+    """Cached prompt tokens and modeled seconds of one request of ``prompt`` under ``salt``."""
+    before = engine.sim_stats().busy_s
+    request = rid()
+    engine.add_request(request, prompt, SamplingParams(max_tokens=1, temperature=0.0), cache_salt=salt)
+    cached = -1
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            cached = out.num_cached_tokens
+    return cached, engine.sim_stats().busy_s - before
+
+
+def test_a_cache_salt_keeps_prefixes_apart_and_one_salt_shares_them() -> None:
+    engine = sim(scheduling=SchedulingConfig(max_num_batched_tokens=8192))
+    prompt = list(range(4096))
+    cold, cold_s = _run(engine, prompt, b"tenant-a")
+    other, other_s = _run(engine, prompt, b"tenant-b")  # another salt: nothing of it is cached
+    plain, _ = _run(engine, prompt, b"")  # nor for unsalted prompts
+    same, same_s = _run(engine, prompt, b"tenant-a")  # the same salt hits
+    assert (cold, other, plain) == (0, 0, 0)
+    assert same == 4096 - 16  # every full block but the last (its last token is computed again)
+    assert other_s == pytest.approx(cold_s) and same_s < cold_s / 10
+    assert engine.cached_prefix_tokens(prompt, b"tenant-b") == 4096
+    assert engine.cached_prefix_tokens(prompt, b"tenant-c") == 0
+    with pytest.raises(InvalidRequestError, match="cache_salt must be bytes"):
+        engine.add_request(rid(), prompt, SamplingParams(max_tokens=1), cache_salt="text")  # type: ignore[arg-type]
+    assert_no_leak(engine)

@@ -10,12 +10,14 @@ import redis
 import redis.asyncio as aioredis
 
 from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.core.tenants import TenantLimits
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.state.acl import ROUTER_USER, WORKER_USER, acl_rules, component_users
 from pdrouter.state.embedded_redis import EmbeddedRedis, find_redis_server, redis_version
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
+from pdrouter.state.tenant_limits import LimitGrant, TenantLimiter
 
 ADMIN, ROUTER, WORKER = "a" * 32, "r" * 32, "w" * 32
 NEW_REDIS = redis_version(find_redis_server()) >= (7, 0)
@@ -47,7 +49,15 @@ async def test_each_component_reaches_its_own_keys(server: EmbeddedRedis) -> Non
         bookings = KvReservations(router, "tiny")
         assert await bookings.bookings(WorkerId("decode-0"), epoch) == {}
         await router.publish("pdr:{tiny}:credit-wanted", "x")
-        # A worker reaches no booking, no channel, and no dangerous command.
+        # The router owns the tenants' limits (the whole acquire / settle / renew cycle).
+        limits = TenantLimits(requests_per_minute=5, max_concurrent=2)
+        grant = await TenantLimiter(router).acquire("team-a", limits, "b-1", 10, 4)
+        assert isinstance(grant, LimitGrant)
+        assert await TenantLimiter(router).renew([grant]) == 1
+        await TenantLimiter(router).settle(grant, 2)
+        # A worker reaches no booking, no tenant's limits, no channel, and no dangerous command.
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await TenantLimiter(worker).acquire("team-a", limits, "b-2", 10, 4)
         with pytest.raises(redis.exceptions.NoPermissionError):
             await KvReservations(worker, "tiny").bookings(WorkerId("decode-0"), epoch)
         with pytest.raises(redis.exceptions.NoPermissionError):
@@ -79,6 +89,7 @@ def test_the_rules_name_only_the_layouts_keys() -> None:
     router, worker = acl_rules(ROUTER_USER), acl_rules(WORKER_USER)
     assert "%R~pdr:{*}:workers" in router and "~pdr:{*}:kv:*" in router and "&pdr:{*}:credit-wanted" in router
     assert "kv" not in worker and "&" not in worker and "~pdr:{*}:epoch" in worker
+    assert "~pdr:tenant:*" in router and "tenant" not in worker
     assert all(rules.endswith("+@all -@dangerous") for rules in (router, worker))
     assert "%R~" not in acl_rules(ROUTER_USER, read_only_patterns=False)
     with pytest.raises(ValueError):

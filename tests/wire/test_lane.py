@@ -13,7 +13,17 @@ import pytest
 from pdrouter.core.errors import NotFoundError
 from pdrouter.wire.grpc_util import from_rpc_error, grpc_errors
 from pdrouter.wire.lane import ColocatedLane, DecodeLane, LaneChannel, LaneError, LaneServer, serve_servicer
-from pdrouter.wire.lane.frames import ALLOCATE, CALL, END, HEADER, HELLO, MAX_BODY
+from pdrouter.wire.lane.frames import (
+    ALLOCATE,
+    CALL,
+    END,
+    HEADER,
+    HELLO,
+    MAX_BODY,
+    MAX_META_BYTES,
+    META,
+    encode_metadata,
+)
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
@@ -23,9 +33,11 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self) -> None:
         self.started: list[str] = []
         self.closed: list[str] = []
+        self.metadata: dict[str, tuple[tuple[str, str], ...]] = {}
 
     @grpc_errors
     async def Allocate(self, request: worker_pb2.AllocateRequest, context: object) -> worker_pb2.AllocateResponse:
+        self.metadata[request.request_id] = tuple(context.invocation_metadata())  # type: ignore[attr-defined]
         if request.request_id == "missing":
             raise NotFoundError("no such request")
         if request.request_id == "crash":
@@ -297,3 +309,29 @@ async def test_a_peer_that_never_answers_the_handshake_is_dropped() -> None:
     await asyncio.wait_for(closed.wait(), 5)  # the half-open connection was not kept
     other.close()
     await other.wait_closed()
+
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+async def test_a_calls_metadata_reaches_its_handler_and_no_other(served: tuple) -> None:
+    _, servicer, stub, _ = served
+    context = [("traceparent", TRACEPARENT), ("tracestate", "vendor=a,other=b")]
+    await stub.Allocate(worker_pb2.AllocateRequest(request_id="traced", prompt_token_ids=[1]), metadata=context)
+    await stub.Allocate(worker_pb2.AllocateRequest(request_id="plain", prompt_token_ids=[1]))
+    assert servicer.metadata == {"traced": tuple(context), "plain": ()}
+    # A META frame applies to the CALL that follows it on its own stream only; one over the size limit
+    # is ignored (the call is still served).
+    body = worker_pb2.AllocateRequest(request_id="other-stream", prompt_token_ids=[1]).SerializeToString()
+    meta = encode_metadata(context)
+    await _one_reply(served[0], HEADER.pack(len(meta), 5, META, 0, 0, 0) + meta
+                     + HEADER.pack(len(body), 7, CALL, ALLOCATE.id, 0, 0) + body)
+    big = b"traceparent:" + b"x" * MAX_META_BYTES
+    body = worker_pb2.AllocateRequest(request_id="too-big", prompt_token_ids=[1]).SerializeToString()
+    await _one_reply(served[0], HEADER.pack(len(big), 7, META, 0, 0, 0) + big
+                     + HEADER.pack(len(body), 7, CALL, ALLOCATE.id, 0, 0) + body)
+    assert servicer.metadata["other-stream"] == () and servicer.metadata["too-big"] == ()
+    with pytest.raises(ValueError, match="printable ASCII"):
+        encode_metadata([("traceparent", "a\nb")])
+    with pytest.raises(ValueError, match="lower-case"):
+        encode_metadata([("TraceParent", TRACEPARENT)])

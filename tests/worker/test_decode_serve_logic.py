@@ -62,7 +62,8 @@ class FakeDriver:
         if len(self.checked) <= self.bad_kv:
             raise TransferError(f"the KV received for request {request_id} holds values that are not finite")
 
-    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams) -> KvReservation:
+    def reserve_remote(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                       cache_salt: bytes = b"") -> KvReservation:
         blocks = -(-len(prompt) // BLOCK)
         return KvReservation(request_id, tuple(range(blocks)), self.cached_blocks, len(prompt), BLOCK)
 
@@ -78,8 +79,8 @@ class FakeDriver:
     def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncGenerator[RequestOutput, None]:
         return self._stream("decode", request_id, [first_token + 1, first_token + 2])
 
-    def generate(self, request_id: RequestId, prompt: Sequence[int],
-                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
+    def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                 cache_salt: bytes = b"", trace_headers: object = None) -> AsyncGenerator[RequestOutput, None]:
         return self._stream("generate", request_id, [1, 2, 3])
 
 
@@ -117,7 +118,7 @@ class FakeLinks(PrefillLinks):
 
     async def prefill(self, route: RouteAddress, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: SamplingParams, target: TransferTarget, decode_worker_id: str,
-                      model_compat_hash: str, timeout: float | None) -> PrefillOutcome:
+                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"") -> PrefillOutcome:
         assert (target, decode_worker_id, sampling) == (TARGET, "decode-0", SAMPLING)
         self.calls.append((route.worker_id, timeout))
         answer = self.answers[route.worker_id]

@@ -31,7 +31,8 @@ class FakeDriver:
     def __init__(self) -> None:
         self.ended: list[tuple[str, RequestId]] = []
 
-    async def prefill(self, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams) -> PrefillResult:
+    async def prefill(self, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                      cache_salt: bytes = b"") -> PrefillResult:
         return PrefillResult(rid, tuple(prompt), (1, 2, 3), (), 7, 0, None)
 
     def release(self, rid: RequestId) -> None:

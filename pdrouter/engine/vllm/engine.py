@@ -167,14 +167,18 @@ class VllmEngine:
     # -- requests -----------------------------------------------------------------------------------
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                  extra_args: Mapping[str, Any] | None = None,
-                 on_final: Callable[[Any], None] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 on_final: Callable[[Any], None] | None = None, *, cache_salt: bytes = b"",
+                 trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode in vLLM; an output per step with new tokens, the last one finished.
 
         Checked here first, as the project's engine checks (``InvalidRequestError`` and kin, nothing
         reaches vLLM): a non-empty prompt of ids in the vocabulary, prompt + ``max_tokens`` within
         vLLM's context, the whole request within the pool. ``extra_args``: vLLM's per-request
         ``SamplingParams.extra_args`` (a KV connector's ``kv_transfer_params`` go there); ``on_final``
-        is called with vLLM's own finished ``RequestOutput`` before the finished output is yielded."""
+        is called with vLLM's own finished ``RequestOutput`` before the finished output is yielded.
+        ``cache_salt``: vLLM's own ``cache_salt`` (its hex), so vLLM's prefix cache keeps the salt's
+        blocks apart; ``trace_headers``: W3C trace context vLLM's own spans join (when vLLM traces,
+        ``--otlp-traces-endpoint``)."""
         self._check()
         ids = validate_request(prompt, sampling, self._spec, num_blocks=self._layout.num_blocks,
                                block_size=self._layout.block_size)
@@ -183,7 +187,7 @@ class VllmEngine:
         params = self._vllm_sampling(sampling, extra_args)
         aborted = asyncio.Event()
         self._live[request_id] = aborted
-        return self._stream(request_id, list(ids), params, aborted, on_final)
+        return self._stream(request_id, list(ids), params, aborted, on_final, cache_salt, trace_headers)
 
     def _vllm_sampling(self, sampling: SamplingParams, extra_args: Mapping[str, Any] | None) -> Any:
         sp = self._sampling_module
@@ -200,9 +204,11 @@ class VllmEngine:
             raise InvalidRequestError(f"vLLM refused the sampling parameters: {exc}") from None
 
     async def _stream(self, request_id: RequestId, prompt: list[int], params: Any, aborted: asyncio.Event,
-                      on_final: Callable[[Any], None] | None) -> AsyncGenerator[RequestOutput, None]:
+                      on_final: Callable[[Any], None] | None, cache_salt: bytes = b"",
+                      trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
         # A rendered token input (vLLM's TokensPrompt, already tokenized): no tokenizer, no preprocessing task.
-        outputs = self.llm.generate(self._tokens_input(prompt), params, request_id)
+        tokens = self._tokens_input(prompt, cache_salt=cache_salt.hex()) if cache_salt else self._tokens_input(prompt)
+        outputs = self.llm.generate(tokens, params, request_id, trace_headers=trace_headers or None)
         produced = 0
         try:
             while True:

@@ -5,7 +5,17 @@ Redis (``pdrouter.state.reservations``: one atomic script, shared by every route
 worker with room, under a lease that this router renews while the request runs. When no worker
 has room the request waits in a bounded queue (priority first, then FIFO) until blocks come back
 or its queue deadline passes (CapacityError → RESOURCE_EXHAUSTED / HTTP 429 with Retry-After). A
-request larger than every worker's whole pool is refused at once (RequestTooLargeError).
+request larger than every worker's whole pool is refused at once (RequestTooLargeError). Waiting
+requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
+blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
+
+**Headroom.** While a tenant has a backlog here (two or more requests waiting) and another tenant
+has been active in the last ``fair_window_s``, the backlogged tenant books against each worker's
+pool less ``fair_headroom`` of it. The room it leaves goes to tenants with at most one request
+waiting, which may book it without being the queue's head. So a flood never fills the pools to
+the last block: a tenant sending at its fair share is admitted on arrival instead of at the next
+request's end anywhere in the pool. The cost is that headroom, idle while only the flood waits.
+A tenant alone, and every request of a router without tenants, books whole pools, head first.
 
 Every admission books under an id of its own (``book-<router>-<n>``, a :data:`BookingId`): the
 client's request id is only passed along for logs. Two requests that share a client id (by
@@ -24,6 +34,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -58,6 +69,8 @@ class Admission:
         self.owner = uuid.uuid4().hex[:12]
         """This router's part of every booking id it assigns."""
         self._booking_seq = itertools.count()
+        self._seen: dict[str, float] = {}
+        """Per tenant, when it last asked for room (bounded by the tenants)."""
         tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
@@ -103,7 +116,8 @@ class Admission:
         return BookingId(f"book-{self.owner}-{next(self._booking_seq)}")
 
     async def admit(self, request_id: RequestId, blocks: int, candidates: Sequence[DecodeCapacity],
-                    priority: int = 0, deadline: float | None = None, prefer: WorkerId | None = None) -> Reservation:
+                    priority: int = 0, deadline: float | None = None, prefer: WorkerId | None = None,
+                    flow: str | None = None, weight: float = 1.0) -> Reservation:
         """Book ``blocks`` on a candidate, waiting in the queue if none has room now.
 
         The booking gets an id of its own (``Reservation.booking_id``); ``request_id`` is the
@@ -111,10 +125,14 @@ class Admission:
 
         ``prefer``: a candidate to book on whenever it has room now (from this router's credit on it,
         else one booking call for it alone), e.g. the colocated worker holding the prompt's prefix;
-        else, and for a request that has to wait, the candidates as usual.
+        else, and for a request that has to wait, the candidates as usual. ``flow`` (the tenant,
+        None: none) and ``weight`` place a waiting request among the others of its ``priority``
+        (``queue``).
         """
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
+        if flow is not None:
+            self._seen[flow] = time.monotonic()
         preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
         if not queue and preferred and len(candidates) > 1:
             if cfg.credit_fraction > 0:
@@ -136,10 +154,10 @@ class Admission:
                 if not exc.retryable:
                     self.stats.rejections["too_large"] += 1
                     raise
-        if queue.full:
+        waiter = queue.join(priority, flow, weight, blocks)
+        if waiter is None:
             self.stats.rejections["queue_full"] += 1
             raise _full(f"the admission queue is full ({cfg.queue_limit} waiting)", cfg.retry_after_s)
-        waiter = queue.join(priority)
         log.debug("%s waits for %d KV blocks (booking %s)", request_id, blocks, booking_id)
         self._credit.give_back_unused()  # someone waits for room: this router's spare credit goes first
         self._signals.ask()  # and the other routers' spare credit
@@ -148,12 +166,21 @@ class Admission:
         give_up = start + cfg.queue_timeout_s
         if deadline is not None:
             give_up = min(give_up, deadline)
+        served = False
         try:
             while True:
-                if queue.is_head(waiter):
+                if waiter.evicted:
+                    self.stats.rejections["queue_full"] += 1
+                    raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
+                                f"tenants or a higher priority came", cfg.retry_after_s)
+                held = self._held_back(flow)
+                if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back()):
                     try:
-                        res = await self.reservations.reserve(booking_id, blocks, candidates, cfg.lease_ms)
+                        res = await self.reservations.reserve(
+                            booking_id, blocks, self._without_headroom(candidates, blocks) if held else candidates,
+                            cfg.lease_ms)
                         self.stats.wait_seconds_total += time.monotonic() - start
+                        served = True
                         return self._admitted(res)
                     except CapacityError as exc:
                         if not exc.retryable:
@@ -163,11 +190,30 @@ class Admission:
                 if left <= 0:
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
-                                cfg.retry_after_s)
+                                cfg.retry_after_s, "timeout")
                 self._signals.ask()
                 await queue.wait(waiter, min(left, cfg.poll_interval_s))
         finally:
-            queue.leave(waiter)
+            queue.leave(waiter, served)
+
+    def _held_back(self, flow: str | None) -> bool:
+        """Whether ``flow`` books without the headroom now (see the module docstring)."""
+        if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2:
+            return False
+        since = time.monotonic() - self.config.fair_window_s
+        return any(other != flow and seen > since for other, seen in self._seen.items())
+
+    def _head_held_back(self) -> bool:
+        head = self._queue.head
+        return head is not None and self._held_back(head.flow)  # type: ignore[arg-type]
+
+    def _without_headroom(self, candidates: Sequence[DecodeCapacity], blocks: int) -> list[DecodeCapacity]:
+        """The candidates less their headroom (but never below the request: a request larger than a
+        pool's rest books that pool whole, or it could never be admitted)."""
+        share = self.config.fair_headroom
+        return [dataclasses.replace(c, capacity_blocks=max(blocks, c.capacity_blocks
+                                                           - math.ceil(c.capacity_blocks * share)))
+                for c in candidates]
 
     def _admitted(self, res: Reservation) -> Reservation:
         self._active[res.booking_id] = res
@@ -220,5 +266,5 @@ class Admission:
                 yield res
 
 
-def _full(message: str, retry_after_s: int) -> CapacityError:
-    return CapacityError(message, retry_after_s=retry_after_s)
+def _full(message: str, retry_after_s: int, reason: str = "queue_full") -> CapacityError:
+    return CapacityError(message, retry_after_s=retry_after_s, reason=reason)

@@ -28,6 +28,12 @@ class AdmissionConfig:
     """Unused credit on a worker whose requests all ended this long ago goes back."""
     credit_yield_s: float = 1.0
     """After another router asked for room, this router books no credit for this long."""
+    fair_headroom: float = 0.05
+    """With tenants: the fraction of each decode worker's pool that a tenant with a backlog (two or
+    more requests waiting here) may not book while another tenant has been active in the last
+    ``fair_window_s``. So a tenant sending at its fair share beside a flood finds room at once, not
+    at the next request's end (0: no headroom). A tenant alone books the whole pool."""
+    fair_window_s: float = 10.0
     on_redis_error: Literal["fail", "local"] = "fail"
     """When a booking fails because Redis cannot be reached: ``fail`` refuses the request
     (UNAVAILABLE / HTTP 503); ``local`` places it by load alone, without shared admission (each
@@ -40,6 +46,9 @@ class AdmissionConfig:
                 or self.credit_yield_s < 0:
             raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1, credit_idle_s > 0 "
                               "and credit_yield_s >= 0")
+        if not 0.0 <= self.fair_headroom < 1.0 or self.fair_window_s <= 0:
+            raise ConfigError(f"admission: fair_headroom must be in [0, 1) and fair_window_s > 0, got "
+                              f"{self.fair_headroom:g} and {self.fair_window_s:g}")
         if self.on_redis_error not in ("fail", "local"):
             raise ConfigError(f"admission: on_redis_error must be fail or local, got {self.on_redis_error!r}")
 

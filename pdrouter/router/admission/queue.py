@@ -1,4 +1,28 @@
-"""The bounded wait queue of requests waiting for KV room: priority first, then arrival order."""
+"""The bounded wait queue of requests waiting for KV room: priority classes, then fair shares, then arrival.
+
+The order, strictly in this precedence:
+
+1. **priority class**: a waiter of a higher ``priority`` is always served before any of a lower one;
+2. **weighted fair share** among the *flows* (tenants) of a class: self-clocked fair queueing
+   (Golestani, 1994). Each waiter gets a virtual finish tag ``F = max(V, F_prev(flow)) + cost /
+   weight``, where ``F_prev(flow)`` is the tag of its flow's previous waiter and ``V`` the tag of
+   the last waiter of the class that was served; the smallest tag goes first. A flow that keeps a
+   backlog is served ``weight / Σ weights`` of the cost (KV blocks) that is admitted while the
+   others also wait, and one arriving in an idle moment is placed at the front of the backlogs,
+   never behind another flow's burst;
+3. **arrival order** among equal tags.
+
+One flow alone is served exactly in arrival order within each class (its tags only grow), which is
+what the queue did before it knew flows; without tenants every request is one flow.
+
+When the queue is full (``limit`` waiters), a newcomer that would be served before the waiter
+served last (its class is higher, or its fair-share tag is smaller) takes that waiter's place,
+and the waiter pushed out is told so (``Waiter.evicted``, its ``wake`` set); any other newcomer is
+refused. So a flooding tenant's backlog fills the queue without locking the others out of it, and
+with a single flow a full queue refuses newcomers, as before.
+
+Nothing here touches Redis: the owner decides what "room" is and wakes the head when some comes back.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +30,7 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 
@@ -14,40 +39,87 @@ class Waiter:
     """One waiting request's place in the queue; ``wake`` is set when it should look for room."""
 
     priority: int
+    """Its class, negated (the heap's smallest first)."""
+    tag: float
+    """Its virtual finish tag within the class."""
     seq: int
+    flow: Hashable = field(compare=False, default=None)
     wake: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
+    evicted: bool = field(compare=False, default=False)
+    """Pushed out of a full queue by a waiter served before it (the owner refuses the request)."""
 
 
 class WaitQueue:
-    """Requests waiting for room, served one at a time from the head.
+    """Requests waiting for room, served one at a time from the head (see the module docstring).
 
-    The head is the waiter with the highest priority, the earliest among equals. ``join`` places a
-    waiter, ``is_head`` tells whether it is its turn, ``wait`` sleeps until it is woken or the
-    timeout passes, and ``leave`` takes it out (whether or not it was admitted) and wakes the new
-    head. ``full`` is true once ``limit`` waiters are queued; the queue itself never refuses one.
-    Nothing here touches Redis: the owner decides what "room" is and wakes the head when some
-    comes back.
+    ``join`` places a waiter (or returns None when the queue is full and it would not be served
+    before the last waiter), ``is_head`` tells whether it is its turn, ``wait`` sleeps until it is
+    woken or the timeout passes, and ``leave`` takes it out (``served``: it was admitted, which
+    moves its class's virtual time) and wakes the new head.
     """
 
-    __slots__ = ("_heap", "_seq", "limit")
+    __slots__ = ("_finish", "_flows", "_heap", "_seq", "_vtime", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._heap: list[Waiter] = []
         self._seq = itertools.count()
+        self._vtime: dict[int, float] = {}
+        """Per class: the tag of the waiter last served."""
+        self._finish: dict[tuple[int, Hashable], float] = {}
+        """Per class and flow: the tag of its last waiter (bounded by the classes and flows seen
+        since the queue was last empty)."""
+        self._flows: dict[Hashable, list[Waiter]] = {}
+        """Each flow's waiters (flows with none are dropped)."""
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def waiting(self, flow: Hashable) -> int:
+        """Waiters of ``flow`` in the queue."""
+        waiters = self._flows.get(flow)
+        return 0 if waiters is None else len(waiters)
+
+    @property
+    def head(self) -> Waiter | None:
+        return self._heap[0] if self._heap else None
 
     @property
     def full(self) -> bool:
         return len(self._heap) >= self.limit
 
-    def join(self, priority: int = 0) -> Waiter:
-        """Queue a waiter; a higher ``priority`` goes ahead of every lower one already waiting."""
-        waiter = Waiter(-priority, next(self._seq))
+    def join(self, priority: int = 0, flow: Hashable = None, weight: float = 1.0, cost: float = 1.0) -> Waiter | None:
+        """Queue a waiter of ``flow`` (None: the one flow of requests without a tenant) costing ``cost``
+        (KV blocks); a higher ``priority`` goes ahead of every lower one already waiting.
+
+        None when the queue is full and the waiter would not be served before the last one; when
+        it would, the last one is pushed out (``evicted``) and the newcomer joins."""
+        cls = -priority
+        key = (cls, flow)
+        tag = max(self._vtime.get(cls, 0.0), self._finish.get(key, 0.0)) + cost / weight
+        waiter = Waiter(cls, tag, next(self._seq), flow)
+        if self.full:
+            if not self._heap:
+                return None
+            last = max(self._heap)
+            if not waiter < last:
+                return None
+            self._heap.remove(last)
+            heapq.heapify(self._heap)
+            self._forget(last)
+            last.evicted = True
+            last.wake.set()
+        self._finish[key] = tag
         heapq.heappush(self._heap, waiter)
+        self._flows.setdefault(flow, []).append(waiter)
         return waiter
+
+    def _forget(self, waiter: Waiter) -> None:
+        waiters = self._flows.get(waiter.flow)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._flows[waiter.flow]
 
     def is_head(self, waiter: Waiter) -> bool:
         return bool(self._heap) and self._heap[0] is waiter
@@ -55,17 +127,35 @@ class WaitQueue:
     async def wait(self, waiter: Waiter, timeout: float) -> None:
         """Sleep until ``waiter`` is woken (after this call began) or ``timeout`` seconds pass."""
         waiter.wake.clear()
+        if waiter.evicted:
+            return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(waiter.wake.wait(), timeout)
 
-    def leave(self, waiter: Waiter) -> None:
-        """Take ``waiter`` out (nothing if it is not queued) and wake whoever is the head now."""
+    def leave(self, waiter: Waiter, served: bool = False) -> None:
+        """Take ``waiter`` out (nothing if it is not queued) and wake whoever is the head now.
+        ``served``: it was admitted; its class's virtual time moves to its tag."""
+        if served:
+            self._vtime[waiter.priority] = max(self._vtime.get(waiter.priority, 0.0), waiter.tag)
         if waiter in self._heap:
-            self._heap.remove(waiter)
-            heapq.heapify(self._heap)
+            if self._heap[0] is waiter:
+                heapq.heappop(self._heap)
+            else:
+                self._heap.remove(waiter)
+                heapq.heapify(self._heap)
+            self._forget(waiter)
+        if not self._heap:  # idle: every flow starts afresh (and the bookkeeping stays small)
+            self._vtime.clear()
+            self._finish.clear()
         self.wake_head()
 
     def wake_head(self) -> None:
-        """Room may have come back: the head looks again."""
+        """Room may have come back: the head looks again, and so does every flow's only waiter
+        (with several flows waiting: one whose tenant is held back from the last room is not the
+        only one that may take it, see ``Admission``)."""
         if self._heap:
             self._heap[0].wake.set()
+            if len(self._flows) > 1:
+                for waiters in self._flows.values():
+                    if len(waiters) == 1:
+                        waiters[0].wake.set()

@@ -103,18 +103,34 @@ def _checked(key: str, where: str) -> str:
     return key
 
 
-def read_key_file(path: Path) -> list[str]:
-    """The keys of an ``--api-key-file``: one a line; blank lines and ``#`` comments are skipped."""
+def _key_lines(path: Path) -> list[tuple[str, str | None]]:
+    """``(key, tenant or None)`` per key line of an ``--api-key-file``."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--api-key-file {path}: cannot read it ({type(exc).__name__})") from None
-    keys = []
+    out: list[tuple[str, str | None]] = []
     for number, line in enumerate(text.splitlines(), 1):
-        key = line.strip()
-        if key and not key.startswith("#"):
-            keys.append(_checked(key, f"--api-key-file {path} line {number}"))
-    return keys
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) > 2:
+            raise ConfigError(f"--api-key-file {path} line {number}: a line is a key and, optionally, its tenant's "
+                              f"name; this one has more")
+        out.append((_checked(parts[0], f"--api-key-file {path} line {number}"), parts[1] if len(parts) == 2 else None))
+    return out
+
+
+def read_key_file(path: Path) -> list[str]:
+    """The keys of an ``--api-key-file``: one a line, optionally followed by its tenant's name
+    (``KEY team-a``, see ``pdrouter.core.tenants``); blank lines and ``#`` comments are skipped."""
+    return [key for key, _ in _key_lines(path)]
+
+
+def key_file_tenants(files: Sequence[Path]) -> dict[str, str]:
+    """Key → tenant name, for the key lines of ``files`` that name a tenant."""
+    return {key: tenant for path in files for key, tenant in _key_lines(path) if tenant is not None}
 
 
 def collect_api_keys(flags: Sequence[str] = (), files: Sequence[Path] = (), env: str | None = None) -> ApiKeys:

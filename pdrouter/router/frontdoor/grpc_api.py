@@ -14,26 +14,35 @@ and end INVALID_ARGUMENT, as any other bad request does, rather than gRPC's UNKN
 than being an async generator: when the client cancels, gRPC cancels that coroutine wherever it
 waits (for a token or for flow control), so the orchestrator's iterator is closed at once and the
 request is cancelled on the workers.
+
+With tenants the call's ``authorization`` key names its tenant; with tracing the call is a server
+span continuing the ``traceparent`` / ``tracestate`` of its metadata (or starting a trace).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError, Message
 
 from pdrouter.core.errors import InvalidRequestError, PdRouterError
+from pdrouter.core.hashing import cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tenants import Tenant, Tenants
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
-from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS
+from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS, check_cache_salt
+from pdrouter.router.frontdoor.spans import describe, end_span
 from pdrouter.router.generation import Piece, stream_pieces
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
@@ -53,7 +62,7 @@ _FINISH_TO_PB = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
 
 
 def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, config: FrontdoorConfig,
-                      deadline: float | None) -> RouterRequest:
+                      deadline: float | None, tenant: Tenant | None = None) -> RouterRequest:
     """A validated ``RouterRequest`` from a ``GenerateRequest`` for ``served``.
 
     Unset proto3 scalars read as: ``max_tokens`` 0 → the context left after the prompt capped at
@@ -61,7 +70,8 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     The request always gets a fresh id of the router's; the client's ``request_id``, when set, is
     only its label (echoed in the responses). Every field is bounded as over HTTP (``top_k`` at
     most ``MAX_TOP_K``, ``seed`` below 2^63, ``temperature`` finite in [0, 100]…): a bad value is an
-    InvalidRequestError (INVALID_ARGUMENT) naming the field.
+    InvalidRequestError (INVALID_ARGUMENT) naming the field. ``tenant`` (the call's key's) gives
+    its priority class and its part of the cache salt.
     """
     if len(msg.request_id) > MAX_REQUEST_ID_LEN:
         raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LEN} characters")
@@ -83,8 +93,13 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     served.check_token_ids(stop_ids, "sampling.stop_token_ids")
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
     sampling = sampling_params(s, max_tokens)
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline,
-                         label=msg.request_id or None)
+    salt = check_cache_salt(msg.cache_salt or None, "cache_salt")
+    if tenant is None and salt is None:
+        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline,
+                             label=msg.request_id or None)
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=msg.request_id or None,
+                         tenant=tenant, priority=0 if tenant is None else tenant.priority,
+                         cache_salt=cache_salt_key(None if tenant is None else tenant.salt_scope, salt))
 
 
 def sampling_params(s: common_pb2.SamplingParams, max_tokens: int) -> SamplingParams:
@@ -119,12 +134,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     """``pdrouter.v1.Router`` over an orchestrator; register with ``router_pb2_grpc.add_RouterServicer_to_server``.
 
     ``tokenizers`` maps each served model name to its tokenizer, as for the HTTP door; pass the
-    same ``metrics`` to both doors to export them on one registry.
+    same ``metrics`` to both doors to export them on one registry. ``tenants`` and ``tracing`` as
+    for the HTTP door.
     """
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
-                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None) -> None:
+                 metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
+                 tenants: Tenants | None = None, tracing: Tracing | None = None) -> None:
         self.orchestrator = orchestrator
+        self.tenants = tenants
+        self.tracing = tracing
         self.config = config if config is not None else FrontdoorConfig()
         self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -137,6 +156,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         metrics = self.door_metrics
         metrics.in_flight.inc()
         error: BaseException | None = None
+        span: Any = None
+        if self.tracing is not None:
+            span = self.tracing.incoming("pdrouter.v1.Router/Generate", context.invocation_metadata(), {
+                "rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": "Generate"})
         try:
             if isinstance(request, Undecodable):
                 raise InvalidRequestError(request.message)
@@ -145,7 +168,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             served = self.models.get(request.model)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            router_request = to_router_request(request, served, self.config, deadline)
+            tenant = None
+            if self.tenants is not None:
+                key, _ = single_entry(context.invocation_metadata() or (), "authorization")
+                tenant = self.tenants.for_authorization(key)
+            router_request = to_router_request(request, served, self.config, deadline, tenant)
+            if span is not None:
+                router_request = dataclasses.replace(router_request, trace=span)
+                describe(span, router_request)
             rid = router_request.label or router_request.request_id
             text = TextStream(served.tokenizer.stream_decoder())
             async with aclosing(stream_pieces(self.orchestrator, router_request, text, metrics,
@@ -162,6 +192,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         finally:
             metrics.in_flight.dec()
             metrics.finished(error, time.perf_counter() - arrival)
+            if span is not None:
+                end_span(self.tracing, span, error)
 
     @grpc_errors
     async def ListModels(self, request: router_pb2.ListModelsRequest | Undecodable,

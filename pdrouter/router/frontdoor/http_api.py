@@ -30,6 +30,11 @@ the orchestrator's stream itself, so that:
   output. Stop strings are matched here, on the decoded text, token by token (the worker has no
   text), so a request with them keeps its tokens coming as they are made: it ends at the token
   that completes one, its usage counts the tokens up to it, and the worker stops there.
+
+With tenants (``pdrouter.core.tenants``) the request's key names its tenant, which the request
+carries (its limits are the orchestrator's: ``pdrouter.router.tenancy``). With tracing
+(``pdrouter.core.tracing``) each generation request is a server span continuing the client's W3C
+``traceparent`` / ``tracestate`` (or starting a trace), ended when the response is.
 """
 
 from __future__ import annotations
@@ -51,13 +56,24 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from pdrouter.core.errors import CancelledError, InvalidRequestError, PdRouterError
+from pdrouter.core.tenants import Tenants
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import OPEN_HTTP_PATHS, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
 from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
+from pdrouter.router.frontdoor.spans import describe, end_span
 from pdrouter.router.generation import Piece, stream_pieces
-from pdrouter.router.http_server import DISCONNECT_EXTENSION, Handler, OnDisconnect, Refusal, RequestHead, Verdict
+from pdrouter.router.http_server import (
+    DISCONNECT_EXTENSION,
+    NO_HEAD,
+    Handler,
+    OnDisconnect,
+    Refusal,
+    RequestHead,
+    Verdict,
+)
 
 # The server's own, importable from here too by code that builds a door and its server together.
 from pdrouter.router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
@@ -84,14 +100,18 @@ class HttpFrontdoor:
 
     ``tokenizers`` maps each served model name to its tokenizer; models the orchestrator lists
     without a tokenizer are not served. ``api_keys``: the keys requests need (none: open).
-    ``serve_metrics`` False leaves ``/metrics`` to a listener of its own. Each front door owns its
+    ``serve_metrics`` False leaves ``/metrics`` to a listener of its own. ``tenants``: whose key is
+    whose (None: no tenants); ``tracing``: the router's tracer (None: off). Each front door owns its
     state: no module globals.
     """
 
     def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
-                 api_keys: ApiKeys | None = None, serve_metrics: bool = True) -> None:
+                 api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
+                 tracing: Tracing | None = None) -> None:
         self.orchestrator = orchestrator
+        self.tenants = tenants
+        self.tracing = tracing
         self.config = config if config is not None else FrontdoorConfig()
         self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
         self.metrics = metrics if metrics is not None else RouterMetrics()
@@ -113,30 +133,40 @@ class HttpFrontdoor:
                            self.api_keys)
 
     async def generation(self, receive: Receive, send: Send, chat: bool,
-                         on_disconnect: OnDisconnect | None = None, label: bytes | None = None) -> None:
+                         on_disconnect: OnDisconnect | None = None, head: RequestHead = NO_HEAD) -> None:
         """Serve one ``/v1/completions`` (``chat`` False) or ``/v1/chat/completions`` request.
 
         ``on_disconnect`` (the server's :data:`DISCONNECT_EXTENSION`, when it has it) replaces the
-        task that otherwise watches ``receive`` for the client going away. ``label``: the client's
-        ``X-Request-Id``, echoed back.
+        task that otherwise watches ``receive`` for the client going away. ``head``: the request's
+        head (its ``X-Request-Id`` is echoed back; its key names its tenant; its trace context).
         """
         arrival = time.perf_counter()
         self.door_metrics.in_flight.inc()
         client_id: str | None = None
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.incoming("POST /v1/chat/completions" if chat else "POST /v1/completions",
+                                         (("traceparent", head.traceparent), ("tracestate", head.tracestate)),
+                                         {"http.request.method": "POST", "http.route": "/v1/chat/completions"
+                                          if chat else "/v1/completions"})
         try:
-            client_id = request_label(label)
+            client_id = request_label(head.request_id)
             body = await self._read_body(receive)
             parsed = parse_openai_request(body, chat, self.config)
             served = self.models.get(parsed.model)
             timeout = self.config.request_timeout_s
             deadline = None if timeout is None else time.monotonic() + timeout
-            router_request = to_router_request(parsed, served, self.config, deadline, client_id)
+            tenant = None if self.tenants is None else self.tenants.for_authorization(head.authorization)
+            router_request = to_router_request(parsed, served, self.config, deadline, client_id, tenant)
             if not parsed.stream and not parsed.stop:
                 # Taken in one piece, and no stop string to watch token by token: the worker
                 # sends the tokens at once (the same output, one message instead of one a token).
                 router_request = dataclasses.replace(router_request, whole=True)
+            if span is not None:
+                router_request = dataclasses.replace(router_request, trace=span)
+                describe(span, router_request)
         except Exception as exc:
-            self.finish(exc, arrival)
+            self.finish(exc, arrival, span)
             reply = error_reply(exc, self.config.retry_after_s)
             payload = reply.body()
             headers = [(k.encode(), v.encode()) for k, v in reply.headers.items()]
@@ -164,10 +194,12 @@ class HttpFrontdoor:
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def finish(self, error: BaseException | None, arrival: float) -> None:
-        """Account one finished generation request (outcome, latency, in-flight gauge)."""
+    def finish(self, error: BaseException | None, arrival: float, span: Any = None) -> None:
+        """Account one finished generation request (outcome, latency, in-flight gauge; its span)."""
         self.door_metrics.in_flight.dec()
         self.door_metrics.finished(error, time.perf_counter() - arrival)
+        if span is not None:
+            end_span(self.tracing, span, error)
         if isinstance(error, PdRouterError):
             if error.http_status >= 500:
                 log.warning("request failed: %s: %s", type(error).__name__, error.message)
@@ -279,7 +311,7 @@ class _GenerationEndpoint:
         door, chat = self._door, self._chat
 
         def handle(receive: Receive, send: Send, head: RequestHead) -> Awaitable[None]:
-            return door.generation(receive, send, chat, on_disconnect, head.request_id)
+            return door.generation(receive, send, chat, on_disconnect, head)
         return handle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -288,8 +320,11 @@ class _GenerationEndpoint:
         if len(labels) > 1:
             await send_refusal(send, Refusal(400, "invalid_request_id", "several X-Request-Id headers: send one"))
             return
-        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None,
-                                    labels[0] if labels else None)
+        authorization = _values(scope, b"authorization")
+        parent, state = _values(scope, b"traceparent"), _values(scope, b"tracestate")
+        head = RequestHead(authorization[0] if authorization else None, None, labels[0] if labels else None,
+                           parent[0] if len(parent) == 1 else None, state[0] if len(state) == 1 else None)
+        await self._door.generation(receive, send, self._chat, extension["register"] if extension else None, head)
 
 
 class _Generation:
@@ -330,7 +365,7 @@ class _Generation:
                 forget()
             if watcher is not None:
                 watcher.cancel()
-            self._door.finish(error, self._arrival)
+            self._door.finish(error, self._arrival, self._request.trace)
 
     def _client_lost(self, task: asyncio.Task[Any]) -> None:
         if not self._complete:
@@ -485,9 +520,10 @@ def _usage(piece: Piece) -> Usage:
 
 def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
                metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
-               api_keys: ApiKeys | None = None, serve_metrics: bool = True) -> HttpApp:
+               api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
+               tracing: Tracing | None = None) -> HttpApp:
     """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
     door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config, api_keys=api_keys,
-                         serve_metrics=serve_metrics)
+                         serve_metrics=serve_metrics, tenants=tenants, tracing=tracing)
     door.app.state.frontdoor = door
     return door.app

@@ -12,7 +12,10 @@ Accepted (``/v1/completions`` and ``/v1/chat/completions``):
   prompt within the model's context. When absent: the context left after the prompt, capped at
   ``FrontdoorConfig.default_max_tokens`` (256 by default);
 * extensions (vLLM's): ``stop_token_ids`` (at most ``MAX_STOP_TOKEN_IDS``, in the vocabulary),
-  ``top_k`` (-1 or 0 disable it; at most ``MAX_TOP_K``), ``ignore_eos``, ``include_stop_str_in_output``;
+  ``top_k`` (-1 or 0 disable it; at most ``MAX_TOP_K``), ``ignore_eos``, ``include_stop_str_in_output``,
+  ``cache_salt`` (a non-empty string of at most ``MAX_CACHE_SALT_CHARS`` characters: the prompt
+  shares cached blocks only with prompts of the same salt, and of the same tenant when its tenant
+  keeps its cache apart, ``pdrouter.core.hashing.cache_salt_key``);
 * completions: ``prompt`` as a string, a list of token ids, or a list holding exactly one of
   those; chat: ``messages`` with roles system / developer (read as system) / user / assistant /
   tool, ``content`` a string or a list of ``{"type": "text", "text": ...}`` parts (joined by
@@ -40,8 +43,10 @@ from typing import Any
 
 from pdrouter.core.chat_template import RESERVED_VARIABLES, ChatMessage, ChatOptions
 from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.hashing import MAX_CACHE_SALT_CHARS, cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import MAX_TOP_K, SamplingParams
+from pdrouter.core.tenants import Tenant
 from pdrouter.router.request import RouterRequest
 from pdrouter.router.served_models import FrontdoorConfig, ServedModel
 
@@ -80,6 +85,7 @@ class OpenAIRequest:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    cache_salt: str | None = None
 
 
 # Fields of features this server does not implement, with the values that mean "not used".
@@ -374,13 +380,27 @@ def parse_openai_request(body: bytes, chat: bool, config: FrontdoorConfig) -> Op
         ignore_eos=_bool(data, "ignore_eos"),
         stream=_bool(data, "stream"),
         include_usage=_bool(options, "include_usage") if options else False,
+        cache_salt=check_cache_salt(data.get("cache_salt"), "cache_salt") if "cache_salt" in data else None,
     )
 
 
+def check_cache_salt(value: Any, field: str) -> str | None:
+    """A request's ``cache_salt`` (None when unset), as vLLM accepts it: a non-empty string; FieldError else."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise FieldError(field, f"{field} must be a non-empty string, got {_kind(value)}")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise FieldError(field, f"{field} has at most {MAX_CACHE_SALT_CHARS} characters")
+    return value
+
+
 def to_router_request(req: OpenAIRequest, served: ServedModel, config: FrontdoorConfig,
-                      deadline: float | None = None, label: str | None = None) -> RouterRequest:
+                      deadline: float | None = None, label: str | None = None,
+                      tenant: Tenant | None = None) -> RouterRequest:
     """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling.
-    The request gets a fresh id of the router's; ``label`` is the client's name for it."""
+    The request gets a fresh id of the router's; ``label`` is the client's name for it; ``tenant``
+    (its key's) gives its priority class and its part of the cache salt."""
     tokenizer = served.tokenizer
     if req.chat:
         ids = served.chat_prompt(req.messages, req.chat_options)
@@ -402,4 +422,8 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
             raise
         field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
         raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label)
+    if tenant is None and req.cache_salt is None:
+        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label)
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label, tenant=tenant,
+                         priority=0 if tenant is None else tenant.priority,
+                         cache_salt=cache_salt_key(None if tenant is None else tenant.salt_scope, req.cache_salt))

@@ -16,7 +16,8 @@ The contract:
   when the worker holds a token, the proof of it). A call
   is one stream id: a ``CALL`` (method id, deadline, serialized request), then ``MESSAGE`` frames
   (one per response of a streaming method) and one ``END`` (status code; the unary response, or the
-  status details). ``frames`` holds the format;
+  status details), optionally preceded by a ``META`` frame with the call's metadata (the W3C trace
+  context). ``frames`` holds the format;
 * errors are statuses: a handler's failure ends its call with the status a gRPC server would send
   (``LaneContext.abort``'s, a ``PdRouterError``'s gRPC code, else UNKNOWN; UNIMPLEMENTED for a
   method not served, INVALID_ARGUMENT for a request that does not parse, UNAVAILABLE from a worker
@@ -69,6 +70,7 @@ from pdrouter.wire.lane.frames import (
     MAGIC,
     MAX_BODY,
     MESSAGE,
+    META,
     METHODS,
     PREFILL,
     RELEASE,
@@ -94,6 +96,7 @@ __all__ = [
     "MAGIC",
     "MAX_BODY",
     "MESSAGE",
+    "META",
     "METHODS",
     "PREFILL",
     "RELEASE",

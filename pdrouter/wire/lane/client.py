@@ -20,7 +20,7 @@ import contextlib
 import hmac
 import logging
 import secrets
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from ssl import SSLContext
 from typing import Any, Generic, TypeVar, cast
 
@@ -39,6 +39,7 @@ from pdrouter.wire.lane.frames import (
     END,
     HELLO,
     MAX_IDENTITY_BYTES,
+    META,
     NONCE_SIZE,
     PREFILL,
     PROOF_SIZE,
@@ -50,6 +51,7 @@ from pdrouter.wire.lane.frames import (
     _frame,
     _Frames,
     client_proof,
+    encode_metadata,
     server_proof,
 )
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -262,13 +264,16 @@ class _ClientConnection(_Corked):
             return False
         return True
 
-    def open(self, method: LaneMethod, body: bytes, timeout_ms: int) -> tuple[int, _Inbox]:
+    def open(self, method: LaneMethod, body: bytes, timeout_ms: int, meta: bytes = b"") -> tuple[int, _Inbox]:
+        """Start a call (``meta``: its encoded metadata, sent in a ``META`` frame before the ``CALL``)."""
         if self.lost is not None or self.transport is None or self.transport.is_closing():
             raise LaneError(self.lost_code, self.lost or f"the lane to {self.address} is closed")
         stream = self._next
         self._next = stream + 1 if stream < 0xFFFFFFFF else 1
         inbox = _Inbox()
         self.calls[stream] = inbox
+        if meta:
+            self._send(_frame(stream, META, 0, meta))
         self._send(_frame(stream, CALL, method.id, body, timeout_ms))
         return stream, inbox
 
@@ -338,11 +343,13 @@ class LaneChannel:
         self._conn = conn
         return conn
 
-    def unary(self, method: LaneMethod, request: Message, timeout: float | None = None) -> UnaryCall[Any]:
-        return UnaryCall(self, method, request, timeout)
+    def unary(self, method: LaneMethod, request: Message, timeout: float | None = None,
+              metadata: Sequence[tuple[str, str]] | None = None) -> UnaryCall[Any]:
+        return UnaryCall(self, method, request, timeout, metadata)
 
-    def stream(self, method: LaneMethod, request: Message, timeout: float | None = None) -> StreamCall[Any]:
-        return StreamCall(self, method, request, timeout)
+    def stream(self, method: LaneMethod, request: Message, timeout: float | None = None,
+               metadata: Sequence[tuple[str, str]] | None = None) -> StreamCall[Any]:
+        return StreamCall(self, method, request, timeout, metadata)
 
     async def close(self) -> None:
         """Close the connection; calls still open fail with UNAVAILABLE."""
@@ -357,13 +364,16 @@ class LaneChannel:
 
 
 class _Call:
-    """One call on a lane: sent on first use, cancellable at any time like a grpc.aio call."""
+    """One call on a lane: sent on first use, cancellable at any time like a grpc.aio call.
+    ``metadata`` (as grpc.aio's: ``(name, value)`` pairs) travels in the call's ``META`` frame."""
 
-    def __init__(self, channel: LaneChannel, method: LaneMethod, request: Message, timeout: float | None) -> None:
+    def __init__(self, channel: LaneChannel, method: LaneMethod, request: Message, timeout: float | None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> None:
         self._channel = channel
         self._method = method
         self._request = request
         self._timeout = timeout
+        self._meta = encode_metadata(metadata) if metadata else b""
         self._conn: _ClientConnection | None = None
         self._stream = 0
         self._inbox: _Inbox | None = None
@@ -384,7 +394,7 @@ class _Call:
             if self._timeout <= 0:
                 raise LaneError(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             timeout_ms = max(1, int(self._timeout * 1000))
-        self._stream, inbox = conn.open(self._method, self._request.SerializeToString(), timeout_ms)
+        self._stream, inbox = conn.open(self._method, self._request.SerializeToString(), timeout_ms, self._meta)
         self._conn, self._inbox = conn, inbox
         if self._timeout is not None:
             # The worker enforces the deadline too; this covers a worker that stopped answering.
@@ -491,9 +501,9 @@ class PrefillLane:
     def __init__(self, channel: LaneChannel) -> None:
         self._channel = channel
 
-    def Prefill(self, request: worker_pb2.PrefillRequest,
-                timeout: float | None = None) -> UnaryCall[worker_pb2.PrefillResponse]:
-        return self._channel.unary(PREFILL, request, timeout)
+    def Prefill(self, request: worker_pb2.PrefillRequest, timeout: float | None = None,
+                metadata: Sequence[tuple[str, str]] | None = None) -> UnaryCall[worker_pb2.PrefillResponse]:
+        return self._channel.unary(PREFILL, request, timeout, metadata)
 
 
 class DecodeLane:
@@ -502,21 +512,21 @@ class DecodeLane:
     def __init__(self, channel: LaneChannel) -> None:
         self._channel = channel
 
-    def Allocate(self, request: worker_pb2.AllocateRequest,
-                 timeout: float | None = None) -> UnaryCall[worker_pb2.AllocateResponse]:
-        return self._channel.unary(ALLOCATE, request, timeout)
+    def Allocate(self, request: worker_pb2.AllocateRequest, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> UnaryCall[worker_pb2.AllocateResponse]:
+        return self._channel.unary(ALLOCATE, request, timeout, metadata)
 
-    def Generate(self, request: worker_pb2.DecodeRequest,
-                 timeout: float | None = None) -> StreamCall[common_pb2.TokenChunk]:
-        return self._channel.stream(DECODE, request, timeout)
+    def Generate(self, request: worker_pb2.DecodeRequest, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> StreamCall[common_pb2.TokenChunk]:
+        return self._channel.stream(DECODE, request, timeout, metadata)
 
-    def Release(self, request: worker_pb2.ReleaseRequest,
-                timeout: float | None = None) -> UnaryCall[worker_pb2.ReleaseResponse]:
-        return self._channel.unary(RELEASE, request, timeout)
+    def Release(self, request: worker_pb2.ReleaseRequest, timeout: float | None = None,
+                metadata: Sequence[tuple[str, str]] | None = None) -> UnaryCall[worker_pb2.ReleaseResponse]:
+        return self._channel.unary(RELEASE, request, timeout, metadata)
 
-    def Serve(self, request: worker_pb2.ServeRequest,
-              timeout: float | None = None) -> StreamCall[common_pb2.TokenChunk]:
-        return self._channel.stream(SERVE, request, timeout)
+    def Serve(self, request: worker_pb2.ServeRequest, timeout: float | None = None,
+              metadata: Sequence[tuple[str, str]] | None = None) -> StreamCall[common_pb2.TokenChunk]:
+        return self._channel.stream(SERVE, request, timeout, metadata)
 
 
 class ColocatedLane:
@@ -525,9 +535,9 @@ class ColocatedLane:
     def __init__(self, channel: LaneChannel) -> None:
         self._channel = channel
 
-    def Generate(self, request: worker_pb2.WorkerGenerateRequest,
-                 timeout: float | None = None) -> StreamCall[common_pb2.TokenChunk]:
-        return self._channel.stream(COLOCATED, request, timeout)
+    def Generate(self, request: worker_pb2.WorkerGenerateRequest, timeout: float | None = None,
+                 metadata: Sequence[tuple[str, str]] | None = None) -> StreamCall[common_pb2.TokenChunk]:
+        return self._channel.stream(COLOCATED, request, timeout, metadata)
 
 
 def request_stubs(channel: grpc.aio.Channel | None, lane: LaneChannel | None) -> tuple[Any, Any, Any]:

@@ -38,7 +38,12 @@ and a body:
   connection: the server says why it closes it (a refused proof, too many connections, the
   handshake or a frame past its deadline), and the client fails every open call with that status;
 * ``CANCEL`` (client → server): the caller gave up; the server cancels the handler;
-* ``AUTH`` (stream 0, both ways): the challenge, the proof and the acceptance above.
+* ``AUTH`` (stream 0, both ways): the challenge, the proof and the acceptance above;
+* ``META`` (client → server, optional): the call's metadata, sent on its stream just before its
+  ``CALL`` (today the W3C trace context: ``traceparent``, ``tracestate``), one ``name:value`` a line
+  (:func:`encode_metadata`), at most ``MAX_META_BYTES``. A server keeps only the last one and gives it
+  to the ``CALL`` that follows on the same stream; a server that predates it ignores the frame, so
+  a client sends it whatever the server's version.
 
 The server's ``LaneLimits`` (``pdrouter.wire.lane.limits``) bound a connection's handshake time,
 the time a begun frame may take, its buffered bytes (so the frame size) and the connections open.
@@ -50,6 +55,7 @@ import asyncio
 import hashlib
 import hmac
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import Message
@@ -67,7 +73,9 @@ HELLO_AUTH = MAGIC + bytes([VERSION, AUTH_REQUIRED, 0, 0])
 HEADER = struct.Struct("!IIBBHI")
 MAX_BODY = 64 * 1024 * 1024
 """Largest frame body accepted (the gRPC channels' message limit)."""
-CALL, MESSAGE, END, CANCEL, AUTH = 1, 2, 3, 4, 5
+CALL, MESSAGE, END, CANCEL, AUTH, META = 1, 2, 3, 4, 5, 6
+MAX_META_BYTES = 4096
+"""The largest ``META`` body a server reads (a larger one is ignored)."""
 NONCE_SIZE = 32
 PROOF_SIZE = 32
 MAX_IDENTITY_BYTES = 512
@@ -89,6 +97,36 @@ def server_proof(token: bytes, client_nonce: bytes, server_nonce: bytes, identit
 def client_proof(token: bytes, client_nonce: bytes, server_nonce: bytes, identity: str) -> bytes:
     """The client's proof of the token, to the server answering at ``identity``."""
     return _proof(CLIENT_PROOF_LABEL, token, client_nonce, server_nonce, identity)
+
+
+Metadata = tuple[tuple[str, str], ...]
+
+
+def encode_metadata(metadata: Sequence[tuple[str, str]]) -> bytes:
+    """A ``META`` body: one ``name:value`` a line; names are lower-case tokens, values printable ASCII.
+    ValueError for anything else (nothing a caller gets from a client goes here unchecked)."""
+    lines = []
+    for name, value in metadata:
+        if not name or not name.isascii() or not name.islower() or ":" in name or not name.isprintable() \
+                or not value.isascii() or not value.isprintable():
+            raise ValueError(f"lane metadata must be lower-case ASCII names and printable ASCII values: {name!r}")
+        lines.append(f"{name}:{value}")
+    body = "\n".join(lines).encode("ascii")
+    if len(body) > MAX_META_BYTES:
+        raise ValueError(f"lane metadata of {len(body)} bytes is over {MAX_META_BYTES}")
+    return body
+
+
+def decode_metadata(body: bytes) -> Metadata:
+    """The pairs of a ``META`` body (empty for one that is too large or not ASCII)."""
+    if len(body) > MAX_META_BYTES or not body.isascii():
+        return ()
+    pairs = []
+    for line in body.decode("ascii").split("\n"):
+        name, sep, value = line.partition(":")
+        if sep:
+            pairs.append((name, value))
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)

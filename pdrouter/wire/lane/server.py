@@ -42,14 +42,17 @@ from pdrouter.wire.lane.frames import (
     HELLO_AUTH,
     MAGIC,
     MESSAGE,
+    META,
     METHODS,
     NONCE_SIZE,
     VERSION,
     LaneMethod,
+    Metadata,
     _Corked,
     _frame,
     _Frames,
     client_proof,
+    decode_metadata,
     server_proof,
 )
 from pdrouter.wire.lane.limits import LaneLimits
@@ -85,12 +88,18 @@ class LaneAbort(Exception):
 
 
 class LaneContext:
-    """The part of ``grpc.aio.ServicerContext`` the worker servicers use (``abort``)."""
+    """The part of ``grpc.aio.ServicerContext`` the worker servicers use (``abort``, ``time_remaining``,
+    ``invocation_metadata``)."""
 
-    __slots__ = ("deadline",)
+    __slots__ = ("deadline", "metadata")
 
-    def __init__(self, deadline: float | None) -> None:
+    def __init__(self, deadline: float | None, metadata: Metadata = ()) -> None:
         self.deadline = deadline
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> Metadata:
+        """The call's metadata (its ``META`` frame's pairs; empty without one)."""
+        return self.metadata
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         raise LaneAbort(code, details)
@@ -218,6 +227,8 @@ class _ServerConnection(_Corked):
         self._frame_t0: float | None = None
         """When the incomplete frame in the buffer began (loop time), None without one."""
         self._timers: dict[str, asyncio.TimerHandle] = {}
+        self._meta: tuple[int, bytes] | None = None
+        """The last ``META`` frame (stream, body), for the ``CALL`` that follows it on that stream."""
         self._writable = asyncio.Event()
         self._writable.set()
 
@@ -285,7 +296,11 @@ class _ServerConnection(_Corked):
                 return
         for stream, kind, arg, timeout_ms, body in frames:
             if kind == CALL:
-                self._call(stream, arg, timeout_ms, body)
+                meta, self._meta = self._meta, None
+                self._call(stream, arg, timeout_ms, body,
+                           decode_metadata(meta[1]) if meta is not None and meta[0] == stream else ())
+            elif kind == META:
+                self._meta = (stream, body)
             elif kind == CANCEL:
                 task = self.calls.get(stream)
                 if task is not None:
@@ -443,7 +458,7 @@ class _ServerConnection(_Corked):
         if self.transport is not None and not self.transport.is_closing():
             self._send(_frame(stream, END, code.value[0], body))
 
-    def _call(self, stream: int, method_id: int, timeout_ms: int, body: bytes) -> None:
+    def _call(self, stream: int, method_id: int, timeout_ms: int, body: bytes, metadata: Metadata = ()) -> None:
         entry = self.server._handlers.get(method_id)
         if entry is None:
             self._end(stream, grpc.StatusCode.UNIMPLEMENTED, f"lane method {method_id} is not served here".encode())
@@ -457,7 +472,7 @@ class _ServerConnection(_Corked):
         except DecodeError as exc:
             self._end(stream, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method.name} request: {exc}".encode())
             return
-        task = asyncio.ensure_future(self._run(stream, method, handler, request, timeout_ms))
+        task = asyncio.ensure_future(self._run(stream, method, handler, request, timeout_ms, metadata))
         self.calls[stream] = task
         # A done callback, not a ``finally``: a call cancelled before it started runs no code at all.
         task.add_done_callback(functools.partial(self._forget, stream))
@@ -467,9 +482,9 @@ class _ServerConnection(_Corked):
             del self.calls[stream]
 
     async def _run(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
-                   timeout_ms: int) -> None:
+                   timeout_ms: int, metadata: Metadata = ()) -> None:
         scope = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
-        context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None)
+        context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None, metadata)
         try:
             async with scope:
                 await self._serve(stream, method, handler, request, context)

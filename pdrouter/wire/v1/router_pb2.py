@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdrouter.wire.v1 import common_pb2 as pdrouter_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdrouter/v1/router.proto\x12\x0bpdrouter.v1\x1a\x18pdrouter/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa9\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.pdrouter.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParamsB\x08\n\x06prompt\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.pdrouter.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.pdrouter.v1.Usage\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08geometry\x18\x02 \x01(\x0b\x32\x1a.pdrouter.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\r\x12\x19\n\x11\x63olocated_workers\x18\x06 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.pdrouter.v1.ModelCard2\xa2\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.pdrouter.v1.GenerateRequest\x1a\x1d.pdrouter.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.pdrouter.v1.ListModelsRequest\x1a\x1f.pdrouter.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdrouter/v1/router.proto\x12\x0bpdrouter.v1\x1a\x18pdrouter/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xbd\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12*\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x15.pdrouter.v1.TokenIdsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x06 \x01(\tB\x08\n\x06prompt\"\x9c\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.pdrouter.v1.FinishReason\x12!\n\x05usage\x18\x05 \x01(\x0b\x32\x12.pdrouter.v1.Usage\"\x13\n\x11ListModelsRequest\"\xa5\x01\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12,\n\x08geometry\x18\x02 \x01(\x0b\x32\x1a.pdrouter.v1.ModelGeometry\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x17\n\x0fprefill_workers\x18\x04 \x01(\r\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x05 \x01(\r\x12\x19\n\x11\x63olocated_workers\x18\x06 \x01(\r\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.pdrouter.v1.ModelCard2\xa2\x01\n\x06Router\x12I\n\x08Generate\x12\x1c.pdrouter.v1.GenerateRequest\x1a\x1d.pdrouter.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.pdrouter.v1.ListModelsRequest\x1a\x1f.pdrouter.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,15 +35,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=67
   _globals['_TOKENIDS']._serialized_end=90
   _globals['_GENERATEREQUEST']._serialized_start=93
-  _globals['_GENERATEREQUEST']._serialized_end=262
-  _globals['_GENERATERESPONSE']._serialized_start=265
-  _globals['_GENERATERESPONSE']._serialized_end=421
-  _globals['_LISTMODELSREQUEST']._serialized_start=423
-  _globals['_LISTMODELSREQUEST']._serialized_end=442
-  _globals['_MODELCARD']._serialized_start=445
-  _globals['_MODELCARD']._serialized_end=610
-  _globals['_LISTMODELSRESPONSE']._serialized_start=612
-  _globals['_LISTMODELSRESPONSE']._serialized_end=672
-  _globals['_ROUTER']._serialized_start=675
-  _globals['_ROUTER']._serialized_end=837
+  _globals['_GENERATEREQUEST']._serialized_end=282
+  _globals['_GENERATERESPONSE']._serialized_start=285
+  _globals['_GENERATERESPONSE']._serialized_end=441
+  _globals['_LISTMODELSREQUEST']._serialized_start=443
+  _globals['_LISTMODELSREQUEST']._serialized_end=462
+  _globals['_MODELCARD']._serialized_start=465
+  _globals['_MODELCARD']._serialized_end=630
+  _globals['_LISTMODELSRESPONSE']._serialized_start=632
+  _globals['_LISTMODELSRESPONSE']._serialized_end=692
+  _globals['_ROUTER']._serialized_start=695
+  _globals['_ROUTER']._serialized_end=857
 # @@protoc_insertion_point(module_scope)

@@ -16,18 +16,20 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     target: _common_pb2.TransferTarget
     model_compat_hash: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "compute_ms", "transfer_ms", "bytes_sent", "blocks_sent")
@@ -56,7 +58,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,7 @@ class ServeRequest(_message.Message):
     LOCAL_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -73,7 +76,8 @@ class ServeRequest(_message.Message):
     local_prefill_tokens: int
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillRoute]
     whole: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRoute(_message.Message):
     __slots__ = ("worker_id", "address", "lane_address", "cached_tokens")
@@ -88,7 +92,7 @@ class PrefillRoute(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., lane_address: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "model_compat_hash", "lease_ms", "backend", "sampling")
+    __slots__ = ("request_id", "prompt_token_ids", "max_tokens", "model_compat_hash", "lease_ms", "backend", "sampling", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class AllocateRequest(_message.Message):
     LEASE_MS_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
@@ -103,7 +108,8 @@ class AllocateRequest(_message.Message):
     lease_ms: int
     backend: str
     sampling: _common_pb2.SamplingParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., lease_ms: _Optional[int] = ..., backend: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., model_compat_hash: _Optional[str] = ..., lease_ms: _Optional[int] = ..., backend: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("target", "cached_blocks", "num_blocks")
@@ -116,18 +122,20 @@ class AllocateResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., cached_blocks: _Optional[int] = ..., num_blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "sampling", "first_token_id", "local_prefill", "prompt_token_ids")
+    __slots__ = ("request_id", "sampling", "first_token_id", "local_prefill", "prompt_token_ids", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     sampling: _common_pb2.SamplingParams
     first_token_id: int
     local_prefill: bool
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., first_token_id: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "reason")
@@ -146,13 +154,15 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     whole: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ...) -> None: ...
+    cache_salt: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...

@@ -12,8 +12,10 @@ import grpc
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import RequestId
+from pdrouter.core.tracing import Tracing
 from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
+from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.worker.engine_contract import ServingEngine
 from pdrouter.worker.role import RoleContext, Service
@@ -24,9 +26,13 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
     """``ColocatedWorker.Generate``: prefill and decode on this worker's engine, every token streamed
     (``whole``: every token in one chunk at the end)."""
 
-    def __init__(self, engine: ServingEngine) -> None:
+    def __init__(self, engine: ServingEngine, tracing: Tracing | None = None) -> None:
+        """``tracing``: the process's tracer (each call continues its caller's trace, and the engine
+        gets the context: vLLM's own spans join it)."""
         self.engine = engine
+        self.tracing = tracing
 
+    @traced("pdrouter.v1.ColocatedWorker/Generate")
     @grpc_errors
     async def Generate(self, request: worker_pb2.WorkerGenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
@@ -35,7 +41,9 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         sampling = sampling_from_pb(request.sampling)
         prompt = list(request.prompt_token_ids)
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
-        async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling)) as outputs:
+        trace = self.tracing.headers() if self.tracing is not None else None
+        async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling,
+                                                 cache_salt=request.cache_salt, trace_headers=trace)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 
@@ -57,4 +65,4 @@ class ColocatedRole:
 
 
 async def build_colocated_role(ctx: RoleContext) -> ColocatedRole:
-    return ColocatedRole(ColocatedServicer(ctx.engine))
+    return ColocatedRole(ColocatedServicer(ctx.engine, ctx.tracing))

@@ -32,6 +32,7 @@ import grpc
 from pdrouter.core.errors import IncompatibleError, InvalidRequestError, NotFoundError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tracing import Tracing
 from pdrouter.engine.outputs import KvReservation
 from pdrouter.transfer.incoming import IncomingTransfer
 from pdrouter.transfer.receiver import KvReceiver
@@ -39,6 +40,7 @@ from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_to_pb
 from pdrouter.wire.prefill_links import PrefillLinks
+from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import report_to_pb, serve_order_from_pb
 from pdrouter.worker.engine_contract import DisaggregatedEngine
@@ -63,9 +65,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
                  prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None,
-                 max_lease_ms: int = 120_000) -> None:
+                 max_lease_ms: int = 120_000, tracing: Tracing | None = None) -> None:
         """``registered``: the check every prefill route passes before it is called (None: none);
-        ``max_lease_ms``: the longest lease an ``Allocate`` may ask for."""
+        ``max_lease_ms``: the longest lease an ``Allocate`` may ask for; ``tracing``: the process's
+        tracer (each call continues its caller's trace; ``Serve``'s decode is a span of its own)."""
+        self.tracing = tracing
         self.driver = driver
         self.links = links if links is not None else PrefillLinks()  # an empty one is falsy
         self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
@@ -113,6 +117,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, not {backend!r}")
 
     # -- RPCs -------------------------------------------------------------------------------
+    @traced("pdrouter.v1.DecodeWorker/Allocate")
     @grpc_errors
     async def Allocate(self, request: worker_pb2.AllocateRequest,
                        context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
@@ -133,7 +138,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 raise InvalidRequestError("max_tokens and sampling.max_tokens disagree")
         else:
             sampling = SamplingParams(max_tokens=int(request.max_tokens))
-        reservation = self.driver.reserve_remote(RequestId(rid), list(request.prompt_token_ids), sampling)
+        reservation = self.driver.reserve_remote(RequestId(rid), list(request.prompt_token_ids), sampling,
+                                                 cache_salt=request.cache_salt)
         try:
             incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
                                             timeout_s=self.kv_wait_s + lease_ms / 1000)
@@ -148,6 +154,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self._arm_lease(rid, alloc, lease_ms)
         return response
 
+    @traced("pdrouter.v1.DecodeWorker/Generate")
     @grpc_errors
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
@@ -161,7 +168,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 self._drop(rid, "prefilled locally instead")
             sampling = sampling_from_pb(request.sampling)
             async with aclosing(self.driver.generate(RequestId(rid), list(request.prompt_token_ids),
-                                                     sampling)) as outputs:
+                                                     sampling, cache_salt=request.cache_salt)) as outputs:
                 async for chunk in token_chunks(rid, outputs):
                     yield chunk
             return
@@ -190,6 +197,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     alloc.incoming.abort("decode ended early")
                     self.driver.abort(RequestId(rid))
 
+    @traced("pdrouter.v1.DecodeWorker/Serve")
     @grpc_errors
     async def Serve(self, request: worker_pb2.ServeRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
@@ -200,21 +208,29 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise InvalidRequestError("sampling is required (max_tokens at least)")
         self.serving.check_new(rid, self._allocs)
         order = serve_order_from_pb(request)
-        async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
-            async for event in events:
-                if isinstance(event, ReportChunk):
-                    yield common_pb2.TokenChunk(request_id=rid, prefill=report_to_pb(event.report),
-                                                token_ids=() if event.first_token is None else (event.first_token,))
-                    continue
-                chunks = token_chunks(rid, event.outputs, cached_tokens=event.cached_tokens)
-                if event.report is not None:  # computed here: the report rides on the first chunk
-                    first = await anext(chunks, None)
-                    if first is None:
+        decoding = None  # with tracing: the span of the decode (from the first token on)
+        try:
+            async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
+                async for event in events:
+                    if isinstance(event, ReportChunk):
+                        yield common_pb2.TokenChunk(request_id=rid, prefill=report_to_pb(event.report),
+                                                    token_ids=() if event.first_token is None else (event.first_token,))
                         continue
-                    first.prefill.CopyFrom(report_to_pb(event.report))
-                    yield first
-                async for chunk in chunks:
-                    yield chunk
+                    if self.tracing is not None:
+                        decoding = self.tracing.span("decode", attributes={"pdrouter.local_prefill":
+                                                                           event.report is not None})
+                    chunks = token_chunks(rid, event.outputs, cached_tokens=event.cached_tokens)
+                    if event.report is not None:  # computed here: the report rides on the first chunk
+                        first = await anext(chunks, None)
+                        if first is None:
+                            continue
+                        first.prefill.CopyFrom(report_to_pb(event.report))
+                        yield first
+                    async for chunk in chunks:
+                        yield chunk
+        finally:
+            if decoding is not None:
+                decoding.end()
 
     @grpc_errors
     async def Release(self, request: worker_pb2.ReleaseRequest,
@@ -249,8 +265,8 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     registered = RegisteredPrefillWorkers(ctx.registry) if ctx.registry is not None else None
     if registered is None:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
-    links = PrefillLinks(connect_timeout_s=cfg.kv_wait_s, security=cfg.security)
+    links = PrefillLinks(connect_timeout_s=cfg.kv_wait_s, security=cfg.security, tracing=ctx.tracing)
     servicer = DecodeServicer(ctx.disaggregated(), receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, links,
-                              registered=registered, max_lease_ms=cfg.max_lease_ms)
+                              registered=registered, max_lease_ms=cfg.max_lease_ms, tracing=ctx.tracing)
     return DecodeRole(receiver, servicer)

@@ -132,7 +132,8 @@ class DecodeServe:
         self._serving.add(rid)
         try:
             while not (failures and not routes):
-                reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling)
+                reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling,
+                                                         cache_salt=order.cache_salt)
                 decode_cached = reservation.num_cached_tokens
                 if routes and len(prompt) - decode_cached > order.local_prefill_tokens:
                     route = routes.pop(0)
@@ -160,7 +161,8 @@ class DecodeServe:
                 # reuses it at once.
                 self.driver.abort(RequestId(rid))
                 report = _report(len(prompt), decode_cached, failures, local=True)
-                async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling)) as outputs, \
+                async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling,
+                                                         cache_salt=order.cache_salt)) as outputs, \
                         _shaped(outputs, order.whole, first_alone=True) as shaped:
                     yield EngineStream(shaped, report=report)
                 return
@@ -197,7 +199,7 @@ class DecodeServe:
             try:
                 outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling,
                                                    incoming.target, self.worker_id, order.model_compat_hash,
-                                                   timeout)
+                                                   timeout, cache_salt=order.cache_salt)
             except PdRouterError as err:
                 failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
                 log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)

@@ -24,11 +24,13 @@ from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.tracing import Tracing
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.sender import KvSender
 from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
+from pdrouter.wire.trace_context import past_span, traced
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 from pdrouter.worker.backend import TransferPacing
 from pdrouter.worker.engine_contract import DisaggregatedEngine
@@ -42,9 +44,11 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, sender: KvSender, layout: KvLayout, model_compat_hash: str,
                  targets: DecodeTargets, transfer_timeout_s: float = 60.0,
-                 pacing: TransferPacing | None = None) -> None:
+                 pacing: TransferPacing | None = None, tracing: Tracing | None = None) -> None:
         """``layout``: the engine's (real geometry, for the stats); ``targets``: the check every KV
-        target passes first; ``pacing``: a simulated worker's link."""
+        target passes first; ``pacing``: a simulated worker's link; ``tracing``: the process's tracer
+        (the call's span, with the computation and the transfer as spans of their own)."""
+        self.tracing = tracing
         self.targets = targets
         self.pacing = pacing
         self.driver = driver
@@ -54,6 +58,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.transfer_timeout_s = transfer_timeout_s
         self._ending: set[asyncio.Future[None]] = set()  # request ends that outlived a cancelled call
 
+    @traced("pdrouter.v1.PrefillWorker/Prefill")
     @grpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -73,7 +78,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
                                       f"{blocks_needed}")
         start = time.perf_counter()
-        result = await self.driver.prefill(RequestId(rid), prompt, sampling)
+        result = await self.driver.prefill(RequestId(rid), prompt, sampling, cache_salt=request.cache_salt)
         computed = time.perf_counter()
         outgoing: OutgoingTransfer | None = None
         done = False
@@ -101,6 +106,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             prompt_tokens=len(prompt), cached_tokens=result.num_cached_blocks * self.layout.block_size,
             compute_ms=self._ms(computed - start), transfer_ms=self._ms(finished - computed),
             bytes_sent=sent * self.layout.block_bytes, blocks_sent=sent)
+        if self.tracing is not None:
+            past_span(self.tracing, "prefill", start, computed,
+                      {"pdrouter.prompt_tokens": len(prompt), "pdrouter.cached_tokens": stats.cached_tokens})
+            past_span(self.tracing, "kv_transfer", computed, finished,
+                      {"pdrouter.kv.bytes": stats.bytes_sent, "pdrouter.kv.blocks": sent,
+                       "pdrouter.kv.transfer_ms": stats.transfer_ms, "pdrouter.kv.backend": target.backend,
+                       "server.address": target.peer})
         return worker_pb2.PrefillResponse(request_id=rid, first_token_id=result.first_token, stats=stats)
 
     def _ms(self, wall_s: float) -> float:
@@ -163,5 +175,5 @@ async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
         if not ctx.config.decode_kv_addresses:
             log.warning("no registry (--redis) and no --decode-kv-addresses: Prefill refuses every KV target")
     servicer = PrefillServicer(ctx.disaggregated(), sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
-                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing)
+                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing, tracing=ctx.tracing)
     return PrefillRole(sender, servicer)

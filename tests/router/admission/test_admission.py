@@ -196,3 +196,75 @@ async def test_a_request_waiting_on_one_router_gets_another_routers_spare_credit
     await a.stop()
     await b.stop()
     assert await a.reservations.used("d4", 1) == 0
+
+
+async def test_waiting_tenants_are_admitted_by_weight_and_a_priority_class_jumps_the_queue(
+        client: aioredis.Redis) -> None:
+    """A decode worker with room for one request at a time; three tenants keep a backlog (weights 1,
+    2, 3), and an interactive request arriving late is admitted next, before every one of them.
+
+    Each admitted request holds the worker until the test gives it a turn, so the order does not
+    depend on how fast the loop runs."""
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(queue_timeout_s=30, poll_interval_s=0.005,
+                                                                    credit_fraction=0))
+    holder = await adm.admit(RequestId("holder"), 10, WORKER)
+    weights = {"a": 1.0, "b": 2.0, "c": 3.0}
+    order: list[str] = []
+    turns: asyncio.Queue[None] = asyncio.Queue()
+
+    async def request(tenant: str, priority: int = 0) -> None:
+        res = await adm.admit(RequestId(tenant), 10, WORKER, priority=priority, flow=tenant,
+                              weight=weights.get(tenant, 1))
+        order.append(tenant)
+        await turns.get()
+        await adm.release(res)
+
+    tasks = [asyncio.create_task(request(t)) for _ in range(40) for t in weights]
+    await until(lambda: _true(adm.queue_length == 120), "the backlog queued")
+    await adm.release(holder)
+    for _ in range(29):
+        turns.put_nowait(None)
+    await until(lambda: _true(len(order) == 30), "30 admitted")
+    urgent = asyncio.create_task(request("ops", priority=1))
+    await until(lambda: _true(adm.queue_length == 91), "the interactive request queued")
+    for _ in range(92):  # the 91 waiting and the one holding the worker
+        turns.put_nowait(None)
+    await asyncio.gather(*tasks, urgent)
+    assert order.index("ops") == 30  # admitted as soon as the one holding the worker was done
+    shares = {t: order[:60].count(t) / 60 for t in weights}  # every tenant still had a backlog then
+    for tenant, w in weights.items():
+        assert abs(shares[tenant] - w / 6) <= 0.1 * w / 6 + 1 / 60, shares
+    assert adm.queue_length == 0 and adm.active == 0
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_arrival(
+        client: aioredis.Redis) -> None:
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=0.5))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))  # b was active a moment ago
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]  # the pool, full
+    waiting = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
+    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    await adm.release(held.pop())  # 10 blocks free: the headroom, which a's backlog may not book
+    b = asyncio.create_task(adm.admit(RequestId("b1"), 10, pool, flow="b"))
+    await until(lambda: _true(b.done()), "b admitted into the headroom")
+    assert b.result().blocks == 10 and adm.queue_length == 3 and not any(t.done() for t in waiting)
+    # A tenant's single request waiting behind the flood takes room that comes back before the flood does.
+    c = asyncio.create_task(adm.admit(RequestId("c1"), 10, pool, flow="c"))
+    await until(lambda: _true(adm.queue_length == 4), "c waits")
+    await adm.release(held.pop())
+    await until(lambda: _true(c.done()), "c admitted")
+    assert adm.queue_length == 3
+    # Once the others are quiet (fair_window_s), the flood books the whole pool again, head first.
+    for res in (b.result(), c.result(), *held[:1]):
+        await adm.release(res)
+    await asyncio.gather(*waiting)
+    assert [t.result().blocks for t in waiting] == [10, 10, 10]
+    for res in [*held[1:], *(t.result() for t in waiting)]:
+        await adm.release(res)
+    assert adm.queue_length == 0 and adm.active == 0

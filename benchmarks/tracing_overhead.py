@@ -1,0 +1,160 @@
+"""What tracing costs the router: CPU per request with tracing off against the commit before tracing
+existed, and with tracing on, side by side in one run.
+
+Three router processes on one Redis and the same simulated workers (one prefill, one decode, from
+this tree; ``--time-scale 0``: they answer at once, so the figures are the router's): ``off`` (this
+tree, no OTEL_* variables), ``base`` (the tree of ``--baseline``, by default the parent of the
+commit that added ``pdrouter/core/tracing.py``, exported with ``git archive`` and run from it with
+``PYTHONPATH``) and ``on`` (this tree, every request traced, exporting over OTLP/HTTP to an
+in-process receiver). A closed loop of ``--concurrency`` clients sends short disaggregated requests
+(``--prompt-tokens`` ids, ``--max-tokens`` tokens, the prefill on the prefill worker) through each
+router's HTTP door in turn, ``--rounds`` rounds of ``--requests`` each, the order reversed every
+round so drift hits all alike. Per round, each router's CPU (its process's CPU clock over its phase)
+per request; then per router the median, and the ratios of the medians of per-round pairs:
+
+* ``tracing_off_vs_base``: CPU per request, tracing off ÷ the baseline (the target: within 2 %,
+  i.e. at most 1.02);
+* ``tracing_on_vs_off``: what tracing every request costs.
+
+    python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import statistics
+import subprocess
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+from _load import HttpCompletions, cpu_seconds
+from _report import Report, base_parser
+
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.engine.model_io import make_model
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.testing.otlp import OtlpSink
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", "-C", str(ROOT), *args], check=True, capture_output=True).stdout
+
+
+def default_baseline() -> str:
+    """The parent of the commit that added the tracing module: the tree before tracing."""
+    added = _git("log", "--diff-filter=A", "--format=%H", "--", "pdrouter/core/tracing.py").split()
+    if not added:
+        raise SystemExit("no commit adds pdrouter/core/tracing.py: give --baseline")
+    return added[-1].decode() + "^"
+
+
+def export_tree(ref: str, into: Path) -> Path:
+    """The ``pdrouter`` package of ``ref``, written under ``into`` (for PYTHONPATH)."""
+    archive = _git("archive", "--format=tar", ref, "pdrouter")
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+async def run(args: object, report: Report) -> None:
+    a = args
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    token = {INTERNAL_TOKEN_ENV: secrets.token_hex(16), "PDROUTER_KV_TOKEN": secrets.token_hex(16),
+             "PDROUTER_KV_TOKEN_FILE": ""}
+    baseline = a.baseline or default_baseline()  # type: ignore[attr-defined]
+    report.add("tracing_baseline", _git("rev-parse", "--short", baseline).decode().strip())
+    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as redis, OtlpSink() as sink:
+        base_tree = export_tree(baseline, Path(tmp) / "base")
+        model = make_model("tiny", 0, Path(tmp) / "tiny")
+        procs: list[ManagedProcess] = []
+        try:
+            for role in ("prefill", "decode"):
+                proc = ManagedProcess(role, worker_args(role, model, redis_url=redis.url, num_blocks=4096,
+                                                        sim=["--gpu", "h100", "--time-scale", "0"],
+                                                        extra=("--worker-id", f"{role}-0")), env={**env, **token})
+                procs.append(proc)
+                proc.wait_ready(120.0)
+            routers: dict[str, ManagedProcess] = {}
+            for name, extra_env in (("off", {}), ("base", {"PYTHONPATH": str(base_tree)}),
+                                    ("on", sink.environment("http/protobuf"))):
+                proc = ManagedProcess(f"router-{name}", [
+                    "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
+                    "--local-prefill-tokens", "0", "--log-level", "WARNING"], env={**env, **token, **extra_env})
+                procs.append(proc)
+                routers[name] = proc
+            for proc in routers.values():
+                proc.wait_ready(120.0)
+            await asyncio.sleep(1.5)  # every router has both workers in its pool
+            ids = list(range(3, 3 + a.prompt_tokens))  # type: ignore[attr-defined]
+            clients = {}
+            for name, proc in routers.items():
+                assert proc.address is not None
+                host, port = proc.address.rsplit(":", 1)
+                clients[name] = HttpCompletions(host, int(port), "tiny", ids, a.max_tokens, stream=False)  # type: ignore[attr-defined]
+            concurrency, n = a.concurrency, a.requests  # type: ignore[attr-defined]
+
+            async def phase(name: str, count: int) -> float:
+                """CPU seconds per request of router ``name`` over ``count`` requests."""
+                left = count
+
+                async def slot(i: int) -> None:
+                    nonlocal left
+                    while left > 0:
+                        left -= 1
+                        await clients[name].once(i)
+
+                pid = routers[name].proc.pid
+                cpu0 = cpu_seconds(pid)
+                await asyncio.gather(*(slot(i) for i in range(concurrency)))
+                return (cpu_seconds(pid) - cpu0) / count
+
+            for name in routers:  # warm every path (and the tracer's exporter) before measuring
+                await phase(name, n // 2)
+            per_round: dict[str, list[float]] = {name: [] for name in routers}
+            order = list(routers)
+            for r in range(a.rounds):  # type: ignore[attr-defined]
+                for name in (order if r % 2 == 0 else list(reversed(order))):
+                    per_round[name].append(await phase(name, n))
+            for client in clients.values():
+                await client.close()
+            await asyncio.sleep(0.5)
+            traced = len({s.trace_id for s in sink.spans if s.service == "pdrouter-router"})
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+    for name, values in per_round.items():
+        report.add(f"tracing_router_cpu_{name}_us", round(statistics.median(values) * 1e6, 1), "us/req")
+    pairs = list(zip(per_round["off"], per_round["base"], strict=True))
+    report.add("tracing_off_vs_base", round(statistics.median(off / base for off, base in pairs), 3),
+               "× (target ≤ 1.02)")
+    report.add("tracing_off_vs_base_rounds", " ".join(f"{off / base:.3f}" for off, base in pairs))
+    pairs = list(zip(per_round["on"], per_round["off"], strict=True))
+    report.add("tracing_on_vs_off", round(statistics.median(on / off for on, off in pairs), 3), "×")
+    report.add("tracing_traces_received", traced, "traces")
+
+
+def main() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--baseline", default=None, help="git ref of the tree to compare with")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=1500, help="requests per router per round")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=13)
+    parser.add_argument("--max-tokens", type=int, default=2)
+    args = parser.parse_args()
+    if args.quick:
+        args.requests, args.rounds = 300, 2
+    report = Report()
+    asyncio.run(run(args, report))
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The admission queue's order: priority classes strictly, then weighted fair shares across tenants,
+then arrival; one tenant alone in arrival order, exactly as before tenants existed."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pdrouter.router.admission.queue import Waiter, WaitQueue
+
+
+def _drain(queue: WaitQueue, n: int | None = None) -> list[Waiter]:
+    """Serve the head ``n`` times (all by default), as admission does: served, then out."""
+    out: list[Waiter] = []
+    while len(queue) and (n is None or len(out) < n):
+        head = queue._heap[0]
+        assert queue.is_head(head)
+        queue.leave(head, served=True)
+        out.append(head)
+    return out
+
+
+def _joined(queue: WaitQueue, *args: object, **kw: object) -> Waiter:
+    waiter = queue.join(*args, **kw)  # type: ignore[arg-type]
+    assert waiter is not None
+    return waiter
+
+
+def test_one_tenant_alone_is_served_in_arrival_order_whatever_the_sizes() -> None:
+    rng = random.Random(3)
+    for flow in (None, "team-a"):
+        queue = WaitQueue(limit=1000)
+        waiters = [_joined(queue, 0, flow, 2.5, rng.randint(1, 40)) for _ in range(200)]
+        # Serve some, let more arrive, serve the rest: still arrival order.
+        served = _drain(queue, 50)
+        waiters += [_joined(queue, 0, flow, 2.5, rng.randint(1, 40)) for _ in range(100)]
+        served += _drain(queue)
+        assert served == waiters
+
+
+def test_a_higher_priority_class_always_goes_first() -> None:
+    queue = WaitQueue(limit=100)
+    batch = [_joined(queue, -1, "batch-team") for _ in range(5)]
+    standard = [_joined(queue, 0, "flooder", 10.0) for _ in range(5)]
+    urgent = _joined(queue, 1, "ops")
+    assert queue.is_head(urgent)
+    assert _drain(queue) == [urgent, *standard, *batch]
+
+
+def test_backlogged_tenants_are_served_in_proportion_to_their_weights() -> None:
+    queue = WaitQueue(limit=10_000)
+    weights = {"a": 1.0, "b": 2.0, "c": 3.0}
+    for _ in range(600):
+        for flow, w in weights.items():
+            _joined(queue, 0, flow, w, 4)
+    served = Counter(w.flow for w in _drain(queue, 600))  # the first 600 served, every tenant still waiting
+    for flow, w in weights.items():
+        assert abs(served[flow] / 600 - w / 6) < 0.01, served
+
+
+def test_a_burst_does_not_delay_a_tenant_arriving_later() -> None:
+    queue = WaitQueue(limit=10_000)
+    burst = [_joined(queue, 0, "flooder", 1.0, 4) for _ in range(500)]
+    _drain(queue, 10)
+    late = _joined(queue, 0, "quiet", 1.0, 4)
+    order = _drain(queue)
+    assert order.index(late) <= 1  # at most one of the burst's waiters goes before it
+    assert [w for w in order if w is not late] == burst[10:]  # the burst keeps its own order
+
+
+def test_a_full_queue_pushes_out_the_waiter_served_last_for_one_served_sooner() -> None:
+    queue = WaitQueue(limit=4)
+    flood = [_joined(queue, 0, "flooder", 1.0, 4) for _ in range(4)]
+    assert queue.full
+    # Another of the flooder's would be served last: refused, nobody pushed out.
+    assert queue.join(0, "flooder", 1.0, 4) is None
+    assert not any(w.evicted for w in flood)
+    # A quiet tenant's would be served first: the flooder's newest waiter makes room, and is told.
+    quiet = _joined(queue, 0, "quiet", 1.0, 4)
+    assert flood[-1].evicted and flood[-1].wake.is_set() and len(queue) == 4
+    assert _drain(queue)[:2] == [flood[0], quiet]
+    # Without tenants (one flow) a full queue refuses newcomers, as it always did.
+    plain = WaitQueue(limit=2)
+    first, second = _joined(plain), _joined(plain)
+    assert plain.join() is None and not first.evicted and not second.evicted
+
+
+def test_bookkeeping_is_forgotten_when_the_queue_empties() -> None:
+    queue = WaitQueue(limit=100)
+    for i in range(30):
+        _joined(queue, i % 3, f"t{i}")
+    _drain(queue)
+    assert queue._finish == {} and queue._vtime == {}
