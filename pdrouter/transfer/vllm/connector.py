@@ -14,7 +14,7 @@ r of the prefill engine sends to rank r of the decode engine), no pipeline paral
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -90,8 +90,9 @@ class PdRouterConnector(KVConnectorBase_V1):
         assert self._scheduler is not None
         manager = self._kv_cache_manager
         assert manager is not None
-        return self._scheduler.build(scheduler_output.num_scheduled_tokens,
+        plan = self._scheduler.build(scheduler_output.num_scheduled_tokens,
                                      lambda req_id: manager.get_block_ids(req_id)[0])
+        return cast("KVConnectorMetadata", plan)  # vLLM hands it to the workers untouched
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None

@@ -94,7 +94,7 @@ class TransferResult:
     nbytes: int
     """Bytes moved, every rank together."""
     seconds: float
-    """The slowest rank's time (receiver: from the invitation; sender: after the forward pass)."""
+    """The slowest rank's time (receiver: from the invitation; sender: from its first frame queued)."""
 
 
 def _combine(outcomes: list[Outcome]) -> TransferResult:

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +37,8 @@ class _Send:
     plan: SendPlan
     transfer: OutgoingTransfer | None = None
     error: Exception | None = None
-    computed_at: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    """When its first frames were queued (the transfer's window starts)."""
 
 
 class Sends:
@@ -74,6 +75,8 @@ class Sends:
             torch.cuda.current_stream().synchronize()  # the layer's KV is written before a frame reads it
         for send in self._step:
             if send.transfer is not None and send.error is None:
+                if send.started is None:
+                    send.started = time.monotonic()
                 try:
                     send.transfer.send_layers(send.plan.src_block_ids, index)
                 except PdRouterError as exc:
@@ -81,9 +84,7 @@ class Sends:
 
     def step_done(self) -> None:
         sends, self._step = self._step, []
-        now = time.monotonic()
         for send in sends:
-            send.computed_at = now
             self._io.spawn(self._finish(send))
 
     # -- I/O loop -------------------------------------------------------------------------------------
@@ -97,14 +98,15 @@ class Sends:
                 loop = asyncio.get_running_loop()
                 transfer = await loop.run_in_executor(None, self.sender.open_transfer, plan.targets[self.rank])
                 send.transfer = transfer
+                send.started = time.monotonic()
                 transfer.send_layers(plan.src_block_ids)
             await transfer.finish_async(timeout=plan.hold_s)
-            outcome = Outcome(True, transfer.bytes_queued, time.monotonic() - send.computed_at)
+            outcome = Outcome(True, transfer.bytes_queued, time.monotonic() - (send.started or time.monotonic()))
         except Exception as exc:  # anything: the request must still be reported, or its blocks stay held
             if transfer is not None and not transfer.state.terminal:
                 transfer.abort(str(exc))
             nbytes = transfer.bytes_queued if transfer is not None else 0
-            outcome = Outcome.failed(exc, nbytes, time.monotonic() - send.computed_at)
+            outcome = Outcome.failed(exc, nbytes, time.monotonic() - (send.started or time.monotonic()))
             log.info("request %s: KV send failed: %s", plan.key, outcome.message)
         self._reports.sent(plan.req_id)
         self._post(Sent(plan.key, self.rank, outcome))

@@ -1,16 +1,15 @@
 """What the connector's scheduler side tells its worker side each engine step (vLLM's connector metadata).
 
 vLLM builds one ``StepPlan`` per step in its scheduler process and hands it to every worker
-process before the step's forward pass (pickled with the scheduler's output). The items name
-vLLM's request ids, which only the two halves of one engine's connector share; everything that
-leaves the engine names the order's ``key``.
+process before the step's forward pass (pickled with the scheduler's output). vLLM passes the
+metadata through untouched, so the plan is a plain value and this module imports no vLLM. The
+items name vLLM's request ids, which only the two halves of one engine's connector share;
+everything that leaves the engine names the order's ``key``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from pdrouter.transfer.target import TransferTarget
 
@@ -57,7 +56,7 @@ class Cancel:
 
 
 @dataclass(frozen=True)
-class StepPlan(KVConnectorMetadata):
+class StepPlan:
     """One step's instructions; empty on most steps."""
 
     receives: tuple[ReceivePlan, ...] = ()
