@@ -19,6 +19,7 @@ from pdrouter.core.ids import Epoch
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.config import Backend, TransferConfig
 from pdrouter.transfer.pool_bytes import PoolBytes
+from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.worker.backend import TransferPacing, kv_pool
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
@@ -38,6 +39,9 @@ class RoleContext:
     """The pool's registry (None without ``--redis``)."""
     pacing: TransferPacing | None = None
     """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
+    connector: ConnectorHost | None = None
+    """A vLLM prefill or decode worker's KV connector (``pdrouter.worker.kv_connector``): its engine moves
+    the KV itself; None for every other worker."""
 
     def disaggregated(self) -> DisaggregatedEngine:
         """The engine as prefill and decode roles need it (its KV moves); ConfigError for one that cannot."""

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import DeadlineExceededError, PdRouterError
@@ -90,6 +90,13 @@ class LocalPrefill:
 
 
 @dataclass(frozen=True)
+class Landed:
+    """Decode: an earlier attempt's KV landed after all (it was given up on too early); nothing more to send."""
+
+    attempt: int
+
+
+@dataclass(frozen=True)
 class TransferResult:
     nbytes: int
     """Bytes moved, every rank together."""
@@ -133,7 +140,7 @@ class _Link:
     def close(self) -> None:
         self.host._forget(self)
 
-    def __enter__(self) -> _Link:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -160,8 +167,9 @@ class ReceiveLink(_Link):
             self._received.setdefault(message.attempt, {})[message.rank] = message.outcome
         self.notify()
 
-    async def placement(self, timeout: float | None = None) -> Placement | LocalPrefill:
-        """Where the KV goes for the current attempt, or that the prompt is computed here."""
+    async def placement(self, timeout: float | None = None) -> Placement | LocalPrefill | Landed:
+        """Where the KV goes for the current attempt, or that the prompt is computed here, or that an
+        earlier attempt's KV landed after all; raises the current attempt's error if it failed."""
         return await self._until(self._placement, timeout, "placement")
 
     async def landed(self, timeout: float | None = None) -> TransferResult:
@@ -177,9 +185,13 @@ class ReceiveLink(_Link):
         """No prefill worker will send: the engine computes the prompt itself."""
         self.host._broadcast(GiveUp(self.key, reason))
 
-    def _placement(self) -> Placement | LocalPrefill | None:
+    def _placement(self) -> Placement | LocalPrefill | Landed | None:
         if self._local is not None:
             return LocalPrefill(self._local.cached_tokens)
+        for attempt in range(self.attempt):
+            outcomes = self._received.get(attempt, {})
+            if len(outcomes) == self.host.world_size and all(o.ok for o in outcomes.values()):
+                return Landed(attempt)
         failed = self._failure()
         if failed is not None:
             raise failed
@@ -251,6 +263,8 @@ class ConnectorHost:
         self._links: dict[str, ReceiveLink | SendLink] = {}
         self._tasks = BackgroundTasks(log, "connector side channel")
         self.lost: ChannelError | None = None
+        self.pool: EnginePool | None = None
+        """The engine's pool, once ``wait_ready`` returned."""
         self._closing = False
         """Set when a rank's channel closed: the engine went away."""
 
@@ -275,8 +289,9 @@ class ConnectorHost:
             raise DeadlineExceededError(f"the vLLM engine's KV connector did not dial {self.socket_path} "
                                         f"within {timeout}s") from None
         ranks = [self._ready[r] for r in range(self._world_size)]
-        return EnginePool(self._world_size, tuple(r.receiver for r in ranks), ranks[0].num_blocks,
-                          ranks[0].block_size, ranks[0].block_bytes, ranks[0].compat_hash)
+        self.pool = EnginePool(self._world_size, tuple(r.receiver for r in ranks), ranks[0].num_blocks,
+                               ranks[0].block_size, ranks[0].block_bytes, ranks[0].compat_hash)
+        return self.pool
 
     def receive(self, key: str) -> ReceiveLink:
         return self._register(ReceiveLink(self, key))

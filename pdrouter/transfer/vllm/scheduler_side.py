@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+from pdrouter.core.disaggregation import computes_locally
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.transfer.vllm.orders import Order, ReceiveOrder, SendOrder, order_from_params
 from pdrouter.transfer.vllm.step_plan import Cancel, LocalPlan, ReceivePlan, SendPlan, StepPlan
@@ -79,10 +80,9 @@ class SchedulerSide:
         if not isinstance(order, ReceiveOrder) or rid in self._settled:
             return 0, False
         self._matched[rid] = num_computed_tokens
-        remaining = request.num_prompt_tokens - num_computed_tokens
-        if remaining <= order.local_prefill_tokens:
+        if computes_locally(request.num_prompt_tokens, num_computed_tokens, order.local_prefill_tokens):
             return 0, False
-        return remaining, True
+        return request.num_prompt_tokens - num_computed_tokens, True
 
     def after_alloc(self, request: RequestView, block_ids: Sequence[int], num_external_tokens: int) -> None:
         """vLLM allocated ``block_ids`` (the request's whole block table) for the request."""

@@ -29,6 +29,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
+from pdrouter.core.disaggregation import computes_locally
 from pdrouter.core.errors import (
     InvalidRequestError,
     PdRouterError,
@@ -74,8 +75,8 @@ class EngineStream:
 ServeEvent = ReportChunk | EngineStream
 
 
-def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[PrefillFailure], *, local: bool = False,
-            worker_id: str = "", outcome: PrefillOutcome | None = None) -> PrefillReport:
+def prefill_report(prompt_tokens: int, decode_cached_tokens: int, failures: list[PrefillFailure], *,
+                   local: bool = False, worker_id: str = "", outcome: PrefillOutcome | None = None) -> PrefillReport:
     return PrefillReport(
         worker_id=worker_id, local=local, prompt_tokens=prompt_tokens,
         cached_tokens=outcome.cached_tokens if outcome is not None else 0, decode_cached_tokens=decode_cached_tokens,
@@ -85,7 +86,7 @@ def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[Prefil
 
 
 @asynccontextmanager
-async def _shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
+async def shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
                   first_alone: bool) -> AsyncIterator[AsyncIterator[RequestOutput]]:
     """The engine's outputs as the caller takes them: one by one, or (``whole``) merged, the
     first token by itself unless it went with the report already (``whole_outputs``)."""
@@ -134,12 +135,12 @@ class DecodeServe:
             while not (failures and not routes):
                 reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling)
                 decode_cached = reservation.num_cached_tokens
-                if routes and len(prompt) - decode_cached > order.local_prefill_tokens:
+                if routes and not computes_locally(len(prompt), decode_cached, order.local_prefill_tokens):
                     route = routes.pop(0)
                     outcome = await self._remote_prefill(order, reservation, route, failures, time_remaining)
                     if outcome is None:
                         continue  # that worker failed (and the blocks were freed): the next one
-                    report = _report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
+                    report = prefill_report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
                                      outcome=outcome)
                     finished = False
                     try:
@@ -148,8 +149,8 @@ class DecodeServe:
                         cached = max(decode_cached, outcome.cached_tokens)
                         decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token)
                         async with aclosing(decoded) as outputs, \
-                                _shaped(outputs, order.whole, first_alone=False) as shaped:
-                            yield EngineStream(shaped, cached_tokens=cached)
+                                shaped(outputs, order.whole, first_alone=False) as stream:
+                            yield EngineStream(stream, cached_tokens=cached)
                         finished = True
                     finally:
                         if not finished:
@@ -159,13 +160,13 @@ class DecodeServe:
                 # reservation's cached prefix stays in the prefix cache, and the local request
                 # reuses it at once.
                 self.driver.abort(RequestId(rid))
-                report = _report(len(prompt), decode_cached, failures, local=True)
+                report = prefill_report(len(prompt), decode_cached, failures, local=True)
                 async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling)) as outputs, \
-                        _shaped(outputs, order.whole, first_alone=True) as shaped:
-                    yield EngineStream(shaped, report=report)
+                        shaped(outputs, order.whole, first_alone=True) as stream:
+                    yield EngineStream(stream, report=report)
                 return
             # Every prefill worker failed: the report names them all, then the last failure ends the call.
-            yield ReportChunk(_report(len(prompt), decode_cached, failures), None)
+            yield ReportChunk(prefill_report(len(prompt), decode_cached, failures), None)
             last = failures[-1]
             if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
                 raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
