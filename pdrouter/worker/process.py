@@ -56,6 +56,7 @@ from pdrouter.worker.kv_connector import READY_S, engine_with_connector, start_c
 from pdrouter.worker.presence import Presence, connect_redis
 from pdrouter.worker.role import Role, RoleContext, RoleFactory
 from pdrouter.worker.streaming import WorkerInfoServicer
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class WorkerProcess:
         self.engine: ServingEngine | None = None
         self.connector: ConnectorHost | None = None
         """The side channel of a vLLM prefill or decode engine's KV connector (``pdrouter.worker.kv_connector``)."""
+        self.transfers = TransferTally()
+        """The role's KV transfers so far (the heartbeats carry the totals)."""
         self.server: GrpcServer | None = None
         self.lane: LaneServer | None = None
         self.role: Role | None = None
@@ -99,7 +102,7 @@ class WorkerProcess:
 
     def load(self) -> WorkerLoad:
         assert self.engine is not None
-        return self.engine.load()
+        return self.transfers.onto(self.engine.load())
 
     async def start(self) -> None:
         cfg = self.config
@@ -141,7 +144,7 @@ class WorkerProcess:
         pacing = TransferPacing.for_engine(self.engine.engine) if isinstance(self.engine, EngineDriver) else None
         self.role = await self.build_role(RoleContext(
             config=cfg, engine=self.engine, epoch=self.epoch, model_compat_hash=compat, registry=self.registry,
-            pacing=pacing, connector=self.connector))
+            pacing=pacing, connector=self.connector, transfers=self.transfers))
         for service in self.role.services():
             self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(

@@ -11,7 +11,7 @@ and ``close``. The process knows nothing else of a role, and a role nothing of t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdrouter.core.errors import ConfigError
@@ -24,6 +24,7 @@ from pdrouter.worker.backend import TransferPacing, kv_pool
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import DisaggregatedEngine, ServingEngine
+from pdrouter.worker.transfer_tally import TransferTally
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class RoleContext:
     """The pool's registry (None without ``--redis``)."""
     pacing: TransferPacing | None = None
     """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
+    transfers: TransferTally = field(default_factory=TransferTally)
+    """Where the role records its KV transfers (the worker's heartbeats carry the totals)."""
     connector: ConnectorHost | None = None
     """A vLLM prefill or decode worker's KV connector (``pdrouter.worker.kv_connector``): its engine moves
     the KV itself; None for every other worker."""

@@ -48,6 +48,7 @@ from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk, ServeEv
 from pdrouter.worker.roles.prefill_connector import connector_engine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import check_request, token_chunks
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +66,13 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
                  prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None,
-                 max_lease_ms: int = 120_000) -> None:
+                 max_lease_ms: int = 120_000, tally: TransferTally | None = None) -> None:
         """``registered``: the check every prefill route passes before it is called (None: none);
         ``max_lease_ms``: the longest lease an ``Allocate`` may ask for."""
         self.driver = driver
         self.links = links if links is not None else PrefillLinks()  # an empty one is falsy
         self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
-                                   prefill_timeout_s=prefill_timeout_s, registered=registered)
+                                   prefill_timeout_s=prefill_timeout_s, registered=registered, tally=tally)
         """``Serve``'s logic (``prefill_timeout_s``: the limit of one prefill call without a deadline)."""
         self.receiver = receiver
         self.worker_id = worker_id
@@ -308,7 +309,7 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     if ctx.connector is not None:  # vLLM: its KV connector receives into the blocks vLLM reserves
         assert ctx.connector.pool is not None
         serving = ConnectorDecodeServe(connector_engine(ctx.engine), ctx.connector, links, cfg.worker_id,
-                                       cfg.kv_wait_s, registered=registered)
+                                       cfg.kv_wait_s, registered=registered, tally=ctx.transfers)
         return DecodeRole(None, ConnectorDecodeServicer(serving, ctx.model_compat_hash, cfg.kv_backend), links,
                           ctx.connector.pool.receivers[0])
     pool = ctx.kv_pool()
@@ -316,5 +317,5 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     servicer = DecodeServicer(ctx.disaggregated(), receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, links,
-                              registered=registered, max_lease_ms=cfg.max_lease_ms)
+                              registered=registered, max_lease_ms=cfg.max_lease_ms, tally=ctx.transfers)
     return DecodeRole(receiver, servicer, links, receiver.address)

@@ -42,6 +42,7 @@ from pdrouter.wire.worker_client import PrefillFailure, PrefillRoute, ServeOrder
 from pdrouter.worker.roles.decode_serve import REFUSED, EngineStream, ServeEvent, prefill_report, shaped
 from pdrouter.worker.roles.prefill_connector import KvParamsEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +109,8 @@ class ConnectorDecodeServe:
 
     def __init__(self, engine: KvParamsEngine, host: ConnectorHost, links: PrefillLinks, worker_id: str,
                  kv_wait_s: float, prefill_timeout_s: float = 600.0,
-                 registered: RegisteredPrefillWorkers | None = None) -> None:
+                 registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
+        self.tally = tally if tally is not None else TransferTally()
         self.engine = engine
         self.host = host
         self.links = links
@@ -205,8 +207,10 @@ class ConnectorDecodeServe:
                                                self.worker_id, order.model_compat_hash, timeout)
             landed = await link.landed(self.kv_wait_s)
             outcome.bytes_sent = landed.nbytes  # what this engine received
+            self.tally.received(landed.nbytes, landed.seconds)
             return outcome
         except PdRouterError as err:
+            self.tally.failed()
             failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
             log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
             if link.host.lost is not None:

@@ -25,6 +25,7 @@ expectation is aborted, the blocks freed, a prefill call in flight cancelled.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRo
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import whole_outputs
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +104,10 @@ class DecodeServe:
 
     def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
                  kv_wait_s: float, prefill_timeout_s: float = 600.0,
-                 registered: RegisteredPrefillWorkers | None = None) -> None:
-        """``registered``: the check every prefill route passes before it is called (None: none)."""
+                 registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none);
+        ``tally``: where the transfers are counted."""
+        self.tally = tally if tally is not None else TransferTally()
         self.driver = driver
         self.receiver = receiver
         self.links = links
@@ -187,6 +191,7 @@ class DecodeServe:
         remaining = time_remaining()
         timeout = self.prefill_timeout_s if remaining is None else remaining
         landed = False
+        invited = time.perf_counter()
         incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
                                         timeout_s=timeout + self.kv_wait_s)
         try:
@@ -205,14 +210,20 @@ class DecodeServe:
                 if not err.retryable:
                     raise
                 return None
-            await incoming.wait_all_async(timeout=self.kv_wait_s)
+            try:
+                await incoming.wait_all_async(timeout=self.kv_wait_s)
+            except PdRouterError:
+                self.tally.failed()
+                raise
             try:  # KV that is not finite would fail this request's decode, or poison others through stale slots
                 await self.driver.check_received_kv(RequestId(rid), incoming.bytes_landed)
             except TransferError as err:
+                self.tally.failed()
                 failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
                 log.warning("Serve %s: the KV from %s was refused (%s)", rid, route.worker_id, err.message)
                 return None
             landed = True
+            self.tally.received(incoming.bytes_landed, time.perf_counter() - invited)
         finally:
             if not landed:
                 incoming.abort("the prefill attempt ended early")

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import grpc
 
 from pdrouter.core.capacity import blocks_for_tokens
-from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.errors import InvalidRequestError, PdRouterError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.sampling import SamplingParams
@@ -41,6 +41,7 @@ from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_targets import DecodeTargets, RegisteredDecodeWorkers, StaticDecodeTargets
 from pdrouter.worker.roles.prefill_connector import ConnectorPrefill, connector_engine
 from pdrouter.worker.streaming import check_request
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,12 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, sender: KvSender, layout: KvLayout, model_compat_hash: str,
                  targets: DecodeTargets, transfer_timeout_s: float = 60.0,
-                 pacing: TransferPacing | None = None) -> None:
+                 pacing: TransferPacing | None = None, tally: TransferTally | None = None) -> None:
         """``layout``: the engine's (real geometry, for the stats); ``targets``: the check every KV
         target passes first; ``pacing``: a simulated worker's link."""
         self.targets = targets
         self.pacing = pacing
+        self.tally = tally if tally is not None else TransferTally()
         self.driver = driver
         self.sender = sender
         self.layout = layout
@@ -78,6 +80,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await self._send(outgoing, result.block_ids, len(target.dst_block_ids) - target.skip_blocks)
             await outgoing.finish_async(timeout=self.transfer_timeout_s)
             done = True
+        except PdRouterError:
+            self.tally.failed()
+            raise
         finally:
             # Shielded: a call cancelled while its transfer stops must still free the engine's blocks
             # (once the transfer no longer reads them), or they stay held for good.
@@ -90,6 +95,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise
         finished = time.perf_counter()
         sent = len(target.dst_block_ids) - target.skip_blocks
+        self.tally.sent(sent * self.layout.block_bytes, finished - computed)
         stats = worker_pb2.PrefillStats(
             prompt_tokens=len(prompt), cached_tokens=result.num_cached_blocks * self.layout.block_size,
             compute_ms=self._ms(computed - start), transfer_ms=self._ms(finished - computed),
@@ -201,11 +207,12 @@ async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
         if not ctx.config.decode_kv_addresses:
             log.warning("no registry (--redis) and no --decode-kv-addresses: Prefill refuses every KV target")
     if ctx.connector is not None:  # vLLM: its KV connector pushes the blocks
-        prefill = ConnectorPrefill(connector_engine(ctx.engine), ctx.connector, hold_s=ctx.config.kv_wait_s)
+        prefill = ConnectorPrefill(connector_engine(ctx.engine), ctx.connector, hold_s=ctx.config.kv_wait_s,
+                                   tally=ctx.transfers)
         return PrefillRole(None, ConnectorPrefillServicer(prefill, ctx.engine.kv_layout.block_size,
                                                           ctx.model_compat_hash, targets))
     pool = ctx.kv_pool()
     sender = KvSender(pool, pool.layout, ctx.transfer())
     servicer = PrefillServicer(ctx.disaggregated(), sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
-                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing)
+                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing, tally=ctx.transfers)
     return PrefillRole(sender, servicer)

@@ -21,13 +21,14 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from pdrouter.core.errors import ConfigError, UnavailableError
+from pdrouter.core.errors import ConfigError, PdRouterError, UnavailableError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.outputs import RequestOutput
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.transfer.vllm.orders import SendOrder
+from pdrouter.worker.transfer_tally import TransferTally
 
 ONE_TOKEN = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 """The prefill leg computes the prompt and one token (vLLM's least); the decode engine samples its own."""
@@ -65,10 +66,12 @@ class PrefillDone:
 class ConnectorPrefill:
     """Prefill-only requests through vLLM and its connector (see the module docstring)."""
 
-    def __init__(self, engine: KvParamsEngine, host: ConnectorHost, hold_s: float) -> None:
+    def __init__(self, engine: KvParamsEngine, host: ConnectorHost, hold_s: float,
+                 tally: TransferTally | None = None) -> None:
         self.engine = engine
         self.host = host
         self.hold_s = hold_s
+        self.tally = tally if tally is not None else TransferTally()
 
     async def run(self, request_id: str, prompt: Sequence[int], target: TransferTarget) -> PrefillDone:
         key = target.transfer_id
@@ -86,5 +89,10 @@ class ConnectorPrefill:
             computed = time.perf_counter()
             if first is None:
                 raise UnavailableError(f"vLLM computed no token for request {request_id}")
-            sent = await link.sent(self.hold_s + CONFIRM_SLACK_S)
+            try:
+                sent = await link.sent(self.hold_s + CONFIRM_SLACK_S)
+            except PdRouterError:
+                self.tally.failed()
+                raise
+        self.tally.sent(sent.nbytes, sent.seconds)
         return PrefillDone(first, cached, computed - start, time.perf_counter() - computed, sent.nbytes)

@@ -181,11 +181,17 @@ async def epoch_of(pd: PdCluster, worker_id: str) -> int:
         await client.aclose()
 
 
-def transfer_bytes(pd: PdCluster) -> int:
+def metric(pd: PdCluster, name: str, **labels: str) -> float:
+    """The sum of the PD router's samples of ``name`` that carry ``labels``."""
     with urllib.request.urlopen(f"{pd.http('pd')}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("pdrouter_kv_transfer_bytes_total{")))
+    wanted = [f'{key}="{value}"' for key, value in labels.items()]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and all(w in line for w in wanted))
+
+
+def transfer_bytes(pd: PdCluster) -> int:
+    return int(metric(pd, "pdrouter_kv_transfer_bytes_total"))
 
 
 async def grpc_tokens(address: str, prompt: list[int], max_tokens: int) -> tuple[list[int], str, int]:
@@ -266,6 +272,11 @@ def test_disaggregated_tokens_equal_the_colocated_engine(cluster: PdCluster) -> 
 
     run(check())
     run(idle(cluster))
+    # The workers count the same bytes (their heartbeats; the router exports them per worker).
+    moved = transfer_bytes(cluster)
+    run(wait_for(lambda: asyncio.sleep(0, metric(cluster, "pdrouter_worker_kv_transfer_bytes")),
+                 "the workers' transfer counts", lambda total: total == 2 * moved, timeout=15))
+    assert metric(cluster, "pdrouter_worker_kv_transfer_bytes", role="decode", direction="received") == moved
 
 
 def test_a_prefix_the_decode_worker_holds_is_not_sent_and_counts_as_cached(cluster: PdCluster) -> None:
@@ -402,7 +413,9 @@ def test_kill_9_of_the_decode_worker_mid_stream(cluster: PdCluster) -> None:
 
 
 def test_kill_9_of_the_prefill_worker_mid_transfer(cluster: PdCluster) -> None:
+    failed = metric(cluster, "pdrouter_kv_transfer_failures_total")
     outcomes = fault_load(cluster, "prefill-0", tokens=1500, max_tokens=8, after_s=2.0)
     assert outcomes.wrong == [], outcomes
     assert outcomes.correct >= 1, outcomes
+    assert metric(cluster, "pdrouter_kv_transfer_failures_total") > failed  # attempts it was in the middle of
     run(idle(cluster))  # the decode engine holds nothing, nothing is booked
