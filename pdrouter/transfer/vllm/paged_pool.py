@@ -81,6 +81,7 @@ class PagedPool(PoolView):
                                   f"{page} (only K and V of full attention move; MLA and other caches do not)")
             pages.append(_LayerPages(int(view.storage_offset()) * elem, int(view.stride(0)) * elem))
         self._pages = tuple(pages)
+        self._layers = tuple(layers)
         self.pool = torch.empty(0, dtype=torch.uint8, device=first.device).set_(storage)
         self._bytes = self.pool
         PoolBytes.__init__(self, layout, None, is_cuda=first.is_cuda)
@@ -89,6 +90,14 @@ class PagedPool(PoolView):
             raise ConfigError(f"KV layer views reach byte {end} of a {storage.nbytes()}-byte allocation")
         if not first.is_cuda:
             self._memory = self.pool.numpy().data
+
+    def finite(self, block_ids: Sequence[int]) -> bool:
+        """Whether every value of these blocks, in every layer, is finite (received KV is checked before
+        vLLM computes from it: a NaN or an infinity would spoil the request's tokens)."""
+        if not block_ids:
+            return True
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self._layers[0].device)
+        return all(bool(torch.isfinite(view.index_select(0, index)).all()) for view in self._layers)
 
     def pieces(self, span: FrameSpan) -> Iterator[tuple[int, int]]:
         page = self.layout.block_bytes_per_layer

@@ -9,9 +9,10 @@ Every method runs on the connector's I/O loop. A request's receive moves through
         │ GiveUp, the decision's deadline, the channel lost ──▶ OVER  (failed: vLLM computes the prompt)
     any ── Cancel (the request ended in vLLM) ──▶ OVER  (finished receiving: vLLM frees the blocks)
 
-A failed attempt is never reported to vLLM as landed: the blocks are only reported once the
-expectation is gone (``IncomingTransfer.abort`` returned), so nothing writes into them any more,
-and a failed receive makes vLLM compute the prompt itself (its ``recompute`` policy) or fail it.
+A failed attempt is never reported to vLLM as landed, nor one whose KV holds a value that is not
+finite (checked once every block landed). The blocks are reported only once the expectation is
+gone (``IncomingTransfer.abort`` returned), so nothing writes into them any more, and a failed
+receive makes vLLM compute the prompt itself (its ``recompute`` policy) or fail it.
 Each request is reported exactly once.
 """
 
@@ -25,11 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdrouter.core.aio import BackgroundTasks
-from pdrouter.core.errors import PdRouterError
+from pdrouter.core.errors import PdRouterError, TransferError
 from pdrouter.transfer.incoming import IncomingTransfer
 from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.transfer.vllm.channel import Local, Message, Outcome, Received, Reserved
 from pdrouter.transfer.vllm.orders import target_to_dict
+from pdrouter.transfer.vllm.paged_pool import PagedPool
 from pdrouter.transfer.vllm.reports import Reports
 from pdrouter.transfer.vllm.step_plan import Cancel, LocalPlan, ReceivePlan
 
@@ -55,9 +57,10 @@ class _Receive:
 class Receives:
     """The receives of one rank (see the module docstring)."""
 
-    def __init__(self, receiver: KvReceiver, rank: int, block_size: int, post: Callable[[Message], None],
-                 reports: Reports, decision_s: float) -> None:
+    def __init__(self, receiver: KvReceiver, pool: PagedPool, rank: int, block_size: int,
+                 post: Callable[[Message], None], reports: Reports, decision_s: float) -> None:
         self.receiver = receiver
+        self.pool = pool
         self.rank = rank
         self.block_size = block_size
         self._post = post
@@ -127,6 +130,10 @@ class Receives:
         error: PdRouterError | None = None
         try:
             await handle.wait_all_async()
+            blocks = receive.plan.dst_block_ids[receive.plan.skip_blocks:]
+            if not await asyncio.get_running_loop().run_in_executor(None, self.pool.finite, blocks):
+                error = TransferError(f"transfer {handle.transfer_id}: the received KV holds values that are not "
+                                      f"finite")
         except PdRouterError as exc:
             error = exc
         if receive.attempt != attempt or receive.phase is not Phase.EXPECTING:

@@ -115,7 +115,7 @@ class WorkerSide:
             port = welcome.kv_port + cfg.rank if welcome.kv_port else 0
             self._receiver = KvReceiver(pool, layout, transfer, host=welcome.kv_host, port=port,
                                         advertise_host=welcome.kv_advertise_host)
-            self._receives = Receives(self._receiver, cfg.rank, layout.block_size, post, self._reports,
+            self._receives = Receives(self._receiver, pool, cfg.rank, layout.block_size, post, self._reports,
                                       cfg.decision_s)
         if cfg.kv_role in SENDING_ROLES:
             self._sender = KvSender(pool, layout, transfer)

@@ -37,7 +37,6 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, SchedulerStats
 
 from pdrouter.core.errors import PdRouterError
-from pdrouter.engine.model_io import make_model
 from pdrouter.transfer.config import TransferConfig, new_epoch
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.transfer.vllm.host import (
@@ -210,18 +209,13 @@ async def _start(model: Path, host: ConnectorHost) -> Engine:
     return Engine(llm, host, pool, stats[0])
 
 
-@pytest.fixture(scope="session")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model("small", 0, tmp_path_factory.mktemp("vllm-pd") / "small", dtype="bfloat16")
-
-
-@pytest_asyncio.fixture(loop_scope="session", scope="session")
-async def pd(small_model: Path) -> AsyncIterator[PdPair]:
-    """A prefill and a decode engine for the session (started together: about a minute on two cores)."""
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def pd(vllm_model: Path) -> AsyncIterator[PdPair]:
+    """A prefill and a decode engine for the module (started together: about a minute on two cores)."""
     token = secrets.token_hex(16)
     prefill_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_producer")
     decode_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_consumer")
-    prefill, decode = await asyncio.gather(_start(small_model, prefill_host), _start(small_model, decode_host))
+    prefill, decode = await asyncio.gather(_start(vllm_model, prefill_host), _start(vllm_model, decode_host))
     pair = PdPair(prefill, decode)
     try:
         yield pair

@@ -288,6 +288,15 @@ def test_pools_of_other_arrangements_do_not_exchange_blocks() -> None:
     assert plain.compat_hash() != layout().compat_hash()
 
 
+def test_received_blocks_with_a_value_that_is_not_finite_are_found() -> None:
+    pool, views = paged(layout(), block_major=True)
+    views[2][5, 1, 3, 7] = float("nan")
+    views[0][9, 0, 0, 0] = float("-inf")
+    assert pool.finite([0, 1, 2, 3, 4, 6, 7, 8, 10, 11])
+    assert not pool.finite([4, 5]) and not pool.finite([9])
+    assert pool.finite([])
+
+
 def test_a_view_that_is_not_vllm_shaped_is_refused() -> None:
     lay = layout()
     _, views = paged(lay)
