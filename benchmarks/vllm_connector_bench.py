@@ -10,24 +10,30 @@ Figures (``name: value unit`` lines; ``--json`` prints one JSON object):
   (``WorkerSide``, what vLLM's worker processes call: the step's plan, ``save_layer`` per layer,
   ``step_done``), with its side channel to a ``ConnectorHost`` each here: the prefill side's time
   from its first frame queued to the decode side's confirmation.
-- ``connector_vs_layer_ratio``: the two above divided (target >= 0.8).
+- ``connector_vs_layer_ratio``: the median of each pair's rate ratio, connector over layer (target
+  >= 0.8); pairs run back to back, in alternating order.
 - ``handoff_ms``: median wall time here of one hand-off through the connector, from asking the
   decode side to reserve to both sides reporting (the side channel's round trips included).
 
-Without ``--quick``, two real vLLM engines (the CPU wheel, the small model; about a minute to start
-here) add:
+Without ``--quick``, two real vLLM engines (the CPU wheel, the small model in bfloat16, 128-token
+blocks; about a minute to start here) move fresh 1,500-token prompts decode-first, and add:
 
-- ``engine_connector_gbps``: a prompt already cached on the prefill engine (so its forward pass is one
-  token) sent by the prefill engine's connector: bytes / its first frame → confirmation.
 - ``ttft_queue_ms``, ``ttft_prefill_ms``, ``ttft_transfer_ms``, ``ttft_first_decode_ms``, ``ttft_ms``:
-  medians over fresh prompts driven decode-first: submitted to the decode engine until its blocks are
-  reserved (queueing), the prefill engine's request until its output (prefill: the forward pass, during
-  which the layers already go out), that output until the decode engine has every block (the transfer's
-  exposed tail), that until the decode engine's first token (its first step: the prompt's last token
-  recomputed over the received KV).
+  medians of the split of the time to first token: submitted to the decode engine until its blocks are
+  reserved (queueing); the prefill engine's request until its forward pass ended (prefill, during which
+  the layers already go out); from there until the decode side confirmed every block (the transfer's
+  exposed tail, as the prefill engine's connector measures it); from the decode engine's word that the
+  KV landed to its first token (its first step: the prompt's last position computed over the received
+  KV, plus vLLM's output path).
+- ``engine_kv_mib``: the KV of one such prompt; ``engine_overlapped_ratio``: the share of the
+  transfer's window (first frame to confirmation) that overlapped the forward pass.
 
-Each rate is the median of several hand-offs run interleaved (layer, connector, layer, ...) after a
-warm-up each, so that other work on the machine hits both alike.
+On real engines the transfer's window is the forward pass's (each layer goes out as it is computed),
+so their rate is the computation's, not the transport's: the rate comparison is the component one
+above, with the same code the engines run.
+
+Each rate is the median of several hand-offs run in pairs (layer then connector, connector then
+layer, ...) after a warm-up each, so that other work on the machine hits both alike.
 """
 
 from __future__ import annotations
@@ -82,8 +88,8 @@ def vllm_views(lay: PagedKvLayout, fill: int | None) -> tuple[list[str], list[to
     buf = torch.empty(lay.num_layers * lay.num_blocks * page, dtype=torch.bfloat16)
     if fill is None:
         buf.view(torch.int16).fill_(1)  # fault the pages in before timing anything
-    else:
-        buf.view(torch.int16).random_(generator=torch.Generator().manual_seed(fill))
+    else:  # finite values: the decode side checks what it received before vLLM computes from it
+        buf.normal_(generator=torch.Generator().manual_seed(fill))
     shape = (lay.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
     views = [buf[i * lay.num_blocks * page:(i + 1) * lay.num_blocks * page].view(shape) for i in range(lay.num_layers)]
     return [f"model.layers.{i}.self_attn.attn" for i in range(lay.num_layers)], views
@@ -205,18 +211,20 @@ async def component_figures(plan: Plan, report: Report) -> None:
         await layer_alone(prefill, decode, blocks)  # warm-ups: connections, first pages
         await through_connector(prefill, decode, hosts, blocks)
         layer_s, connector_s, handoff_s = [], [], []
-        for _ in range(plan.reps):
-            layer_s.append(await layer_alone(prefill, decode, blocks))
-            sent, wall = await through_connector(prefill, decode, hosts, blocks)
-            assert sent.nbytes == nbytes, (sent.nbytes, nbytes)
-            connector_s.append(sent.seconds)
-            handoff_s.append(wall)
-        layer = nbytes / statistics.median(layer_s) / 1e9
-        connector = nbytes / statistics.median(connector_s) / 1e9
+        for rep in range(plan.reps):  # pairs, in alternating order: a load that drifts hits both alike
+            for which in ("layer", "connector") if rep % 2 == 0 else ("connector", "layer"):
+                if which == "layer":
+                    layer_s.append(await layer_alone(prefill, decode, blocks))
+                    continue
+                sent, wall = await through_connector(prefill, decode, hosts, blocks)
+                assert sent.nbytes == nbytes, (sent.nbytes, nbytes)
+                connector_s.append(sent.seconds)
+                handoff_s.append(wall)
         report.add("transfer_mib", nbytes / 2**20, "MiB")
-        report.add("layer_gbps", layer, "GB/s")
-        report.add("connector_gbps", connector, "GB/s")
-        report.add("connector_vs_layer_ratio", connector / layer, "x")
+        report.add("layer_gbps", nbytes / statistics.median(layer_s) / 1e9, "GB/s")
+        report.add("connector_gbps", nbytes / statistics.median(connector_s) / 1e9, "GB/s")
+        report.add("connector_vs_layer_ratio",
+                   statistics.median(lay / con for lay, con in zip(layer_s, connector_s, strict=True)), "x")
         report.add("handoff_ms", statistics.median(handoff_s) * 1000, "ms")
     finally:
         for peer in (prefill, decode):
@@ -244,8 +252,10 @@ async def engine_figures(plan: Plan, report: Report) -> None:
 
     async def start(host: ConnectorHost) -> Any:
         await host.start()
+        # No statistics: vLLM's Prometheus loggers, made by two engines starting at once in one process,
+        # race on the process-global registry.
         args = AsyncEngineArgs(model=str(folder), skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16",
-                               max_model_len=4096, block_size=128,
+                               max_model_len=4096, block_size=128, disable_log_stats=True,
                                kv_transfer_config=KVTransferConfig(**host.kv_transfer_config()))
         llm = await asyncio.to_thread(AsyncLLM.from_engine_args, args)
         await host.wait_ready(300)
@@ -254,7 +264,7 @@ async def engine_figures(plan: Plan, report: Report) -> None:
     prefill, decode = await asyncio.gather(start(hosts[0]), start(hosts[1]))
 
     async def last(llm: Any, prompt: list[int], params: Any, rid: str,
-                   first: Callable[[], None] | None = None) -> None:
+                   first: Callable[[], object] | None = None) -> None:
         async for _ in llm.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=rid):
             if first is not None:
                 first()
@@ -263,6 +273,12 @@ async def engine_figures(plan: Plan, report: Report) -> None:
     async def handoff(prompt: list[int]) -> dict[str, float]:
         key = f"req-{uuid.uuid4().hex}"
         marks: dict[str, float] = {"start": time.monotonic()}
+
+        async def mark(name: str, waiting: Any) -> Any:
+            result = await waiting
+            marks[name] = time.monotonic()
+            return result
+
         with hosts[1].receive(key) as receiving:
             order = ReceiveOrder(key, 0, 60.0)
             decoding = asyncio.ensure_future(last(decode, prompt, SamplingParams(
@@ -271,15 +287,16 @@ async def engine_figures(plan: Plan, report: Report) -> None:
             placement = await receiving.placement(60)
             assert isinstance(placement, Placement)
             marks["reserved"] = time.monotonic()
+            landing = asyncio.ensure_future(mark("landed", receiving.landed(60)))
             with hosts[0].send(key) as sending:
                 await last(prefill, prompt, SamplingParams(max_tokens=1, temperature=0, extra_args={
                     "kv_transfer_params": SendOrder(key, placement.targets, 60.0).params()}), key)
-                marks["prefilled"] = time.monotonic()
                 sent = await sending.sent(60)
-            await receiving.landed(60)
-            marks["landed"] = time.monotonic()
+            await landing
             await decoding
-        marks["rate"] = sent.nbytes / sent.seconds / 1e9
+        marks["computed"] = marks["landed"] - sent.tail_s  # the prefill engine's forward pass ended
+        marks["nbytes"] = sent.nbytes
+        marks["overlapped"] = 1 - sent.tail_s / sent.seconds if sent.seconds else 0.0
         return marks
 
     try:
@@ -287,14 +304,14 @@ async def engine_figures(plan: Plan, report: Report) -> None:
         prompts = [[rng.randrange(3, 256) for _ in range(plan.prompt_tokens)] for _ in range(plan.prompts)]
         await handoff(prompts[0])  # warm-up: the prefill engine dials the decode engine's receiver
         splits = [await handoff(p) for p in prompts[1:]]
-        rates = [(await handoff(prompts[1]))["rate"] for _ in range(plan.reps)]  # cached on the prefill engine
-        for name, start, end in (("ttft_queue_ms", "start", "reserved"),
-                                 ("ttft_prefill_ms", "reserved", "prefilled"),
-                                 ("ttft_transfer_ms", "prefilled", "landed"),
+        for name, begin, end in (("ttft_queue_ms", "start", "reserved"),
+                                 ("ttft_prefill_ms", "reserved", "computed"),
+                                 ("ttft_transfer_ms", "computed", "landed"),
                                  ("ttft_first_decode_ms", "landed", "first_token"),
                                  ("ttft_ms", "start", "first_token")):
-            report.add(name, statistics.median(m[end] - m[start] for m in splits) * 1000, "ms")
-        report.add("engine_connector_gbps", statistics.median(rates), "GB/s")
+            report.add(name, statistics.median(m[end] - m[begin] for m in splits) * 1000, "ms")
+        report.add("engine_kv_mib", statistics.median(m["nbytes"] for m in splits) / 2**20, "MiB")
+        report.add("engine_overlapped_ratio", statistics.median(m["overlapped"] for m in splits), "x")
     finally:
         for llm in (prefill, decode):
             llm.shutdown()
@@ -305,8 +322,8 @@ async def engine_figures(plan: Plan, report: Report) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser(__doc__.split("\n\n")[0])
     args = parser.parse_args(argv)
-    plan = (Plan(blocks=32, reps=5, prompts=0, prompt_tokens=0) if args.quick
-            else Plan(blocks=32, reps=9, prompts=9, prompt_tokens=1500))
+    plan = (Plan(blocks=32, reps=11, prompts=0, prompt_tokens=0) if args.quick
+            else Plan(blocks=32, reps=31, prompts=9, prompt_tokens=1500))
     report = Report()
     asyncio.run(component_figures(plan, report))
     if not args.quick:

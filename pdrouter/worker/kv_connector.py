@@ -49,7 +49,7 @@ async def start_connector(config: WorkerConfig, epoch: Epoch) -> ConnectorHost |
 
 def engine_with_connector(engine: VllmEngineConfig, host: ConnectorHost) -> VllmEngineConfig:
     """``engine`` configured with pd-router's KV connector dialling ``host``."""
-    if engine.kv_transfer_config is not None:
+    if engine.kv_transfer_config is not None or "kv_transfer_config" in engine.passed:
         raise ConfigError("a vLLM prefill or decode worker configures vLLM's KV connector itself; drop "
                           "--vllm-arg kv_transfer_config")
     return dataclasses.replace(engine, kv_transfer_config=host.kv_transfer_config())

@@ -107,6 +107,9 @@ class Outcome:
     code: int = 0
     """The transfer layer's ``ErrorCode`` when not ok."""
     message: str = ""
+    tail_s: float = 0.0
+    """Sender: from the end of the forward pass that computed the prompt to the confirmation (the part
+    of the transfer that did not overlap the computation)."""
 
     @classmethod
     def failed(cls, error: BaseException, nbytes: int = 0, seconds: float = 0.0) -> Outcome:

@@ -102,6 +102,8 @@ class TransferResult:
     """Bytes moved, every rank together."""
     seconds: float
     """The slowest rank's time (receiver: from the invitation; sender: from its first frame queued)."""
+    tail_s: float = 0.0
+    """Sender: the slowest rank's time from the end of its forward pass to the confirmation."""
 
 
 def _combine(outcomes: list[Outcome]) -> TransferResult:
@@ -109,7 +111,8 @@ def _combine(outcomes: list[Outcome]) -> TransferResult:
         error = outcome.error()
         if error is not None:
             raise error
-    return TransferResult(sum(o.nbytes for o in outcomes), max((o.seconds for o in outcomes), default=0.0))
+    return TransferResult(sum(o.nbytes for o in outcomes), max((o.seconds for o in outcomes), default=0.0),
+                          max((o.tail_s for o in outcomes), default=0.0))
 
 
 class _Link:

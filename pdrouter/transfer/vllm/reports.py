@@ -25,6 +25,7 @@ class Reports:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
         self._recving: set[str] = set()
         self._failed: set[str] = set()
         self._sends_over: set[str] = set()
@@ -38,6 +39,7 @@ class Reports:
             self._recving.add(req_id)
             if failed:
                 self._failed.add(req_id)
+            self._changed.notify_all()
 
     def sending(self, req_id: str) -> None:
         """A send started (engine thread): report it once it is over and vLLM finished the request."""
@@ -47,6 +49,13 @@ class Reports:
     def sent(self, req_id: str) -> None:
         with self._lock:
             self._sends_over.add(req_id)
+            self._changed.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Return once a transfer is over (or at once if one is waiting to be taken), at most ``timeout``."""
+        with self._lock:
+            if not (self._recving or self._sends_over):
+                self._changed.wait(timeout)
 
     def take(self, finished_req_ids: Iterable[str]) -> StepReport:
         with self._lock:

@@ -3,20 +3,20 @@
 The engine thread drives it through one forward pass: ``plan`` (before the pass: open the
 transfer when a connection to the receiver is up), ``layer`` (as each attention layer has
 written its KV: queue that layer's frames, which the sender's thread puts on the wire while the
-next layers compute), ``step_done`` (after the pass: hand the transfer to the I/O loop). The I/O
-loop waits for the receiver's confirmation, at most the order's ``hold_s``, then reports the
+next layers compute), ``step_done`` (after the pass: hand the transfer to a waiter thread). The
+waiter waits for the receiver's confirmation, at most the order's ``hold_s``, then reports the
 request so vLLM frees its blocks: they are read until then and never longer.
 
 With no connection to the receiver yet (the first request to a decode engine), nothing may dial
-on the engine thread: the I/O loop dials, then sends every layer at once after the pass.
+on the engine thread: the waiter thread dials, then sends every layer at once after the pass.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -25,11 +25,13 @@ from pdrouter.core.errors import InvalidRequestError, PdRouterError
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.sender import KvSender
 from pdrouter.transfer.vllm.channel import Message, Outcome, Sent
-from pdrouter.transfer.vllm.io_thread import IoThread
 from pdrouter.transfer.vllm.reports import Reports
 from pdrouter.transfer.vllm.step_plan import SendPlan
 
 log = logging.getLogger("vllm.pdrouter.connector")
+
+WAITERS = 64
+"""Threads waiting for receivers' confirmations: sends in flight at once, beyond which they queue."""
 
 
 @dataclass(slots=True)
@@ -39,20 +41,22 @@ class _Send:
     error: Exception | None = None
     started: float | None = None
     """When its first frames were queued (the transfer's window starts)."""
+    computed: float = 0.0
+    """When the forward pass that computed the prompt ended."""
 
 
 class Sends:
     """The sends of one rank (see the module docstring)."""
 
-    def __init__(self, sender: KvSender, rank: int, io: IoThread, post: Callable[[Message], None],
-                 reports: Reports, *, cuda: bool) -> None:
+    def __init__(self, sender: KvSender, rank: int, post: Callable[[Message], None], reports: Reports, *,
+                 cuda: bool) -> None:
         self.sender = sender
         self.rank = rank
-        self._io = io
         self._post = post
         self._reports = reports
         self._cuda = cuda
         self._step: list[_Send] = []
+        self._waiters = ThreadPoolExecutor(max_workers=WAITERS, thread_name_prefix=f"pdrouter-kv-send{rank}")
 
     # -- engine thread --------------------------------------------------------------------------------
     def plan(self, plan: SendPlan) -> None:
@@ -84,24 +88,36 @@ class Sends:
 
     def step_done(self) -> None:
         sends, self._step = self._step, []
+        now = time.monotonic()
         for send in sends:
-            self._io.spawn(self._finish(send))
+            send.computed = now
+            self._waiters.submit(self._finish, send)
 
-    # -- I/O loop -------------------------------------------------------------------------------------
-    async def _finish(self, send: _Send) -> None:
+    def close(self) -> None:
+        """Stop the waiter threads (after the sender closed: its transfers have failed)."""
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    # -- waiter threads ---------------------------------------------------------------------------------
+    def _finish(self, send: _Send) -> None:
+        self._post(Sent(send.plan.key, self.rank, self._confirm(send)))
+
+    def _confirm(self, send: _Send) -> Outcome:
+        """Finish the transfer (dial first when not connected yet) and wait for the receiver's
+        confirmation: the waiter wakes the moment it lands, and reports the request over from there
+        (vLLM frees its blocks at its next step)."""
         plan = send.plan
         transfer = send.transfer
         try:
             if send.error is not None:
                 raise send.error
             if transfer is None:  # not connected before the pass: dial now, send every layer at once
-                loop = asyncio.get_running_loop()
-                transfer = await loop.run_in_executor(None, self.sender.open_transfer, plan.targets[self.rank])
+                transfer = self.sender.open_transfer(plan.targets[self.rank])
                 send.transfer = transfer
                 send.started = time.monotonic()
                 transfer.send_layers(plan.src_block_ids)
-            await transfer.finish_async(timeout=plan.hold_s)
-            outcome = Outcome(True, transfer.bytes_queued, time.monotonic() - (send.started or time.monotonic()))
+            transfer.finish(timeout=plan.hold_s)
+            done = time.monotonic()
+            outcome = Outcome(True, transfer.bytes_queued, done - (send.started or done), tail_s=done - send.computed)
         except Exception as exc:  # anything: the request must still be reported, or its blocks stay held
             if transfer is not None and not transfer.state.terminal:
                 transfer.abort(str(exc))
@@ -109,4 +125,4 @@ class Sends:
             outcome = Outcome.failed(exc, nbytes, time.monotonic() - (send.started or time.monotonic()))
             log.info("request %s: KV send failed: %s", plan.key, outcome.message)
         self._reports.sent(plan.req_id)
-        self._post(Sent(plan.key, self.rank, outcome))
+        return outcome

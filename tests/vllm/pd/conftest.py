@@ -211,11 +211,14 @@ async def _start(model: Path, host: ConnectorHost) -> Engine:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def pd(vllm_model: Path) -> AsyncIterator[PdPair]:
-    """A prefill and a decode engine for the module (started together: about a minute on two cores)."""
+    """A prefill and a decode engine for the module (about a minute to start on two cores)."""
     token = secrets.token_hex(16)
     prefill_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_producer")
     decode_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_consumer")
-    prefill, decode = await asyncio.gather(_start(vllm_model, prefill_host), _start(vllm_model, decode_host))
+    # One after the other: vLLM's Prometheus loggers, made by two engines starting at once in one
+    # process, race on the process-global registry (DuplicateTimeseries).
+    prefill = await _start(vllm_model, prefill_host)
+    decode = await _start(vllm_model, decode_host)
     pair = PdPair(prefill, decode)
     try:
         yield pair
