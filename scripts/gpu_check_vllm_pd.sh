@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
-# PD with vLLM on GPUs: pd-router's KV connector over NCCL, and greedy parity with a colocated vLLM.
+# PD with vLLM on GPUs: greedy parity of a vLLM prefill and decode pair with a colocated vLLM, and
+# pd-router's KV connector over NCCL.
 #
 # Prepared for a machine with CUDA GPUs and vLLM's GPU wheel in ./.venv (pip install -e '.[dev,vllm]');
-# never part of the test suite. It starts, on the small random model in bfloat16 (KV blocks of 16):
-#   * `pdrouter prefill --backend vllm --kv-backend nccl` on GPU 0 and
-#     `pdrouter decode  --backend vllm --kv-backend nccl` on GPU 1 (CUDA_VISIBLE_DEVICES: one process per
-#     GPU) behind a disaggregated router,
-#   * a colocated `pdrouter worker --backend vllm` on GPU 0 behind a router of its own,
-# then sends the same greedy prompts (1 to 1,500 tokens, on and off block boundaries, one with a prefix
-# the decode worker holds) through both routers' gRPC doors and compares the token ids, and checks that
-# the KV moved (the router's pdrouter_kv_transfer_bytes_total{backend="nccl"}). Exit 0: all equal.
-#
-# Two devices are needed: NCCL refuses two ranks of one communicator on the same device, and a KV
-# transfer is a two-rank group (prefill engine, decode engine). With one device it says so and exits 3.
+# never part of the test suite. It starts, on the small random model in bfloat16 (KV blocks of 16,
+# CUDA graphs on):
+#   * `pdrouter prefill --backend vllm` on GPU 0 and `pdrouter decode --backend vllm` on GPU 1 (one
+#     process per GPU: CUDA_VISIBLE_DEVICES) with --kv-backend nccl, behind a disaggregated router;
+#     with one GPU both on it with --kv-backend tcp (NCCL refuses two ranks of one communicator on one
+#     device, and a KV transfer is a two-rank group), and the NCCL path is reported as not run;
+#   * a colocated `pdrouter worker --backend vllm` on GPU 0 behind a router of its own;
+# one after the other (engines sharing a GPU must not profile its memory at once), then sends the
+# same greedy prompts (1 to 1,500 tokens, on and off block boundaries, one with a prefix the decode
+# worker holds) through both routers' gRPC doors, compares the token ids, and checks that the KV
+# moved over the backend (the router's pdrouter_kv_transfer_bytes_total{backend=...}).
+# Exit 0: all equal (and, with two GPUs, over NCCL); 1: a difference or a failure.
 # Usage: bash scripts/gpu_check_vllm_pd.sh [--prompts N]   (about 3 minutes, most of it vLLM starting)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,10 +45,11 @@ except ImportError as exc:
     sys.exit(f"vLLM's GPU wheel is not importable here ({exc}): pip install -e '.[dev,vllm]'")
 if not torch.cuda.is_available():
     sys.exit("no CUDA device: this check runs on GPUs")
-if torch.cuda.device_count() < 2:
-    print(f"{torch.cuda.device_count()} CUDA device(s): the NCCL path needs two (NCCL refuses two ranks on one "
-          f"device); nothing run", flush=True)
-    sys.exit(3)
+DEVICES = torch.cuda.device_count()
+KV_BACKEND = "nccl" if DEVICES >= 2 else "tcp"
+if DEVICES < 2:
+    print("one CUDA device: prefill and decode share it, KV over tcp; the NCCL path needs two (NCCL refuses "
+          "two ranks of one communicator on one device) and is not run", flush=True)
 print(f"vLLM {vllm.__version__}, torch {torch.__version__}, {torch.cuda.device_count()} devices:",
       ", ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())), flush=True)
 
@@ -92,10 +95,11 @@ async def tokens(address: str, prompt: list[int]) -> list[int]:
     return ids
 
 
-def nccl_bytes(router: ManagedProcess) -> float:
+def kv_bytes(router: ManagedProcess) -> float:
+    """KV bytes the router counted over this run's backend."""
     with urllib.request.urlopen(f"http://{router.address}/metrics", timeout=10) as resp:
         return sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                   if line.startswith('pdrouter_kv_transfer_bytes_total{backend="nccl"}'))
+                   if line.startswith(f'pdrouter_kv_transfer_bytes_total{{backend="{KV_BACKEND}"}}'))
 
 
 redis = EmbeddedRedis()
@@ -103,13 +107,14 @@ redis.start()
 failed = False
 try:
     device = ["--device", "cuda:0"]
-    prefill = start("prefill", ["prefill", *common, *device, "--kv-backend", "nccl", "--redis", redis.url,
-                                "--worker-id", "prefill-0"], gpu="0")
-    decode = start("decode", ["decode", *common, *device, "--kv-backend", "nccl", "--redis", redis.url,
-                              "--worker-id", "decode-0"], gpu="1")
+    kv = ["--kv-backend", KV_BACKEND, "--redis", redis.url]
+    prefill = start("prefill", ["prefill", *common, *device, *kv, "--worker-id", "prefill-0"], gpu="0")
+    print(f"{prefill.name:<10} {prefill.wait_ready(900)}", flush=True)
+    decode = start("decode", ["decode", *common, *device, *kv, "--worker-id", "decode-0"],
+                   gpu="1" if DEVICES >= 2 else "0")
+    print(f"{decode.name:<10} {decode.wait_ready(900)}", flush=True)
     reference = start("reference", ["worker", *common, *device, "--worker-id", "reference"], gpu="0")
-    for proc in (prefill, decode, reference):
-        print(f"{proc.name:<10} {proc.wait_ready(900)}", flush=True)
+    print(f"{reference.name:<10} {reference.wait_ready(900)}", flush=True)
     router_args = ["router", "--model", str(folder), "--block-size", str(BLOCK), "--http-port", "0", "--grpc-port",
                    "0", "--log-level", "WARNING"]
     pd_router = start("pd-router", [*router_args, "--redis", redis.url, "--mode", "disaggregated"])
@@ -123,16 +128,16 @@ try:
     prompts.append(prompts[-1][:1024] + [rng.randrange(3, 256) for _ in range(100)])  # a prefix decode holds
     for prompt in prompts:
         want = asyncio.run(tokens(ref_router.grpc_address or "", prompt))
-        before = nccl_bytes(pd_router)
+        before = kv_bytes(pd_router)
         got = asyncio.run(tokens(pd_router.grpc_address or "", prompt))
-        moved = nccl_bytes(pd_router) - before
+        moved = kv_bytes(pd_router) - before
         same = got == want
         failed |= not same
-        print(f"{len(prompt):>5} tokens: {'equal' if same else 'DIFFERENT'}, {moved:,.0f} bytes over NCCL"
+        print(f"{len(prompt):>5} tokens: {'equal' if same else 'DIFFERENT'}, {moved:,.0f} bytes over {KV_BACKEND}"
               + ("" if same else f"\n  colocated {want}\n  PD        {got}"), flush=True)
-    total = nccl_bytes(pd_router)
+    total = kv_bytes(pd_router)
     failed |= total <= 0
-    print(f"KV over NCCL in all: {total:,.0f} bytes", flush=True)
+    print(f"KV over {KV_BACKEND} in all: {total:,.0f} bytes", flush=True)
 except Exception as exc:
     failed = True
     print(f"failed: {type(exc).__name__}: {exc}", flush=True)
@@ -141,6 +146,8 @@ except Exception as exc:
 finally:
     stop_all()
     redis.stop()
-print("PD parity over NCCL:", "FAILED" if failed else "ok", flush=True)
+print(f"PD parity, KV over {KV_BACKEND}:", "FAILED" if failed else "ok", flush=True)
+if DEVICES < 2:
+    print("NCCL path: not run (one device)", flush=True)
 sys.exit(1 if failed else 0)
 PY
