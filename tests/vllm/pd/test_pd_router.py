@@ -9,8 +9,9 @@ computes the prompt's last position over received KV, as vLLM does after any pre
 
 Every prompt is random token ids, so no engine holds any of it before, unless a test gives it a
 prefix on purpose. Transferred bytes are the router's ``pdrouter_kv_transfer_bytes_total``.
-The faults run last: cancels, then ``kill -9`` of the decode worker mid-stream (it is restarted),
-then of the prefill worker mid-transfer.
+The faults run last: cancels; a KV stream corrupted or cut on its way to the decode worker (the decode
+worker is behind a relay that listens on a second loopback address, ``relay.py``); ``kill -9`` of the
+decode worker mid-stream (it is restarted); then of the prefill worker mid-transfer.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import random
 import secrets
 import signal
+import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -43,6 +45,8 @@ from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdrouter.worker.presence import connect_redis
 
+from .relay import Fault, WorkerRelay
+
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 BLOCK = 32
@@ -53,10 +57,23 @@ START_S = 600.0
 BOUND_S = 120.0
 """The longest any client waits for its answer (or its clean error) in the fault tests."""
 MODEL = "small"
+RELAY_HOST = "127.0.0.2"
+"""Where a decode worker's relay listens (the worker itself listens on 127.0.0.1)."""
+
+
+def free_port() -> int:
+    """A port free on both loopback addresses a moment ago."""
+    while True:
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = int(first.getsockname()[1])
+            with contextlib.suppress(OSError):
+                second.bind((RELAY_HOST, port))
+                return port
 
 
 def vllm_worker(role: str, model: Path, name: str, redis_url: str | None) -> list[str]:
-    argv = [role, "--backend", "vllm", "--model", str(model), "--worker-id", name, "--port", "0",
+    argv = [role, "--backend", "vllm", "--model", str(model), "--worker-id", name,
             "--block-size", str(BLOCK), "--dtype", DTYPE, "--vllm-arg", "max_model_len=2048",
             "--torch-threads", "1", "--log-level", "INFO"]
     return argv + (["--redis", redis_url] if redis_url else [])
@@ -70,9 +87,22 @@ class PdCluster:
     workers: dict[str, ManagedProcess] = field(default_factory=dict)
     routers: dict[str, ManagedProcess] = field(default_factory=dict)
 
+    relays: dict[str, WorkerRelay] = field(default_factory=dict)
+    """The relay in front of each decode worker (its incarnation's ports)."""
+
     def start_worker(self, role: str, name: str, *, registered: bool = True) -> ManagedProcess:
-        proc = ManagedProcess(name, vllm_worker(role, self.model, name, self.redis_url if registered else None),
-                              env=self.env)
+        argv = vllm_worker(role, self.model, name, self.redis_url if registered else None)
+        if role == "decode":  # behind a relay (see relay.py): the faults on its KV stream
+            ports = [free_port() for _ in range(3)]
+            old = self.relays.pop(name, None)
+            if old is not None:
+                old.close()
+            self.relays[name] = WorkerRelay(RELAY_HOST, "127.0.0.1", ports, kv_port=ports[2])
+            argv += ["--host", "127.0.0.1", "--advertise-host", RELAY_HOST, "--port", str(ports[0]),
+                     "--lane-port", str(ports[1]), "--kv-port", str(ports[2])]
+        else:
+            argv += ["--port", "0"]
+        proc = ManagedProcess(name, argv, env=self.env)
         self.workers[name] = proc
         return proc
 
@@ -105,6 +135,8 @@ class PdCluster:
             proc.stop(60)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.proc.pid, signal.SIGKILL)
+        for relay in self.relays.values():
+            relay.close()
 
 
 @pytest.fixture(scope="module")
@@ -279,24 +311,47 @@ def test_disaggregated_tokens_equal_the_colocated_engine(cluster: PdCluster) -> 
     assert metric(cluster, "pdrouter_worker_kv_transfer_bytes", role="decode", direction="received") == moved
 
 
+PREFIX_CASES = [(700, 640, 940), (300, 250, 400), (1100, 1024, 1500)]
+"""(a prompt the decode worker computes first, tokens a second prompt shares with it, the second's length):
+the shared part on and off block boundaries (the decode worker holds its whole blocks)."""
+
+
 def test_a_prefix_the_decode_worker_holds_is_not_sent_and_counts_as_cached(cluster: PdCluster) -> None:
     rng = random.Random(2)
+
+    async def check() -> None:
+        for door, (first_len, shared, total) in enumerate(PREFIX_CASES):
+            first = random_prompt(rng, first_len)
+            second = first[:shared] + random_prompt(rng, total - shared)
+            held = shared // BLOCK * BLOCK
+            reference = await grpc_tokens(cluster.grpc("reference"), second, 8)
+            await grpc_tokens(cluster.grpc("pd"), first, 8)  # now held by the decode worker (and the prefill's)
+            before = transfer_bytes(cluster)
+            if door == 2:
+                ids, _, cached = await grpc_tokens(cluster.grpc("pd"), second, 8)
+                assert ids == reference[0], f"{total} tokens, {shared} shared"
+            else:  # HTTP, streamed and not
+                text, usage = await http_completion(cluster.http("pd"), second, 8, stream=door == 0)
+                assert text == reference[1], f"{total} tokens, {shared} shared"
+                cached = usage["prompt_tokens_details"]["cached_tokens"]
+            assert cached == held
+            assert transfer_bytes(cluster) - before == sent_blocks(total, held) * BLOCK_BYTES
+
+    run(check())
+    run(idle(cluster))
+
+
+def test_a_prompt_mostly_held_by_the_decode_worker_is_computed_there(cluster: PdCluster) -> None:
+    rng = random.Random(4)
     first = random_prompt(rng, 700)
-    held = 640  # 20 whole blocks of ``first``
-    second = first[:held] + random_prompt(rng, 300)
     mostly_held = first[:672] + random_prompt(rng, 20)  # 20 uncached tokens: computed on the decode worker
 
     async def check() -> None:
-        references = [await grpc_tokens(cluster.grpc("reference"), p, 8) for p in (first, second, mostly_held)]
+        reference = await grpc_tokens(cluster.grpc("reference"), mostly_held, 8)
         await grpc_tokens(cluster.grpc("pd"), first, 8)
         before = transfer_bytes(cluster)
-        text, usage = await http_completion(cluster.http("pd"), second, 8, stream=True)
-        assert text == references[1][1]
-        assert usage["prompt_tokens_details"]["cached_tokens"] == held
-        assert transfer_bytes(cluster) - before == sent_blocks(len(second), held) * BLOCK_BYTES
-        before = transfer_bytes(cluster)
         ids, _, cached = await grpc_tokens(cluster.grpc("pd"), mostly_held, 8)
-        assert ids == references[2][0]
+        assert ids == reference[0]
         assert cached == 672
         assert transfer_bytes(cluster) == before
 
@@ -373,6 +428,34 @@ def test_clients_cancelling_at_random_points_strand_nothing(cluster: PdCluster) 
         assert (await grpc_tokens(cluster.grpc("pd"), prompts[0], 8))[0] == reference[0]
 
     run(check())
+
+
+@pytest.mark.parametrize("fault", [Fault("flip", 4000), Fault("flip", 60), Fault("cut", 4000)],
+                         ids=["corrupted-payload", "corrupted-header", "cut-mid-message"])
+def test_a_broken_transfer_is_computed_on_the_decode_worker(cluster: PdCluster, fault: Fault) -> None:
+    """A byte of the first DATA message flipped (in its payload, or in its header past the prefix), or the
+    connection cut in the middle of it, on the way to the decode worker: the decode worker computes the
+    prompt itself and the client gets the colocated answer; the next transfer goes through again."""
+    rng = random.Random(f"{fault.action}-{fault.offset}")
+    prompt, after = random_prompt(rng, 600), random_prompt(rng, 400)
+    relay = cluster.relays["decode-0"]
+
+    async def check() -> None:
+        references = [await grpc_tokens(cluster.grpc("reference"), p, 8) for p in (prompt, after)]
+        failures = metric(cluster, "pdrouter_kv_transfer_failures_total")
+        moved = transfer_bytes(cluster)
+        relay.arm(fault)
+        text, usage = await http_completion(cluster.http("pd"), prompt, 8, stream=fault.action == "cut")
+        assert relay.fired.is_set()
+        assert text == references[0][1]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        assert metric(cluster, "pdrouter_kv_transfer_failures_total") == failures + 1  # the attempt, reported
+        assert transfer_bytes(cluster) == moved  # no transfer completed: the decode worker computed the prompt
+        assert (await grpc_tokens(cluster.grpc("pd"), after, 8))[0] == references[1][0]
+        assert transfer_bytes(cluster) - moved == sent_blocks(len(after)) * BLOCK_BYTES
+
+    run(check())
+    run(idle(cluster))
 
 
 def fault_load(cluster: PdCluster, victim: str, *, tokens: int, max_tokens: int, after_s: float) -> Outcomes:
