@@ -227,6 +227,8 @@ async def component_figures(plan: Plan, report: Report) -> None:
                    statistics.median(lay / con for lay, con in zip(layer_s, connector_s, strict=True)), "x")
         report.add("handoff_ms", statistics.median(handoff_s) * 1000, "ms")
     finally:
+        for host in hosts:
+            host.stopping()
         for peer in (prefill, decode):
             peer.close()
         for host in hosts:
@@ -313,6 +315,8 @@ async def engine_figures(plan: Plan, report: Report) -> None:
         report.add("engine_kv_mib", statistics.median(m["nbytes"] for m in splits) / 2**20, "MiB")
         report.add("engine_overlapped_ratio", statistics.median(m["overlapped"] for m in splits), "x")
     finally:
+        for host in hosts:
+            host.stopping()
         for llm in (prefill, decode):
             llm.shutdown()
         for host in hosts:

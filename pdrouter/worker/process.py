@@ -236,6 +236,8 @@ class WorkerProcess:
             await self.role.close()
         if self.publisher is not None:
             await self.publisher.stop(clear=True)
+        if self.connector is not None:
+            self.connector.stopping()
         if self.engine is not None:
             await self.engine.close()
         if self.connector is not None:

@@ -269,7 +269,7 @@ class ConnectorHost:
         self.pool: EnginePool | None = None
         """The engine's pool, once ``wait_ready`` returned."""
         self._closing = False
-        """Set when a rank's channel closed: the engine went away."""
+        """Set once the engine is being stopped (``stopping``, ``close``)."""
 
     @property
     def world_size(self) -> int:
@@ -305,6 +305,10 @@ class ConnectorHost:
     @property
     def open_links(self) -> int:
         return len(self._links)
+
+    def stopping(self) -> None:
+        """The engine is being stopped: its connector's channel closing is no news (not logged)."""
+        self._closing = True
 
     async def close(self) -> None:
         """Stop serving; the engine's connector sees its channel close (stop the engine first)."""

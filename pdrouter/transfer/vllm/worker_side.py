@@ -87,6 +87,7 @@ class WorkerSide:
         self._reader: asyncio.Task[None] | None = None
         self._tasks = BackgroundTasks(log, "a side-channel request failed")
         self._forwarded = False
+        self._closing = False
 
     # -- set-up ---------------------------------------------------------------------------------------
     def register(self, layer_names: Sequence[str], layers: Sequence[torch.Tensor], layout: PagedKvLayout) -> None:
@@ -182,6 +183,7 @@ class WorkerSide:
         return self._reports.take(finished_req_ids)
 
     def shutdown(self) -> None:
+        self._closing = True
         for endpoint in (self._receiver, self._sender):
             if endpoint is not None:
                 with contextlib.suppress(Exception):
@@ -215,6 +217,8 @@ class WorkerSide:
                 elif isinstance(message, GiveUp):
                     self._tasks.spawn(self._receives.give_up(message.key, message.reason))
         except ChannelError as exc:
+            if self._closing:
+                return  # this side closed it
             log.warning("the pd-router worker process's side channel closed (%s): receives in flight are "
                         "computed here", exc.message)
             self._writer = None

@@ -224,6 +224,7 @@ async def pd(vllm_model: Path) -> AsyncIterator[PdPair]:
         yield pair
     finally:
         for engine in (prefill, decode):
+            engine.host.stopping()
             engine.llm.shutdown()
             await engine.host.close()
 
