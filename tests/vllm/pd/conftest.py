@@ -12,7 +12,6 @@ the same prompt computed by one engine alone.
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import secrets
 import time
@@ -48,13 +47,12 @@ from pdrouter.transfer.vllm.host import (
 )
 from pdrouter.transfer.vllm.orders import ReceiveOrder, SendOrder
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-
 BLOCK = 128
 """vLLM's default block size on the CPU backend."""
 MAX_MODEL_LEN = 2048
 DTYPE = "float32"
+KV_SPACE_BYTES = 1 << 30
+"""The engines' KV space (vLLM's CPU backend takes it in bytes)."""
 
 
 class EngineStats(StatLoggerBase):
@@ -191,7 +189,7 @@ class PdPair:
 
 def _engine_args(model: Path, kv: dict[str, Any] | None) -> AsyncEngineArgs:
     return AsyncEngineArgs(model=str(model), skip_tokenizer_init=True, enforce_eager=True, dtype=DTYPE,
-                           max_model_len=MAX_MODEL_LEN, block_size=BLOCK,
+                           max_model_len=MAX_MODEL_LEN, block_size=BLOCK, kv_cache_memory_bytes=KV_SPACE_BYTES,
                            kv_transfer_config=KVTransferConfig(**kv) if kv else None)
 
 
@@ -215,18 +213,22 @@ async def pd(vllm_model: Path) -> AsyncIterator[PdPair]:
     token = secrets.token_hex(16)
     prefill_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_producer")
     decode_host = ConnectorHost(TransferConfig(auth_token=token, epoch=new_epoch()), "kv_consumer")
-    # One after the other: vLLM's Prometheus loggers, made by two engines starting at once in one
-    # process, race on the process-global registry (DuplicateTimeseries).
-    prefill = await _start(vllm_model, prefill_host)
-    decode = await _start(vllm_model, decode_host)
-    pair = PdPair(prefill, decode)
-    try:
-        yield pair
-    finally:
-        for engine in (prefill, decode):
-            engine.host.stopping()
-            engine.llm.shutdown()
-            await engine.host.close()
+    # The engines' processes inherit this one's environment: set for them only, not for the workers
+    # other modules start later (vLLM binds one OpenMP thread per core otherwise).
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # One after the other: vLLM's Prometheus loggers, made by two engines starting at once in one
+        # process, race on the process-global registry (DuplicateTimeseries).
+        prefill = await _start(vllm_model, prefill_host)
+        decode = await _start(vllm_model, decode_host)
+        pair = PdPair(prefill, decode)
+        try:
+            yield pair
+        finally:
+            for engine in (prefill, decode):
+                engine.host.stopping()
+                engine.llm.shutdown()
+                await engine.host.close()
 
 
 def via(address: str) -> Callable[[TransferTarget], TransferTarget]:
