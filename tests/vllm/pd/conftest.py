@@ -1,7 +1,7 @@
 """Real vLLM engines with pd-router's KV connector, shared by the PD tests: one prefill, one decode.
 
-Both engines (``AsyncLLM``, the CPU wheel, a random ``small`` model in bfloat16) run for the whole
-session on one event loop; their worker processes host the connector's transfer endpoints and
+Both engines (``AsyncLLM``, the CPU wheel, a random ``small`` model run in float32) run for the module
+that uses them, on its event loop; their worker processes host the connector's transfer endpoints and
 dial the side channels of two ``ConnectorHost``s in this process. ``PdPair.generate`` drives one
 request decode-first, as a pd-router decode worker does: submit it to the decode engine with a
 ``ReceiveOrder``, hand the targets its connector announced to the prefill engine in a
