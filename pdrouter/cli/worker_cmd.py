@@ -279,8 +279,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
     if args.port and not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
     if args.backend == "vllm" and args.role_name != "worker":
-        raise ConfigError(f"--backend vllm serves colocated workers (pdrouter worker); a {args.role_name} worker "
-                          f"runs --backend torch or sim")
+        _check_vllm_kv_backend(args)
     if args.block_size is None and args.backend != "vllm":
         args.block_size = DEFAULT_BLOCK_SIZE
     if args.backend == "vllm":
@@ -316,6 +315,17 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         lane_port=None if args.lane_port == -1 else args.lane_port,
         lane_limits=lane_limits_from_args(args), grpc_limits=grpc_limits_from_args(args),
         internal_token=internal, tls=tls, engine_fault=EngineFault.parse(fault) if fault else None)
+
+
+def _check_vllm_kv_backend(args: argparse.Namespace) -> None:
+    """A vLLM prefill or decode worker's KV moves over the backend its device allows (vLLM's KV connector)."""
+    backend = getattr(args, "kv_backend", "tcp")
+    on_gpu = args.device.startswith("cuda")
+    if on_gpu and backend != "nccl":
+        raise ConfigError(f"a vLLM {args.role_name} worker on {args.device} moves its KV over nccl "
+                          f"(--kv-backend nccl), not {backend}")
+    if not on_gpu and backend == "nccl":
+        raise ConfigError(f"a vLLM {args.role_name} worker on the CPU moves its KV over tcp or gloo, not nccl")
 
 
 def _vllm_config(args: argparse.Namespace) -> VllmEngineConfig:

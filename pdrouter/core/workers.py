@@ -49,6 +49,14 @@ class WorkerLoad:
     ``vllm:prefix_cache_queries``; the project's engine counts each request's first admission)."""
     prefix_cache_hits: int = 0
     """Of those, tokens found cached (vLLM's ``vllm:prefix_cache_hits``)."""
+    kv_sent_bytes: int = 0
+    """KV bytes this worker sent to decode workers since it started (prefill workers)."""
+    kv_received_bytes: int = 0
+    """KV bytes that landed in this worker's blocks since it started (decode workers)."""
+    kv_transfer_s: float = 0.0
+    """Wall time of those transfers, summed."""
+    kv_transfer_failures: int = 0
+    """Transfers that failed on this worker (it freed their blocks)."""
 
     @property
     def kv_usage(self) -> float:

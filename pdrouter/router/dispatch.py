@@ -422,6 +422,8 @@ class Dispatcher:
         """What the decode worker says of the prompt's computation: breakers, stats, metrics."""
         for failure in report.failures:
             self.stats.prefill_retries += 1
+            if self.metrics is not None:
+                self.metrics.observe_kv_transfer_failure(failure.code)
             failed = self.pool.get(WorkerId(failure.worker_id))
             if failed is not None and failure.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 failed.breaker.on_failure()

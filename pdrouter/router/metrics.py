@@ -6,10 +6,11 @@ load, KV transfers, prefix-cache hits) through the small ``observe_*`` / ``set_*
 
 Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);
 counters end in ``_total``. Label sets are small and bounded: ``frontdoor`` (``http`` | ``grpc``),
-``outcome`` (see :func:`outcome_of`), ``worker`` and ``role`` for per-worker gauges, ``backend``
-for KV transfers, ``tenant`` (a name from the tenants file, or ``default``: never a key) and
-``reason`` (a limit's name, or admission's ``queue_full`` / ``timeout`` / ``capacity``) for the
-per-tenant metrics (:class:`TenantMetrics`, only on a router with a tenants file).
+``outcome`` (see :func:`outcome_of`), ``worker`` and ``role`` for per-worker gauges (``direction``,
+``sent`` | ``received``, for their KV bytes), ``backend`` for KV transfers, ``code`` (a gRPC status
+name) for failed prefill attempts, ``tenant`` (a name from the tenants file, or ``default``: never a
+key) and ``reason`` (a limit's name, or admission's ``queue_full`` / ``timeout`` / ``capacity``) for
+the per-tenant metrics (:class:`TenantMetrics`, only on a router with a tenants file).
 """
 
 from __future__ import annotations
@@ -263,6 +264,23 @@ class RouterMetrics:
             "Simulated seconds by which a simulated GPU's steps ended after their modeled end because this "
             "machine was too slow (last heartbeat; cumulative). Near 0 against the modeled seconds: the "
             "simulated timings hold.", ["worker", "role"], registry=r)
+        self.worker_kv_transfer_bytes = Gauge(
+            "pdrouter_worker_kv_transfer_bytes",
+            "KV bytes a worker sent (prefill) or received into its blocks (decode) since it started "
+            "(last heartbeat; cumulative).", ["worker", "role", "direction"], registry=r)
+        self.worker_kv_transfer_seconds = Gauge(
+            "pdrouter_worker_kv_transfer_seconds",
+            "Wall time of a worker's KV transfers since it started, summed (last heartbeat; cumulative).",
+            ["worker", "role"], registry=r)
+        self.worker_kv_transfer_failures = Gauge(
+            "pdrouter_worker_kv_transfer_failures",
+            "KV transfers that failed on a worker since it started (last heartbeat; cumulative).",
+            ["worker", "role"], registry=r)
+        self.kv_transfer_failures_total = Counter(
+            "pdrouter_kv_transfer_failures_total",
+            "Prefill attempts a decode worker reported failed (the prefill call or its KV transfer), by "
+            "gRPC status code; the request went on with the next prefill worker or on the decode worker.",
+            ["code"], registry=r)
         self.kv_transfer_bytes_total = Counter(
             "pdrouter_kv_transfer_bytes_total", "KV cache bytes moved from prefill to decode workers.",
             ["backend"], registry=r)
@@ -319,7 +337,8 @@ class RouterMetrics:
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
                         free_blocks: int, device: str = "", sim_modeled_s: float = 0.0,
                         sim_late_s: float = 0.0, waiting: int = 0, kv_usage: float = 0.0, engine: str = "",
-                        engine_version: str = "") -> None:
+                        engine_version: str = "", kv_sent_bytes: int = 0, kv_received_bytes: int = 0,
+                        kv_transfer_s: float = 0.0, kv_transfer_failures: int = 0) -> None:
         """Publish a worker's latest load (from its heartbeat) and what it runs on."""
         info = (device, engine, engine_version)
         if self._worker_devices.get((worker, role)) != info:
@@ -337,18 +356,30 @@ class RouterMetrics:
         if device.startswith("sim:"):
             self.worker_sim_modeled_seconds.labels(worker, role).set(sim_modeled_s)
             self.worker_sim_late_seconds.labels(worker, role).set(sim_late_s)
+        if role in ("prefill", "decode"):
+            self.worker_kv_transfer_bytes.labels(worker, role, "sent").set(kv_sent_bytes)
+            self.worker_kv_transfer_bytes.labels(worker, role, "received").set(kv_received_bytes)
+            self.worker_kv_transfer_seconds.labels(worker, role).set(kv_transfer_s)
+            self.worker_kv_transfer_failures.labels(worker, role).set(kv_transfer_failures)
 
     def remove_worker(self, worker: str, role: str) -> None:
         """Drop a departed worker's gauges so they stop being exported."""
         for gauge in (self.worker_running_requests, self.worker_waiting_requests, self.worker_kv_cache_usage,
                       self.worker_queued_prefill_tokens, self.worker_free_kv_blocks, self.worker_sim_modeled_seconds,
-                      self.worker_sim_late_seconds):
+                      self.worker_sim_late_seconds, self.worker_kv_transfer_seconds, self.worker_kv_transfer_failures):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker, role)
+        for direction in ("sent", "received"):
+            with contextlib.suppress(KeyError):
+                self.worker_kv_transfer_bytes.remove(worker, role, direction)
         info = self._worker_devices.pop((worker, role), None)
         if info is not None:
             with contextlib.suppress(KeyError):
                 self.worker_info.remove(worker, role, *info)
+
+    def observe_kv_transfer_failure(self, code: str) -> None:
+        """One prefill attempt a decode worker reported failed."""
+        self.kv_transfer_failures_total.labels(code).inc()
 
     def observe_kv_transfer(self, nbytes: int, seconds: float, backend: str = "tcp") -> None:
         """One request's KV transfer: its size and how long it took."""

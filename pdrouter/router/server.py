@@ -176,7 +176,11 @@ class RouterProcess:
                                              free_blocks=h.load.free_blocks, device=h.record.device,
                                              sim_modeled_s=h.load.sim_modeled_s, sim_late_s=h.load.sim_late_s,
                                              waiting=h.load.waiting, kv_usage=h.load.kv_usage,
-                                             engine=h.record.engine, engine_version=h.record.engine_version)
+                                             engine=h.record.engine, engine_version=h.record.engine_version,
+                                             kv_sent_bytes=h.load.kv_sent_bytes,
+                                             kv_received_bytes=h.load.kv_received_bytes,
+                                             kv_transfer_s=h.load.kv_transfer_s,
+                                             kv_transfer_failures=h.load.kv_transfer_failures)
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen

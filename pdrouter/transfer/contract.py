@@ -33,6 +33,8 @@ class IncomingHandle(Protocol):
     transfer_id: str
     target: TransferTarget
     """What the sender needs; convert it to protobuf field by field."""
+    bytes_landed: int
+    """Payload bytes verified and written into the blocks so far."""
 
     @property
     def state(self) -> TransferState: ...

@@ -124,7 +124,7 @@ class DistPlane:
             raise PeerLostError(f"{what} over the process group with {self._fs.peer} failed: {exc}") from exc
 
     def _scratch_pieces(self, span: FrameSpan) -> list[torch.Tensor]:
-        lengths = [n for _, n in span.pieces(self._view.half_block_bytes, self._view.num_blocks)]
+        lengths = [n for _, n in self._view.pieces(span)]
         need = max(lengths, default=0)
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.uint8, device=self._view.pool.device)

@@ -13,7 +13,7 @@ worker's sender and receiver never do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import xxhash
 
@@ -79,12 +79,20 @@ class PoolBytes:
                 raise InvalidRequestError(f"blocks {start}..{start + count - 1} outside the pool's "
                                           f"{self.num_blocks} blocks")
 
+    def pieces(self, span: FrameSpan) -> Iterator[tuple[int, int]]:
+        """(byte offset, byte length) of each contiguous range of the span, in payload order.
+
+        Both ends of a transfer cut a frame the same way, so a pool arranged otherwise (vLLM's
+        per-layer pages, ``pdrouter.transfer.vllm.paged_pool``) overrides this one method.
+        """
+        return span.pieces(self.half_block_bytes, self.num_blocks)
+
     def buffers(self, span: FrameSpan) -> list[memoryview]:
         """Writable memoryviews of the span's ranges in payload order (CPU pools only)."""
         if self._memory is None:
             raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
         mem = self._memory
-        return [mem[off:off + n] for off, n in span.pieces(self.half_block_bytes, self.num_blocks)]
+        return [mem[off:off + n] for off, n in self.pieces(span)]
 
     def chunks(self, span: FrameSpan, limit: int) -> list[memoryview]:
         """``buffers`` with each range cut into pieces of at most ``limit`` bytes."""

@@ -44,4 +44,4 @@ class PoolView(PoolBytes):
     def tensors(self, span: FrameSpan) -> list[torch.Tensor]:
         """1-D uint8 tensor views of the span's ranges in payload order (any device)."""
         flat = self._bytes
-        return [flat[off:off + n] for off, n in span.pieces(self.half_block_bytes, self.num_blocks)]
+        return [flat[off:off + n] for off, n in self.pieces(span)]

@@ -71,9 +71,6 @@ class WorkerConfig:
         if not self.worker_id or any(c in self.worker_id for c in " :{}"):
             raise ConfigError("worker id must be non-empty without spaces, ':' or braces, "
                               f"got {self.worker_id!r}")
-        if isinstance(self.engine, VllmEngineConfig) and self.role is not WorkerRole.COLOCATED:
-            raise ConfigError(f"--backend vllm serves colocated workers (pdrouter worker); a {self.role.value} "
-                              f"worker runs the torch engine or a simulated GPU (--backend torch | sim)")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
         for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):

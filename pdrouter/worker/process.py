@@ -40,9 +40,11 @@ from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.engine.sim.config import SimEngineConfig
+from pdrouter.engine.vllm.config import VllmEngineConfig
 from pdrouter.state.client import RedisClient
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
+from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.lane import LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2_grpc
@@ -51,9 +53,11 @@ from pdrouter.worker.block_publisher import RedisBlockPublisher
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import ServingEngine
+from pdrouter.worker.kv_connector import READY_S, engine_with_connector, start_connector
 from pdrouter.worker.presence import Presence, connect_redis
 from pdrouter.worker.role import Role, RoleContext, RoleFactory
 from pdrouter.worker.streaming import WorkerInfoServicer
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,10 @@ class WorkerProcess:
         self.publisher: RedisBlockPublisher | None = None
         self.presence: Presence | None = None
         self.engine: ServingEngine | None = None
+        self.connector: ConnectorHost | None = None
+        """The side channel of a vLLM prefill or decode engine's KV connector (``pdrouter.worker.kv_connector``)."""
+        self.transfers = TransferTally()
+        """The role's KV transfers so far (the heartbeats carry the totals)."""
         self.server: GrpcServer | None = None
         self.lane: LaneServer | None = None
         self.role: Role | None = None
@@ -97,7 +105,7 @@ class WorkerProcess:
 
     def load(self) -> WorkerLoad:
         assert self.engine is not None
-        return self.engine.load()
+        return self.transfers.onto(self.engine.load())
 
     async def start(self) -> None:
         cfg = self.config
@@ -112,7 +120,19 @@ class WorkerProcess:
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
         else:
             self.epoch = Epoch(time.time_ns())
-        self.engine = await start_engine(cfg.engine, self.publisher, cfg.engine_fault)
+        engine_config = cfg.engine
+        self.connector = await start_connector(cfg, self.epoch)
+        if self.connector is not None:  # vLLM moves this worker's KV: its connector dials the host while vLLM starts
+            assert isinstance(engine_config, VllmEngineConfig)
+            engine_config = engine_with_connector(engine_config, self.connector)
+        try:
+            self.engine = await start_engine(engine_config, self.publisher, cfg.engine_fault)
+            if self.connector is not None:
+                await self.connector.wait_ready(READY_S)
+        except BaseException:
+            if self.connector is not None:
+                await self.connector.close()
+            raise
         self.engine.on_failure(self._engine_failed)
         security = cfg.security
         self.server = GrpcServer(cfg.host, cfg.port, interceptors=security.server_interceptors(),
@@ -127,7 +147,7 @@ class WorkerProcess:
         pacing = TransferPacing.for_engine(self.engine.engine) if isinstance(self.engine, EngineDriver) else None
         self.role = await self.build_role(RoleContext(
             config=cfg, engine=self.engine, epoch=self.epoch, model_compat_hash=compat, registry=self.registry,
-            pacing=pacing, tracing=self.tracing))
+            pacing=pacing, tracing=self.tracing, connector=self.connector, transfers=self.transfers))
         for service in self.role.services():
             self.serve(service.add_to_server, service.servicer, service.name)
         self.record = WorkerRecord(
@@ -219,8 +239,12 @@ class WorkerProcess:
             await self.role.close()
         if self.publisher is not None:
             await self.publisher.stop(clear=True)
+        if self.connector is not None:
+            self.connector.stopping()
         if self.engine is not None:
             await self.engine.close()
+        if self.connector is not None:
+            await self.connector.close()
         if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()

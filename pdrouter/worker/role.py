@@ -11,7 +11,7 @@ and ``close``. The process knows nothing else of a role, and a role nothing of t
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pdrouter.core.errors import ConfigError
@@ -20,10 +20,12 @@ from pdrouter.core.tracing import Tracing
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.config import Backend, TransferConfig
 from pdrouter.transfer.pool_bytes import PoolBytes
+from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.worker.backend import TransferPacing, kv_pool
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import DisaggregatedEngine, ServingEngine
+from pdrouter.worker.transfer_tally import TransferTally
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,11 @@ class RoleContext:
     """A simulated worker's modeled KV-transfer time (None: a real engine, transfers take what they take)."""
     tracing: Tracing | None = None
     """The process's tracer (None: tracing off); a role's servicers continue their callers' traces."""
+    transfers: TransferTally = field(default_factory=TransferTally)
+    """Where the role records its KV transfers (the worker's heartbeats carry the totals)."""
+    connector: ConnectorHost | None = None
+    """A vLLM prefill or decode worker's KV connector (``pdrouter.worker.kv_connector``): its engine moves
+    the KV itself; None for every other worker."""
 
     def disaggregated(self) -> DisaggregatedEngine:
         """The engine as prefill and decode roles need it (its KV moves); ConfigError for one that cannot."""

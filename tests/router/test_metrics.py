@@ -38,7 +38,9 @@ def test_metric_names_carry_prefix_and_unit() -> None:
         "pdrouter_worker_running_requests", "pdrouter_worker_waiting_requests",
         "pdrouter_worker_kv_cache_usage_ratio", "pdrouter_worker_queued_prefill_tokens",
         "pdrouter_worker_free_kv_blocks", "pdrouter_worker_info", "pdrouter_worker_sim_modeled_seconds",
-        "pdrouter_worker_sim_late_seconds", "pdrouter_kv_transfer_bytes",
+        "pdrouter_worker_sim_late_seconds", "pdrouter_worker_kv_transfer_bytes",
+        "pdrouter_worker_kv_transfer_seconds", "pdrouter_worker_kv_transfer_failures",
+        "pdrouter_kv_transfer_failures", "pdrouter_kv_transfer_bytes",
         "pdrouter_kv_transfer_duration_seconds", "pdrouter_prefix_cache_query_tokens",
         "pdrouter_prefix_cache_hit_tokens",
     }  # counters are collected without their "_total" suffix

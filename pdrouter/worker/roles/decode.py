@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdrouter.core.errors import IncompatibleError, InvalidRequestError, NotFoundError
+from pdrouter.core.errors import FailedPreconditionError, IncompatibleError, InvalidRequestError, NotFoundError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tracing import Tracing
@@ -45,9 +45,12 @@ from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import report_to_pb, serve_order_from_pb
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.role import RoleContext, Service
-from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk
+from pdrouter.worker.roles.decode_connector import ConnectorDecodeServe
+from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk, ServeEvent
+from pdrouter.worker.roles.prefill_connector import connector_engine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import check_request, token_chunks
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +68,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, worker_id: str, model_compat_hash: str,
                  backend: str, lease_ms: int, kv_wait_s: float, links: PrefillLinks | None = None,
                  prefill_timeout_s: float = 600.0, registered: RegisteredPrefillWorkers | None = None,
-                 max_lease_ms: int = 120_000, tracing: Tracing | None = None) -> None:
+                 max_lease_ms: int = 120_000, tracing: Tracing | None = None,
+                 tally: TransferTally | None = None) -> None:
         """``registered``: the check every prefill route passes before it is called (None: none);
         ``max_lease_ms``: the longest lease an ``Allocate`` may ask for; ``tracing``: the process's
         tracer (each call continues its caller's trace; ``Serve``'s decode is a span of its own)."""
@@ -73,7 +77,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.driver = driver
         self.links = links if links is not None else PrefillLinks()  # an empty one is falsy
         self.serving = DecodeServe(driver, receiver, self.links, worker_id, kv_wait_s,
-                                   prefill_timeout_s=prefill_timeout_s, registered=registered)
+                                   prefill_timeout_s=prefill_timeout_s, registered=registered, tally=tally)
         """``Serve``'s logic (``prefill_timeout_s``: the limit of one prefill call without a deadline)."""
         self.receiver = receiver
         self.worker_id = worker_id
@@ -208,29 +212,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise InvalidRequestError("sampling is required (max_tokens at least)")
         self.serving.check_new(rid, self._allocs)
         order = serve_order_from_pb(request)
-        decoding = None  # with tracing: the span of the decode (from the first token on)
-        try:
-            async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
-                async for event in events:
-                    if isinstance(event, ReportChunk):
-                        yield common_pb2.TokenChunk(request_id=rid, prefill=report_to_pb(event.report),
-                                                    token_ids=() if event.first_token is None else (event.first_token,))
-                        continue
-                    if self.tracing is not None:
-                        decoding = self.tracing.span("decode", attributes={"pdrouter.local_prefill":
-                                                                           event.report is not None})
-                    chunks = token_chunks(rid, event.outputs, cached_tokens=event.cached_tokens)
-                    if event.report is not None:  # computed here: the report rides on the first chunk
-                        first = await anext(chunks, None)
-                        if first is None:
-                            continue
-                        first.prefill.CopyFrom(report_to_pb(event.report))
-                        yield first
-                    async for chunk in chunks:
-                        yield chunk
-        finally:
-            if decoding is not None:
-                decoding.end()
+        async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
+            async for chunk in serve_chunks(rid, events, self.tracing):
+                yield chunk
 
     @grpc_errors
     async def Release(self, request: worker_pb2.ReleaseRequest,
@@ -241,32 +225,116 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.ReleaseResponse(released=released, freed_blocks=freed)
 
 
-class DecodeRole:
-    """A decode worker: the ``DecodeWorker`` service over a KV receiver."""
+async def serve_chunks(rid: str, events: AsyncIterator[ServeEvent],
+                       tracing: Tracing | None = None) -> AsyncIterator[common_pb2.TokenChunk]:
+    """``Serve``'s events as ``TokenChunk`` s: a report chunk (with the prefill worker's first token), or
+    the engine's outputs, the report (when the event has one) on the first. With ``tracing``, the
+    decode (from its first token on) is a span of its own."""
+    decoding = None
+    try:
+        async for event in events:
+            if isinstance(event, ReportChunk):
+                yield common_pb2.TokenChunk(request_id=rid, prefill=report_to_pb(event.report),
+                                            token_ids=() if event.first_token is None else (event.first_token,))
+                continue
+            if tracing is not None and decoding is None:
+                decoding = tracing.span("decode", attributes={"pdrouter.local_prefill": event.report is not None})
+            chunks = token_chunks(rid, event.outputs, cached_tokens=event.cached_tokens)
+            if event.report is not None:  # the report rides on the first chunk
+                first = await anext(chunks, None)
+                if first is None:
+                    continue
+                first.prefill.CopyFrom(report_to_pb(event.report))
+                yield first
+            async for chunk in chunks:
+                yield chunk
+    finally:
+        if decoding is not None:
+            decoding.end()
 
-    def __init__(self, receiver: KvReceiver, servicer: DecodeServicer) -> None:
+
+class ConnectorDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    """``DecodeWorker`` on a vLLM decode worker: ``Serve``, the router's path (vLLM holds the blocks, its
+    KV connector receives: ``pdrouter.worker.roles.decode_connector``). The three-call path
+    (``Allocate``, ``Generate``, ``Release``) moves KV through pd-router's own engine and is refused."""
+
+    def __init__(self, serving: ConnectorDecodeServe, model_compat_hash: str, backend: str) -> None:
+        self.serving = serving
+        self.model_compat_hash = model_compat_hash
+        self.backend = backend
+
+    @grpc_errors
+    async def Serve(self, request: worker_pb2.ServeRequest,
+                    context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        rid = request.request_id
+        check_request(rid, request.model_compat_hash, self.model_compat_hash)
+        if request.backend and request.backend != self.backend:
+            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, not {request.backend!r}")
+        if not request.HasField("sampling"):
+            raise InvalidRequestError("sampling is required (max_tokens at least)")
+        self.serving.check_new(rid)
+        order = serve_order_from_pb(request)
+        async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
+            async for chunk in serve_chunks(rid, events):
+                yield chunk
+
+    def _three_calls(self) -> FailedPreconditionError:
+        return FailedPreconditionError("a vLLM decode worker serves DecodeWorker.Serve (the router's path); "
+                                       "Allocate, Generate and Release need pd-router's own engine")
+
+    @grpc_errors
+    async def Allocate(self, request: worker_pb2.AllocateRequest,
+                       context: grpc.aio.ServicerContext) -> worker_pb2.AllocateResponse:
+        raise self._three_calls()
+
+    @grpc_errors
+    async def Generate(self, request: worker_pb2.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
+        raise self._three_calls()
+        yield  # pragma: no cover  (a stream method)
+
+    @grpc_errors
+    async def Release(self, request: worker_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.ReleaseResponse:
+        raise self._three_calls()
+
+
+class DecodeRole:
+    """A decode worker: the ``DecodeWorker`` service over a KV receiver (None: vLLM's connector receives)."""
+
+    def __init__(self, receiver: KvReceiver | None, servicer: DecodeServicer | ConnectorDecodeServicer,
+                 links: PrefillLinks, kv_address: str) -> None:
         self.receiver = receiver
         self.servicer = servicer
-        self.kv_address = receiver.address
+        self.links = links
+        self.kv_address = kv_address
 
     def services(self) -> list[Service]:
         return [Service(worker_pb2_grpc.add_DecodeWorkerServicer_to_server, self.servicer, "pdrouter.v1.DecodeWorker")]
 
     async def close(self) -> None:
-        await self.servicer.links.close()
-        await asyncio.to_thread(self.receiver.close)
+        await self.links.close()
+        if self.receiver is not None:
+            await asyncio.to_thread(self.receiver.close)
 
 
 async def build_decode_role(ctx: RoleContext) -> DecodeRole:
     cfg = ctx.config
-    pool = ctx.kv_pool()
-    receiver = await asyncio.to_thread(KvReceiver, pool, pool.layout, ctx.transfer(),
-                                       host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     registered = RegisteredPrefillWorkers(ctx.registry) if ctx.registry is not None else None
     if registered is None:
         log.warning("no registry (--redis): Serve calls whichever prefill addresses its callers name")
     links = PrefillLinks(connect_timeout_s=cfg.kv_wait_s, security=cfg.security, tracing=ctx.tracing)
+    if ctx.connector is not None:  # vLLM: its KV connector receives into the blocks vLLM reserves
+        assert ctx.connector.pool is not None
+        serving = ConnectorDecodeServe(connector_engine(ctx.engine), ctx.connector, links, cfg.worker_id,
+                                       cfg.kv_wait_s, registered=registered, tally=ctx.transfers)
+        return DecodeRole(None, ConnectorDecodeServicer(serving, ctx.model_compat_hash, cfg.kv_backend), links,
+                          ctx.connector.pool.receivers[0])
+    pool = ctx.kv_pool()
+    receiver = await asyncio.to_thread(KvReceiver, pool, pool.layout, ctx.transfer(),
+                                       host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)
     servicer = DecodeServicer(ctx.disaggregated(), receiver, cfg.worker_id, ctx.model_compat_hash, cfg.kv_backend,
                               cfg.lease_ms, cfg.kv_wait_s, links,
-                              registered=registered, max_lease_ms=cfg.max_lease_ms, tracing=ctx.tracing)
-    return DecodeRole(receiver, servicer)
+                              registered=registered, max_lease_ms=cfg.max_lease_ms, tracing=ctx.tracing,
+                              tally=ctx.transfers)
+    return DecodeRole(receiver, servicer, links, receiver.address)

@@ -25,10 +25,12 @@ expectation is aborted, the blocks freed, a prefill call in flight cancelled.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
+from pdrouter.core.disaggregation import computes_locally
 from pdrouter.core.errors import (
     InvalidRequestError,
     PdRouterError,
@@ -44,6 +46,7 @@ from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRo
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import whole_outputs
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +77,8 @@ class EngineStream:
 ServeEvent = ReportChunk | EngineStream
 
 
-def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[PrefillFailure], *, local: bool = False,
-            worker_id: str = "", outcome: PrefillOutcome | None = None) -> PrefillReport:
+def prefill_report(prompt_tokens: int, decode_cached_tokens: int, failures: list[PrefillFailure], *,
+                   local: bool = False, worker_id: str = "", outcome: PrefillOutcome | None = None) -> PrefillReport:
     return PrefillReport(
         worker_id=worker_id, local=local, prompt_tokens=prompt_tokens,
         cached_tokens=outcome.cached_tokens if outcome is not None else 0, decode_cached_tokens=decode_cached_tokens,
@@ -85,7 +88,7 @@ def _report(prompt_tokens: int, decode_cached_tokens: int, failures: list[Prefil
 
 
 @asynccontextmanager
-async def _shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
+async def shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
                   first_alone: bool) -> AsyncIterator[AsyncIterator[RequestOutput]]:
     """The engine's outputs as the caller takes them: one by one, or (``whole``) merged, the
     first token by itself unless it went with the report already (``whole_outputs``)."""
@@ -101,8 +104,10 @@ class DecodeServe:
 
     def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
                  kv_wait_s: float, prefill_timeout_s: float = 600.0,
-                 registered: RegisteredPrefillWorkers | None = None) -> None:
-        """``registered``: the check every prefill route passes before it is called (None: none)."""
+                 registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
+        """``registered``: the check every prefill route passes before it is called (None: none);
+        ``tally``: where the transfers are counted."""
+        self.tally = tally if tally is not None else TransferTally()
         self.driver = driver
         self.receiver = receiver
         self.links = links
@@ -135,12 +140,12 @@ class DecodeServe:
                 reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling,
                                                          cache_salt=order.cache_salt)
                 decode_cached = reservation.num_cached_tokens
-                if routes and len(prompt) - decode_cached > order.local_prefill_tokens:
+                if routes and not computes_locally(len(prompt), decode_cached, order.local_prefill_tokens):
                     route = routes.pop(0)
                     outcome = await self._remote_prefill(order, reservation, route, failures, time_remaining)
                     if outcome is None:
                         continue  # that worker failed (and the blocks were freed): the next one
-                    report = _report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
+                    report = prefill_report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
                                      outcome=outcome)
                     finished = False
                     try:
@@ -149,8 +154,8 @@ class DecodeServe:
                         cached = max(decode_cached, outcome.cached_tokens)
                         decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token)
                         async with aclosing(decoded) as outputs, \
-                                _shaped(outputs, order.whole, first_alone=False) as shaped:
-                            yield EngineStream(shaped, cached_tokens=cached)
+                                shaped(outputs, order.whole, first_alone=False) as stream:
+                            yield EngineStream(stream, cached_tokens=cached)
                         finished = True
                     finally:
                         if not finished:
@@ -160,14 +165,14 @@ class DecodeServe:
                 # reservation's cached prefix stays in the prefix cache, and the local request
                 # reuses it at once.
                 self.driver.abort(RequestId(rid))
-                report = _report(len(prompt), decode_cached, failures, local=True)
+                report = prefill_report(len(prompt), decode_cached, failures, local=True)
                 async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling,
                                                          cache_salt=order.cache_salt)) as outputs, \
-                        _shaped(outputs, order.whole, first_alone=True) as shaped:
-                    yield EngineStream(shaped, report=report)
+                        shaped(outputs, order.whole, first_alone=True) as stream:
+                    yield EngineStream(stream, report=report)
                 return
             # Every prefill worker failed: the report names them all, then the last failure ends the call.
-            yield ReportChunk(_report(len(prompt), decode_cached, failures), None)
+            yield ReportChunk(prefill_report(len(prompt), decode_cached, failures), None)
             last = failures[-1]
             if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
                 raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
@@ -188,6 +193,7 @@ class DecodeServe:
         remaining = time_remaining()
         timeout = self.prefill_timeout_s if remaining is None else remaining
         landed = False
+        invited = time.perf_counter()
         incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
                                         timeout_s=timeout + self.kv_wait_s)
         try:
@@ -206,14 +212,20 @@ class DecodeServe:
                 if not err.retryable:
                     raise
                 return None
-            await incoming.wait_all_async(timeout=self.kv_wait_s)
+            try:
+                await incoming.wait_all_async(timeout=self.kv_wait_s)
+            except PdRouterError:
+                self.tally.failed()
+                raise
             try:  # KV that is not finite would fail this request's decode, or poison others through stale slots
                 await self.driver.check_received_kv(RequestId(rid), incoming.bytes_landed)
             except TransferError as err:
+                self.tally.failed()
                 failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
                 log.warning("Serve %s: the KV from %s was refused (%s)", rid, route.worker_id, err.message)
                 return None
             landed = True
+            self.tally.received(incoming.bytes_landed, time.perf_counter() - invited)
         finally:
             if not landed:
                 incoming.abort("the prefill attempt ended early")

@@ -9,6 +9,9 @@ blocks; the decode side learns of it from the transfer itself.
 The target comes from the caller, so it is checked first (``decode_targets``): it must name a
 decode worker registered in the pool at the address the KV would go to (or, without a registry,
 one of ``--decode-kv-addresses``). A refused target costs no computation and opens no connection.
+
+A worker running vLLM moves the KV inside vLLM, through its KV connector: ``ConnectorPrefillServicer``
+makes the same checks, then hands the request to ``pdrouter.worker.roles.prefill_connector``.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from collections.abc import Sequence
 import grpc
 
 from pdrouter.core.capacity import blocks_for_tokens
-from pdrouter.core.errors import InvalidRequestError
+from pdrouter.core.errors import InvalidRequestError, PdRouterError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
+from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tracing import Tracing
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.sender import KvSender
+from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
@@ -36,7 +41,9 @@ from pdrouter.worker.backend import TransferPacing
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_targets import DecodeTargets, RegisteredDecodeWorkers, StaticDecodeTargets
+from pdrouter.worker.roles.prefill_connector import ConnectorPrefill, connector_engine
 from pdrouter.worker.streaming import check_request
+from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +51,15 @@ log = logging.getLogger(__name__)
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, driver: DisaggregatedEngine, sender: KvSender, layout: KvLayout, model_compat_hash: str,
                  targets: DecodeTargets, transfer_timeout_s: float = 60.0,
-                 pacing: TransferPacing | None = None, tracing: Tracing | None = None) -> None:
+                 pacing: TransferPacing | None = None, tracing: Tracing | None = None,
+                 tally: TransferTally | None = None) -> None:
         """``layout``: the engine's (real geometry, for the stats); ``targets``: the check every KV
         target passes first; ``pacing``: a simulated worker's link; ``tracing``: the process's tracer
         (the call's span, with the computation and the transfer as spans of their own)."""
         self.tracing = tracing
         self.targets = targets
         self.pacing = pacing
+        self.tally = tally if tally is not None else TransferTally()
         self.driver = driver
         self.sender = sender
         self.layout = layout
@@ -62,21 +71,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     @grpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
-        rid = request.request_id
-        check_request(rid, request.model_compat_hash, self.model_compat_hash)
-        if not request.HasField("target"):
-            raise InvalidRequestError("target is required (the reply of DecodeWorker.Allocate)")
-        target = target_from_pb(request.target)
-        refusal = await self.targets.refusal(request.target.worker_id, target)
-        if refusal is not None:
-            log.warning("Prefill %s: KV target refused: %s", rid, refusal.message)
-            raise refusal
-        sampling = sampling_from_pb(request.sampling)
-        prompt = list(request.prompt_token_ids)
-        blocks_needed = blocks_for_tokens(len(prompt), self.layout.block_size)
-        if len(target.dst_block_ids) != blocks_needed:
-            raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
-                                      f"{blocks_needed}")
+        rid, target, sampling, prompt = await checked_request(request, self.model_compat_hash, self.targets,
+                                                              self.layout.block_size)
         start = time.perf_counter()
         result = await self.driver.prefill(RequestId(rid), prompt, sampling, cache_salt=request.cache_salt)
         computed = time.perf_counter()
@@ -90,6 +86,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             await self._send(outgoing, result.block_ids, len(target.dst_block_ids) - target.skip_blocks)
             await outgoing.finish_async(timeout=self.transfer_timeout_s)
             done = True
+        except PdRouterError:
+            self.tally.failed()
+            raise
         finally:
             # Shielded: a call cancelled while its transfer stops must still free the engine's blocks
             # (once the transfer no longer reads them), or they stay held for good.
@@ -102,6 +101,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 raise
         finished = time.perf_counter()
         sent = len(target.dst_block_ids) - target.skip_blocks
+        self.tally.sent(sent * self.layout.block_bytes, finished - computed)
         stats = worker_pb2.PrefillStats(
             prompt_tokens=len(prompt), cached_tokens=result.num_cached_blocks * self.layout.block_size,
             compute_ms=self._ms(computed - start), transfer_ms=self._ms(finished - computed),
@@ -147,12 +147,58 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         outgoing.send_layers(block_ids, layers - 1)
 
 
+async def checked_request(request: worker_pb2.PrefillRequest, model_compat_hash: str, targets: DecodeTargets,
+                          block_size: int) -> tuple[str, TransferTarget, SamplingParams, list[int]]:
+    """The request's id, KV target, sampling and prompt, once they passed every check (the target
+    first: it must name a registered decode worker's receiver, and the prompt's blocks)."""
+    rid = request.request_id
+    check_request(rid, request.model_compat_hash, model_compat_hash)
+    if not request.HasField("target"):
+        raise InvalidRequestError("target is required (the reply of DecodeWorker.Allocate)")
+    target = target_from_pb(request.target)
+    refusal = await targets.refusal(request.target.worker_id, target)
+    if refusal is not None:
+        log.warning("Prefill %s: KV target refused: %s", rid, refusal.message)
+        raise refusal
+    sampling = sampling_from_pb(request.sampling)
+    prompt = list(request.prompt_token_ids)
+    blocks_needed = blocks_for_tokens(len(prompt), block_size)
+    if len(target.dst_block_ids) != blocks_needed:
+        raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
+                                  f"{blocks_needed}")
+    return rid, target, sampling, prompt
+
+
+class ConnectorPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    """``Prefill`` on a vLLM prefill worker: vLLM computes the prompt and its KV connector pushes the
+    blocks (``pdrouter.worker.roles.prefill_connector``); the same checks first."""
+
+    def __init__(self, prefill: ConnectorPrefill, block_size: int, model_compat_hash: str,
+                 targets: DecodeTargets) -> None:
+        self.prefill = prefill
+        self.block_size = block_size
+        self.model_compat_hash = model_compat_hash
+        self.targets = targets
+
+    @grpc_errors
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
+        rid, target, _, prompt = await checked_request(request, self.model_compat_hash, self.targets,
+                                                       self.block_size)
+        done = await self.prefill.run(rid, prompt, target, cache_salt=request.cache_salt)
+        stats = worker_pb2.PrefillStats(
+            prompt_tokens=len(prompt), cached_tokens=done.cached_tokens, compute_ms=done.compute_s * 1e3,
+            transfer_ms=done.transfer_s * 1e3, bytes_sent=done.bytes_sent,
+            blocks_sent=len(target.dst_block_ids) - target.skip_blocks)
+        return worker_pb2.PrefillResponse(request_id=rid, first_token_id=done.first_token, stats=stats)
+
+
 class PrefillRole:
-    """A prefill worker: the ``PrefillWorker`` service over a KV sender."""
+    """A prefill worker: the ``PrefillWorker`` service over a KV sender (None: vLLM's connector sends)."""
 
     kv_address = ""
 
-    def __init__(self, sender: KvSender, servicer: PrefillServicer) -> None:
+    def __init__(self, sender: KvSender | None, servicer: PrefillServicer | ConnectorPrefillServicer) -> None:
         self.sender = sender
         self.servicer = servicer
 
@@ -161,12 +207,11 @@ class PrefillRole:
                         "pdrouter.v1.PrefillWorker")]
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.sender.close)
+        if self.sender is not None:
+            await asyncio.to_thread(self.sender.close)
 
 
 async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
-    pool = ctx.kv_pool()
-    sender = KvSender(pool, pool.layout, ctx.transfer())
     targets: DecodeTargets
     if ctx.registry is not None:
         targets = RegisteredDecodeWorkers(ctx.registry)
@@ -174,6 +219,14 @@ async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
         targets = StaticDecodeTargets(ctx.config.decode_kv_addresses)
         if not ctx.config.decode_kv_addresses:
             log.warning("no registry (--redis) and no --decode-kv-addresses: Prefill refuses every KV target")
+    if ctx.connector is not None:  # vLLM: its KV connector pushes the blocks
+        prefill = ConnectorPrefill(connector_engine(ctx.engine), ctx.connector, hold_s=ctx.config.kv_wait_s,
+                                   tally=ctx.transfers)
+        return PrefillRole(None, ConnectorPrefillServicer(prefill, ctx.engine.kv_layout.block_size,
+                                                          ctx.model_compat_hash, targets))
+    pool = ctx.kv_pool()
+    sender = KvSender(pool, pool.layout, ctx.transfer())
     servicer = PrefillServicer(ctx.disaggregated(), sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
-                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing, tracing=ctx.tracing)
+                               transfer_timeout_s=ctx.config.kv_wait_s, pacing=ctx.pacing, tracing=ctx.tracing,
+                               tally=ctx.transfers)
     return PrefillRole(sender, servicer)
