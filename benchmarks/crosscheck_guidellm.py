@@ -83,7 +83,8 @@ router TTFT here) keeps its footprint small, which is enough at this rate. No fi
 GuideLLM is not a dependency of this project: install it in a separate virtual environment
 (``python -m venv /tmp/xtool && /tmp/xtool/bin/pip install guidellm``) and pass ``--guidellm``.
 Its start-up (imports, tokenizer, synthetic data, spawning workers) takes 15–20 s on this machine,
-so ``--quick`` (20 requests each) takes 35–40 s, not under 30 s; the default run about 80 s.
+so a round of 100 requests a tool takes about 2.3 minutes here (three rounds: 7 minutes), and
+``--quick`` (two rounds of 20) more than 30 s: about 20 s of start-up and 5 s of requests a run.
 
     python benchmarks/crosscheck_guidellm.py [--quick] [--json] [--guidellm PATH] [--requests N]
         [--rounds N] [--rate R] [--input-len N] [--output-len N] [--guidellm-workers N] [--keep DIR]
