@@ -2,7 +2,8 @@
 
 Brings up ``pdrouter up --backend sim --prefill 1 --decode 1`` (Llama-3-8B on H100s, time scale 1,
 deterministic simulated latencies: a decode step ≈ 7 ms) and drives it, one tool after the
-other, with the same workload: ``--requests`` requests of ``--input-len`` prompt tokens and exactly
+other (``--rounds`` rounds, each a run of both tools in turn, the order alternating, every run with
+prompts of its own), with the same workload: ``--requests`` requests of ``--input-len`` prompt tokens and exactly
 ``--output-len`` output tokens (``max_tokens`` with ``ignore_eos``), streamed from
 ``/v1/completions``, arriving at a constant ``--rate`` (request ``i`` at ``i / rate`` seconds). Our
 tool replays that as a ``jsonl`` trace (``timestamp`` per line), GuideLLM runs its ``constant``
@@ -24,7 +25,9 @@ sent as text, each led by a unique marker, so neither gets prefix-cache hits.
 
 Printed, for each of ``ttft_mean``, ``ttft_p50``, ``tpot_mean``, ``itl_mean`` and
 ``output_tokens_per_s``: ``<figure>_ours``, ``<figure>_guidellm`` and ``<figure>_diff_percent``
-(GuideLLM relative to ours); then ``agreement_within_5pct`` (1 when all five are within 5%).
+(GuideLLM relative to ours), each the median of the rounds' figures (every round's are printed
+too, as ``round_<i>_<figure>_<tool>``); then ``agreement_within_5pct`` (1 when all five are within
+5%). Rounds that alternate the order spread a machine's changing load over both tools.
 The definitions, and which GuideLLM figure is set beside which of ours:
 
 * TTFT: both from the request's start to the first chunk with text, but the starts differ. Ours
@@ -80,10 +83,11 @@ router TTFT here) keeps its footprint small, which is enough at this rate. No fi
 GuideLLM is not a dependency of this project: install it in a separate virtual environment
 (``python -m venv /tmp/xtool && /tmp/xtool/bin/pip install guidellm``) and pass ``--guidellm``.
 Its start-up (imports, tokenizer, synthetic data, spawning workers) takes 15–20 s on this machine,
-so ``--quick`` (20 requests each) takes 35–40 s, not under 30 s; the default run about 80 s.
+so a round of 100 requests a tool takes about 2.3 minutes here (three rounds: 7 minutes), and
+``--quick`` (two rounds of 20) more than 30 s: about 20 s of start-up and 5 s of requests a run.
 
     python benchmarks/crosscheck_guidellm.py [--quick] [--json] [--guidellm PATH] [--requests N]
-        [--rate R] [--input-len N] [--output-len N] [--guidellm-workers N] [--keep DIR]
+        [--rounds N] [--rate R] [--input-len N] [--output-len N] [--guidellm-workers N] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,15 +247,18 @@ async def warm_up(url: str, prompt_len: int, output_len: int) -> None:
         await client.close()
 
 
-def run_ours(args: Any, url: str, work: Path, sampler: CpuSampler) -> tuple[dict[str, Any], list[str], float]:
-    """``pdrouter bench run`` on the constant-rate trace: (its run document, its argv, its end's wall time)."""
+def run_ours(args: Any, url: str, work: Path, sampler: CpuSampler, seed: int = 0) -> tuple[dict[str, Any], list[str],
+                                                                                          float]:
+    """``pdrouter bench run`` on the constant-rate trace, its prompts drawn with ``seed``: (its run
+    document, its argv, its end's wall time)."""
+    work.mkdir(parents=True, exist_ok=True)
     trace = work / "constant.jsonl"
     trace.write_text("".join(json.dumps({"input_len": args.input_len, "output_len": args.output_len,
                                          "timestamp": round(i / args.rate, 6)}) + "\n"
                              for i in range(args.requests)))
     argv = [sys.executable, "-m", "pdrouter", "bench", "run", "--url", url, "--model", "model",
             "--workload", "jsonl", "--dataset", str(trace), "--num-requests", str(args.requests),
-            "--no-metrics", "--no-progress", "--json", "--out", str(work / "ours")]
+            "--seed", str(seed), "--no-metrics", "--no-progress", "--json", "--out", str(work / "ours")]
     code, stdout = run_tool(argv, sampler, stdout=subprocess.PIPE)
     if code != 0:
         raise RuntimeError(f"pdrouter bench run exited {code}:\n{stdout}")
@@ -258,9 +266,11 @@ def run_ours(args: Any, url: str, work: Path, sampler: CpuSampler) -> tuple[dict
     return json.loads(path.read_text()), argv, path.stat().st_mtime  # written as the run ended
 
 
-def run_guidellm(args: Any, base: str, folder: Path, work: Path,
-                 sampler: CpuSampler) -> tuple[dict[str, Any], list[str]]:
-    """GuideLLM's constant profile with the same workload: (its benchmark, its argv)."""
+def run_guidellm(args: Any, base: str, folder: Path, work: Path, sampler: CpuSampler,
+                 seed: int = 42) -> tuple[dict[str, Any], list[str]]:
+    """GuideLLM's constant profile with the same workload, its prompts drawn with ``seed``: (its
+    benchmark, its argv)."""
+    work.mkdir(parents=True, exist_ok=True)
     out = work / "guidellm.json"
     argv = [args.guidellm, "run",
             "--backend", f"kind=openai_http,target={base},model=model,request_format=/v1/completions",
@@ -268,7 +278,7 @@ def run_guidellm(args: Any, base: str, folder: Path, work: Path,
             "--constraint", f"kind=max_requests,count={args.requests}",
             "--tokenizer", f"kind=hf_auto,model={folder}",
             "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
-            "--output", f"kind=json,path={out}", "--disable-console"]
+            "--seed", f"kind=static,value={seed}", "--output", f"kind=json,path={out}", "--disable-console"]
     env = {**os.environ, "GUIDELLM__MAX_WORKER_PROCESSES": str(args.guidellm_workers)}
     log = work / "guidellm.log"
     with log.open("w") as sink:
@@ -315,10 +325,51 @@ def diff_percent(ours: float, theirs: float) -> float:
     return (theirs - ours) / ours * 100.0 if ours else float("nan")
 
 
+@dataclass
+class Turn:
+    """One tool's run in one round: its figures, the router's own mean TTFT meanwhile (ms), and the
+    machine's, the cluster's and the tool's busy cores."""
+
+    tool: str
+    round: int
+    figures: dict[str, float]
+    server_ttft_ms: float
+    cores: tuple[float, float, float]
+    argv: list[str]
+
+
+def server_mean_ms(before: tuple[float, float], after: tuple[float, float]) -> float:
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count * 1e3 if count else float("nan")
+
+
+def take_turn(tool: str, i: int, args: Any, base: str, folder: Path, work: Path, sampler: CpuSampler) -> Turn:
+    """Round ``i``'s run of ``tool`` on the cluster at ``base``, with prompts of that round's own (a
+    prompt another round sent would be served from the prefix cache)."""
+    before = server_ttft(base + "/metrics")
+    if tool == "ours":
+        document, argv, end = run_ours(args, base + "/v1", work / f"round-{i}", sampler, seed=1000 + i)
+        figures = ours_figures(document)
+        cores = sampler.cores(end - document["summary"]["duration_s"], end)
+    else:
+        benchmark, argv = run_guidellm(args, base, folder, work / f"round-{i}", sampler, seed=2000 + i)
+        figures = guidellm_figures(benchmark)
+        timings = benchmark["scheduler_metrics"]
+        cores = sampler.cores(timings["measure_start_time"], timings["measure_end_time"])
+    return Turn(tool, i, figures, server_mean_ms(before, server_ttft(base + "/metrics")), cores, argv)
+
+
+def median_of(turns: list[Turn], tool: str, key: str) -> float:
+    values = [v for t in turns if t.tool == tool and not math.isnan(v := t.figures[key])]
+    return statistics.median(values) if values else float("nan")
+
+
 def main() -> int:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--guidellm", default=DEFAULT_GUIDELLM, help="the guidellm executable")
-    parser.add_argument("--requests", type=int, default=100, help="requests per tool")
+    parser.add_argument("--requests", type=int, default=100, help="requests per tool and round")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each a run of both tools in turn (the order alternates)")
     parser.add_argument("--rate", type=float, default=4.0, help="constant arrival rate, requests/s")
     parser.add_argument("--input-len", type=int, default=256, help="prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (ignore_eos)")
@@ -327,15 +378,15 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, help="keep the model folder, both runs and logs here")
     args = parser.parse_args()
     if args.quick:
-        args.requests = 20
+        args.requests, args.rounds = 20, 2
     if not (shutil.which(args.guidellm) or os.access(args.guidellm, os.X_OK)):
         print(f"crosscheck_guidellm: no guidellm at {args.guidellm}; install it in a separate venv "
               f"(python -m venv /tmp/xtool && /tmp/xtool/bin/pip install guidellm) and pass --guidellm PATH",
               file=sys.stderr)
         return 2
-    if args.requests < 2 or not args.rate > 0 or args.input_len < 1 or args.output_len < 2:
-        print("crosscheck_guidellm: need --requests >= 2, --rate > 0, --input-len >= 1, --output-len >= 2",
-              file=sys.stderr)
+    if args.requests < 2 or not args.rate > 0 or args.input_len < 1 or args.output_len < 2 or args.rounds < 1:
+        print("crosscheck_guidellm: need --requests >= 2, --rounds >= 1, --rate > 0, --input-len >= 1, "
+              "--output-len >= 2", file=sys.stderr)
         return 2
     try:
         import tokenizers  # noqa: F401  (the dev extra's transformers brings it)
@@ -343,59 +394,65 @@ def main() -> int:
         print("crosscheck_guidellm: the tokenizers package is missing (pip install tokenizers)", file=sys.stderr)
         return 2
     report = Report()
+    report.add("load_average_start", os.getloadavg()[0])
+    turns: list[Turn] = []
     with tempfile.TemporaryDirectory(prefix="crosscheck-guidellm-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         folder = write_model(work / "model")
         with cluster(folder, 1, 1, 1.0) as (host, port, router, workers):
             base = f"http://{host}:{port}"
-            metrics_url = base + "/metrics"
             asyncio.run(warm_up(base + "/v1", args.input_len, args.output_len))
             sampler = CpuSampler([router, *workers])
             sampler.start()
-            s0 = server_ttft(metrics_url)
-            document, ours_argv, ours_end = run_ours(args, base + "/v1", work, sampler)
-            s1 = server_ttft(metrics_url)
-            benchmark, guidellm_argv = run_guidellm(args, base, folder, work, sampler)
-            s2 = server_ttft(metrics_url)
+            for i in range(args.rounds):
+                for tool in ("ours", "guidellm") if i % 2 == 0 else ("guidellm", "ours"):
+                    turns.append(take_turn(tool, i, args, base, folder, work, sampler))
+                    t = turns[-1]
+                    print(f"crosscheck_guidellm: round {i + 1}/{args.rounds} {tool}: TTFT p50 "
+                          f"{t.figures['ttft_p50']:.2f} ms (the router's mean {t.server_ttft_ms:.2f}), TPOT mean "
+                          f"{t.figures['tpot_mean']:.3f} ms, {t.figures['output_tokens_per_s']:.1f} tok/s",
+                          file=sys.stderr, flush=True)
             sampler.stop()
-        ours, theirs = ours_figures(document), guidellm_figures(benchmark)
-        # our run ended as it wrote its document (ours_end); GuideLLM's window is in its document
-        ours_cpu = sampler.cores(ours_end - document["summary"]["duration_s"], ours_end)
-        timings = benchmark["scheduler_metrics"]
-        theirs_cpu = sampler.cores(timings["measure_start_time"], timings["measure_end_time"])
-    print("ours:     " + " ".join(ours_argv), file=sys.stderr)
-    print("guidellm: " + " ".join(guidellm_argv), file=sys.stderr)
-    report.add("requests_per_tool", args.requests, "requests")
+    print("ours:     " + " ".join(next(t.argv for t in turns if t.tool == "ours")), file=sys.stderr)
+    print("guidellm: " + " ".join(next(t.argv for t in turns if t.tool == "guidellm")), file=sys.stderr)
+    report.add("requests_per_tool_and_round", args.requests, "requests")
+    report.add("rounds", args.rounds)
     report.add("rate", args.rate, "req/s")
-    for tool, figures in (("ours", ours), ("guidellm", theirs)):
-        report.add(f"completed_{tool}", int(figures["completed"]), "requests")
-        report.add(f"failed_{tool}", int(figures["failed"]), "requests")
-        report.add(f"prompt_tokens_{tool}", float(figures["prompt_tokens"]), "tokens")
-        report.add(f"output_tokens_{tool}", float(figures["output_tokens"]), "tokens")
-        report.add(f"text_chunks_{tool}", float(figures["text_chunks"]), "chunks")
+    for tool in ("ours", "guidellm"):
+        mine = [t for t in turns if t.tool == tool]
+        report.add(f"completed_{tool}", int(sum(t.figures["completed"] for t in mine)), "requests")
+        report.add(f"failed_{tool}", int(sum(t.figures["failed"] for t in mine)), "requests")
+        for key, unit in (("prompt_tokens", "tokens"), ("output_tokens", "tokens"), ("text_chunks", "chunks")):
+            report.add(f"{key}_{tool}", median_of(turns, tool, key), unit)
     units = {"output_tokens_per_s": "tok/s"}
+    for i in range(args.rounds):  # every round's figures, so a reader sees the spread the medians hide
+        for t in (t for t in turns if t.round == i):
+            for name in FIGURES:
+                report.add(f"round_{i + 1}_{name}_{t.tool}", t.figures[name], units.get(name, "ms"))
+            report.add(f"round_{i + 1}_ttft_server_mean_{t.tool}", t.server_ttft_ms, "ms")
     agree = True
-    for name in FIGURES:
-        d = diff_percent(ours[name], theirs[name])
+    for name in FIGURES:  # the medians of the per-round figures
+        ours, theirs = median_of(turns, "ours", name), median_of(turns, "guidellm", name)
+        d = diff_percent(ours, theirs)
         agree = agree and abs(d) <= 5.0
-        report.add(f"{name}_ours", ours[name], units.get(name, "ms"))
-        report.add(f"{name}_guidellm", theirs[name], units.get(name, "ms"))
+        report.add(f"{name}_ours", ours, units.get(name, "ms"))
+        report.add(f"{name}_guidellm", theirs, units.get(name, "ms"))
         report.add(f"{name}_diff_percent", d, "%")
-    report.add("tpot_incl_ttft_mean_ours", ours["tpot_incl_ttft_mean"], "ms")
-    report.add("tpot_incl_ttft_mean_guidellm", theirs["tpot_incl_ttft_mean"], "ms")
-    report.add("tpot_incl_ttft_diff_percent", diff_percent(ours["tpot_incl_ttft_mean"],
-                                                           theirs["tpot_incl_ttft_mean"]), "%")
-    for tool, (a, b), figures in (("ours", (s0, s1), ours), ("guidellm", (s1, s2), theirs)):
-        count = b[1] - a[1]
-        mean = (b[0] - a[0]) / count * 1e3 if count else float("nan")
-        report.add(f"ttft_server_mean_{tool}", mean, "ms")
-        report.add(f"ttft_client_overhead_ms_{tool}", figures["ttft_mean"] - mean, "ms")
-    for tool, (busy, fleet, own) in (("ours", ours_cpu), ("guidellm", theirs_cpu)):
-        report.add(f"cpu_busy_cores_{tool}", busy, "cores")
-        report.add(f"cluster_cpu_cores_{tool}", fleet, "cores")
-        report.add(f"load_tool_cpu_cores_{tool}", own, "cores")
+    for name in ("tpot_incl_ttft_mean",):
+        ours, theirs = median_of(turns, "ours", name), median_of(turns, "guidellm", name)
+        report.add(f"{name}_ours", ours, "ms")
+        report.add(f"{name}_guidellm", theirs, "ms")
+        report.add("tpot_incl_ttft_diff_percent", diff_percent(ours, theirs), "%")
+    for tool in ("ours", "guidellm"):
+        mine = [t for t in turns if t.tool == tool]
+        report.add(f"ttft_server_mean_{tool}", statistics.median(t.server_ttft_ms for t in mine), "ms")
+        report.add(f"ttft_client_overhead_ms_{tool}",
+                   statistics.median(t.figures["ttft_mean"] - t.server_ttft_ms for t in mine), "ms")
+        for j, what in enumerate(("cpu_busy_cores", "cluster_cpu_cores", "load_tool_cpu_cores")):
+            report.add(f"{what}_{tool}", statistics.median(t.cores[j] for t in mine), "cores")
     report.add("agreement_within_5pct", int(agree))
+    report.add("load_average_end", os.getloadavg()[0])
     report.emit(args.json)
     return 0
 

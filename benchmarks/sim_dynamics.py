@@ -1,209 +1,552 @@
 """The simulator's dynamics against a real engine on this machine: one workload, one harness, both engines.
 
-    python benchmarks/sim_dynamics.py [--quick] [--json] [--backend torch] [--rates 2,4,8,16]
+    python benchmarks/sim_dynamics.py [--quick] [--json] [--backend vllm|torch] [--layouts colocated,1p1d]
+        [--rates 1,1.5,2,3] [--calibration FILE] [--write-calibration FILE]
 
-1. **Calibrate a CPU device preset.** One real colocated worker (``--backend``: the project's torch
-   engine on this machine's CPUs; the vLLM backend once ``pdrouter up`` runs it) behind the router
-   answers probes: prompts of several lengths at concurrency 1 with one output token (prefill
-   against tokens) and batches of concurrent decodes (decode against batch). The same probes
-   through a simulated worker at time scale 0 (no model time at all) measure the harness's own
-   share, which is taken off. The ``cpu`` GPU preset with a calibration fitted to what is left
-   (``mfu``, the costs of a prefill step, of a decode-only step and per sequence) is the CPU
-   preset, written to ``--out/cpu_calibration.json``.
-2. **Compare.** The same Poisson workload at each rate of ``--rates`` through the real worker and
-   through a simulated one with that preset and the real worker's KV pool (``--num-blocks``): TTFT,
-   TPOT and E2E at p50 and p90, the output throughput, and the rate at which each saturates (the
-   first whose achieved request rate falls under 90% of the offered one, or whose p90 TTFT passes
-   10× the lowest rate's).
+1. **Calibrate a CPU device preset** (unless ``--calibration`` gives one). One real worker behind the
+   router answers probes: single prompts of several lengths with one output token (prefill against
+   tokens: the TTFT), and bursts of concurrent requests at two prompt lengths (decode against batch
+   and context: the median TPOT, which is the engine's step once every prompt of the burst is
+   computed). Each less the harness's own share: the same probes through a simulated worker at time
+   scale 0, which computes nothing (on two cores the router, the streaming and the client take turns
+   with the engine rather than overlap it). The ``cpu`` GPU preset with a
+   calibration fitted to these step times (``FITTED``: the matmuls' and the weights' efficiencies,
+   the KV read's, and the fixed costs of a prefill step, of a decode step and per sequence) is the
+   CPU preset, written with ``--write-calibration``.
+2. **Compare.** For each layout (``colocated``: one colocated worker; ``1p1d``: a prefill and a decode
+   worker with the engine's KV connector), the real cluster and a simulated one with that preset, the
+   same scheduler limits and the same KV pool are both up, and every rate of ``--rates`` runs the
+   same requests (fresh prompts every rate, the same arrival times) through one, then the other.
+   Each point is scored over its measured window (``pdrouter.bench.window``, as ``pdrouter bench``
+   does): TTFT, TPOT and E2E at p50 and p90, the output throughput, and whether it saturated (served
+   under 90% of what its window was offered). The first saturated rate of each is its saturation
+   rate.
 
-Printed as ``name: value unit`` lines (``--json``: one object); ``--quick`` runs fewer probes, rates and
-requests (under a minute on an idle machine). Timings are only compared within one run.
+The acceptance of the comparison: within 15% on TTFT and TPOT p50 and 20% on their p90 at three rates
+below saturation, and the same saturation rate within one step of the sweep. Printed as ``name: value
+unit`` lines (``--json``: one object): the probes (real, harness, model), the fitted fields, per layout
+and rate every figure of both engines and the error, the saturation rates and the acceptance counts.
+Timings are compared within one run only; the machine's load average is printed at the start and end.
+``--quick`` runs few probes, two rates and short points (the machinery, not the figures; a vLLM
+engine alone takes 40–150 s to start here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import contextlib
 import math
+import os
+import secrets
+import signal
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import Report, base_parser
 from sim_fidelity import _golden
 
-from pdrouter.bench.compare import Layout, bring_up
 from pdrouter.bench.runner import RunConfig, run
-from pdrouter.bench.stats import Summary, summarize
-from pdrouter.bench.workload import RequestSpec
+from pdrouter.bench.stats import Summary
+from pdrouter.bench.window import measure_window, offered_rate, saturated, window_summary
+from pdrouter.bench.workload import LengthDist, RequestSpec, Workload, synthetic
+from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.engine.sim.calibration import Calibration
 from pdrouter.engine.sim.timing import TimingModel
+from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 DEVICE = "cpu"
-NUM_BLOCKS = 512
-DECODE_PROMPT = 16
-DECODE_TOKENS = 48
-FITTED = ("mfu", "step_overhead_s", "decode_step_overhead_s", "per_seq_overhead_s")
-BOUNDS = {"mfu": (1e-4, 1.0), "step_overhead_s": (0.0, 0.2), "decode_step_overhead_s": (0.0, 0.2),
-          "per_seq_overhead_s": (0.0, 0.02)}
+"""The GPU preset the CPU preset calibrates: nominal 50 GB/s and 2 TFLOP/s, for the efficiencies to scale."""
+BLOCK_SIZE = 32
+"""vLLM's smallest CPU block, for every worker of both clusters."""
+NUM_BLOCKS = 1024
+"""Blocks each worker is given (vLLM keeps one of them off every request, so a simulated worker gets one
+fewer): 32,736 tokens, room for the probes' and the sweep's batches."""
+
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The scheduler's limits, the same for the real and the simulated workers (a prompt longer than
+    the token budget is prefilled in chunks)."""
+
+    max_num_seqs: int = 128
+    max_batched_tokens: int = 2048
+    """vLLM 0.32's own defaults on the CPU."""
+
+
+LIMITS = Limits()
+
+MAX_MODEL_LEN = 2048
+FITTED = ("mfu", "mbu", "kv_mbu", "step_overhead_s", "decode_step_overhead_s", "per_seq_overhead_s")
+BOUNDS = {"mfu": (1e-4, 1.0), "mbu": (1e-3, 1.0), "kv_mbu": (1e-4, 1.0), "step_overhead_s": (0.0, 0.2),
+          "decode_step_overhead_s": (0.0, 0.2), "per_seq_overhead_s": (0.0, 0.02)}
+SHORT_CONTEXT, LONG_CONTEXT = 32, 768
+"""The decode probes' prompt lengths."""
+DECODE_TOKENS = 32
+P50_TARGET, P90_TARGET = 15.0, 20.0
+"""The acceptance bounds, in percent of the real engine's figure."""
+
+
+# -- clusters -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """``colocated`` (``workers`` colocated workers) or ``1p1d`` (a prefill and a decode worker)."""
+
+    name: str
+    workers: int = 1
+
+    @property
+    def roles(self) -> list[str]:
+        return ["worker"] * self.workers if self.name == "colocated" else ["prefill", "decode"]
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.name == "colocated" else "disaggregated"
+
+
+def real_engine(backend: str) -> list[str]:
+    """A real worker's engine arguments (the scheduler limits and pool are added by :func:`cluster`)."""
+    if backend == "vllm":
+        return ["--backend", "vllm", "--vllm-arg", f"max_model_len={MAX_MODEL_LEN}"]
+    return ["--backend", "torch"]
+
+
+SIM_LINK = "tcp-25g"
+"""The simulated KV link of a 1P1D layout: the real workers' KV crosses this machine's loopback."""
+
+
+def sim_engine(calibration: Path | None, time_scale: float) -> list[str]:
+    """A simulated worker on the CPU preset (``calibration``; None at time scale 0, where it does not count)."""
+    args = ["--backend", "sim", "--gpu", DEVICE, "--time-scale", f"{time_scale:g}", "--link", SIM_LINK]
+    return [*args, "--calibration", str(calibration)] if calibration is not None else args
+
+
+@dataclass
+class Cluster:
+    """Redis, the layout's workers and a router, started as child processes."""
+
+    url: str
+    """The router's OpenAI base URL."""
+    procs: list[ManagedProcess] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def cluster(model: Path, layout: Layout, engine: Sequence[str], *, limits: Limits = LIMITS,
+            num_blocks: int = NUM_BLOCKS, start_s: float = 600.0) -> Iterator[Cluster]:
+    """The layout's workers with ``engine`` (``real_engine`` / ``sim_engine``) and a router, every worker
+    with the same block size, pool, scheduler limits and one torch thread, until the block ends."""
+    simulated = "sim" in engine
+    blocks = num_blocks - 1 if simulated else num_blocks  # vLLM keeps one block off every request
+    env = {INTERNAL_TOKEN_ENV: secrets.token_hex(16), "PDROUTER_KV_TOKEN": secrets.token_hex(16)}
+    redis = EmbeddedRedis()
+    redis.start()
+    procs: list[ManagedProcess] = []
+    try:
+        for i, role in enumerate(layout.roles):
+            procs.append(ManagedProcess(f"{role}-{i}", worker_args(
+                role, model, redis_url=redis.url, num_blocks=blocks, torch_threads=None if simulated else 1,
+                extra=(*engine, "--worker-id", f"{role}-{i}", "--block-size", str(BLOCK_SIZE), "--max-num-seqs",
+                       str(limits.max_num_seqs), "--max-batched-tokens", str(limits.max_batched_tokens))), env=env))
+        for proc in procs:
+            proc.wait_ready(start_s)
+        router = ManagedProcess("router", [
+            "router", "--model", str(model), "--redis", redis.url, "--mode", layout.mode, "--block-size",
+            str(BLOCK_SIZE), "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"], env=env)
+        procs.append(router)
+        yield Cluster(f"http://{router.wait_ready()}/v1", procs)
+    finally:
+        for proc in reversed(procs):
+            proc.stop(60.0)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.proc.pid, signal.SIGKILL)  # what vLLM's engine processes left of that session
+        redis.stop()
+
+
+async def wait_serving(url: str, model: str, timeout_s: float = 120.0) -> None:
+    """Until one short request completes (a router serves before its workers' registry reached it)."""
+    deadline = time.monotonic() + timeout_s
+    spec = [RequestSpec(0, (40, 41, 42, 43), 2)]
+    while True:
+        result = await run(RunConfig(base_url=url, model=model, concurrency=1, timeout_s=30.0), spec)
+        if all(r.ok for r in result.records):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} serves no request: {result.records[0].error} {result.records[0].detail}")
+        await asyncio.sleep(1.0)
+
+
+# -- the probes and the fit ------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One shape of step: a prefill of ``tokens`` (batch 1) or a decode of ``batch`` sequences."""
+    """A prefill of ``size`` tokens alone, or decode steps of ``size`` sequences at ``context`` tokens."""
 
     kind: str
     size: int
+    context: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.kind}_{self.size}"
+        return f"prefill_{self.size}" if self.kind == "prefill" else f"decode_b{self.size}_c{self.context}"
 
 
 def probes(quick: bool) -> list[Probe]:
-    prefills = (16, 256) if quick else (16, 128, 512, 1000)
-    batches = (1, 8) if quick else (1, 4, 16, 32)
-    return [Probe("prefill", n) for n in prefills] + [Probe("decode", b) for b in batches]
+    prefills = (16, 512) if quick else (16, 128, 384, 768, 1536)
+    batches = (1, 8) if quick else (1, 4, 12, 32)  # at most the token budget's worth of short prompts
+    contexts = (SHORT_CONTEXT,) if quick else (SHORT_CONTEXT, LONG_CONTEXT)
+    return ([Probe("prefill", n) for n in prefills]
+            + [Probe("decode", b, c) for c in contexts for b in batches])
 
 
-def _specs(n: int, prompt: int, max_tokens: int, seed: int) -> list[RequestSpec]:
-    rng = range(32, 127)
-    return [RequestSpec(i, tuple(rng[(seed * 7919 + i * 131 + j * 17) % len(rng)] for j in range(prompt)), max_tokens)
-            for i in range(n)]
+class Prompts:
+    """Fresh prompts for every probe and point of one run (a prompt seen before would be a prefix hit)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.point = 0
+
+    def take(self, n: int, input_len: LengthDist, output_len: LengthDist) -> list[RequestSpec]:
+        self.point += 1
+        return synthetic(n, input_len, output_len, seed=self.seed, point=self.point)
 
 
-def _drive(url: str, model: str, specs: Sequence[RequestSpec], *, rate: float | None = None,
-           concurrency: int | None = None) -> Summary:
-    config = RunConfig(base_url=url, model=model, rate=rate, concurrency=concurrency, seed=1)
-    result = asyncio.run(run(config, specs))
-    return summarize(result.records, result.duration_s)
+def _records_ok(records: Sequence[Any], what: str) -> None:
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise RuntimeError(f"{what}: {len(failed)} of {len(records)} requests failed (first: {failed[0].error} "
+                           f"{failed[0].detail})")
 
 
-def measure(url: str, model: str, quick: bool) -> dict[str, float]:
-    """Each probe's median seconds through ``url``: TTFT for a prefill, TPOT for a decode batch."""
-    out = {}
-    reps = 3 if quick else 6
-    for i, probe in enumerate(probes(quick)):
-        if probe.kind == "prefill":
-            summary = _drive(url, model, _specs(reps, probe.size, 1, i), concurrency=1)
-            out[probe.name] = summary.ttft.p50
-        else:
-            summary = _drive(url, model, _specs(2 * probe.size, DECODE_PROMPT, DECODE_TOKENS, i),
-                             concurrency=probe.size)
-            out[probe.name] = summary.tpot.p50
-    return out
+async def sample(url: str, model: str, probe: Probe, prompts: Prompts, workers: int = 1,
+                 limits: Limits = LIMITS) -> list[float]:
+    """One sample of ``probe``, in seconds: a prefill's TTFT (one request alone), or the TPOTs of a
+    burst of ``size`` requests per worker (the router spreads them).
 
-
-def modeled(spec: ModelSpec, cal: Calibration, probe: Probe) -> float:
-    model = TimingModel(spec, get_gpu_preset(DEVICE), calibration=cal)
+    A burst's prompts are computed in its first step, so its TPOTs are decode steps of ``size``
+    sequences alone: the short prompts fit the token budget together, and the long ones are sent
+    once beforehand (one output token), so that the burst finds all but their last token in the
+    prefix cache. (TPOT, not the gaps between chunks: under load a worker may stream the tokens of
+    two steps in one chunk.)"""
     if probe.kind == "prefill":
-        return model.prefill(probe.size).seconds
-    return model.decode_step(probe.size, DECODE_PROMPT + DECODE_TOKENS // 2).seconds
+        specs = prompts.take(1, LengthDist("fixed", probe.size), LengthDist("fixed", 1))
+        result = await run(RunConfig(base_url=url, model=model, concurrency=1), specs)
+        _records_ok(result.records, probe.name)
+        return [r.ttft_s for r in result.records if r.ttft_s is not None]
+    n = probe.size * workers
+    specs = prompts.take(n, LengthDist("fixed", probe.context), LengthDist("fixed", DECODE_TOKENS))
+    if probe.context * n > limits.max_batched_tokens:
+        primed = [RequestSpec(s.index, s.prompt, 1) for s in specs]
+        _records_ok((await run(RunConfig(base_url=url, model=model, concurrency=1), primed)).records,
+                    f"{probe.name} (priming)")
+    result = await run(RunConfig(base_url=url, model=model, concurrency=n), specs)
+    _records_ok(result.records, probe.name)
+    return [t for r in result.records if (t := r.tpot_s) is not None]
 
 
-def fit_cpu(spec: ModelSpec, engine_s: dict[str, float], quick: bool) -> Calibration:
-    """The CPU preset: ``FITTED`` fields fitted to the engine's own step times (log least squares)."""
-    # Decode-only steps keep their own cost ("graph" steps in the timing model's terms, whatever the engine).
-    cal = Calibration.preset("torch-eager").with_overrides(layer_overhead_s=0.0, decode_layer_overhead_s=0.0,
-                                                          fp8_layer_overhead_s=0.0, step_overhead_s=1e-3,
-                                                          decode_step_overhead_s=1e-3, mfu=0.05, mbu=0.5,
-                                                          graph_max_batch=NUM_BLOCKS)
-    shapes = [p for p in probes(quick) if engine_s.get(p.name, 0) > 0]
+async def measure(url: str, model: str, plan: Sequence[Probe], prompts: Prompts, reps: int, workers: int = 1,
+                  limits: Limits = LIMITS) -> dict[str, float]:
+    """Each probe's median over ``reps`` prefills or ``reps // 3`` decode bursts, taken in rounds of
+    the whole plan: a spell of other load on the machine then lands on every shape alike, instead of
+    on all the samples of one shape (where it could double that shape's median against the others)."""
+    bursts = max(1, reps // 3)
+    decode_rounds = {i * reps // bursts for i in range(bursts)}
+    samples: dict[str, list[float]] = {p.name: [] for p in plan}
+    for i in range(reps):
+        for p in plan:
+            if p.kind == "prefill" or i in decode_rounds:
+                samples[p.name] += await sample(url, model, p, prompts, workers, limits)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def modeled(spec: ModelSpec, cal: Calibration, probe: Probe, limits: Limits = LIMITS) -> float:
+    """The timing model's seconds for ``probe``: its prefill steps, or one decode step."""
+    model = TimingModel(spec, get_gpu_preset(DEVICE), calibration=cal)
+    if probe.kind == "prefill":  # chunked as the scheduler would
+        done, seconds = 0, 0.0
+        while done < probe.size:
+            chunk = min(limits.max_batched_tokens, probe.size - done)
+            seconds += model.step([_work(chunk, done, done + chunk == probe.size)]).seconds
+            done += chunk
+        return seconds
+    return model.decode_step(probe.size, probe.context + DECODE_TOKENS // 2).seconds
+
+
+def _work(tokens: int, context: int, samples: bool) -> Any:
+    from pdrouter.engine.sim.timing import SeqWork
+
+    return SeqWork(tokens, context, samples)
+
+
+def start_calibration(limits: Limits = LIMITS) -> Calibration:
+    """The fit's starting point: per-step fixed costs only (no per-layer ones: the fit cannot tell
+    them apart on one model), decode-only steps with fixed costs of their own (the timing model's
+    "graph" steps, whatever the engine does), attention at the matmuls' efficiency."""
+    return Calibration.preset("torch-eager").with_overrides(
+        layer_overhead_s=0.0, decode_layer_overhead_s=0.0, fp8_layer_overhead_s=0.0, step_overhead_s=5e-3,
+        decode_step_overhead_s=5e-3, per_seq_overhead_s=1e-4, mfu=0.05, mbu=0.3, kv_mbu=0.1,
+        attention_mfu=0.05, graph_max_batch=limits.max_num_seqs)
+
+
+def fit_cpu(spec: ModelSpec, engine_s: dict[str, float], plan: Sequence[Probe],
+            limits: Limits = LIMITS) -> Calibration:
+    """``FITTED`` by coordinate descent on the squared log errors over ``plan`` (the attention's
+    efficiency follows the matmuls')."""
+    cal = start_calibration(limits)
+    shapes = [p for p in plan if engine_s.get(p.name, 0) > 0]
 
     def loss(c: Calibration) -> float:
-        return sum(math.log(modeled(spec, c, p) / engine_s[p.name]) ** 2 for p in shapes)
+        return sum(math.log(modeled(spec, c, p, limits) / engine_s[p.name]) ** 2 for p in shapes)
 
-    for _ in range(6):
+    def with_field(c: Calibration, name: str, x: float) -> Calibration:
+        extra = {"attention_mfu": x} if name == "mfu" else {}
+        return c.with_overrides(**{name: x}, **extra)
+
+    for _ in range(8):
         for name in FITTED:
             lo, hi = BOUNDS[name]
             base = cal
 
             def at(x: float, name: str = name, base: Calibration = base) -> float:
-                return loss(base.with_overrides(**{name: x}))
+                return loss(with_field(base, name, x))
 
             best = _golden(at, lo, hi)
             if at(best) < loss(cal):
-                cal = cal.with_overrides(**{name: best})
+                cal = with_field(cal, name, best)
     return cal
 
 
-def sweep(url: str, model: str, rates: Sequence[float], n: int, prompt: int, output: int) -> dict[float, Summary]:
-    return {rate: _drive(url, model, _specs(n, prompt, output, int(rate * 10)), rate=rate) for rate in rates}
+def write_calibration(cal: Calibration, path: Path, header: str) -> None:
+    """The preset as YAML on top of ``torch-eager`` (every field the fit set), ``header`` as its comment."""
+    fields = (*FITTED, "attention_mfu", "layer_overhead_s", "decode_layer_overhead_s", "fp8_layer_overhead_s",
+              "graph_max_batch")
+    lines = [f"# {line}".rstrip() for line in header.splitlines()] + ["preset: torch-eager"]
+    for name in fields:
+        value = getattr(cal, name)
+        lines.append(f"{name}: {value if isinstance(value, int) else float(f'{value:.4g}')}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
 
 
-def saturation(results: dict[float, Summary]) -> float | None:
-    """The first rate at which the engine fell behind (see the module docstring), None if none did."""
-    rates = sorted(results)
-    base = results[rates[0]].ttft.p90
+# -- the comparison --------------------------------------------------------------------------------
+
+
+@dataclass
+class Point:
+    """One rate through one cluster, scored over its measured window."""
+
+    rate: float
+    summary: Summary
+    offered: float
+    saturated: bool
+    steady: bool
+    failed: int
+
+    def figure(self, metric: str, q: str) -> float:
+        return float(getattr(getattr(self.summary, metric), q))
+
+
+async def run_point(url: str, model: str, specs: list[RequestSpec], rate: float, seed: int) -> Point:
+    result = await run(RunConfig(base_url=url, model=model, rate=rate, seed=seed, timeout_s=300.0), specs)
+    records = result.records
+    window = measure_window(records)
+    steady = window_summary(records, window)
+    offered = offered_rate(records, window)
+    return Point(rate, steady, offered, saturated(steady, offered), window.steady,
+                 sum(not r.ok for r in records))
+
+
+def saturation_rate(points: Sequence[Point]) -> float | None:
+    """The first rate whose window saturated; None when none did."""
+    return next((p.rate for p in sorted(points, key=lambda p: p.rate) if p.saturated), None)
+
+
+def error_percent(real: float, sim: float) -> float:
+    return 100.0 * (sim - real) / real if real > 0 else math.nan
+
+
+@dataclass
+class Verdict:
+    """The acceptance of one layout's comparison."""
+
+    rates_within: list[float]
+    """Rates below both saturations where TTFT and TPOT were within the bounds at p50 and p90."""
+    rates_below: list[float]
+    """Rates below both saturations."""
+    saturation_real: float | None
+    saturation_sim: float | None
+    saturation_steps_apart: int | None
+
+    @property
+    def holds(self) -> bool:
+        return len(self.rates_within) >= 3 and self.saturation_steps_apart is not None and \
+            self.saturation_steps_apart <= 1
+
+
+def verdict(rates: Sequence[float], real: dict[float, Point], sim: dict[float, Point]) -> Verdict:
+    sat_r, sat_s = saturation_rate(list(real.values())), saturation_rate(list(sim.values()))
+    index = {r: i for i, r in enumerate(sorted(rates))}
+    beyond = len(rates)  # "above the sweep" counts as one step past its last rate
+    apart = abs(index.get(sat_r, beyond) - index.get(sat_s, beyond)) if sat_r or sat_s else 0  # type: ignore[arg-type]
+    below = [r for r in sorted(rates) if (sat_r is None or r < sat_r) and (sat_s is None or r < sat_s)]
+    within = []
+    for r in below:
+        ok = all(abs(error_percent(real[r].figure(m, q), sim[r].figure(m, q))) <= bound
+                 for m in ("ttft", "tpot") for q, bound in (("p50", P50_TARGET), ("p90", P90_TARGET)))
+        if ok:
+            within.append(r)
+    return Verdict(within, below, sat_r, sat_s, apart)
+
+
+async def sweep(real_url: str, sim_url: str, model: str, rates: Sequence[float], workload: Workload,
+                duration_s: float, min_requests: int, prompts: Prompts,
+                progress: bool = True) -> tuple[dict[float, Point], dict[float, Point]]:
+    """Each rate through the real cluster, then the same requests at the same arrival times through
+    the simulated one."""
+    real: dict[float, Point] = {}
+    sim: dict[float, Point] = {}
+    for i, rate in enumerate(rates):
+        n = max(min_requests, math.ceil(rate * duration_s))
+        specs = prompts.take(n, workload.input_len, workload.output_len)
+        for name, url, into in (("real", real_url, real), ("sim", sim_url, sim)):
+            started = time.monotonic()
+            into[rate] = point = await run_point(url, model, specs, rate, seed=1000 + i)
+            if progress:
+                print(f"sim_dynamics: {name} @ {rate:g} req/s: {n} requests in {time.monotonic() - started:.0f} s, "
+                      f"TTFT p50 {point.figure('ttft', 'p50') * 1e3:.1f} ms, TPOT p50 "
+                      f"{point.figure('tpot', 'p50') * 1e3:.1f} ms, served {point.summary.request_rate:.3g} of "
+                      f"{point.offered:.3g} req/s{' (saturated)' if point.saturated else ''}",
+                      file=sys.stderr, flush=True)
+    return real, sim
+
+
+def report_layout(report: Report, layout: str, rates: Sequence[float], real: dict[float, Point],
+                  sim: dict[float, Point]) -> Verdict:
     for rate in rates:
-        s = results[rate]
-        if s.request_rate < 0.9 * rate or s.ttft.p90 > 10 * base:
-            return rate
-    return None
+        r, s = real[rate], sim[rate]
+        key = f"{layout}_rate_{rate:g}"
+        for metric in ("ttft", "tpot", "e2e"):
+            for q in ("p50", "p90"):
+                a, b = r.figure(metric, q), s.figure(metric, q)
+                report.add(f"{key}_{metric}_{q}_real", a * 1e3, "ms")
+                report.add(f"{key}_{metric}_{q}_sim", b * 1e3, "ms")
+                report.add(f"{key}_{metric}_{q}_error", error_percent(a, b), "%")
+        report.add(f"{key}_throughput_real", r.summary.output_tokens_per_s, "tok/s")
+        report.add(f"{key}_throughput_sim", s.summary.output_tokens_per_s, "tok/s")
+        report.add(f"{key}_served_real", r.summary.request_rate, "req/s")
+        report.add(f"{key}_served_sim", s.summary.request_rate, "req/s")
+        report.add(f"{key}_offered", r.offered, "req/s")
+        report.add(f"{key}_saturated_real", int(r.saturated))
+        report.add(f"{key}_saturated_sim", int(s.saturated))
+        report.add(f"{key}_steady_real", int(r.steady))
+        report.add(f"{key}_steady_sim", int(s.steady))
+        report.add(f"{key}_failed_real", r.failed, "requests")
+        report.add(f"{key}_failed_sim", s.failed, "requests")
+    v = verdict(rates, real, sim)
+    report.add(f"{layout}_saturation_rate_real", v.saturation_real if v.saturation_real else math.nan, "req/s")
+    report.add(f"{layout}_saturation_rate_sim", v.saturation_sim if v.saturation_sim else math.nan, "req/s")
+    report.add(f"{layout}_saturation_steps_apart", v.saturation_steps_apart if v.saturation_steps_apart is not None
+               else math.nan, "steps")
+    report.add(f"{layout}_rates_below_saturation", len(v.rates_below), "rates")
+    report.add(f"{layout}_rates_within_bounds", len(v.rates_within), "rates")
+    report.add(f"{layout}_acceptance", int(v.holds))
+    return v
+
+
+# -- the benchmark --------------------------------------------------------------------------------
+
+
+def make_folder(backend: str, out: Path) -> Path:
+    from pdrouter.engine.model_io import make_model
+
+    if backend == "vllm":  # vLLM's CPU attention takes the small model's head size (64), in bfloat16
+        return make_model("small", 0, out / "small", dtype="bfloat16")
+    return make_model("tiny", 0, out / "tiny")
+
+
+def calibrate(args: Any, folder: Path, report: Report) -> Path:
+    """Probe one real colocated worker and the harness, fit the CPU preset, write it; its path."""
+    spec = ModelSpec.from_pretrained_dir(folder)
+    plan = probes(args.quick)
+    reps = 3 if args.quick else 7
+    prompts = Prompts(seed=1)
+    layout = Layout("colocated")
+    with cluster(folder, layout, sim_engine(None, 0.0)) as free:
+        asyncio.run(wait_serving(free.url, folder.name))
+        harness = asyncio.run(measure(free.url, folder.name, plan, prompts, reps))
+    with cluster(folder, layout, real_engine(args.backend)) as real:
+        asyncio.run(wait_serving(real.url, folder.name))
+        measured = asyncio.run(measure(real.url, folder.name, plan, prompts, reps))
+    # Every probe less the harness's share: on two cores the router, the worker's streaming and the
+    # client do not overlap with the engine's steps, they take turns with them (a burst of 8 decodes
+    # streams 8 tokens a step through three processes), and a simulated worker pays them again.
+    engine = {p.name: max(measured[p.name] - harness[p.name], 1e-6) for p in plan}
+    cal = fit_cpu(spec, engine, plan)
+    path = args.write_calibration or Path(tempfile.mkdtemp(prefix="sim-dynamics-")) / "cpu.yaml"
+    write_calibration(cal, path, f"A CPU device preset for the simulator (--gpu {DEVICE} --calibration {path.name}),\n"
+                      f"fitted by benchmarks/sim_dynamics.py --backend {args.backend} to the step times of\n"
+                      f"{args.backend} serving the {spec.name} model ({spec.dtype}) on a 2-core CPU, one thread.")
+    for p in plan:
+        report.add(f"probe_{p.name}_real", measured[p.name] * 1e3, "ms")
+        report.add(f"probe_{p.name}_harness", harness[p.name] * 1e3, "ms")
+        report.add(f"probe_{p.name}_model", (modeled(spec, cal, p) + harness[p.name]) * 1e3, "ms")
+    for name in FITTED:
+        report.add(f"cpu_{name}", float(getattr(cal, name)))
+    report.add("calibration_file", str(path))
+    return path
 
 
 def main() -> None:
     parser = base_parser(__doc__ or "")
-    parser.add_argument("--backend", default="torch", help="the real engine behind `pdrouter up --backend` (torch)")
-    parser.add_argument("--rates", default=None, help="comma-separated requests/s (default 2,4,8,16,32)")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=None, help="requests per rate (default 60; --quick 24)")
-    parser.add_argument("--out", type=Path, default=None, help="where the CPU calibration file goes (default: temp)")
+    parser.add_argument("--backend", default="vllm", choices=["vllm", "torch"], help="the real engine")
+    parser.add_argument("--layouts", default="colocated",
+                        help="colocated and/or 1p1d (1p1d: the engine's prefill and decode workers)")
+    parser.add_argument("--rates", default=None, help="comma-separated requests/s (default 1,1.5,2,2.5,3,4)")
+    parser.add_argument("--input-len", default="lognormal:256:0.5", help="prompt tokens")
+    parser.add_argument("--output-len", default="lognormal:48:0.5", help="output tokens")
+    parser.add_argument("--point-duration", type=float, default=None,
+                        help="seconds of arrivals per rate (default 90; --quick 20)")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help="a CPU preset to compare with (default: fit one from the probes first)")
+    parser.add_argument("--write-calibration", type=Path, default=None,
+                        help="where the fitted preset goes (default: a temporary folder)")
+    parser.add_argument("--out", type=Path, default=None, help="the model folder's parent (default: temporary)")
     args = parser.parse_args()
-    from pdrouter.engine.model_io import make_model
-
-    rates = [float(r) for r in (args.rates or ("4,16" if args.quick else "2,4,8,16,32")).split(",")]
-    n = args.requests or (24 if args.quick else 60)
+    rates = [float(r) for r in (args.rates or ("1,2" if args.quick else "1,1.5,2,2.5,3,4")).split(",")]
+    duration = args.point_duration or (20.0 if args.quick else 90.0)
+    workload = Workload("synthetic", "", LengthDist.parse(args.input_len, "--input-len"),
+                        LengthDist.parse(args.output_len, "--output-len"))
+    layouts = [Layout(n.strip()) for n in args.layouts.split(",") if n.strip()]
     report = Report()
+    report.add("load_average_start", os.getloadavg()[0])
     out = args.out or Path(tempfile.mkdtemp(prefix="sim-dynamics-"))
-    out.mkdir(parents=True, exist_ok=True)
-    folder = make_model("tiny", 0, out / "tiny")
-    spec = ModelSpec.from_pretrained_dir(folder)
-    layout = Layout("colocated-1", colocated=1)
-    blocks = ["--num-blocks", str(NUM_BLOCKS)]
-    with bring_up(layout, folder, gpu=DEVICE, time_scale=0.0, extra=blocks) as free:
-        harness = measure(free.url, folder.name, args.quick)
-    with bring_up(layout, folder, gpu=DEVICE, time_scale=1.0, backend=args.backend, extra=blocks) as real:
-        measured = measure(real.url, folder.name, args.quick)
-        real_sweep = sweep(real.url, folder.name, rates, n, args.input_len, args.output_len)
-    engine = {k: max(measured[k] - harness[k], 1e-6) for k in measured}
-    cal = fit_cpu(spec, engine, args.quick)
-    path = out / "cpu_calibration.json"
-    path.write_text(json.dumps({"preset": "torch-eager", **{f: getattr(cal, f) for f in (
-        *FITTED, "layer_overhead_s", "decode_layer_overhead_s", "mbu", "graph_max_batch")}}, indent=2))
-    report.add("calibration_file", str(path))
-    for probe in probes(args.quick):
-        report.add(f"probe_{probe.name}_real", measured[probe.name] * 1e3, "ms")
-        report.add(f"probe_{probe.name}_harness", harness[probe.name] * 1e3, "ms")
-        report.add(f"probe_{probe.name}_model", (modeled(spec, cal, probe) + harness[probe.name]) * 1e3, "ms")
-    for name in FITTED:
-        report.add(f"cpu_{name}", float(getattr(cal, name)))
-    extra = [*blocks, "--calibration", str(path)]
-    with bring_up(layout, folder, gpu=DEVICE, time_scale=1.0, extra=extra) as sim:
-        sim_sweep = sweep(sim.url, folder.name, rates, n, args.input_len, args.output_len)
-    for rate in rates:
-        r, s = real_sweep[rate], sim_sweep[rate]
-        for metric in ("ttft", "tpot", "e2e"):
-            for q in ("p50", "p90"):
-                a, b = getattr(getattr(r, metric), q), getattr(getattr(s, metric), q)
-                report.add(f"rate_{rate:g}_{metric}_{q}_real", a * 1e3, "ms")
-                report.add(f"rate_{rate:g}_{metric}_{q}_sim", b * 1e3, "ms")
-                report.add(f"rate_{rate:g}_{metric}_{q}_error", 100 * (b - a) / a if a > 0 else math.nan, "%")
-        report.add(f"rate_{rate:g}_throughput_real", r.output_tokens_per_s, "tok/s")
-        report.add(f"rate_{rate:g}_throughput_sim", s.output_tokens_per_s, "tok/s")
-    for name, results in (("real", real_sweep), ("sim", sim_sweep)):
-        rate = saturation(results)
-        report.add(f"saturation_rate_{name}", rate if rate is not None else math.nan, "req/s")
-    report.add("rates_median_abs_ttft_p50_error", statistics.median(
-        abs(100 * (sim_sweep[x].ttft.p50 - real_sweep[x].ttft.p50) / real_sweep[x].ttft.p50) for x in rates), "%")
+    folder = make_folder(args.backend, out)
+    started = time.monotonic()
+    calibration = args.calibration or calibrate(args, folder, report)
+    prompts = Prompts(seed=2)
+    for layout in layouts:
+        with cluster(folder, layout, real_engine(args.backend)) as real, \
+                cluster(folder, layout, sim_engine(calibration, 1.0)) as sim:
+            asyncio.run(wait_serving(real.url, folder.name))
+            asyncio.run(wait_serving(sim.url, folder.name))
+            real_points, sim_points = asyncio.run(sweep(real.url, sim.url, folder.name, rates, workload, duration,
+                                                        20 if args.quick else 60, prompts))
+        report_layout(report, layout.name, rates, real_points, sim_points)
+    report.add("wall_minutes", (time.monotonic() - started) / 60, "min")
+    report.add("load_average_end", os.getloadavg()[0])
     report.emit(args.json)
 
 

