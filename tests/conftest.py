@@ -10,6 +10,21 @@ import pytest
 
 from pdrouter.state.embedded_redis import EmbeddedRedis
 
+_LD_PRELOAD = os.environ.get("LD_PRELOAD")
+"""As the test run found it: importing vLLM's CPU platform adds torch's libgomp to ``LD_PRELOAD`` in the
+importing process (for the engine processes it spawns), and every process a later test starts would
+inherit it (a simulated worker, which must load no torch, among them)."""
+
+
+@pytest.fixture(autouse=True)
+def _ld_preload_as_found() -> Iterator[None]:
+    yield
+    if os.environ.get("LD_PRELOAD") != _LD_PRELOAD:
+        if _LD_PRELOAD is None:
+            del os.environ["LD_PRELOAD"]
+        else:
+            os.environ["LD_PRELOAD"] = _LD_PRELOAD
+
 # Prefill and decode workers refuse to start without a KV secret: the ones the tests start (they
 # inherit this environment) share one made for the session.
 if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):
