@@ -258,11 +258,15 @@ class ConnectorDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     KV connector receives: ``pdrouter.worker.roles.decode_connector``). The three-call path
     (``Allocate``, ``Generate``, ``Release``) moves KV through pd-router's own engine and is refused."""
 
-    def __init__(self, serving: ConnectorDecodeServe, model_compat_hash: str, backend: str) -> None:
+    def __init__(self, serving: ConnectorDecodeServe, model_compat_hash: str, backend: str,
+                 tracing: Tracing | None = None) -> None:
+        """``tracing``: the process's tracer (``Serve`` continues its caller's trace, the decode a span)."""
+        self.tracing = tracing
         self.serving = serving
         self.model_compat_hash = model_compat_hash
         self.backend = backend
 
+    @traced("pdrouter.v1.DecodeWorker/Serve")
     @grpc_errors
     async def Serve(self, request: worker_pb2.ServeRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
@@ -275,7 +279,7 @@ class ConnectorDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.serving.check_new(rid)
         order = serve_order_from_pb(request)
         async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
-            async for chunk in serve_chunks(rid, events):
+            async for chunk in serve_chunks(rid, events, self.tracing):
                 yield chunk
 
     def _three_calls(self) -> FailedPreconditionError:
@@ -328,8 +332,8 @@ async def build_decode_role(ctx: RoleContext) -> DecodeRole:
         assert ctx.connector.pool is not None
         serving = ConnectorDecodeServe(connector_engine(ctx.engine), ctx.connector, links, cfg.worker_id,
                                        cfg.kv_wait_s, registered=registered, tally=ctx.transfers)
-        return DecodeRole(None, ConnectorDecodeServicer(serving, ctx.model_compat_hash, cfg.kv_backend), links,
-                          ctx.connector.pool.receivers[0])
+        servicer = ConnectorDecodeServicer(serving, ctx.model_compat_hash, cfg.kv_backend, tracing=ctx.tracing)
+        return DecodeRole(None, servicer, links, ctx.connector.pool.receivers[0])
     pool = ctx.kv_pool()
     receiver = await asyncio.to_thread(KvReceiver, pool, pool.layout, ctx.transfer(),
                                        host=cfg.host, port=cfg.kv_port, advertise_host=cfg.public_host)

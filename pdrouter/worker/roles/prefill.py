@@ -174,12 +174,15 @@ class ConnectorPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     blocks (``pdrouter.worker.roles.prefill_connector``); the same checks first."""
 
     def __init__(self, prefill: ConnectorPrefill, block_size: int, model_compat_hash: str,
-                 targets: DecodeTargets) -> None:
+                 targets: DecodeTargets, tracing: Tracing | None = None) -> None:
+        """``tracing``: the process's tracer (``Prefill`` continues its caller's trace)."""
+        self.tracing = tracing
         self.prefill = prefill
         self.block_size = block_size
         self.model_compat_hash = model_compat_hash
         self.targets = targets
 
+    @traced("pdrouter.v1.PrefillWorker/Prefill")
     @grpc_errors
     async def Prefill(self, request: worker_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
@@ -223,7 +226,7 @@ async def build_prefill_role(ctx: RoleContext) -> PrefillRole:
         prefill = ConnectorPrefill(connector_engine(ctx.engine), ctx.connector, hold_s=ctx.config.kv_wait_s,
                                    tally=ctx.transfers)
         return PrefillRole(None, ConnectorPrefillServicer(prefill, ctx.engine.kv_layout.block_size,
-                                                          ctx.model_compat_hash, targets))
+                                                          ctx.model_compat_hash, targets, tracing=ctx.tracing))
     pool = ctx.kv_pool()
     sender = KvSender(pool, pool.layout, ctx.transfer())
     servicer = PrefillServicer(ctx.disaggregated(), sender, ctx.engine.kv_layout, ctx.model_compat_hash, targets,
