@@ -1,0 +1,413 @@
+"""pd-router beside the peer routers: router CPU per request and added latency, one load generator, one run.
+
+The systems, each in front of instant workers (no model work, so what the router costs stands out):
+
+* ``pd-router``: ``pdrouter up --backend sim --time-scale 0`` (simulated GPUs that answer at once; the
+  real router, Redis, the decode-driven hand-off and a real KV transfer between the simulated workers);
+* ``sglang-router``, ``vllm-router``, ``smg`` (SGLang's model gateway), when they are installed in
+  ``--peers-venv``, each in front of ``_instant_worker.py`` processes (``pip install sglang-router==0.3.2
+  vllm-router==0.1.17 smg==1.13.0`` into a venv of its own: they pin packages of their own).
+
+Two layouts: ``cache_aware``, one pool of four workers placed by prefix (pd-router colocated, the peers'
+``--policy cache_aware``); ``pd``, two prefill and two decode workers (pd-router disaggregated; the peers'
+PD modes, ``round_robin``). The workload is the one the peers were first measured with: eight shared
+2,000-character prefixes, a unique 200-character suffix per request, 16 output tokens, non-streamed
+``POST /v1/completions``.
+
+Per system and layout:
+
+* ``..._router_cpu``: the router's CPU time per request over a closed loop at concurrency 32 (all its
+  threads; for a peer, its process and any child it starts), from the process's CPU-time clock;
+* ``..._rps``: requests per second in that loop (the load generator, router and workers share this
+  machine's cores, so it is the system's, not the router's, capacity);
+* ``..._added_p50`` / ``..._added_p99``: at concurrency 1, requests alternate between the router and one
+  instant worker reached directly, so drift hits both alike; the router's latency minus the worker's.
+  For pd-router this includes its simulated workers' own time, which an instant worker does not spend
+  (``benchmarks/router_overhead.py`` measures against pd-router's own workers reached directly);
+* pd-router also gets ``..._redis_cpu``: its Redis server's CPU per request (index look-ups and decode
+  bookings, work the peers do not do), so the whole cost is on the page;
+* ``pd-router_<layout>_cpu_vs_best_peer``: pd-router's router CPU over the lowest peer's, same layout.
+
+    python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
+                                      [--systems pd-router,sglang-router,vllm-router,smg]
+                                      [--layouts cache_aware,pd] [--seconds 8] [--pair-seconds 4]
+
+``--quick`` runs pd-router's PD row only, with short phases (under 30 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _load import HttpCompletions, cpu_seconds
+from _report import Report, base_parser
+
+HERE = Path(__file__).resolve().parent
+PREFIXES, PREFIX_CHARS, SUFFIX_CHARS, TOKENS, CONCURRENCY = 8, 2000, 200, 16, 32
+SYSTEMS = ("pd-router", "sglang-router", "vllm-router", "smg")
+LAYOUTS = ("cache_aware", "pd")
+PEER_MODEL = "instant-model"
+
+
+def prompts(seed: int) -> Iterator[str]:
+    """Eight shared prefixes, each request with a suffix of its own (never repeated)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 9))) for _ in range(500)]
+
+    def text(chars: int, head: str) -> str:
+        out = head
+        while len(out) < chars:
+            out += " " + rng.choice(words)
+        return out[:chars]
+
+    shared = [text(PREFIX_CHARS, f"System prompt {g}:") for g in range(PREFIXES)]
+    i = 0
+    while True:
+        yield shared[i % PREFIXES] + text(SUFFIX_CHARS, f"\nRequest {i}:")
+        i += 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def tree_cpu(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    return total
+
+
+class Processes:
+    """Processes started for one row, stopped together (each in a session of its own)."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, name: str, args: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+        log = (self.logs / f"{name}.log").open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_PROXY": "*", "no_proxy": "*"}
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        self.procs.clear()
+
+
+async def one_request(client: HttpCompletions, slot: int) -> float:
+    total, _ = await client.once(slot)
+    return total
+
+
+async def ready(port: int, model: str, timeout: float, what: str, logs: Path) -> None:
+    """Wait until the router answers a generation (its workers found and healthy)."""
+    deadline = time.monotonic() + timeout
+    last = ""
+    gen = prompts(999)
+    while time.monotonic() < deadline:
+        client = HttpCompletions("127.0.0.1", port, model, [], TOKENS, False, prompts=gen)
+        try:
+            await asyncio.wait_for(client.once(0), 10)
+            return
+        except (TimeoutError, OSError, RuntimeError, asyncio.IncompleteReadError, ValueError) as exc:
+            last = str(exc)[:200]
+        finally:
+            with contextlib.suppress(Exception):
+                await client.close()
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"{what} did not answer within {timeout:.0f} s (last: {last}); logs in {logs}")
+
+
+@dataclass
+class Loop:
+    """A closed loop's outcome."""
+
+    requests: int = 0
+    errors: int = 0
+    seconds: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)
+    first_error: str = ""
+
+
+async def closed_loop(client: HttpCompletions, seconds: float, watched: dict[str, list[int]]) -> Loop:
+    """``CONCURRENCY`` clients back to back for ``seconds``; the CPU of each watched process group."""
+    out = Loop()
+    before = {name: tree_cpu(pids) for name, pids in watched.items()}
+    start = time.perf_counter()
+    deadline = start + seconds
+
+    async def slot(i: int) -> None:
+        while time.perf_counter() < deadline:
+            try:
+                await client.once(i)
+                out.requests += 1
+            except (OSError, RuntimeError, asyncio.IncompleteReadError, ValueError) as exc:
+                out.errors += 1
+                out.first_error = out.first_error or str(exc)[:300]
+                await asyncio.sleep(0.05)
+
+    await asyncio.gather(*(slot(i) for i in range(CONCURRENCY)))
+    out.seconds = time.perf_counter() - start
+    out.cpu = {name: tree_cpu(pids) - before[name] for name, pids in watched.items()}
+    return out
+
+
+async def paired(router: HttpCompletions, direct: HttpCompletions, seconds: float) -> tuple[list[float], list[float]]:
+    """Concurrency 1, alternating the router and the instant worker request by request."""
+    via, straight = [], []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        via.append(await one_request(router, 0))
+        straight.append(await one_request(direct, 0))
+    return via, straight
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class Row:
+    system: str
+    layout: str
+    port: int
+    model: str
+    watched: dict[str, list[int]]
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, report: Report, work: Path) -> None:
+        self.args, self.report, self.work = args, report, work
+        self.py = str(Path(args.peers_venv) / "bin" / "python")
+        self.seed = 0
+        self.cpu: dict[tuple[str, str], float] = {}
+
+    def peer_available(self, system: str) -> bool:
+        if not Path(self.py).exists():
+            return False
+        module = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router",
+                  "vllm-router": "vllm_router_rs"}[system]
+        if system == "vllm-router" and not (Path(self.args.peers_venv) / "bin" / "vllm-router").exists():
+            return False
+        return subprocess.run([self.py, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+    def start_workers(self, procs: Processes, layout: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
+        """Instant workers for a peer: (regular URLs, prefill (URL, bootstrap port)s, decode URLs)."""
+        worker = [sys.executable, str(HERE / "_instant_worker.py"), "--tokens", str(TOKENS)]
+        regular: list[str] = []
+        prefill: list[tuple[str, int]] = []
+        decode: list[str] = []
+        if layout == "cache_aware":
+            for i in range(4):
+                port = free_port()
+                procs.start(f"worker-{i}", [*worker, "--port", str(port)])
+                regular.append(f"http://127.0.0.1:{port}")
+        else:
+            for i in range(2):
+                port, boot = free_port(), free_port()
+                procs.start(f"prefill-{i}", [*worker, "--port", str(port), "--role", "prefill",
+                                             "--bootstrap-port", str(boot)])
+                prefill.append((f"http://127.0.0.1:{port}", boot))
+                port = free_port()
+                procs.start(f"decode-{i}", [*worker, "--port", str(port), "--role", "decode"])
+                decode.append(f"http://127.0.0.1:{port}")
+        return regular, prefill, decode
+
+    def start_peer(self, procs: Processes, system: str, layout: str) -> Row:
+        regular, prefill, decode = self.start_workers(procs, layout)
+        port, metrics = free_port(), free_port()
+        common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
+                  "--prometheus-port", str(metrics)]
+        if system == "vllm-router":
+            cmd = [str(Path(self.args.peers_venv) / "bin" / "vllm-router"), *common, "--log-level", "warning"]
+        else:
+            module = "sglang_router.launch_router" if system == "sglang-router" else "smg.launch_router"
+            cmd = [self.py, "-m", module, *common, "--log-level", "warn"]
+        if layout == "cache_aware":
+            cmd += ["--worker-urls", *regular, "--policy", "cache_aware"]
+        elif system == "vllm-router":
+            cmd += ["--vllm-pd-disaggregation"]
+            for url, _ in prefill:
+                cmd += ["--prefill", url]
+            for url in decode:
+                cmd += ["--decode", url]
+            cmd += ["--policy", "round_robin"]
+        else:
+            cmd += ["--pd-disaggregation"]
+            for url, boot in prefill:
+                cmd += ["--prefill", url, str(boot)]
+            for url in decode:
+                cmd += ["--decode", url]
+            cmd += ["--policy", "round_robin"]
+        proc = procs.start(system, cmd)
+        return Row(system, layout, port, PEER_MODEL, {"router": [proc.pid]})
+
+    def start_pdrouter(self, procs: Processes, layout: str) -> Row:
+        port = free_port()
+        shape = (["--mode", "colocated", "--workers", "4"] if layout == "cache_aware"
+                 else ["--mode", "disaggregated", "--prefill", "2", "--decode", "2"])
+        up = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--time-scale", "0",
+              "--model-preset", "llama-3-8b", "--no-api-key", "--http-port", str(port),
+              "--grpc-port", str(free_port()), *shape]
+        proc = procs.start("pd-router", up, cwd=self.work)
+        return Row("pd-router", layout, port, "sim-llama-3-8b", {"up": [proc.pid]})
+
+    def pdrouter_pids(self, row: Row) -> None:
+        """Split ``pdrouter up``'s tree into the router process and its Redis server."""
+        tree = descendants(row.watched["up"][0])
+        router = [p for p in tree if "router" in cmdline(p)[3:5]]
+        redis = [p for p in tree if any("redis-server" in a for a in cmdline(p)[:1])]
+        if len(router) != 1:
+            raise RuntimeError(f"pdrouter up: expected one router process, found {router}")
+        row.watched = {"router": router, "redis": redis}
+
+    async def measure(self, row: Row, direct: HttpCompletions) -> None:
+        name = f"{row.system}_{row.layout}"
+        client = HttpCompletions("127.0.0.1", row.port, row.model, [], TOKENS, False, prompts=prompts(self.seed))
+        self.seed += 1
+        try:
+            await closed_loop(client, self.args.warmup_seconds, {})  # warm connections, caches, pools
+            loop = await closed_loop(client, self.args.seconds, row.watched)
+            if loop.requests == 0 or loop.errors > 0.01 * (loop.requests + loop.errors):
+                raise RuntimeError(f"{name}: {loop.errors} errors in {loop.requests + loop.errors} requests "
+                                   f"(first: {loop.first_error})")
+            cpu = loop.cpu["router"] / loop.requests * 1e6
+            self.cpu[(row.system, row.layout)] = cpu
+            self.report.add(f"{name}_router_cpu", cpu, "us/req")
+            if "redis" in loop.cpu:
+                self.report.add(f"{name}_redis_cpu", loop.cpu["redis"] / loop.requests * 1e6, "us/req")
+            self.report.add(f"{name}_rps", loop.requests / loop.seconds, "req/s")
+            via, straight = await paired(client, direct, self.args.pair_seconds)
+            self.report.add(f"{name}_c1_p50", quantile(via, 0.5) * 1e3, "ms")
+            self.report.add(f"{name}_added_p50", (quantile(via, 0.5) - quantile(straight, 0.5)) * 1e3, "ms")
+            self.report.add(f"{name}_added_p99", (quantile(via, 0.99) - quantile(straight, 0.99)) * 1e3, "ms")
+        finally:
+            await client.close()
+
+    async def row(self, system: str, layout: str, direct: HttpCompletions) -> None:
+        logs = self.work / "logs" / f"{system}_{layout}"
+        logs.mkdir(parents=True, exist_ok=True)
+        procs = Processes(logs)
+        try:
+            if system == "pd-router":
+                row = self.start_pdrouter(procs, layout)
+            else:
+                row = self.start_peer(procs, system, layout)
+            await ready(row.port, row.model, 240 if system == "pd-router" else 90, f"{system} ({layout})", logs)
+            if system == "pd-router":
+                self.pdrouter_pids(row)
+            await self.measure(row, direct)
+            print(f"# {system} {layout}: done", file=sys.stderr, flush=True)
+        finally:
+            procs.stop()
+
+    async def run(self) -> None:
+        systems = [s for s in self.args.systems.split(",") if s]
+        for system in systems:
+            if system not in SYSTEMS:
+                raise SystemExit(f"--systems: unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+        layouts = [x for x in self.args.layouts.split(",") if x]
+        for layout in layouts:
+            if layout not in LAYOUTS:
+                raise SystemExit(f"--layouts: unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+        logs = self.work / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        baseline = Processes(logs)
+        direct_port = free_port()
+        baseline.start("direct", [sys.executable, str(HERE / "_instant_worker.py"), "--port", str(direct_port),
+                                  "--tokens", str(TOKENS)])
+        direct = HttpCompletions("127.0.0.1", direct_port, PEER_MODEL, [], TOKENS, False, prompts=prompts(10_000))
+        try:
+            await ready(direct_port, PEER_MODEL, 30, "the instant worker", logs)
+            for system in systems:
+                if system != "pd-router" and not self.peer_available(system):
+                    print(f"# {system}: not installed in {self.args.peers_venv}; its rows are skipped",
+                          file=sys.stderr)
+                    continue
+                for layout in layouts:
+                    await self.row(system, layout, direct)
+        finally:
+            await direct.close()
+            baseline.stop()
+        for layout in layouts:
+            peers = {s: c for (s, lay), c in self.cpu.items() if lay == layout and s != "pd-router"}
+            ours = self.cpu.get(("pd-router", layout))
+            if peers and ours is not None:
+                best = min(peers, key=lambda s: peers[s])
+                self.report.add(f"pd-router_{layout}_cpu_vs_best_peer", ours / peers[best], "x")
+                print(f"# {layout}: best peer {best}", file=sys.stderr)
+
+
+def main() -> None:
+    parser = base_parser(__doc__.split("\n\n")[0])
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.add_argument("--peers-venv", default="/tmp/peers-venv", help="the venv holding the peer routers")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to measure, comma-separated")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="layouts to measure, comma-separated")
+    parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds at concurrency 32")
+    parser.add_argument("--pair-seconds", type=float, default=4.0, help="seconds of the paired concurrency-1 run")
+    parser.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each row")
+    args = parser.parse_args()
+    if args.quick:
+        args.systems, args.layouts, args.seconds, args.pair_seconds, args.warmup_seconds = "pd-router", "pd", 3, 2, 1
+    report = Report()
+    with tempfile.TemporaryDirectory(prefix="router-peers-") as tmp:
+        asyncio.run(Bench(args, report, Path(tmp)).run())
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
