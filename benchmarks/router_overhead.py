@@ -46,6 +46,12 @@ also means fewer requests a second: the router sleeps more between them and the 
 it a few per cent more CPU (a 16-token request made to last as long as a 64-token one costs what
 the 64-token one does), which the growth figure includes.
 
+The gRPC door's floor (``grpc_floor`` in colocated mode): a bare ``grpc.aio`` server answering
+``Router/Generate`` with the tokens in one message and no other work (``_grpc_floor.py``), measured
+like the doors, its own process's CPU in place of the router's. ``colocated_c32_grpc_floor_vs_http_cpu``
+is that floor over the HTTP door's whole cost per request: above 1, no gRPC door built on grpcio's
+asyncio server can cost less than the HTTP door.
+
 ``--backend sim`` runs the workers as simulated GPUs in instant mode (``--time-scale 0``: no
 sleeping, no model compute), so the figures are the router's and the transport's own, without the
 tiny model's compute (on the tiny model's geometry; tokens are the simulator's).
@@ -64,7 +70,10 @@ import itertools
 import os
 import random
 import secrets
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -303,41 +312,46 @@ class Bench:
         return worker_args(role, model, redis_url=redis_url, num_blocks=num_blocks, torch_threads=1, sim=sim)
 
 
-async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples], router_pid: int) -> None:
+async def run_interleaved(clients: dict[str, Client], n: int, samples: dict[str, Samples],
+                          pids: dict[str, int]) -> None:
     """Concurrency 1, one request of each kind in turn (the order rotating), ``n`` of each.
 
     Every kind sees the same machine at the same moments, so drift (other jobs, frequency,
-    caches) cancels out of the differences. The router's CPU is read around each request it
-    serves.
+    caches) cancels out of the differences. The serving process's CPU (``pids``, by kind) is read
+    around each request it serves.
     """
     kinds = list(clients)
     for i in range(n):
         for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
             s = samples[kind]
-            cpu0 = cpu_seconds(router_pid) if kind != "direct" else 0.0
+            pid = pids.get(kind)
+            cpu0 = cpu_seconds(pid) if pid else 0.0
             start = time.perf_counter()
             total, first = await clients[kind].once(0)
             s.seconds += time.perf_counter() - start
-            if kind != "direct":
-                s.cpu_seconds += cpu_seconds(router_pid) - cpu0
+            if pid:
+                s.cpu_seconds += cpu_seconds(pid) - cpu0
             s.totals.append(total)
             s.firsts.append(first)
 
 
-async def measure_mode(bench: Bench, mode: str, clients: dict[str, Client], router_pid: int) -> None:
+async def measure_mode(bench: Bench, mode: str, clients: dict[str, Client], router_pid: int,
+                       other_pids: dict[str, int] | None = None) -> None:
     """Concurrency 1: the kinds interleaved request by request; concurrency 32: alternating
-    direct / grpc / http phases. Report each kind."""
+    direct / grpc / http phases. Report each kind. A kind's CPU is the router's, or the process
+    ``other_pids`` names for it."""
     plan, report = bench.plan, bench.report
+    pids = {kind: (other_pids or {}).get(kind, router_pid) for kind in clients if kind != "direct"}
     for client in clients.values():
         await run_phase(client, 32, plan.warmup, Samples(), None)
     freeze_startup_heap()  # this process's full collections (~70 ms with torch loaded) would land on any kind
     for concurrency, n in ((1, plan.c1), (32, plan.c32)):
         samples = {kind: Samples() for kind in clients}
         if concurrency == 1:
-            await run_interleaved(clients, n * plan.rounds, samples, router_pid)
+            await run_interleaved(clients, n * plan.rounds, samples, pids)
         for r in range(plan.rounds if concurrency > 1 else 0):
             for kind in (list(clients) if r % 2 == 0 else list(reversed(clients))):
-                await run_phase(clients[kind], concurrency, n, samples[kind], None if kind == "direct" else router_pid)
+                await run_phase(clients[kind], concurrency, n, samples[kind], pids.get(kind))
         direct = samples["direct"].p(0.5)
         for kind, s in samples.items():
             name = f"{mode}_c{concurrency}_{kind}"
@@ -410,18 +424,46 @@ async def _closing(clients: dict[str, Client]) -> None:
         await client.close()
 
 
+@contextlib.contextmanager
+def grpc_floor() -> Iterator[tuple[int, str]]:
+    """A bare ``grpc.aio`` server answering ``Router/Generate`` (``_grpc_floor.py``): (pid, address)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_grpc_floor.py")), "--port", str(port)])
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the bare gRPC server did not start (exit {proc.poll()})")
+            time.sleep(0.1)
+        yield proc.pid, f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 async def colocated(bench: Bench) -> None:
     with started("worker", bench.worker_args("worker")) as worker, \
             started("router", bench.router_args("colocated")) as router:
         assert worker.address is not None and router.grpc_address is not None
         info = await worker_info(worker.address)
         host, port = _split(router.address)
-        clients: dict[str, Client] = {
-            "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
-            "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
-            "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
-        await measure_mode(bench, "colocated", clients, router.proc.pid)
-        await _closing(clients)
+        with grpc_floor() as (floor_pid, floor_address):
+            clients: dict[str, Client] = {
+                "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
+                "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+                "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False),
+                "grpc_floor": RouterGenerate(floor_address, MODEL, bench.ids, bench.max_tokens)}
+            await measure_mode(bench, "colocated", clients, router.proc.pid, {"grpc_floor": floor_pid})
+            await _closing(clients)
+        bench.report.add("colocated_c32_grpc_vs_http_cpu", bench.figure("colocated_c32_grpc_router_cpu")
+                         / bench.figure("colocated_c32_http_router_cpu"), "x")
+        bench.report.add("colocated_c32_grpc_floor_vs_http_cpu", bench.figure("colocated_c32_grpc_floor_router_cpu")
+                         / bench.figure("colocated_c32_http_router_cpu"), "x")
         sampling = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
         clients = {"direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.stream_ids, sampling),
                    "grpc": RouterGenerate(router.grpc_address, MODEL, bench.stream_ids, STREAM_TOKENS),
@@ -572,6 +614,11 @@ def add_targets(bench: Bench, workloads: str) -> None:
                   and bench.figure(f"{mode}_c32_{kind}_router_cpu") <= TARGET_CPU_US
                   for mode, limit in TARGET_ADDED_MS.items())
         bench.report.add(f"target_met_{kind}", int(met), "bool")
+    # The gRPC door against the HTTP door, and the floor of any grpc.aio server (module docstring).
+    bench.report.add("target_met_grpc_door",
+                     int(bench.figure("colocated_c32_grpc_router_cpu") <= bench.figure("colocated_c32_http_router_cpu")
+                         and bench.figure("colocated_c32_grpc_added_p50")
+                         <= 1.5 * bench.figure("colocated_c32_http_added_p50")), "bool")
     stall_free = all(bench.figure(f"stream_first_chunk_{kind}_extra") <= TARGET_STREAM_EXTRA_MS
                      for kind in ("grpc", "http"))
     bench.report.add("target_met_stream", int(stall_free), "bool")
