@@ -88,6 +88,11 @@ SOURCES: dict[str, str] = {
                 "torch.compile with CUDA graphs, intra-node all-reduce), "
                 "https://github.com/pytorch-labs/gpt-fast/blob/0f925b5d4ce457b89a7ca6c9ce50f42bf2576945/README.md",
 }
+IDENTICAL_PROMPTS = frozenset({"trtllm_v05", "trtllm_v05_l40s", "trtllm_v06", "trtllm_v09"})
+"""Sources measured with TensorRT-LLM's gptSessionBenchmark, whose prompts are one token id repeated
+(``std::vector<int32_t> inputsHost(batchSize * maxInputLength, padId)``) and whose sampling is greedy
+(``samplingConfig.topK = 1``; benchmarks/cpp/gptSessionBenchmark.cpp): every token of a step is the same
+token, so a mixture of experts routes them all to the same experts (``TimingModel(routing="identical")``)."""
 ENGINES = {"trtllm": "TensorRT-LLM and engines served with it (NIM, Databricks) or built like it (LMDeploy's "
                      "TurboMind): the trtllm preset",
            "vllm": "vLLM and other PyTorch engines with CUDA-graph decode (gpt-fast): the vllm preset"}
@@ -198,7 +203,8 @@ def simulate(m: Measurement, calibration: Calibration) -> float:
     """The timing model's figure for ``m``'s scenario, in ``m.unit``."""
     spec = dataclasses.replace(MODELS[m.model], dtype=m.dtype, weight_only=m.weight_only)
     gpu = get_gpu_preset(m.gpu)
-    model = TimingModel(spec, gpu, tp=m.tp, calibration=calibration, kv_dtype=m.kv_dtype)
+    routing = "identical" if m.source in IDENTICAL_PROMPTS else "uniform"
+    model = TimingModel(spec, gpu, tp=m.tp, calibration=calibration, kv_dtype=m.kv_dtype, routing=routing)
     if m.kind == "ttft":
         return model.prefill(m.input_len).seconds
     if m.kind == "itl":
@@ -240,10 +246,12 @@ PRIORS: dict[str, float] = {
     "fp8_speedup": 1.6, "serial_fraction": 0.5, "expert_efficiency": 1.0, "step_overhead_s": 0.5e-3,
     "decode_step_overhead_s": 0.3e-3, "decode_layer_overhead_s": 8e-6, "fp8_layer_overhead_s": 3e-5,
     "allreduce_latency_s": 8e-6, "per_seq_overhead_s": 0.0,
+    # Not a published figure: the router's top-k, the sort and the permutations, a handful of small kernels.
+    "expert_layer_overhead_s": 3e-5,
 }
 FITTED: dict[str, tuple[str, ...]] = {
     "trtllm": ("mbu", "kv_mbu", "serial_fraction", "fp8_speedup", "expert_efficiency", "layer_overhead_s",
-               "fp8_layer_overhead_s", "decode_step_overhead_s", "allreduce_latency_s"),
+               "fp8_layer_overhead_s", "decode_step_overhead_s", "allreduce_latency_s", "expert_layer_overhead_s"),
     "trtllm-0.6": ("fp8_speedup",),
     "vllm": ("mbu", "decode_step_overhead_s", "allreduce_latency_s"),
 }
@@ -253,7 +261,7 @@ BOUNDS: dict[str, tuple[float, float]] = {
     "serial_fraction": (0.0, 1.0), "fp8_speedup": (1.0, 2.0), "expert_efficiency": (0.2, 1.0),
     "activation_traffic": (0.0, 2.0), "step_overhead_s": (0.0, 5e-3), "decode_step_overhead_s": (0.0, 3e-3),
     "layer_overhead_s": (0.0, 2e-4), "decode_layer_overhead_s": (0.0, 5e-5), "fp8_layer_overhead_s": (0.0, 2e-4),
-    "allreduce_latency_s": (1e-6, 1e-4), "per_seq_overhead_s": (0.0, 1e-4),
+    "allreduce_latency_s": (1e-6, 1e-4), "per_seq_overhead_s": (0.0, 1e-4), "expert_layer_overhead_s": (0.0, 5e-4),
 }
 PRIOR_WEIGHT = 0.01
 """Weight of the priors against the rows (squared log-ratios): enough to keep a field no row pins down

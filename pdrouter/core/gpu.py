@@ -146,12 +146,19 @@ class GpuSpec:
     int_convert_per_s: float = 0.0
     """Integer-to-float conversions per second on the CUDA cores (SMs × clock × the conversions an SM
     retires per clock); 0: unknown, weight-only dequantization is not costed."""
+    legacy_mma_fraction: float = 1.0
+    """The share of the dense 16-bit peak that kernels built on the previous generation's tensor-core
+    instruction (``mma.sync``, Ampere's) can reach: below 1 where the peak needs a newer one (Hopper's
+    ``wgmma``); 1 where ``mma.sync`` is the native path (A100, L40S) or no figure is at hand."""
 
     def __post_init__(self) -> None:
         if self.memory_bytes <= 0 or self.bandwidth_bytes_per_s <= 0 or self.bf16_flops <= 0:
             raise ConfigError(f"gpu {self.name!r}: memory, bandwidth and flops must be > 0")
         if self.interconnect_bytes_per_s < 0 or self.l2_bandwidth_bytes_per_s < 0 or self.int_convert_per_s < 0:
             raise ConfigError(f"gpu {self.name!r}: interconnect, L2 and conversion rates must be >= 0")
+        if not 0 < self.legacy_mma_fraction <= 1:
+            raise ConfigError(f"gpu {self.name!r}: legacy_mma_fraction must be in (0, 1], "
+                              f"got {self.legacy_mma_fraction}")
         if self.interconnect not in INTERCONNECT_PRESETS:
             raise ConfigError(f"gpu {self.name!r}: unknown interconnect {self.interconnect!r}; presets: "
                               f"{', '.join(INTERCONNECT_PRESETS)}")
@@ -186,15 +193,18 @@ _L2_A100, _L2_H100 = 7.219e12, 8.986e12
 # conversions"), times the SMs and the boost clock of the datasheets: A100 108 SMs at 1,410 MHz, H100 and
 # H200 SXM 132 at 1,980 MHz, L40S 142 at 2,520 MHz.
 _CVT_A100, _CVT_H100, _CVT_L40S = 16 * 108 * 1.41e9, 16 * 132 * 1.98e9, 16 * 142 * 2.52e9
+# Hopper's peak needs its warpgroup MMA (wgmma); "the older mma.sync instruction can only reach about 2/3 the peak
+# throughput of the Hopper Tensor Cores" (J. Shah et al., "FlashAttention-3", arXiv:2407.08608, 2024, section 2.2).
+_LEGACY_MMA_HOPPER = 2 / 3
 GPU_PRESETS: dict[str, GpuSpec] = {
     g.name: g
     for g in (
         GpuSpec("a100-80g", 80 * GiB, 2.039e12, 312e12, 600e9, "nvlink3", l2_bandwidth_bytes_per_s=_L2_A100,
                 int_convert_per_s=_CVT_A100),
         GpuSpec("h100-80g", 80 * GiB, 3.35e12, 989e12, 900e9, "nvlink4", fp8=True, l2_bandwidth_bytes_per_s=_L2_H100,
-                int_convert_per_s=_CVT_H100),
+                int_convert_per_s=_CVT_H100, legacy_mma_fraction=_LEGACY_MMA_HOPPER),
         GpuSpec("h200", 141 * GiB, 4.8e12, 989e12, 900e9, "nvlink4", fp8=True, l2_bandwidth_bytes_per_s=_L2_H100,
-                int_convert_per_s=_CVT_H100),
+                int_convert_per_s=_CVT_H100, legacy_mma_fraction=_LEGACY_MMA_HOPPER),
         GpuSpec("l40s", 48 * GiB, 0.864e12, 362e12, 64e9, "pcie4", fp8=True, int_convert_per_s=_CVT_L40S),
         GpuSpec("b200", 180 * GiB, 8.0e12, 2250e12, 1.8e12, "nvlink5", fp8=True),
         GpuSpec("a100-40g", 40 * GiB, 1.555e12, 312e12, 600e9, "nvlink3", l2_bandwidth_bytes_per_s=_L2_A100,

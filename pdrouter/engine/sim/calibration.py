@@ -37,7 +37,7 @@ from typing import Any
 from pdrouter.core.errors import ConfigError
 
 _FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu", "expert_efficiency")
-_UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads")
+_UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads", "legacy_expert_kernels")
 _POSITIVE = ("fp8_speedup",)
 _INTEGERS = ("graph_max_batch",)
 PRESET_KEY = "preset"
@@ -78,6 +78,15 @@ class Calibration:
     """A mixture of experts' expert matmuls (grouped GEMMs, a few tokens per expert, routing and
     permutation kernels) compute at this fraction of the dense matmuls' ``mfu``; their weights
     stream at ``mbu`` like the others."""
+    legacy_expert_kernels: float = 0.0
+    """The share of a mixture of experts' expert FLOPs run by grouped GEMMs of the previous tensor-core
+    generation in 16 bits: no FP8 speedup, and at most ``GpuSpec.legacy_mma_fraction`` of the 16-bit peak
+    (2/3 on Hopper). 1 for TensorRT-LLM 0.9's MoE plugin (the ``trtllm`` preset: its Mixtral rows on
+    H100, H200, L40S and A100 agree only so), 0 for kernels that use the GPU's own FP8 and MMA paths."""
+    expert_layer_overhead_s: float = 0.0
+    """Per mixture-of-experts layer, in every step (graph-captured or not): the router's top-k, the
+    sort and permutation of the tokens by expert, and the finalize (un-permute and weighted sum)
+    kernels, which a dense layer does not have."""
     dequant_convert_ops: float = 0.0
     """Conversion instructions per weight in a weight-only 8-bit matmul (``ModelSpec.weight_only``),
     run on the CUDA cores at ``GpuSpec.int_convert_per_s`` and added to the matmul's compute side: 1
@@ -228,9 +237,10 @@ def _check_value(name: str, value: Any) -> None:
 
 
 _VLLM = Calibration()
-_TRTLLM = Calibration(mbu=0.59, kv_mbu=0.85, serial_fraction=1.0, fp8_speedup=1.38, expert_efficiency=0.34,
-                      layer_overhead_s=2.4e-5, fp8_layer_overhead_s=2.8e-5, decode_step_overhead_s=3.3e-4,
-                      allreduce_latency_s=9.2e-6, activation_traffic=0.5, graph_max_batch=4096)
+_TRTLLM = Calibration(mbu=0.61, kv_mbu=0.78, serial_fraction=1.0, fp8_speedup=1.73, expert_efficiency=0.59,
+                      legacy_expert_kernels=1.0, expert_layer_overhead_s=5.7e-5, layer_overhead_s=3.0e-5,
+                      fp8_layer_overhead_s=3.6e-5, decode_step_overhead_s=3.4e-4, allreduce_latency_s=1.1e-5,
+                      activation_traffic=0.5, graph_max_batch=4096)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm": _VLLM,
     # vLLM's V0 engine (before 0.8) ran its scheduler, input preparation, sampling and output processing
@@ -243,7 +253,7 @@ CALIBRATION_PRESETS: dict[str, Calibration] = {
     # TensorRT-LLM before 0.8: its masked multi-head attention kernel ran one thread block per query head, so
     # a grouped-query model's KV head was read once per query head ("XQA kernel ... reducing data loading",
     # docs/source/blogs/XQA-kernel.md, which shipped XQA in 0.8).
-    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.34, kv_group_rereads=1.0),
+    "trtllm-0.6": dataclasses.replace(_TRTLLM, fp8_speedup=1.36, kv_group_rereads=1.0),
     # PyTorch engines compiled with torch.compile and decoding from CUDA graphs (gpt-fast): the vllm preset's
     # costs, and weight-only int8 matmuls that Inductor generates as Triton kernels converting each weight
     # with a conversion instruction.

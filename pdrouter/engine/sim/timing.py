@@ -12,14 +12,19 @@ sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` v
     collectives t_cc = 2L · allreduce(T·h·a) + [S > 0]·allgather(S·V·a)        (tp > 1)
     fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
                any other step:             step_overhead + L·(layer_overhead [+ fp8_layer_overhead])
+               a mixture of experts, every step: + L·expert_layer_overhead
     seconds    = t_mm + t_att + t_el + t_cc + fixed + per_seq_overhead·B
 
 * ``P_act`` are the non-embedding parameters a token computes with (all of them for a dense model;
   the attention, norms, router and ``k`` routed experts for a mixture of experts). ``W`` are the
   weight bytes the step reads: the dense part, the LM head when some sequence samples, and for a
   mixture of ``E`` experts ``E·(1 − (1 − k/E)^T)`` experts per layer, the expected number a batch
-  of ``T`` tokens routes to (uniform routing); the experts' FLOPs run at ``expert_efficiency`` of
-  the dense matmuls' rate (grouped GEMMs of a few tokens per expert), their bytes stream as fast.
+  of ``T`` tokens routes to (``routing="uniform"``: tokens route independently, as a served mix
+  does), or ``k`` (``routing="identical"``: every token of a step is the same token in the same
+  context, as in a benchmark whose prompts repeat one token id and decode greedily). The experts'
+  FLOPs run at ``expert_efficiency`` of the dense matmuls' rate (grouped GEMMs), or, for the share
+  ``legacy_expert_kernels`` run by previous-generation 16-bit kernels, at that of the GPU's
+  ``legacy_mma_fraction`` of its 16-bit peak, without the FP8 speedup; their bytes stream at ``mbu``.
   Geometry from ``pdrouter.core.capacity``, as the admission's.
 * ``peak`` is the GPU's dense BF16 rate, × ``fp8_speedup`` for FP8 weights on FP8-capable GPUs,
   ½ for FP32; attention runs at the BF16 peak. ``a`` is 2 (activations stay BF16 under FP8).
@@ -59,6 +64,7 @@ from pdrouter.core.model_spec import DTYPE_BYTES, ModelSpec, normalize_dtype
 from pdrouter.engine.sim.calibration import Calibration
 from pdrouter.engine.sim.profile import OperatorProfile
 
+ROUTINGS = ("uniform", "identical")
 ACTIVATION_BYTES = 2
 """Activations (and the all-reduced hidden states) are BF16/FP16, whatever the weights."""
 
@@ -114,7 +120,8 @@ class TimingModel:
     """The step time of one model on one GPU type at one tensor-parallel size, for one engine."""
 
     def __init__(self, spec: ModelSpec, gpu: GpuSpec, *, tp: int = 1, calibration: Calibration | None = None,
-                 kv_dtype: str | None = None, profile: OperatorProfile | None = None) -> None:
+                 kv_dtype: str | None = None, profile: OperatorProfile | None = None,
+                 routing: str = "uniform") -> None:
         if tp <= 0:
             raise ConfigError(f"tensor parallel size must be >= 1, got {tp}")
         if spec.num_heads % tp:
@@ -125,6 +132,9 @@ class TimingModel:
         if profile is not None and profile.tp != tp:
             raise ConfigError(f"the operator profile {profile.source} is for TP {profile.tp}, the model runs at "
                               f"TP {tp}")
+        if routing not in ROUTINGS:
+            raise ConfigError(f"unknown expert routing {routing!r}; routings: {', '.join(ROUTINGS)}")
+        self.routing = routing
         self.spec = spec
         self.gpu = gpu
         self.tp = tp
@@ -152,6 +162,12 @@ class TimingModel:
         self.peak_flops = gpu.bf16_flops * _dtype_flops_factor(spec.dtype, gpu, cal, spec.weight_only)
         """Dense FLOP/s of one GPU for this model's weight dtype (before ``mfu``)."""
         self._mm_rate = self.peak_flops * cal.mfu
+        legacy = cal.legacy_expert_kernels
+        native_rate = self._mm_rate * cal.expert_efficiency
+        legacy_rate = gpu.bf16_flops * gpu.legacy_mma_fraction * cal.mfu * cal.expert_efficiency
+        self._expert_rate = 1.0 / ((1.0 - legacy) / native_rate + legacy / legacy_rate)
+        """FLOP/s of the experts' grouped GEMMs: native kernels at ``expert_efficiency`` of the dense rate,
+        previous-generation 16-bit ones at that of the GPU's ``legacy_mma_fraction`` of its 16-bit peak."""
         self._attn_rate = gpu.bf16_flops * cal.attention_mfu
         self._bytes_rate = gpu.bandwidth_bytes_per_s * cal.mbu
         self._kv_rate = gpu.bandwidth_bytes_per_s * cal.kv_mbu
@@ -182,6 +198,7 @@ class TimingModel:
         fp8 = cal.fp8_layer_overhead_s if spec.dtype == "float8" and gpu.fp8 and not spec.weight_only else 0.0
         self._eager_fixed = cal.step_overhead_s + layers * (cal.layer_overhead_s + fp8)
         self._graph_fixed = cal.decode_step_overhead_s + layers * cal.decode_layer_overhead_s
+        self._moe_fixed = layers * cal.expert_layer_overhead_s if spec.is_moe else 0.0
 
     # -- public shapes ------------------------------------------------------------------------
     def step(self, batch: Sequence[SeqWork]) -> StepCost:
@@ -246,7 +263,7 @@ class TimingModel:
         if not spec.is_moe:
             return dense, 0.0
         e, k = spec.num_experts, spec.experts_per_token
-        touched = e * (1.0 - (1.0 - k / e) ** tokens)
+        touched = float(k) if self.routing == "identical" else e * (1.0 - (1.0 - k / e) ** tokens)
         return dense, spec.num_layers * touched * self.expert_bytes
 
     def _cost(self, seqs: int, tokens: int, sampled: int, decode_only: bool, attn_flops: float, attn_c: float,
@@ -269,8 +286,7 @@ class TimingModel:
             matmul_s = layers * layer_ops + _overlap(head_c, head_m, cal.serial_fraction)
             elementwise_s = 0.0
         else:
-            ee = cal.expert_efficiency
-            c = (mm_flops - expert_flops) / self._mm_rate + expert_flops / (self._mm_rate * ee)
+            c = (mm_flops - expert_flops) / self._mm_rate + expert_flops / self._expert_rate
             c += convert_s
             m = weight_bytes / self._bytes_rate
             matmul_s = _overlap(c, m, cal.serial_fraction)
@@ -282,11 +298,12 @@ class TimingModel:
             if sampled:
                 comm_s += self._link.allgather_s(sampled * self._logit_bytes_per_seq, self.tp, self._link_latency)
         overhead_s = (self._graph_fixed if graph else self._eager_fixed) + cal.per_seq_overhead_s * seqs
+        overhead_s += self._moe_fixed
         nbytes = weight_bytes + act_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
         return StepCost(
             seconds=matmul_s + attention_s + elementwise_s + comm_s + overhead_s,
             flops=mm_flops + attn_flops, bytes=nbytes,
-            compute_s=mm_flops / self._mm_rate + convert_s + attn_c,
+            compute_s=(mm_flops - expert_flops) / self._mm_rate + expert_flops / self._expert_rate + convert_s + attn_c,
             memory_s=weight_bytes / self._bytes_rate + attn_m + write_s + act_bytes / self._bytes_rate,
             comm_s=comm_s, overhead_s=overhead_s, matmul_s=matmul_s, attention_s=attention_s,
             elementwise_s=elementwise_s, graph=graph, measured=layer_ops is not None)

@@ -132,6 +132,8 @@ def test_calibration_flag_takes_a_preset_or_a_file(tmp_path: Path) -> None:
     ({"kv_group_rereads": -0.1}, "kv_group_rereads"),
     ({"dequant_convert_ops": -1}, "dequant_convert_ops"),
     ({"dequant_convert_ops": None}, "dequant_convert_ops"),
+    ({"legacy_expert_kernels": 2}, "legacy_expert_kernels"),
+    ({"expert_layer_overhead_s": -1e-6}, "expert_layer_overhead_s"),
 ])
 def test_the_new_fields_are_validated(tmp_path: Path, content: dict[str, object], field: str) -> None:
     _refused(_write(tmp_path, "cal.json", json.dumps(content)), repr(field))

@@ -273,6 +273,52 @@ def test_a_mixture_of_experts_reads_the_experts_its_tokens_route_to() -> None:
     assert gap == pytest.approx(routed_flops / 989e12, rel=1e-6)
 
 
+def test_identical_tokens_route_to_the_same_experts() -> None:
+    """A benchmark whose prompts repeat one token id (and decode greedily) routes every token of a step to the
+    same k experts: a 128-token prefill reads 2 experts per layer, not (nearly) all 8."""
+    moe = get_model_preset("mixtral-8x7b")
+    uniform = TimingModel(moe, A100, tp=2, calibration=IDEAL)
+    identical = TimingModel(moe, A100, tp=2, calibration=IDEAL, routing="identical")
+    assert identical._weight_bytes(128, 1)[1] == pytest.approx(32 * 2 * identical.expert_bytes)
+    assert uniform._weight_bytes(128, 1)[1] == pytest.approx(32 * 8 * uniform.expert_bytes, rel=1e-9)
+    assert identical._weight_bytes(1, 1) == uniform._weight_bytes(1, 1)
+    assert identical.prefill(128).memory_s < 0.5 * uniform.prefill(128).memory_s
+    # A dense model has no experts to route.
+    assert TimingModel(L8, A100, routing="identical").prefill(128) == TimingModel(L8, A100).prefill(128)
+    with pytest.raises(ConfigError, match="routing"):
+        TimingModel(moe, A100, routing="random")
+
+
+def test_legacy_expert_kernels_run_at_the_16_bit_legacy_rate() -> None:
+    """Experts on previous-generation 16-bit grouped GEMMs: no FP8 speedup, and on Hopper 2/3 of its 16-bit
+    peak (mma.sync); on an A100 that is its native rate."""
+    moe = dataclasses.replace(get_model_preset("mixtral-8x7b"), dtype="float8")
+    expert_flops = 2 * 32 * 2 * (3 * 4096 * 14336) * 2048 / 2
+    fp8 = dataclasses.replace(IDEAL, fp8_speedup=2.0)
+    legacy = dataclasses.replace(fp8, legacy_expert_kernels=1.0)
+    native = TimingModel(moe, H100, tp=2, calibration=fp8, routing="identical")
+    old = TimingModel(moe, H100, tp=2, calibration=legacy, routing="identical")
+    assert H100.legacy_mma_fraction == pytest.approx(2 / 3) and A100.legacy_mma_fraction == 1.0
+    gap = old.prefill(2048).compute_s - native.prefill(2048).compute_s
+    assert gap == pytest.approx(expert_flops / (989e12 * 2 / 3) - expert_flops / (989e12 * 2), rel=1e-6)
+    bf16 = get_model_preset("mixtral-8x7b")
+    on_a100 = dataclasses.replace(IDEAL, legacy_expert_kernels=1.0)
+    assert (TimingModel(bf16, A100, tp=2, calibration=on_a100).prefill(2048)
+            == TimingModel(bf16, A100, tp=2, calibration=IDEAL).prefill(2048))
+
+
+def test_a_mixture_of_experts_pays_its_routing_kernels_per_layer_in_every_step() -> None:
+    moe = get_model_preset("mixtral-8x7b")
+    base = TimingModel(moe, H100, tp=2, calibration=IDEAL)
+    costed = TimingModel(moe, H100, tp=2, calibration=dataclasses.replace(IDEAL, expert_layer_overhead_s=5e-5))
+    steps = ((costed.prefill(128), base.prefill(128)), (costed.decode_step(8, 100), base.decode_step(8, 100)))
+    for cost, plain in steps:
+        assert cost.overhead_s - plain.overhead_s == pytest.approx(32 * 5e-5)
+    dense = dataclasses.replace(IDEAL, expert_layer_overhead_s=5e-5)
+    assert TimingModel(L8, H100, calibration=dense).prefill(128) == TimingModel(L8, H100,
+                                                                               calibration=IDEAL).prefill(128)
+
+
 def test_a_mixed_batch_sums_its_sequences() -> None:
     model = TimingModel(L8, H100)
     assert model.step([SeqWork(1, 100)] * 3) == model.decode_step(3, 100)
