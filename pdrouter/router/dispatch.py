@@ -59,6 +59,7 @@ from redis.exceptions import RedisError
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.capacity import blocks_for_tokens
+from pdrouter.core.disaggregation import PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.core.errors import DeadlineExceededError, PdRouterError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
@@ -72,7 +73,7 @@ from pdrouter.router.request import ModelInfo, RouterRequest, TokenDelta
 from pdrouter.router.worker_errors import client_error
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.reservations import DecodeCapacity, Reservation
-from pdrouter.wire.worker_client import PrefillReport, PrefillRoute, ServeOrder, TokenStream
+from pdrouter.wire.worker_client import TokenStream
 
 log = logging.getLogger(__name__)
 

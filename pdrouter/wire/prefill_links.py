@@ -2,9 +2,10 @@
 
 ``PrefillLinks.prefill(route, …)`` is ``PrefillWorker.Prefill``: it builds the request from plain
 values (``SamplingParams``, the ``TransferTarget`` the decode worker invites the KV with) and gives
-back a ``PrefillOutcome``; a failed call raises the matching ``pdrouter.core.errors`` type, never
-``grpc.RpcError``, and cancelling the awaiting task cancels the call (the prefill worker drops its
-share). The decode role's logic (``pdrouter.worker.roles.decode_serve``) sees no protobuf.
+back a ``PrefillOutcome`` (``pdrouter.core.disaggregation``); a failed call raises the matching
+``pdrouter.core.errors`` type, never ``grpc.RpcError``, and cancelling the awaiting task cancels the
+call (the prefill worker drops its share). The decode role's logic
+(``pdrouter.worker.roles.decode_serve``) sees no protobuf.
 
 A link goes over the prefill worker's lane when the route names one, else over gRPC, and is kept.
 Links to workers that left are closed once more than ``max_links`` are open (least recently used
@@ -17,12 +18,12 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
 
 from pdrouter.core.aio import BackgroundTasks
+from pdrouter.core.disaggregation import PrefillOutcome
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tracing import Tracing
@@ -36,7 +37,7 @@ from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 
 
 class RouteAddress(Protocol):
-    """Where a prefill route points (``pdrouter.wire.worker_client.PrefillRoute`` and its message have these)."""
+    """Where a prefill route points (``pdrouter.core.disaggregation.PrefillRoute`` and its message have these)."""
 
     @property
     def worker_id(self) -> str: ...
@@ -46,18 +47,6 @@ class RouteAddress(Protocol):
 
     @property
     def lane_address(self) -> str: ...
-
-
-@dataclass(slots=True)  # once per request on the decode worker's path: plain, not frozen (see worker_client)
-class PrefillOutcome:
-    """What a prefill worker answered: the prompt's first token, and what computing and sending its KV cost."""
-
-    first_token: int
-    cached_tokens: int
-    """Prompt tokens served from the prefill worker's prefix cache."""
-    compute_ms: float
-    transfer_ms: float
-    bytes_sent: int
 
 
 class _Link:

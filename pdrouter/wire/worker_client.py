@@ -6,7 +6,7 @@ over gRPC. What the router hands it and gets back are plain values:
 
 * ``serve(ServeOrder)``: ``DecodeWorker.Serve``, the decode worker driving one disaggregated request
   (it calls the ranked ``PrefillRoute`` s itself); the stream's ``PrefillReport`` goes to a callback
-  once, when the first chunk brings it;
+  once, when the first chunk brings it (the values are the contract's, ``pdrouter.core.disaggregation``);
 * ``generate(...)``: ``ColocatedWorker.Generate``;
 * both return a ``TokenStream``: an async iterator of ``pdrouter.core.tokens.TokenDelta`` whose last
   delta carries the finish reason and ``Usage``, and ``cancel()``, which cancels the call (the worker
@@ -20,9 +20,9 @@ The decode worker's ``Serve`` servicer uses the other direction of the same conv
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
+from pdrouter.core.disaggregation import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.core.errors import UnavailableError
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
@@ -36,63 +36,6 @@ from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 _FINISH = {common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
            common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
            common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT}
-
-
-# The records below are built once or twice per request on the router's path: plain slotted
-# dataclasses, since a frozen one sets each field through object.__setattr__ (a ServeOrder with
-# its route and a PrefillReport from its message: 13 µs frozen, 8 µs plain). Treat them as values.
-@dataclass(slots=True)
-class PrefillRoute:
-    """How the decode worker reaches one prefill worker, and what the router expects it to hold."""
-
-    worker_id: str
-    address: str
-    lane_address: str = ""
-    """The prefill worker's lane (used by the decode worker when set)."""
-    cached_tokens: int = 0
-
-
-@dataclass(slots=True)
-class ServeOrder:
-    """One disaggregated request, as the router hands it to its decode worker."""
-
-    request_id: str
-    prompt_token_ids: Sequence[int]
-    sampling: SamplingParams
-    model_compat_hash: str
-    backend: str
-    local_prefill_tokens: int
-    routes: Sequence[PrefillRoute] = ()
-    """Prefill workers to try, best first (none: the decode worker computes the prompt)."""
-    whole: bool = False
-    """The caller does not stream: after the first token (and the report), the rest comes in one
-    chunk at the end."""
-    cache_salt: bytes = b""
-    """The prompt's cache salt (``pdrouter.core.hashing.cache_salt_key``; empty: none)."""
-
-
-@dataclass(slots=True)
-class PrefillFailure:
-    worker_id: str
-    code: str
-    """gRPC status code name, e.g. ``UNAVAILABLE``."""
-    message: str
-
-
-@dataclass(slots=True)
-class PrefillReport:
-    """How ``Serve`` got the prompt's KV: who computed it, what was cached, what the transfer cost."""
-
-    worker_id: str
-    """The prefill worker that computed the prompt ("" when ``local`` or when every attempt failed)."""
-    local: bool
-    prompt_tokens: int
-    cached_tokens: int
-    decode_cached_tokens: int
-    compute_ms: float
-    transfer_ms: float
-    bytes_sent: int
-    failures: tuple[PrefillFailure, ...] = ()
 
 
 def report_from_pb(msg: common_pb2.PrefillReport) -> PrefillReport:

@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 
+from pdrouter.core.disaggregation import PrefillFailure, PrefillOutcome, PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.core.errors import InvalidRequestError, PdRouterError, TransferError, UnavailableError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
@@ -21,13 +22,9 @@ from pdrouter.engine.outputs import FinishReason, KvReservation, RequestOutput
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import sampling_from_pb, sampling_to_pb
 from pdrouter.wire.lane import LaneError
-from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome, RouteAddress
+from pdrouter.wire.prefill_links import PrefillLinks, RouteAddress
 from pdrouter.wire.v1 import common_pb2, worker_pb2
 from pdrouter.wire.worker_client import (
-    PrefillFailure,
-    PrefillReport,
-    PrefillRoute,
-    ServeOrder,
     report_from_pb,
     report_to_pb,
     serve_order_from_pb,

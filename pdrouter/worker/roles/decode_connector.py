@@ -31,14 +31,14 @@ import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Container
 from typing import TypeVar
 
+from pdrouter.core.disaggregation import PrefillFailure, PrefillOutcome, PrefillRoute, ServeOrder
 from pdrouter.core.errors import DeadlineExceededError, InvalidRequestError, PdRouterError
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.outputs import RequestOutput
 from pdrouter.transfer.vllm.channel import ChannelError
 from pdrouter.transfer.vllm.host import ConnectorHost, Landed, LocalPrefill, Placement, ReceiveLink
 from pdrouter.transfer.vllm.orders import ReceiveOrder
-from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome
-from pdrouter.wire.worker_client import PrefillFailure, PrefillRoute, ServeOrder
+from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.worker.roles.decode_serve import REFUSED, EngineStream, ServeEvent, prefill_report, shaped
 from pdrouter.worker.roles.prefill_connector import KvParamsEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers

@@ -30,7 +30,14 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 
-from pdrouter.core.disaggregation import computes_locally
+from pdrouter.core.disaggregation import (
+    PrefillFailure,
+    PrefillOutcome,
+    PrefillReport,
+    PrefillRoute,
+    ServeOrder,
+    computes_locally,
+)
 from pdrouter.core.errors import (
     InvalidRequestError,
     PdRouterError,
@@ -41,8 +48,7 @@ from pdrouter.core.errors import (
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.outputs import KvReservation, RequestOutput
 from pdrouter.transfer.receiver import KvReceiver
-from pdrouter.wire.prefill_links import PrefillLinks, PrefillOutcome
-from pdrouter.wire.worker_client import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
+from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.streaming import whole_outputs
