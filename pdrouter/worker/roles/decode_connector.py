@@ -28,18 +28,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Container
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from pdrouter.core.disaggregation import PrefillFailure, PrefillOutcome, PrefillRoute, ServeOrder
-from pdrouter.core.errors import DeadlineExceededError, InvalidRequestError, PdRouterError
+from pdrouter.core.errors import DeadlineExceededError, PdRouterError
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.outputs import RequestOutput
 from pdrouter.transfer.vllm.channel import ChannelError
 from pdrouter.transfer.vllm.host import ConnectorHost, Landed, LocalPrefill, Placement, ReceiveLink
 from pdrouter.transfer.vllm.orders import ReceiveOrder
 from pdrouter.wire.prefill_links import PrefillLinks
-from pdrouter.worker.roles.decode_serve import REFUSED, EngineStream, ServeEvent, prefill_report, shaped
+from pdrouter.worker.roles.decode_serve import EngineStream, ServeEvent, ServeSetup, prefill_report, shaped
 from pdrouter.worker.roles.prefill_connector import KvParamsEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
 from pdrouter.worker.transfer_tally import TransferTally
@@ -104,38 +104,23 @@ class EngineOutputs:
         await self._outputs.aclose()
 
 
-class ConnectorDecodeServe:
+class ConnectorDecodeServe(ServeSetup):
     """``Serve`` on one vLLM decode worker (see the module docstring)."""
 
     def __init__(self, engine: KvParamsEngine, host: ConnectorHost, links: PrefillLinks, worker_id: str,
                  kv_wait_s: float, prefill_timeout_s: float = 600.0,
                  registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
-        self.tally = tally if tally is not None else TransferTally()
+        super().__init__(links, worker_id, kv_wait_s, prefill_timeout_s, registered, tally)
         self.engine = engine
         self.host = host
-        self.links = links
-        self.worker_id = worker_id
-        self.kv_wait_s = kv_wait_s
-        self.prefill_timeout_s = prefill_timeout_s
-        self.registered = registered
-        self._serving: set[str] = set()
-
-    def check_new(self, request_id: str, held: Container[str] = ()) -> None:
-        if request_id in self._serving or request_id in held:
-            raise InvalidRequestError(f"request {request_id!r} is already on this worker")
 
     async def serve(self, order: ServeOrder,
                     time_remaining: Callable[[], float | None]) -> AsyncGenerator[ServeEvent, None]:
         rid = order.request_id
-        self.check_new(rid)
-        routes = list(order.routes)
-        for route in routes:
-            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
-        remaining = time_remaining()
-        timeout = self.prefill_timeout_s if remaining is None else remaining
-        receive = ReceiveOrder(rid, order.local_prefill_tokens if routes else ALWAYS_HERE, timeout + self.kv_wait_s)
-        self._serving.add(rid)
-        try:
+        with self.serving(order) as routes:
+            timeout = self.prefill_timeout(time_remaining)
+            receive = ReceiveOrder(rid, order.local_prefill_tokens if routes else ALWAYS_HERE,
+                                   timeout + self.kv_wait_s)
             with self.host.receive(rid) as link:
                 outputs = EngineOutputs(self.engine.generate(RequestId(rid), order.prompt_token_ids, order.sampling,
                                                              extra_args={"kv_transfer_params": receive.params()},
@@ -147,8 +132,6 @@ class ConnectorDecodeServe:
                         yield event
                 finally:
                     await outputs.close()
-        finally:
-            self._serving.discard(rid)
 
     async def _place(self, order: ServeOrder, link: ReceiveLink, routes: list[PrefillRoute],
                      outputs: EngineOutputs, timeout: float) -> EngineStream:
@@ -159,8 +142,10 @@ class ConnectorDecodeServe:
         decode_cached = placement.cached_tokens if isinstance(placement, Placement | LocalPrefill) else 0
         while isinstance(placement, Placement) and routes:
             route = routes.pop(0)
-            outcome = await self._attempt(order, link, placement, route, failures, timeout)
-            if outcome is not None:
+            outcome = await self._attempt(order, link, placement, route, timeout)
+            if isinstance(outcome, PrefillFailure):
+                failures.append(outcome)
+            else:
                 report = prefill_report(prompt_tokens, decode_cached, failures, worker_id=route.worker_id,
                                         outcome=outcome)
                 return EngineStream(outputs.stream(), report=report,
@@ -194,15 +179,12 @@ class ConnectorDecodeServe:
             return None
 
     async def _attempt(self, order: ServeOrder, link: ReceiveLink, placement: Placement, route: PrefillRoute,
-                       failures: list[PrefillFailure], timeout: float) -> PrefillOutcome | None:
-        """One prefill worker into the invited blocks: its outcome once the KV landed, or None (the
-        failure added to ``failures``)."""
+                       timeout: float) -> PrefillOutcome | PrefillFailure:
+        """One prefill worker into the invited blocks: its outcome once the KV landed, or how it failed."""
         rid = order.request_id
-        refusal = await self.registered.refusal(route) if self.registered is not None else None
-        if refusal is not None:
-            failures.append(PrefillFailure(route.worker_id, REFUSED, refusal))
-            log.warning("Serve %s: prefill route refused: %s", rid, refusal)
-            return None
+        refused = await self.refused(route, rid)
+        if refused is not None:
+            return refused
         try:
             outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling, placement.targets[0],
                                                self.worker_id, order.model_compat_hash, timeout,
@@ -213,8 +195,7 @@ class ConnectorDecodeServe:
             return outcome
         except PdRouterError as err:
             self.tally.failed()
-            failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
-            log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
+            failure = self.failed(route, rid, err, "prefill on {} failed")
             if link.host.lost is not None:
                 raise link.host.lost from None  # this worker's engine went away: no route helps
-            return None
+            return failure

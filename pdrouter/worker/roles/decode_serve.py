@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Container, Iterator
+from contextlib import aclosing, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 
 from pdrouter.core.disaggregation import (
@@ -105,17 +105,16 @@ async def shaped(outputs: AsyncIterator[RequestOutput], whole: bool,
         yield merged
 
 
-class DecodeServe:
-    """``Serve`` on one decode worker: its engine, its KV receiver and its links to prefill workers."""
+class ServeSetup:
+    """What ``Serve`` needs on a decode worker whichever engine computes (this one, or vLLM through its
+    KV connector: ``pdrouter.worker.roles.decode_connector``): the links to prefill workers, the check
+    every route passes, the transfer tally and the requests in flight."""
 
-    def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
-                 kv_wait_s: float, prefill_timeout_s: float = 600.0,
+    def __init__(self, links: PrefillLinks, worker_id: str, kv_wait_s: float, prefill_timeout_s: float = 600.0,
                  registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
         """``registered``: the check every prefill route passes before it is called (None: none);
         ``tally``: where the transfers are counted."""
         self.tally = tally if tally is not None else TransferTally()
-        self.driver = driver
-        self.receiver = receiver
         self.links = links
         self.worker_id = worker_id
         self.kv_wait_s = kv_wait_s
@@ -129,27 +128,65 @@ class DecodeServe:
         if request_id in self._serving or request_id in held:
             raise InvalidRequestError(f"request {request_id!r} is already on this worker")
 
+    @contextmanager
+    def serving(self, order: ServeOrder) -> Iterator[list[PrefillRoute]]:
+        """The order's routes, checked (a new request; every route names an address), while it is served."""
+        rid = order.request_id
+        self.check_new(rid)
+        routes = list(order.routes)
+        for route in routes:
+            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
+        self._serving.add(rid)
+        try:
+            yield routes
+        finally:
+            self._serving.discard(rid)
+
+    def prefill_timeout(self, time_remaining: Callable[[], float | None]) -> float:
+        remaining = time_remaining()
+        return self.prefill_timeout_s if remaining is None else remaining
+
+    async def refused(self, route: PrefillRoute, request_id: str) -> PrefillFailure | None:
+        """The failure of a route that fails the registry check (None: it may be called)."""
+        refusal = await self.registered.refusal(route) if self.registered is not None else None
+        if refusal is None:
+            return None
+        log.warning("Serve %s: prefill route refused: %s", request_id, refusal)
+        return PrefillFailure(route.worker_id, REFUSED, refusal)
+
+    def failed(self, route: PrefillRoute, request_id: str, err: PdRouterError, how: str) -> PrefillFailure:
+        """``route``'s attempt failed with ``err``; ``how`` says so in the log (``{}``: the worker)."""
+        log.warning("Serve %s: %s (%s)", request_id, how.format(route.worker_id), err.message)
+        return PrefillFailure(route.worker_id, err.grpc_code, err.message)
+
+
+class DecodeServe(ServeSetup):
+    """``Serve`` on one decode worker: its engine, its KV receiver and its links to prefill workers."""
+
+    def __init__(self, driver: DisaggregatedEngine, receiver: KvReceiver, links: PrefillLinks, worker_id: str,
+                 kv_wait_s: float, prefill_timeout_s: float = 600.0,
+                 registered: RegisteredPrefillWorkers | None = None, tally: TransferTally | None = None) -> None:
+        super().__init__(links, worker_id, kv_wait_s, prefill_timeout_s, registered, tally)
+        self.driver = driver
+        self.receiver = receiver
+
     async def serve(self, order: ServeOrder,
                     time_remaining: Callable[[], float | None]) -> AsyncGenerator[ServeEvent, None]:
         """The request's events (see the module docstring); ``time_remaining``: the call's deadline."""
         rid = order.request_id
-        self.check_new(rid)
         prompt = order.prompt_token_ids
-        routes = list(order.routes)
-        for route in routes:
-            PrefillLinks.key(route)  # a route without an address is the caller's error: say so now
         failures: list[PrefillFailure] = []
         decode_cached = 0
-        self._serving.add(rid)
-        try:
+        with self.serving(order) as routes:
             while not (failures and not routes):
                 reservation = self.driver.reserve_remote(RequestId(rid), prompt, order.sampling,
                                                          cache_salt=order.cache_salt)
                 decode_cached = reservation.num_cached_tokens
                 if routes and not computes_locally(len(prompt), decode_cached, order.local_prefill_tokens):
                     route = routes.pop(0)
-                    outcome = await self._remote_prefill(order, reservation, route, failures, time_remaining)
-                    if outcome is None:
+                    outcome = await self._remote_prefill(order, reservation, route, time_remaining)
+                    if isinstance(outcome, PrefillFailure):
+                        failures.append(outcome)
                         continue  # that worker failed (and the blocks were freed): the next one
                     report = prefill_report(len(prompt), decode_cached, failures, worker_id=route.worker_id,
                                      outcome=outcome)
@@ -183,41 +220,34 @@ class DecodeServe:
             if last.code == REFUSED:  # the caller's view of the pool is not this worker's: try again later
                 raise UnavailableError(f"prefill on {last.worker_id} refused: {last.message}")
             raise error_from_grpc_code(last.code, f"prefill on {last.worker_id} failed: {last.message}")
-        finally:
-            self._serving.discard(rid)
 
     async def _remote_prefill(self, order: ServeOrder, reservation: KvReservation, route: PrefillRoute,
-                              failures: list[PrefillFailure],
-                              time_remaining: Callable[[], float | None]) -> PrefillOutcome | None:
-        """One prefill attempt into ``reservation``: its outcome, or None (the failure added to ``failures``).
+                              time_remaining: Callable[[], float | None]) -> PrefillOutcome | PrefillFailure:
+        """One prefill attempt into ``reservation``: what the prefill worker answered, or how it failed.
 
         A failed attempt frees the blocks (the caller reserves afresh); a cancelled one also
         cancels the prefill call, so the prefill worker drops its share. A failure that is not
         retryable ends the request.
         """
         rid = order.request_id
-        remaining = time_remaining()
-        timeout = self.prefill_timeout_s if remaining is None else remaining
+        timeout = self.prefill_timeout(time_remaining)
         landed = False
         invited = time.perf_counter()
         incoming = self.receiver.expect(rid, reservation.block_ids, skip_blocks=reservation.num_cached_blocks,
                                         timeout_s=timeout + self.kv_wait_s)
         try:
-            refusal = await self.registered.refusal(route) if self.registered is not None else None
-            if refusal is not None:
-                failures.append(PrefillFailure(route.worker_id, REFUSED, refusal))
-                log.warning("Serve %s: prefill route refused: %s", rid, refusal)
-                return None
+            refused = await self.refused(route, rid)
+            if refused is not None:
+                return refused
             try:
                 outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling,
                                                    incoming.target, self.worker_id, order.model_compat_hash,
                                                    timeout, cache_salt=order.cache_salt)
             except PdRouterError as err:
-                failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
-                log.warning("Serve %s: prefill on %s failed (%s)", rid, route.worker_id, err.message)
+                failure = self.failed(route, rid, err, "prefill on {} failed")
                 if not err.retryable:
                     raise
-                return None
+                return failure
             try:
                 await incoming.wait_all_async(timeout=self.kv_wait_s)
             except PdRouterError:
@@ -227,9 +257,7 @@ class DecodeServe:
                 await self.driver.check_received_kv(RequestId(rid), incoming.bytes_landed)
             except TransferError as err:
                 self.tally.failed()
-                failures.append(PrefillFailure(route.worker_id, err.grpc_code, err.message))
-                log.warning("Serve %s: the KV from %s was refused (%s)", rid, route.worker_id, err.message)
-                return None
+                return self.failed(route, rid, err, "the KV from {} was refused")
             landed = True
             self.tally.received(incoming.bytes_landed, time.perf_counter() - invited)
         finally:
