@@ -1,10 +1,8 @@
-"""Dispatch: where one request goes, and the one worker call that serves it.
+"""Dispatch: decide where one request goes, then make the one worker call that serves it.
 
-The router does not orchestrate the prefill/decode pair itself: it books the KV, ranks the prefill
-workers, and hands the request to its decode worker, which drives the pair.
-
-Disaggregated: admission books the decode blocks (Redis), the prefix index ranks the prefill
-workers (looked up while admission runs), then one call does the rest::
+Deciding yields a ``Placement`` value: admission books the decode blocks (Redis), the prefix index
+ranks the prefill workers (looked up while admission runs), and the ``ServeOrder`` is written.
+Sending hands that order to its decode worker, which drives the prefill/decode pair::
 
     DecodeWorker.Serve(prompt, ranked prefill routes)
         decode worker: reserve blocks ──▶ PrefillWorker.Prefill(into those blocks) ──▶ first token
@@ -12,9 +10,9 @@ workers (looked up while admission runs), then one call does the rest::
 
 * The router makes one worker call per request (not three), so it adds one hop, not three, and
   the first token reaches it one hop after the prefill worker produced it.
-* Conditional disaggregation: when the prompt's part not already cached on the decode worker is
-  at most ``local_prefill_tokens``, the decode worker computes it itself (no KV transfer); a prompt
-  that short costs no index lookup and names no prefill worker.
+* Conditional disaggregation (``pdrouter.core.disaggregation``): when the prompt's part not already
+  cached on the decode worker is at most ``local_prefill_tokens``, the decode worker computes it
+  itself (no KV transfer); a prompt that short costs no index lookup and names no prefill worker.
 * A prefill that fails before the first token (worker gone, transfer broken) is retried by the
   decode worker on the next ranked prefill worker, up to ``max_prefill_attempts`` in all; the
   report on the first chunk names the failures, and their circuit breakers count them.
@@ -59,7 +57,7 @@ from redis.exceptions import RedisError
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.capacity import blocks_for_tokens
-from pdrouter.core.disaggregation import PrefillReport, PrefillRoute, ServeOrder
+from pdrouter.core.disaggregation import PrefillReport, PrefillRoute, ServeOrder, may_prefill_remotely
 from pdrouter.core.errors import DeadlineExceededError, PdRouterError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import WorkerId
@@ -103,9 +101,14 @@ class DispatchConfig:
 
 
 class TransferStats:
-    """Counters the dispatcher keeps about KV hand-offs (exported as metrics by the server)."""
+    """Counters the dispatcher keeps about KV hand-offs, and the one path a prefill report takes to the
+    metrics: ``reported`` counts it here (read at scrape time, ``pdrouter.router.state_metrics``) and
+    observes it in ``RouterMetrics`` (histograms, per-backend counters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, metrics: RouterMetrics | None = None, backend: str = "tcp") -> None:
+        """``metrics``: the router's (None: counted here only); ``backend``: the KV transport's label."""
+        self.metrics = metrics
+        self.backend = backend
         self.bytes = 0
         self.seconds = 0.0
         self.transfers = 0
@@ -126,9 +129,85 @@ class TransferStats:
         self.worker_retries = 0
         """Requests placed on another decode (or colocated) worker after one failed them unanswered."""
 
+    def placed(self, worker_id: str, prompt_tokens: int, cached_tokens: int) -> None:
+        """A prompt placed on prefill worker ``worker_id``, which held ``cached_tokens`` of it (index view)."""
+        self.match_tokens[worker_id] = self.match_tokens.get(worker_id, 0) + cached_tokens
+        self.placed_tokens[worker_id] = self.placed_tokens.get(worker_id, 0) + prompt_tokens
 
-class Dispatcher:
-    """Implements ``pdrouter.router.request.Orchestrator`` (what the front doors call) over a ``WorkerPool``."""
+    def reported(self, report: PrefillReport) -> None:
+        """A decode worker's prefill report: its failed attempts, a local prefill, or a KV transfer."""
+        metrics = self.metrics
+        for failure in report.failures:
+            self.prefill_retries += 1
+            if metrics is not None:
+                metrics.observe_kv_transfer_failure(failure.code)
+        if report.local:
+            self.local_prefills += 1
+            return
+        if not report.worker_id:
+            return  # every attempt failed
+        self.prompt_tokens += report.prompt_tokens
+        self.cached_prompt_tokens += report.cached_tokens
+        self.transfers += 1
+        self.bytes += report.bytes_sent
+        self.seconds += report.transfer_ms / 1e3
+        if metrics is not None:
+            metrics.observe_prefix_match(report.prompt_tokens, report.cached_tokens)
+            metrics.observe_kv_transfer(report.bytes_sent, report.transfer_ms / 1e3, self.backend)
+
+
+@dataclass(slots=True)
+class Placement:
+    """Where one disaggregated request goes, decided before anything is sent: its decode worker (and
+    the KV booked there), the prefill workers ranked best first with the prompt tokens each holds,
+    and the order the decode worker gets."""
+
+    decode: WorkerHandle
+    reservation: Reservation | None
+    prefill: list[tuple[WorkerHandle, int]]
+    order: ServeOrder
+
+
+class _ServeCall:
+    """One ``Serve`` call of a placement: what its prefill report settles (the best prefill worker
+    is charged with the prompt until the report arrives), and how a failure reads."""
+
+    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "request", "span")
+
+    def __init__(self, dispatcher: PoolDispatcher, request: RouterRequest, placement: Placement) -> None:
+        self.dispatcher = dispatcher
+        self.request = request
+        self.answered = False
+        self.failed_role = "decode"
+        self.span: Any = None
+        """The call's span, when traced."""
+        self.charged: WorkerHandle | None = None
+        if placement.prefill:
+            tokens = len(request.prompt_token_ids)
+            self.charged, cached = placement.prefill[0]
+            dispatcher.stats.placed(self.charged.worker_id, tokens, cached)
+            self.charged.charge_prefill(tokens, cached)
+            for handle, _ in placement.prefill:
+                handle.breaker.on_attempt()
+
+    def settle(self) -> None:
+        if self.charged is not None:
+            self.charged.settle_prefill(len(self.request.prompt_token_ids))
+            self.charged = None
+
+    def on_report(self, report: PrefillReport) -> None:
+        self.answered = True
+        if report.all_failed:
+            self.failed_role = "prefill"
+        self.settle()
+        self.dispatcher._on_report(report, self.request)
+        if self.span is not None:
+            self.dispatcher._reported(self.span, report)
+
+
+class PoolDispatcher:
+    """The front doors' ``pdrouter.router.request.Dispatcher`` over a ``WorkerPool``: each request is
+    placed (decode worker, ranked prefill workers), then sent in one worker call (see the module docstring)."""
 
     def __init__(self, pool: WorkerPool, model: ModelInfo, config: DispatchConfig | None = None,
                  policy: PlacementPolicy | None = None, prefix_index: PrefixIndex | None = None,
@@ -146,7 +225,7 @@ class Dispatcher:
         self.hasher = BlockHasher(model.block_size, hash_seed)
         self.index_ok = prefix_index is not None
         self.admission_ok = admission is not None
-        self.stats = TransferStats()
+        self.stats = TransferStats(metrics, self.config.kv_backend or "tcp")
         self._background = BackgroundTasks()  # a release's failure: its lease expires on its own
 
     def models(self) -> list[ModelInfo]:
@@ -238,7 +317,8 @@ class Dispatcher:
         is left to finish when the request does not use it (a local prefill, an early error).
         """
         n = len(request.prompt_token_ids)
-        if self.prefix_index is None or n < self.model.block_size or n <= self.config.local_prefill_tokens:
+        if self.prefix_index is None or n < self.model.block_size or \
+                not may_prefill_remotely(n, self.config.local_prefill_tokens):
             return None
         candidates = self.pool.available(WorkerRole.PREFILL)
         if not candidates:
@@ -420,136 +500,106 @@ class Dispatcher:
         return ranked
 
     def _on_report(self, report: PrefillReport, request: RouterRequest) -> None:
-        """What the decode worker says of the prompt's computation: breakers, stats, metrics."""
+        """What the decode worker says of the prompt's computation: the prefill workers' breakers, and stats."""
         for failure in report.failures:
-            self.stats.prefill_retries += 1
-            if self.metrics is not None:
-                self.metrics.observe_kv_transfer_failure(failure.code)
             failed = self.pool.get(WorkerId(failure.worker_id))
             if failed is not None and failure.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED"):
                 failed.breaker.on_failure()
             log.warning("prefill of %s on %s failed (%s: %s)", request.request_id, failure.worker_id,
                         failure.code, failure.message)
-        if report.local:
-            self.stats.local_prefills += 1
-            return
-        if not report.worker_id:
-            return  # every attempt failed; the error follows
-        served = self.pool.get(WorkerId(report.worker_id))
-        if served is not None:
-            served.breaker.on_success()
-        self.stats.prompt_tokens += report.prompt_tokens
-        self.stats.cached_prompt_tokens += report.cached_tokens
-        self.stats.transfers += 1
-        self.stats.bytes += report.bytes_sent
-        self.stats.seconds += report.transfer_ms / 1e3
-        if self.metrics is not None:
-            self.metrics.observe_prefix_match(report.prompt_tokens, report.cached_tokens)
-            self.metrics.observe_kv_transfer(report.bytes_sent, report.transfer_ms / 1e3,
-                                             self.config.kv_backend or "tcp")
+        if report.worker_id and not report.local:
+            served = self.pool.get(WorkerId(report.worker_id))
+            if served is not None:
+                served.breaker.on_success()
+        self.stats.reported(report)
+
+    async def _place(self, request: RouterRequest, tried: Collection[WorkerId],
+                     lookup: asyncio.Task[dict[WorkerId, int]] | None, before: Placement | None) -> Placement:
+        """Decide where ``request`` goes: admit it on a decode worker (not one of ``tried``), then (the
+        first time; a placement on another decode worker keeps them) rank the prefill workers by the
+        prefix ``lookup``'s answer and write the order. Nothing is sent."""
+        decode, reservation = await self._admit(request, WorkerRole.DECODE, tried)
+        decode.inflight += 1  # from its admission on: the sender takes it off when the call ends
+        if before is not None:
+            return Placement(decode, reservation, before.prefill, before.order)
+        try:
+            placing = None if request.trace is None else self._span("placement", request)
+            ranked: list[tuple[WorkerHandle, int]] = []
+            if may_prefill_remotely(len(request.prompt_token_ids), self.config.local_prefill_tokens):
+                cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
+                ranked = self._prefill_routes(request, cached_tokens)
+        except BaseException:
+            decode.inflight -= 1
+            if reservation is not None and self.admission is not None:
+                self._unbook(reservation)
+            raise
+        order = ServeOrder(
+            request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+            sampling=request.sampling, model_compat_hash=self.pool.model_compat_hash,
+            backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
+            routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
+                                 lane_address=h.record.lane_address if h.lane is not None else "",
+                                 cached_tokens=cached)
+                    for h, cached in ranked],
+            whole=request.whole, cache_salt=request.cache_salt)
+        if placing is not None:
+            self._placed(placing, decode, ranked)
+        return Placement(decode, reservation, ranked, order)
 
     async def _disaggregated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
-        """One ``DecodeWorker.Serve`` call: the decode worker reserves, has the ranked prefill workers
-        compute the prompt (or computes it itself), and streams every token."""
+        """Decide (``_place``), then send: one ``DecodeWorker.Serve`` call, in which the decode worker
+        reserves, has the ranked prefill workers compute the prompt (or computes it itself), and
+        streams every token. Placed again on another decode worker when one fails it unanswered."""
         lookup = self._early_lookup(request)  # runs while admission books the decode blocks
         tried: set[WorkerId] = set()
-        order: ServeOrder | None = None
-        handles: list[tuple[WorkerHandle, int]] = []
-        tokens = len(request.prompt_token_ids)
+        placement: Placement | None = None
         while True:
-            decode, reservation = await self._admit(request, WorkerRole.DECODE, tried)
-            accounted: WorkerHandle | None = None
-            call: TokenStream | None = None
-            decode.inflight += 1
-            serving = None  # the worker call's span, when traced
+            placement = await self._place(request, tried, lookup, placement)
+            decode = placement.decode
+            serve = _ServeCall(self, request, placement)
+            stream: TokenStream | None = None
             try:
-                if order is None:
-                    placing = None if request.trace is None else self._span("placement", request)
-                    if tokens > self.config.local_prefill_tokens:
-                        cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
-                        handles = self._prefill_routes(request, cached_tokens)
-                    order = ServeOrder(
-                        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
-                        sampling=request.sampling, model_compat_hash=self.pool.model_compat_hash,
-                        backend=self.config.kv_backend, local_prefill_tokens=self.config.local_prefill_tokens,
-                        routes=[PrefillRoute(worker_id=h.worker_id, address=h.record.address,
-                                             lane_address=h.record.lane_address if h.lane is not None else "",
-                                             cached_tokens=cached)
-                                for h, cached in handles],
-                        whole=request.whole, cache_salt=request.cache_salt)
-                    if placing is not None:
-                        self._placed(placing, decode, handles)
-                if handles:
-                    # The best candidate is charged with the prompt until its report arrives.
-                    accounted, cached = handles[0]
-                    wid = accounted.worker_id
-                    self.stats.match_tokens[wid] = self.stats.match_tokens.get(wid, 0) + cached
-                    self.stats.placed_tokens[wid] = self.stats.placed_tokens.get(wid, 0) + tokens
-                    accounted.inflight += 1
-                    accounted.inflight_prefill_tokens += tokens
-                    accounted.assigned_tokens += tokens - cached
-                    for h, _ in handles:
-                        h.breaker.on_attempt()
                 decode.breaker.on_attempt()
-                answered = False
-                failed_role = "decode"
-
-                def on_report(report: PrefillReport) -> None:
-                    nonlocal answered, accounted, failed_role
-                    answered = True
-                    if not report.worker_id and not report.local:  # every prefill worker failed
-                        failed_role = "prefill"
-                    if accounted is not None:
-                        accounted.inflight -= 1
-                        accounted.inflight_prefill_tokens -= tokens
-                        accounted = None
-                    self._on_report(report, request)
-                    span = serving  # noqa: B023 (called within this iteration: its call's stream reads the report)
-                    if span is not None:
-                        self._reported(span, report)
-
                 try:
                     metadata = None
                     if request.trace is not None:
-                        serving = self._span("pdrouter.v1.DecodeWorker/Serve", request, {
+                        serve.span = self._span("pdrouter.v1.DecodeWorker/Serve", request, {
                             "rpc.system": "grpc", "rpc.service": "pdrouter.v1.DecodeWorker", "rpc.method": "Serve",
                             "pdrouter.decode_worker": decode.worker_id}, kind=self.tracing.CLIENT)  # type: ignore[union-attr]
-                        metadata = self._call_metadata(request, serving)
-                    call = decode.client.serve(order, timeout=self._timeout(request), on_report=on_report,
-                                               metadata=metadata)
-                    first = serving is not None
-                    async for delta in call:
+                        metadata = self._call_metadata(request, serve.span)
+                    stream = decode.client.serve(placement.order, timeout=self._timeout(request),
+                                                 on_report=serve.on_report, metadata=metadata)
+                    first = serve.span is not None
+                    async for delta in stream:
                         if first:
                             first = False
                             self._first_token(request)
-                        answered = True
+                        serve.answered = True
                         yield delta
                 except UnavailableError as exc:
                     # With a report, the decode worker answered: the failure was the prefill side's.
-                    if answered:
-                        raise client_error(exc, failed_role, decode.worker_id, request.request_id) from None
+                    if serve.answered:
+                        raise client_error(exc, serve.failed_role, decode.worker_id, request.request_id) from None
                     decode.breaker.on_failure()
                     if not self._retry_elsewhere(decode, tried, WorkerRole.DECODE):
                         raise client_error(exc, "decode", decode.worker_id, request.request_id) from None
                     log.debug("request %s: %s", request.request_id, exc.message)
                     continue
                 except PdRouterError as exc:
-                    raise client_error(exc, failed_role, decode.worker_id, request.request_id) from None
+                    raise client_error(exc, serve.failed_role, decode.worker_id, request.request_id) from None
                 decode.breaker.on_success()
                 return
             except BaseException as exc:
-                if serving is not None and not isinstance(exc, GeneratorExit):  # not a consumer that stopped
-                    self._failed(serving, exc)
-                    serving = None
+                if serve.span is not None and not isinstance(exc, GeneratorExit):  # not a consumer that stopped
+                    self._failed(serve.span, exc)
+                    serve.span = None
                 raise
             finally:
-                if serving is not None:
-                    serving.end()
+                if serve.span is not None:
+                    serve.span.end()
                 decode.inflight -= 1
-                if accounted is not None:
-                    accounted.inflight -= 1
-                    accounted.inflight_prefill_tokens -= tokens
-                if call is not None:
-                    call.cancel()
-                if reservation is not None and self.admission is not None:
-                    self._unbook(reservation)
+                serve.settle()
+                if stream is not None:
+                    stream.cancel()
+                if placement.reservation is not None and self.admission is not None:
+                    self._unbook(placement.reservation)

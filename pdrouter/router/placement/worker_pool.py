@@ -47,6 +47,17 @@ class WorkerHandle:
     inflight_prefill_tokens: int = 0
     assigned_tokens: int = 0
 
+    def charge_prefill(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """This router placed a prompt's prefill here: it counts as queued on the worker until settled."""
+        self.inflight += 1
+        self.inflight_prefill_tokens += prompt_tokens
+        self.assigned_tokens += prompt_tokens - cached_tokens
+
+    def settle_prefill(self, prompt_tokens: int) -> None:
+        """The prefill charged by ``charge_prefill`` is over (its report came, or the request ended)."""
+        self.inflight -= 1
+        self.inflight_prefill_tokens -= prompt_tokens
+
     @property
     def lane(self) -> LaneChannel | None:
         """The worker lane, when the worker serves one and the router uses it: request RPCs go there."""
