@@ -17,7 +17,7 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   concurrent caller), with a minimal HTTP/1.1 client;
 * ``http_stream``: the same request with ``stream: true`` (SSE, chunked);
 * ``http_uvicorn``, ``http_granian``: ``http`` served by plain uvicorn (httptools) / granian instead
-  of the router's server (``pdrouter.router.http_server``); ``http_stream_uvicorn`` and
+  of the router's server (``pdrouter.router.frontdoor.http_server``); ``http_stream_uvicorn`` and
   ``http_stream_granian`` likewise, measured only when ``--kinds`` names them;
 * ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
   per token);
@@ -70,10 +70,10 @@ from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, tune_all
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app
-from pdrouter.router.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import RouterRequest
-from pdrouter.router.served_models import FrontdoorConfig
 from pdrouter.testing.echo import ECHO, TINY, EchoOrchestrator
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc

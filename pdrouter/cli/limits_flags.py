@@ -12,7 +12,7 @@ import argparse
 import math
 
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.lane.limits import LaneLimits
 

@@ -95,7 +95,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
     from pdrouter.router.config import RouterConfig
     from pdrouter.router.dispatch import DEFAULT_DEADLINE_S, DispatchConfig
     from pdrouter.router.frontdoor.auth import ENV_VAR, collect_api_keys, key_file_tenants
-    from pdrouter.router.served_models import FrontdoorConfig
+    from pdrouter.router.frontdoor.served_models import FrontdoorConfig
 
     if not (args.model / "config.json").is_file():
         raise ConfigError(f"--model {args.model} has no config.json (create a model with `pdrouter make-model`)")

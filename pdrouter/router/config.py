@@ -12,9 +12,9 @@ from pdrouter.core.tls import TlsFiles
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.frontdoor.auth import ApiKeys
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.limits import HttpLimits
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig
 from pdrouter.router.placement.policy import CacheAwareConfig
-from pdrouter.router.served_models import FrontdoorConfig
 from pdrouter.state.client import MIN_CONNECTIONS
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.security import PeerSecurity, check_token

@@ -1,7 +1,7 @@
-"""The router's request vocabulary: what front doors hand the orchestrator and get back.
+"""The router's request vocabulary: what front doors hand the dispatcher and get back.
 
 Front doors (gRPC and OpenAI HTTP) validate and tokenize, build a ``RouterRequest``, iterate the
-orchestrator's ``TokenDelta`` stream and shape it for their protocol. They never see workers.
+``Dispatcher``'s ``TokenDelta`` stream and shape it for their protocol. They never see workers.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant
 from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
 
-__all__ = ["FinishReason", "ModelInfo", "Orchestrator", "RouterRequest", "TokenDelta", "Usage"]
+__all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage"]
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,9 @@ class ModelInfo:
     created: int = 0
 
 
-class Orchestrator(Protocol):
-    """The core the front doors call. Implementations place requests on workers.
+class Dispatcher(Protocol):
+    """What the front doors call: ``pdrouter.router.dispatch.PoolDispatcher`` places requests on
+    workers; ``pdrouter.router.tenancy.TenantGate`` puts a tenant's limits in front of it.
 
     ``generate`` raises ``pdrouter.core.errors`` types (InvalidRequestError, CapacityError,
     UnavailableError, …) before or during the stream; closing the iterator early (client gone)

@@ -30,16 +30,16 @@ from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
-from pdrouter.router.dispatch import Dispatcher
+from pdrouter.router.dispatch import PoolDispatcher
 from pdrouter.router.frontdoor import grpc_api
 from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app, metrics_app
-from pdrouter.router.http_server import bind_socket, make_server
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerPool
-from pdrouter.router.request import ModelInfo, Orchestrator
+from pdrouter.router.request import Dispatcher, ModelInfo
 from pdrouter.router.state_metrics import StateMetrics
 from pdrouter.router.tenancy import TenantGate
 from pdrouter.state.client import RedisClient, redis_client
@@ -70,7 +70,7 @@ class RouterProcess:
         self.redis: RedisClient | None = None
         self.pool: WorkerPool | None = None
         self.admission: Admission | None = None
-        self.dispatcher: Dispatcher | None = None
+        self.dispatcher: PoolDispatcher | None = None
         self.grpc: GrpcServer | None = None
         self._http_server: object | None = None
         self._http_task: asyncio.Task[None] | None = None
@@ -107,12 +107,12 @@ class RouterProcess:
         self._index = index
         await self.pool.start()
         policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
-        self.dispatcher = Dispatcher(self.pool, self.model, cfg.dispatch, policy, index,
+        self.dispatcher = PoolDispatcher(self.pool, self.model, cfg.dispatch, policy, index,
                                      self.admission, cfg.hash_seed, metrics=self.metrics, tracing=self.tracing)
         self.state_metrics = StateMetrics(self.dispatcher)
         self.metrics.registry.register(self.state_metrics)
         tokenizers = {self.model_name: self.tokenizer}
-        orchestrator: Orchestrator = self.dispatcher
+        doors: Dispatcher = self.dispatcher
         if cfg.tenants is not None:
             self.metrics.enable_tenants(cfg.tenants.names)
             limiter = None
@@ -122,16 +122,16 @@ class RouterProcess:
                 log.warning("tenants' limits need Redis (--redis): without it they are not enforced")
             self.gate = TenantGate(self.dispatcher, limiter, self.metrics, cfg.admission_config.on_redis_error)
             self.gate.start()
-            orchestrator = self.gate
+            doors = self.gate
         keys = cfg.api_keys
         door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
         self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (),
                                credentials=door_credentials, limits=cfg.grpc_limits)
-        grpc_api.add_to_server(self.grpc, RouterServicer(orchestrator, tokenizers, metrics=self.metrics,
+        grpc_api.add_to_server(self.grpc, RouterServicer(doors, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor, tenants=cfg.tenants,
                                                          tracing=self.tracing))
         await self.grpc.start()
-        app = create_app(orchestrator, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
+        app = create_app(doors, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
                          serve_metrics=cfg.metrics_port is None, tenants=cfg.tenants, tracing=self.tracing)
         self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http",
                                                                         cfg.tls, cfg.http_limits)

@@ -33,7 +33,7 @@ from prometheus_client.registry import Collector
 from redis.exceptions import RedisError
 
 from pdrouter.core.workers import WorkerRole
-from pdrouter.router.dispatch import Dispatcher
+from pdrouter.router.dispatch import PoolDispatcher
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class StateMetrics(Collector):
     """A prometheus_client collector over one router's dispatcher, admission and pool."""
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    def __init__(self, dispatcher: PoolDispatcher) -> None:
         self.dispatcher = dispatcher
         self.index_blocks: dict[str, int] = {}
         self.reserved_blocks: dict[str, tuple[int, int]] = {}

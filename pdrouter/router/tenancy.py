@@ -37,7 +37,7 @@ from pdrouter.core.aio import BackgroundTasks, cancel_and_wait
 from pdrouter.core.errors import CapacityError, UnavailableError
 from pdrouter.core.tenants import RateLimitError, RateLimitTooLargeError, Tenant
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.request import ModelInfo, Orchestrator, RouterRequest, TokenDelta
+from pdrouter.router.request import Dispatcher, ModelInfo, RouterRequest, TokenDelta
 from pdrouter.state.tenant_limits import LimitGrant, LimitRefusal, TenantLimiter
 
 log = logging.getLogger(__name__)
@@ -61,13 +61,13 @@ def refusal_error(tenant: Tenant, refusal: LimitRefusal, prompt_tokens: int, out
 
 
 class TenantGate:
-    """Implements ``Orchestrator`` over ``inner`` (the dispatcher) for requests with a tenant.
+    """Implements ``Dispatcher`` over ``inner`` (the dispatcher) for requests with a tenant.
 
     ``limiter``: the limits in Redis (None: no Redis, so limits are not enforced; the router warns
     at start). ``on_redis_error``: ``fail`` or ``local``, as admission's.
     """
 
-    def __init__(self, inner: Orchestrator, limiter: TenantLimiter | None, metrics: RouterMetrics,
+    def __init__(self, inner: Dispatcher, limiter: TenantLimiter | None, metrics: RouterMetrics,
                  on_redis_error: Literal["fail", "local"] = "fail") -> None:
         self.inner = inner
         self.limiter = limiter

@@ -1,7 +1,7 @@
 """Fakes and harness pieces shared by tests, benchmarks and users, behind the same contracts as the real parts.
 
 * :mod:`pdrouter.testing.echo`: an in-process model for the router's front doors (the
-  ``Orchestrator`` protocol) that echoes the prompt back and obeys fault directives, so a door can
+  ``Dispatcher`` protocol) that echoes the prompt back and obeys fault directives, so a door can
   be exercised without workers, the way httpx's ``MockTransport`` stands in for a network;
 * :mod:`pdrouter.testing.http`: the router's own HTTP server for such a door, on a free port;
 * :mod:`pdrouter.testing.pki`: a throwaway certificate authority (``trustme``) and certificates

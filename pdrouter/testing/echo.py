@@ -1,4 +1,4 @@
-"""An in-process ``Orchestrator`` with a deterministic "echo" model and fault injection.
+"""An in-process ``Dispatcher`` (``pdrouter.router.request``) with a deterministic "echo" model and fault injection.
 
 It stands in for the real orchestrator in the front doors' tests and in measurements of the
 front doors' own overhead. ``EchoOrchestrator`` streams the prompt's byte tokens (ids below 256)

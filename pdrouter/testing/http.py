@@ -9,8 +9,8 @@ from typing import Any
 
 import uvicorn
 
-from pdrouter.router.http_server import bind_socket, make_server
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.limits import HttpLimits
 
 
 @contextlib.asynccontextmanager

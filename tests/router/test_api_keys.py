@@ -31,7 +31,7 @@ from pdrouter.router.config import RouterConfig
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, ApiKeyInterceptor, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import RequestHead, whole_request_head
+from pdrouter.router.frontdoor.http_server import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoOrchestrator

@@ -22,8 +22,8 @@ from pdrouter.core.tokenizer import ByteTokenizer, load_tokenizer
 from pdrouter.core.workers import WorkerRole
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.openai_schema import parse_openai_request, to_router_request
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ServedModel
 from pdrouter.router.request import ModelInfo
-from pdrouter.router.served_models import FrontdoorConfig, ServedModel
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoOrchestrator
 from pdrouter.testing.http import serving

@@ -36,7 +36,7 @@ from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.router.frontdoor.auth import ApiKeys
 from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.testing.echo import EchoOrchestrator

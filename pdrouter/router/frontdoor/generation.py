@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pdrouter.core.errors import UnavailableError
 from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.metrics import FrontdoorMetrics
-from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest, TokenDelta, Usage
+from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest, TokenDelta, Usage
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ def _push_each(text: TextStream, ids: tuple[int, ...]) -> tuple[str, int]:
     return "".join(parts), len(ids)
 
 
-async def stream_pieces(orchestrator: Orchestrator, request: RouterRequest, text: TextStream,
+async def stream_pieces(orchestrator: Dispatcher, request: RouterRequest, text: TextStream,
                         metrics: FrontdoorMetrics, arrival: float,
                         stop_strings: bool = False) -> AsyncGenerator[Piece, None]:
     """Pieces of ``request``'s output; the last one has ``finish_reason`` and ``usage``.

@@ -41,12 +41,12 @@ from pdrouter.core.tokenizer import Tokenizer
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
+from pdrouter.router.frontdoor.generation import Piece, stream_pieces
 from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS, check_cache_salt
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.router.frontdoor.spans import describe, end_span
-from pdrouter.router.generation import Piece, stream_pieces
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.request import FinishReason, Orchestrator, RouterRequest
-from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
 from pdrouter.wire.security import CredentialInterceptor, single_entry
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -138,7 +138,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     for the HTTP door.
     """
 
-    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                  tenants: Tenants | None = None, tracing: Tracing | None = None) -> None:
         self.orchestrator = orchestrator

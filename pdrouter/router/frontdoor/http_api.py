@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front door: an ASGI app (the server is ``pdrouter.router.http_server``).
+"""The OpenAI-compatible HTTP front door: an ASGI app (the server is ``pdrouter.router.frontdoor.http_server``).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health`` (and ``/healthz``), ``GET /metrics`` (Prometheus text; not here when the router
@@ -61,11 +61,8 @@ from pdrouter.core.tokenizer import Tokenizer
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import OPEN_HTTP_PATHS, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
-from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
-from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
-from pdrouter.router.frontdoor.spans import describe, end_span
-from pdrouter.router.generation import Piece, stream_pieces
-from pdrouter.router.http_server import (
+from pdrouter.router.frontdoor.generation import Piece, stream_pieces
+from pdrouter.router.frontdoor.http_server import (
     DISCONNECT_EXTENSION,
     NO_HEAD,
     Handler,
@@ -74,11 +71,14 @@ from pdrouter.router.http_server import (
     RequestHead,
     Verdict,
 )
+from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
+from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+from pdrouter.router.frontdoor.spans import describe, end_span
 
 # The server's own, importable from here too by code that builds a door and its server together.
 from pdrouter.router.metrics import METRICS_CONTENT_TYPE, RouterMetrics
-from pdrouter.router.request import Orchestrator, RouterRequest, Usage
-from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
+from pdrouter.router.request import Dispatcher, RouterRequest, Usage
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class HttpFrontdoor:
     state: no module globals.
     """
 
-    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                  api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
                  tracing: Tracing | None = None) -> None:
@@ -246,7 +246,7 @@ class HttpApp:
 
     def fast_handlers(self, on_disconnect: OnDisconnect) -> dict[bytes, tuple[Handler, int]]:
         """Per generation path: ``handler(receive, send, head)`` and the body limit, for the server's
-        own request cycle (``pdrouter.router.http_server.FastRoutes``), which checks heads first."""
+        own request cycle (``pdrouter.router.frontdoor.http_server.FastRoutes``), which checks heads first."""
         out: dict[bytes, tuple[Handler, int]] = {}
         for path, endpoint in self._posts.items():
             if isinstance(endpoint, _GenerationEndpoint):
@@ -255,7 +255,7 @@ class HttpApp:
 
     def check_head(self, method: bytes, path: bytes, authorization: Sequence[bytes],
                    content_type: Sequence[bytes]) -> Verdict:
-        """The decision on a request's head (``pdrouter.router.http_server.HeadCheck``): 401 without
+        """The decision on a request's head (``pdrouter.router.frontdoor.http_server.HeadCheck``): 401 without
         an accepted key (on every path but the probes'), 415 for a generation POST that is not JSON.
         ``path`` is matched as sent: an encoded probe path needs the key like any other."""
         keys = self._api_keys
@@ -518,7 +518,7 @@ def _usage(piece: Piece) -> Usage:
     return piece.usage
 
 
-def create_app(orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer], *,
+def create_app(orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
                tracing: Tracing | None = None) -> HttpApp:

@@ -61,7 +61,7 @@ What the server promises a handler:
   graceful shutdown (the request's task is one of the server's; the connection closes after the
   response).
 
-Entry points of a request (``tests/router/test_http_server.py`` serves each over a socket):
+Entry points of a request (``tests/router/frontdoor/test_http_server.py`` serves each over a socket):
 
 1. **Whole in one read**: :meth:`HttpProtocol.data_received` finds one plain generation POST
    (:func:`whole_request`: ``HTTP/1.1``, exact path, one ``Content-Length`` matching the body,
@@ -77,7 +77,7 @@ Entry points of a request (``tests/router/test_http_server.py`` serves each over
    concurrency limit) takes uvicorn's ``RequestResponseCycle`` into the ASGI application (whose
    generation POSTs go straight to their endpoint and everything else through Starlette).
 
-Limits (:class:`pdrouter.router.limits.HttpLimits`, one set per server, ``docs/limits.md``), the
+Limits (:class:`pdrouter.router.frontdoor.limits.HttpLimits`, one set per server, ``docs/limits.md``), the
 same on every entry point: a deadline for each request head (from the connection's start, or from
 a kept-alive connection's first byte of the next request) and for each body (from the end of its
 head, longer for a large body arriving at the minimum rate), uvicorn's keep-alive idle timeout, a
@@ -108,7 +108,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.tls import TlsFiles
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.limits import HttpLimits
 
 log = logging.getLogger(__name__)
 

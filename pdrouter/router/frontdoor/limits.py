@@ -1,7 +1,7 @@
 """Slow-client and overload limits of the router's HTTP doors (the API door and the metrics listener).
 
 :class:`HttpLimits` is one frozen value, carried by ``RouterConfig.http_limits`` and handed to
-``pdrouter.router.http_server.make_server``; ``docs/limits.md`` lists every limit with its flag,
+``pdrouter.router.frontdoor.http_server.make_server``; ``docs/limits.md`` lists every limit with its flag,
 its default and what a client sees when it is reached. The server enforces them so:
 
 * **header read timeout** (``header_timeout_s``): a request's head (request line and headers) must

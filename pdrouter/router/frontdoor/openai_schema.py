@@ -47,8 +47,8 @@ from pdrouter.core.hashing import MAX_CACHE_SALT_CHARS, cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import MAX_TOP_K, SamplingParams
 from pdrouter.core.tenants import Tenant
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ServedModel
 from pdrouter.router.request import RouterRequest
-from pdrouter.router.served_models import FrontdoorConfig, ServedModel
 
 
 class FieldError(InvalidRequestError):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pdrouter.core.chat_template import ChatMessage, ChatOptions, ChatTemplate
 from pdrouter.core.errors import InvalidRequestError, ModelNotFoundError, PdRouterError, PromptTooLongError
 from pdrouter.core.tokenizer import Tokenizer, apply_chat_template
-from pdrouter.router.request import ModelInfo, Orchestrator
+from pdrouter.router.request import Dispatcher, ModelInfo
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ModelRegistry:
     compiled here, so one that does not compile is a ConfigError when the front door is built.
     """
 
-    def __init__(self, orchestrator: Orchestrator, tokenizers: Mapping[str, Tokenizer],
+    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer],
                  chat_template: str | None = None) -> None:
         self._orchestrator = orchestrator
         self._tokenizers = dict(tokenizers)

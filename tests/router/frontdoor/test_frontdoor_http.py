@@ -18,7 +18,7 @@ import pytest
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import bind_socket, make_server
+from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing.echo import CACHED_TOKENS, EchoOrchestrator
 

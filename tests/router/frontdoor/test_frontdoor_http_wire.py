@@ -11,7 +11,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import (
+from pdrouter.router.frontdoor.http_server import (
     DISCONNECT_EXTENSION,
     READ_SIZE,
     FastCycle,

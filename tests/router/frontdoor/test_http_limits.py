@@ -1,4 +1,4 @@
-"""The HTTP doors' slow-client and overload limits (``pdrouter.router.limits.HttpLimits``), over real
+"""The HTTP doors' slow-client and overload limits (``pdrouter.router.frontdoor.limits.HttpLimits``), over real
 sockets to the router's HTTP server on a free port: trickled heads and bodies closed at their
 deadlines (file descriptors and buffers released), idle kept-alive connections closed, oversized
 heads answered 431, connections and requests past their caps answered 503 with ``Retry-After``.
@@ -25,8 +25,8 @@ import uvloop
 
 from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.http_server import Handler, OnDisconnect, Receive, RequestHead, Send
-from pdrouter.router.limits import HttpLimits
+from pdrouter.router.frontdoor.http_server import Handler, OnDisconnect, Receive, RequestHead, Send
+from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.testing import http as testing_http
 
 WAIT_S = 30.0  # hang guard, not a latency bound

@@ -1,4 +1,4 @@
-"""The router's HTTP server (``pdrouter.router.http_server``): which requests skip uvicorn's parser
+"""The router's HTTP server (``pdrouter.router.frontdoor.http_server``): which requests skip uvicorn's parser
 (pure logic), and each entry point of a request over a socket to a server on a free port.
 
 The entry points (see the module's docstring): a plain generation POST that arrives whole in one
@@ -21,7 +21,7 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.http_server import FastCycle, HttpProtocol, whole_request
+from pdrouter.router.frontdoor.http_server import FastCycle, HttpProtocol, whole_request
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
 from pdrouter.testing.echo import EchoOrchestrator

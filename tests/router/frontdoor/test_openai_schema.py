@@ -23,8 +23,8 @@ from pdrouter.core.errors import (
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.openai_responses import SseWriter, error_reply
 from pdrouter.router.frontdoor.openai_schema import FieldError, OpenAIRequest, parse_openai_request, to_router_request
+from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.router.request import FinishReason, ModelInfo, Usage
-from pdrouter.router.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.testing.echo import ECHO, EchoOrchestrator
 
 CONFIG = FrontdoorConfig()

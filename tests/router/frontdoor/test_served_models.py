@@ -6,8 +6,8 @@ import pytest
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.tokenizer import ByteTokenizer
+from pdrouter.router.frontdoor.served_models import ServedModel
 from pdrouter.router.request import ModelInfo
-from pdrouter.router.served_models import ServedModel
 
 
 def make_served(vocab_size: int = 512) -> ServedModel:
