@@ -31,7 +31,8 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerLoad
 from pdrouter.engine.block_manager import BlockManager
 from pdrouter.engine.events import RecordingBlockEventSink
-from pdrouter.router.placement.policy import CacheAware, LeastLoaded
+from pdrouter.router.placement.cache_aware import CacheAware
+from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.request import RouterRequest
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.prefix_index import PrefixIndex

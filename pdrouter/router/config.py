@@ -14,7 +14,7 @@ from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.frontdoor.auth import ApiKeys
 from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig
-from pdrouter.router.placement.policy import CacheAwareConfig
+from pdrouter.router.placement.cache_aware import CacheAwareConfig
 from pdrouter.state.client import MIN_CONNECTIONS
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.security import PeerSecurity, check_token
@@ -68,6 +68,11 @@ class RouterConfig:
     """Slow-client and overload limits of both HTTP doors (the API door and the metrics listener)."""
     grpc_limits: GrpcLimits = field(default_factory=GrpcLimits.for_door)
     """Limits of the gRPC door (its largest request is the HTTP door's largest body)."""
+
+    @property
+    def placement_policy(self) -> str:
+        """The placement policy's name (``pdrouter.router.placement.policies``): cache-aware, or by load alone."""
+        return "cache_aware" if self.cache_aware else "least_loaded"
 
     @property
     def worker_security(self) -> PeerSecurity:

@@ -65,7 +65,9 @@ from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerRole
 from pdrouter.router.admission import Admission
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
+from pdrouter.router.placement.cache_aware import CacheAware
+from pdrouter.router.placement.least_loaded import LeastLoaded
+from pdrouter.router.placement.policy import PlacementPolicy
 from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
 from pdrouter.router.request import ModelInfo, RouterRequest, TokenDelta
 from pdrouter.router.worker_errors import client_error
@@ -172,12 +174,14 @@ class _ServeCall:
     """One ``Serve`` call of a placement: what its prefill report settles (the best prefill worker
     is charged with the prompt until the report arrives), and how a failure reads."""
 
-    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "request", "span")
+    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "ok", "request", "span")
 
     def __init__(self, dispatcher: PoolDispatcher, request: RouterRequest, placement: Placement) -> None:
         self.dispatcher = dispatcher
         self.request = request
         self.answered = False
+        self.ok = False
+        """The call finished the request."""
         self.failed_role = "decode"
         self.span: Any = None
         """The call's span, when traced."""
@@ -379,7 +383,7 @@ class PoolDispatcher:
             handle.inflight += 1
             handle.breaker.on_attempt()
             call: TokenStream | None = None
-            answered = False
+            answered = ok = False
             try:
                 call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                               timeout=self._timeout(request), whole=request.whole,
@@ -390,6 +394,7 @@ class PoolDispatcher:
                     answered = True
                     yield delta
                 handle.breaker.on_success()
+                ok = True
                 return
             except UnavailableError as exc:
                 handle.breaker.on_failure()
@@ -400,6 +405,7 @@ class PoolDispatcher:
                 raise client_error(exc, "colocated", handle.worker_id, request.request_id) from None
             finally:
                 handle.inflight -= 1
+                self.policy.on_request_complete(request, handle, ok)
                 if call is not None:
                     call.cancel()
                 if reservation is not None and self.admission is not None:
@@ -588,6 +594,7 @@ class PoolDispatcher:
                 except PdRouterError as exc:
                     raise client_error(exc, serve.failed_role, decode.worker_id, request.request_id) from None
                 decode.breaker.on_success()
+                serve.ok = True
                 return
             except BaseException as exc:
                 if serve.span is not None and not isinstance(exc, GeneratorExit):  # not a consumer that stopped
@@ -599,6 +606,7 @@ class PoolDispatcher:
                     serve.span.end()
                 decode.inflight -= 1
                 serve.settle()
+                self.policy.on_request_complete(request, decode, serve.ok)
                 if stream is not None:
                     stream.cancel()
                 if placement.reservation is not None and self.admission is not None:

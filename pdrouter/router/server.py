@@ -37,7 +37,7 @@ from pdrouter.router.frontdoor.http_api import create_app, metrics_app
 from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.placement.policy import CacheAware, LeastLoaded, PlacementPolicy
+from pdrouter.router.placement.policies import make_policy
 from pdrouter.router.placement.worker_pool import WorkerPool
 from pdrouter.router.request import Dispatcher, ModelInfo
 from pdrouter.router.state_metrics import StateMetrics
@@ -106,7 +106,7 @@ class RouterProcess:
                                block_size=cfg.block_size)
         self._index = index
         await self.pool.start()
-        policy: PlacementPolicy = CacheAware(cfg.placement) if cfg.cache_aware else LeastLoaded()
+        policy = make_policy(cfg.placement_policy, cfg.placement)
         self.dispatcher = PoolDispatcher(self.pool, self.model, cfg.dispatch, policy, index,
                                      self.admission, cfg.hash_seed, metrics=self.metrics, tracing=self.tracing)
         self.state_metrics = StateMetrics(self.dispatcher)

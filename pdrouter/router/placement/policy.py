@@ -1,22 +1,17 @@
-"""Placement: which worker gets a request's prefill, decode or colocated leg.
+"""Placement policies: which worker gets a request's prefill, decode or colocated leg.
 
-* ``LeastLoaded`` — load alone: the work a worker reported in its heartbeat plus what this router
-  has sent it since.
-* ``CacheAware`` — prefill placement by estimated cost: the prompt tokens a worker would still
-  have to compute (its cached prefix is free, once it reaches ``min_hit_tokens``) plus the prefill
-  backlog already queued on it; ties go to the worker this router has given the least work. A
-  balance guard keeps a hot prefix from piling onto one worker: a worker whose backlog exceeds
-  ``balance_factor`` × the pool's mean backlog + ``balance_slack_tokens`` is passed over while
-  another is within bounds.
+The contract every policy keeps (``PlacementPolicy``) and what the policies share; one module per
+policy beside this one (``least_loaded.py``, ``cache_aware.py``), chosen by name
+(``pdrouter.router.placement.policies.make_policy``). A policy only decides: it reads the
+candidates' load and this router's accounting of them, and never sends anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from pdrouter.core.errors import ConfigError, UnavailableError
+from pdrouter.core.errors import UnavailableError
 from pdrouter.core.ids import WorkerId
 from pdrouter.core.workers import WorkerLoad
 from pdrouter.router.request import RouterRequest
@@ -39,14 +34,27 @@ C = TypeVar("C", bound=Candidate)
 
 
 class PlacementPolicy(Protocol):
+    """Picks a worker among ``candidates`` (never empty: UnavailableError when it is); mutates nothing."""
+
+    name: str
+    """What the router's configuration calls the policy (``make_policy``)."""
+
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
-                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C: ...
+                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
+        """The prefill worker for ``request``; ``cached_tokens``: the prompt tokens each holds (index view)."""
+        ...
 
     def pick_decode(self, request: RouterRequest, candidates: Sequence[C],
-                    blocks_needed: int) -> C: ...
+                    blocks_needed: int) -> C:
+        """The decode (or colocated) worker for ``request``, which books ``blocks_needed`` KV blocks."""
+        ...
+
+    def on_request_complete(self, request: RouterRequest, worker: Candidate, ok: bool) -> None:
+        """Feedback: the call ``worker`` served for ``request`` ended (``ok``: it finished)."""
+        ...
 
 
-def _require(candidates: Sequence[C], what: str) -> None:
+def require(candidates: Sequence[C], what: str) -> None:
     if not candidates:
         raise UnavailableError(f"no {what} worker is available (none registered, or all failing)")
 
@@ -54,64 +62,3 @@ def _require(candidates: Sequence[C], what: str) -> None:
 def backlog_tokens(handle: Candidate) -> int:
     """Prefill tokens queued on a worker: its last report plus what this router sent since."""
     return handle.load.queued_prefill_tokens + handle.inflight_prefill_tokens
-
-
-class LeastLoaded:
-    """Fewest queued prefill tokens for prefill; most free KV blocks for decode and colocated."""
-
-    def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
-                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
-        _require(candidates, "prefill")
-        return min(candidates, key=lambda h: (backlog_tokens(h), h.load.running + h.inflight, h.assigned_tokens,
-                                              h.worker_id))
-
-    def pick_decode(self, request: RouterRequest, candidates: Sequence[C],
-                    blocks_needed: int) -> C:
-        _require(candidates, "decode")
-        return min(candidates, key=lambda h: (-(h.load.free_blocks - h.inflight * blocks_needed),
-                                              h.load.running + h.inflight, h.worker_id))
-
-
-@dataclass(frozen=True)
-class CacheAwareConfig:
-    """Weights of the cache-aware score (all in prompt-token units)."""
-
-    backlog_weight: float = 1.0
-    """Cost of one queued prefill token on the worker (1.0: queued work costs what own work costs)."""
-    running_weight_tokens: float = 0.0
-    """Cost of each running request on the worker, in tokens (decode contention; 0 ignores it)."""
-    balance_factor: float = 1.25
-    balance_slack_tokens: int = 4096
-    min_hit_tokens: int = 64
-    """Cached prefixes shorter than this earn no credit: a block or two of common preamble (a BOS and
-    a few words) is no reason to pile requests onto one worker; placement then balances instead."""
-
-    def __post_init__(self) -> None:
-        if self.backlog_weight < 0 or self.running_weight_tokens < 0:
-            raise ConfigError("cache-aware weights must be >= 0")
-        if self.balance_factor < 1.0 or self.balance_slack_tokens < 0 or self.min_hit_tokens < 0:
-            raise ConfigError("balance_factor must be >= 1; balance_slack_tokens and min_hit_tokens >= 0")
-
-
-class CacheAware(LeastLoaded):
-    """Prefill on the worker with the cheapest (uncached work + backlog), within the balance guard."""
-
-    def __init__(self, config: CacheAwareConfig | None = None) -> None:
-        self.config = config or CacheAwareConfig()
-
-    def score(self, prompt_tokens: int, cached: int, backlog: int, running: int) -> float:
-        c = self.config
-        credit = cached if cached >= c.min_hit_tokens else 0
-        return (prompt_tokens - credit) + c.backlog_weight * backlog + c.running_weight_tokens * running
-
-    def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
-                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
-        _require(candidates, "prefill")
-        cached_tokens = cached_tokens or {}
-        backlogs = {h.worker_id: backlog_tokens(h) for h in candidates}
-        mean = sum(backlogs.values()) / len(candidates)
-        bound = self.config.balance_factor * mean + self.config.balance_slack_tokens
-        eligible = [h for h in candidates if backlogs[h.worker_id] <= bound] or list(candidates)
-        n = len(request.prompt_token_ids)
-        return min(eligible, key=lambda h: (self.score(n, cached_tokens.get(h.worker_id, 0), backlogs[h.worker_id],
-                                                       h.load.running + h.inflight), h.assigned_tokens, h.worker_id))

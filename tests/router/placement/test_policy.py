@@ -4,10 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import pytest
+
+from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import RequestId, WorkerId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerLoad
-from pdrouter.router.placement.policy import CacheAware, CacheAwareConfig, LeastLoaded
+from pdrouter.router.placement.cache_aware import CacheAware, CacheAwareConfig
+from pdrouter.router.placement.least_loaded import LeastLoaded
+from pdrouter.router.placement.policies import POLICIES, make_policy
 from pdrouter.router.request import RouterRequest
 
 
@@ -75,3 +80,13 @@ def test_ties_are_deterministic_and_spread() -> None:
     c[1].assigned_tokens = 200
     assert CacheAware().pick_prefill(make_request(), c).worker_id == "w2"
     assert LeastLoaded().pick_prefill(make_request(), c).worker_id == "w2"
+
+
+def test_policies_are_made_by_name() -> None:
+    weights = CacheAwareConfig(min_hit_tokens=8)
+    made = make_policy("cache_aware", weights)
+    assert isinstance(made, CacheAware) and made.config is weights and made.name == "cache_aware"
+    assert type(make_policy("least_loaded")) is LeastLoaded and make_policy("least_loaded").name == "least_loaded"
+    assert POLICIES == ("least_loaded", "cache_aware")
+    with pytest.raises(ConfigError, match="unknown placement policy .round_robin.: use one of least_loaded, "):
+        make_policy("round_robin")

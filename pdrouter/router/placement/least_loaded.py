@@ -1,0 +1,31 @@
+"""``LeastLoaded``: placement by load alone, the work a worker reported in its heartbeat plus what
+this router has sent it since."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pdrouter.core.ids import WorkerId
+from pdrouter.router.placement.policy import C, Candidate, backlog_tokens, require
+from pdrouter.router.request import RouterRequest
+
+
+class LeastLoaded:
+    """Fewest queued prefill tokens for prefill; most free KV blocks for decode and colocated."""
+
+    name = "least_loaded"
+
+    def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
+                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
+        require(candidates, "prefill")
+        return min(candidates, key=lambda h: (backlog_tokens(h), h.load.running + h.inflight, h.assigned_tokens,
+                                              h.worker_id))
+
+    def pick_decode(self, request: RouterRequest, candidates: Sequence[C],
+                    blocks_needed: int) -> C:
+        require(candidates, "decode")
+        return min(candidates, key=lambda h: (-(h.load.free_blocks - h.inflight * blocks_needed),
+                                              h.load.running + h.inflight, h.worker_id))
+
+    def on_request_complete(self, request: RouterRequest, worker: Candidate, ok: bool) -> None:
+        """Nothing to learn: the load reads already count what this router sent."""
