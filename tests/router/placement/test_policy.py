@@ -88,5 +88,6 @@ def test_policies_are_made_by_name() -> None:
     assert isinstance(made, CacheAware) and made.config is weights and made.name == "cache_aware"
     assert type(make_policy("least_loaded")) is LeastLoaded and make_policy("least_loaded").name == "least_loaded"
     assert POLICIES == ("least_loaded", "cache_aware")
-    with pytest.raises(ConfigError, match="unknown placement policy .round_robin.: use one of least_loaded, "):
+    with pytest.raises(ConfigError) as raised:
         make_policy("round_robin")
+    assert str(raised.value) == "unknown placement policy 'round_robin': use one of least_loaded, cache_aware"
