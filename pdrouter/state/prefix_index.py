@@ -65,9 +65,9 @@ DROP_BATCH = 16
 """The most entries one ``clear`` or ``sweep`` script removes (clearing a bit costs more than setting it)."""
 
 LOOKUP_BUDGET = 32
-"""The most block bitmaps one lookup reads (about 4 µs each inside Redis on the development
-machine, nearly all of it the script's own work per read: fewer reads is what makes a lookup
-cheap, so the search bisects); past it the depths not yet found are returned as lower bounds. A
+"""The most block bitmaps one lookup reads (the script's own work per read is nearly all of a
+lookup's cost inside Redis, so fewer reads make a lookup cheap and the search bisects; figures in
+``docs/benchmarks.md``); past it the depths not yet found are returned as lower bounds. A
 32k-token prompt held to three depths reads 23, whatever the number of holders; one held to 256
 different depths (every worker of a 256-worker fleet at its own depth) reaches it, and its deepest
 holders come back exact."""

@@ -5,13 +5,9 @@ request cycle of its own. Everything uvicorn- and httptools-specific lives here;
 Why: uvicorn's request cycle (scope building, a task through its ASGI runner, header checks on every
 response, two writes per response, and with no disconnect callback a task per request watching
 ``receive``) is general, and at one request at a time, when every wake-up finds the caches cold,
-it costs about as much as the router's own work. ``benchmarks/frontdoor_bench.py`` serves the same
-door app from this server, from plain uvicorn (``http="httptools"``, no subclass) and from granian's
-embedded server, and prints each one's CPU per request at c=32 and what it adds to this one. On a
-shared 2-core machine (uvloop, five runs) plain uvicorn spent 8–16 % (22–41 µs) more per unary
-request and granian 18–30 % (47–79 µs); streamed requests (two runs), where the work per chunk
-dominates, differed by 1–3 % and 9–16 %. The whole router may spend 250 µs per request at c=32,
-and its disaggregated figure (194–234 µs) is 16–56 µs under that: the unary lead keeps this path.
+it costs about as much as the router's own work: plain uvicorn and granian's embedded server both
+spend measurably more CPU per request on the same door app (``benchmarks/frontdoor_bench.py``; the
+figures are in ``docs/benchmarks.md``, "Choices in the router's code, measured").
 
 The seam. What the door gives the server:
 
