@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdrouter.core.disaggregation import ServeOrder
 from pdrouter.core.errors import FailedPreconditionError, IncompatibleError, InvalidRequestError, NotFoundError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
@@ -116,9 +117,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         alloc.lease = asyncio.get_running_loop().call_later(lease_ms / 1000, self._expire, request_id)
 
     def _check_backend(self, backend: str) -> None:
-        """A caller asking for a KV transport names this worker's own ("" : whichever it has)."""
-        if backend and backend != self.backend:
-            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, not {backend!r}")
+        check_backend(backend, self.backend)
 
     # -- RPCs -------------------------------------------------------------------------------
     @traced("pdrouter.v1.DecodeWorker/Allocate")
@@ -205,15 +204,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     @grpc_errors
     async def Serve(self, request: worker_pb2.ServeRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
-        rid = request.request_id
-        check_request(rid, request.model_compat_hash, self.model_compat_hash)
-        self._check_backend(request.backend)
-        if not request.HasField("sampling"):
-            raise InvalidRequestError("sampling is required (max_tokens at least)")
-        self.serving.check_new(rid, self._allocs)
-        order = serve_order_from_pb(request)
+        order = checked_order(request, self.model_compat_hash, self.backend)
+        self.serving.check_new(order.request_id, self._allocs)
         async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
-            async for chunk in serve_chunks(rid, events, self.tracing):
+            async for chunk in serve_chunks(order.request_id, events, self.tracing):
                 yield chunk
 
     @grpc_errors
@@ -223,6 +217,21 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise InvalidRequestError("request_id is required")
         released, freed = self._drop(request.request_id, request.reason or "released")
         return worker_pb2.ReleaseResponse(released=released, freed_blocks=freed)
+
+
+def check_backend(asked: str, own: str) -> None:
+    """A caller asking for a KV transport names this worker's own ``own`` ("" : whichever it has)."""
+    if asked and asked != own:
+        raise IncompatibleError(f"this decode worker receives KV over {own!r}, not {asked!r}")
+
+
+def checked_order(request: worker_pb2.ServeRequest, model_compat_hash: str, backend: str) -> ServeOrder:
+    """A ``ServeRequest`` as the ``ServeOrder`` it names, once it passed the checks every decode worker makes."""
+    check_request(request.request_id, request.model_compat_hash, model_compat_hash)
+    check_backend(request.backend, backend)
+    if not request.HasField("sampling"):
+        raise InvalidRequestError("sampling is required (max_tokens at least)")
+    return serve_order_from_pb(request)
 
 
 async def serve_chunks(rid: str, events: AsyncIterator[ServeEvent],
@@ -270,16 +279,10 @@ class ConnectorDecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
     @grpc_errors
     async def Serve(self, request: worker_pb2.ServeRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
-        rid = request.request_id
-        check_request(rid, request.model_compat_hash, self.model_compat_hash)
-        if request.backend and request.backend != self.backend:
-            raise IncompatibleError(f"this decode worker receives KV over {self.backend!r}, not {request.backend!r}")
-        if not request.HasField("sampling"):
-            raise InvalidRequestError("sampling is required (max_tokens at least)")
-        self.serving.check_new(rid)
-        order = serve_order_from_pb(request)
+        order = checked_order(request, self.model_compat_hash, self.backend)
+        self.serving.check_new(order.request_id)
         async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
-            async for chunk in serve_chunks(rid, events, self.tracing):
+            async for chunk in serve_chunks(order.request_id, events, self.tracing):
                 yield chunk
 
     def _three_calls(self) -> FailedPreconditionError:
