@@ -2,7 +2,9 @@
 
 Front doors record what a client sees (time to first token, inter-token latency, end-to-end
 latency, outcome, tokens); the dispatcher records what happens behind them (queue time, worker
-load, KV transfers, prefix-cache hits) through the small ``observe_*`` / ``set_*`` methods below.
+load; KV transfers and prefix-cache hits from a decode worker's prefill report, through
+``pdrouter.router.dispatch.TransferStats.reported``) through the small ``observe_*`` / ``set_*``
+methods below.
 
 Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);
 counters end in ``_total``. Label sets are small and bounded: ``frontdoor`` (``http`` | ``grpc``),
