@@ -3,7 +3,7 @@
 Front doors record what a client sees (time to first token, inter-token latency, end-to-end
 latency, outcome, tokens); the dispatcher records what happens behind them (queue time, worker
 load; KV transfers and prefix-cache hits from a decode worker's prefill report, through
-``pdrouter.router.dispatch.TransferStats.reported``) through the small ``observe_*`` / ``set_*``
+``pdrouter.router.transfer_stats.TransferStats.reported``) through the small ``observe_*`` / ``set_*``
 methods below.
 
 Every name starts with ``pdrouter_`` and carries its unit (``_seconds``, ``_bytes``, ``_tokens``);

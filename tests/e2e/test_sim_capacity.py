@@ -47,8 +47,9 @@ from pdrouter.engine.sim.link import get_link_preset
 from pdrouter.engine.sim.timing import TimingModel
 from pdrouter.router.admission import Admission, AdmissionConfig
 from pdrouter.router.config import RouterConfig
-from pdrouter.router.dispatch import DispatchConfig, TransferStats
+from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
+from pdrouter.router.transfer_stats import TransferStats
 from pdrouter.state.reservations import KvReservations
 from pdrouter.wire.worker_client import WorkerClient
 
