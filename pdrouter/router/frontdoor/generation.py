@@ -1,8 +1,8 @@
-"""One request's trip through the orchestrator, as the front doors see it: text pieces and timing.
+"""One request's trip through the dispatcher, as the front doors see it: text pieces and timing.
 
-:func:`stream_pieces` iterates the orchestrator's ``TokenDelta`` stream, decodes text
+:func:`stream_pieces` iterates the dispatcher's ``TokenDelta`` stream, decodes text
 incrementally, applies stop strings, records time to first token and inter-token latency, and
-always closes the orchestrator's iterator when it ends early (client gone, stop string, error),
+always closes the dispatcher's iterator when it ends early (client gone, stop string, error),
 which cancels the request on the workers. Protocol shaping (SSE, protobuf) stays in the doors.
 """
 
@@ -48,15 +48,15 @@ def _push_each(text: TextStream, ids: tuple[int, ...]) -> tuple[str, int]:
     return "".join(parts), len(ids)
 
 
-async def stream_pieces(orchestrator: Dispatcher, request: RouterRequest, text: TextStream,
+async def stream_pieces(dispatcher: Dispatcher, request: RouterRequest, text: TextStream,
                         metrics: FrontdoorMetrics, arrival: float,
                         stop_strings: bool = False) -> AsyncGenerator[Piece, None]:
     """Pieces of ``request``'s output; the last one has ``finish_reason`` and ``usage``.
 
     ``arrival`` is the ``time.perf_counter()`` at which the front door received the request.
-    After yielding the last piece the generator lets the orchestrator's stream run to its end
+    After yielding the last piece the generator lets the dispatcher's stream run to its end
     (so the request finishes normally on the workers), unless a stop string cut the output, in
-    which case the stream is closed at once. Errors of the orchestrator propagate unchanged; the
+    which case the stream is closed at once. Errors of the dispatcher propagate unchanged; the
     caller must close this generator (``contextlib.aclosing``) when it stops early.
 
     Time to first token and inter-token latency go to ``metrics`` as the deltas come, except the
@@ -67,7 +67,7 @@ async def stream_pieces(orchestrator: Dispatcher, request: RouterRequest, text: 
     token that completed the stop string and ``usage`` counts the tokens up to it, exactly as if
     the tokens had come one by one.
     """
-    deltas = orchestrator.generate(request)
+    deltas = dispatcher.generate(request)
     whole = request.whole
     prompt_len = len(request.prompt_token_ids)
     metrics.prompt_tokens.inc(prompt_len)
@@ -101,7 +101,7 @@ async def stream_pieces(orchestrator: Dispatcher, request: RouterRequest, text: 
                 reason = FinishReason.STOP if text.stopped else delta.finish_reason
                 usage = delta.usage if delta.usage is not None else Usage(prompt_len, generated)
                 yield Piece(chunk, ids, reason, usage)
-                async for _ in deltas:  # the orchestrator's stream should end here
+                async for _ in deltas:  # the dispatcher's stream should end here
                     pass
                 return
             if ids:

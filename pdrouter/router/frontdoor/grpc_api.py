@@ -12,7 +12,7 @@ and end INVALID_ARGUMENT, as any other bad request does, rather than gRPC's UNKN
 
 ``Generate`` writes its messages with ``context.write`` from the handler's own coroutine rather
 than being an async generator: when the client cancels, gRPC cancels that coroutine wherever it
-waits (for a token or for flow control), so the orchestrator's iterator is closed at once and the
+waits (for a token or for flow control), so the dispatcher's iterator is closed at once and the
 request is cancelled on the workers.
 
 With tenants the call's ``authorization`` key names its tenant; with tracing the call is a server
@@ -131,21 +131,21 @@ def to_response(request_id: str, piece: Piece) -> router_pb2.GenerateResponse:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    """``pdrouter.v1.Router`` over an orchestrator; register with ``router_pb2_grpc.add_RouterServicer_to_server``.
+    """``pdrouter.v1.Router`` over an dispatcher; register with ``router_pb2_grpc.add_RouterServicer_to_server``.
 
     ``tokenizers`` maps each served model name to its tokenizer, as for the HTTP door; pass the
     same ``metrics`` to both doors to export them on one registry. ``tenants`` and ``tracing`` as
     for the HTTP door.
     """
 
-    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
+    def __init__(self, dispatcher: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                  tenants: Tenants | None = None, tracing: Tracing | None = None) -> None:
-        self.orchestrator = orchestrator
+        self.dispatcher = dispatcher
         self.tenants = tenants
         self.tracing = tracing
         self.config = config if config is not None else FrontdoorConfig()
-        self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
+        self.models = ModelRegistry(dispatcher, tokenizers, self.config.chat_template)
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.door_metrics = self.metrics.frontdoor("grpc")
 
@@ -178,7 +178,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 describe(span, router_request)
             rid = router_request.label or router_request.request_id
             text = TextStream(served.tokenizer.stream_decoder())
-            async with aclosing(stream_pieces(self.orchestrator, router_request, text, metrics,
+            async with aclosing(stream_pieces(self.dispatcher, router_request, text, metrics,
                                               arrival)) as pieces:
                 async for piece in pieces:
                     await context.write(to_response(rid, piece))

@@ -17,13 +17,13 @@ and echoed back in the response's ``x-request-id``; without one, that header car
 own id for the request.
 
 A generation request is validated and tokenized in the endpoint; the response object then drives
-the orchestrator's stream itself, so that:
+the dispatcher's stream itself, so that:
 
 * the status line waits for the first token: an error raised before it (capacity, unknown
   model, unavailable…) is an ordinary HTTP error reply; one raised after it is an SSE event
   ``data: {"error": {...}}`` that ends the stream;
 * a client disconnect (seen by a small task reading the ASGI ``receive`` channel) cancels the
-  request's task, which closes the orchestrator's iterator and so cancels the request on the
+  request's task, which closes the dispatcher's iterator and so cancels the request on the
   workers, whether it is queued, prefilling or streaming, streamed or not;
 * a request that is not streamed and has no stop strings is ``RouterRequest.whole``: its worker
   sends the tokens in one chunk at the end, so the door parses and decodes once however long the
@@ -32,7 +32,7 @@ the orchestrator's stream itself, so that:
   that completes one, its usage counts the tokens up to it, and the worker stops there.
 
 With tenants (``pdrouter.core.tenants``) the request's key names its tenant, which the request
-carries (its limits are the orchestrator's: ``pdrouter.router.tenancy``). With tracing
+carries (its limits are the dispatcher's: ``pdrouter.router.tenancy``). With tracing
 (``pdrouter.core.tracing``) each generation request is a server span continuing the client's W3C
 ``traceparent`` / ``tracestate`` (or starting a trace), ended when the response is.
 """
@@ -96,24 +96,24 @@ def _json_response(status: int, body: bytes, headers: Mapping[str, str] | None =
 
 
 class HttpFrontdoor:
-    """The OpenAI HTTP API over an orchestrator; :attr:`app` is the ASGI application to serve.
+    """The OpenAI HTTP API over an dispatcher; :attr:`app` is the ASGI application to serve.
 
-    ``tokenizers`` maps each served model name to its tokenizer; models the orchestrator lists
+    ``tokenizers`` maps each served model name to its tokenizer; models the dispatcher lists
     without a tokenizer are not served. ``api_keys``: the keys requests need (none: open).
     ``serve_metrics`` False leaves ``/metrics`` to a listener of its own. ``tenants``: whose key is
     whose (None: no tenants); ``tracing``: the router's tracer (None: off). Each front door owns its
     state: no module globals.
     """
 
-    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
+    def __init__(self, dispatcher: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                  metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                  api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
                  tracing: Tracing | None = None) -> None:
-        self.orchestrator = orchestrator
+        self.dispatcher = dispatcher
         self.tenants = tenants
         self.tracing = tracing
         self.config = config if config is not None else FrontdoorConfig()
-        self.models = ModelRegistry(orchestrator, tokenizers, self.config.chat_template)
+        self.models = ModelRegistry(dispatcher, tokenizers, self.config.chat_template)
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.door_metrics = self.metrics.frontdoor("http")
         self.api_keys = api_keys if api_keys is not None and api_keys.enabled else None
@@ -381,7 +381,7 @@ class _Generation:
         parsed = self._parsed
         text = TextStream(self._served.tokenizer.stream_decoder(), parsed.stop, parsed.include_stop_str_in_output)
         door = self._door
-        return aclosing(stream_pieces(door.orchestrator, self._request, text, door.door_metrics,
+        return aclosing(stream_pieces(door.dispatcher, self._request, text, door.door_metrics,
                                       self._arrival, stop_strings=bool(parsed.stop)))
 
     def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
@@ -518,12 +518,12 @@ def _usage(piece: Piece) -> Usage:
     return piece.usage
 
 
-def create_app(orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
+def create_app(dispatcher: Dispatcher, tokenizers: Mapping[str, Tokenizer], *,
                metrics: RouterMetrics | None = None, config: FrontdoorConfig | None = None,
                api_keys: ApiKeys | None = None, serve_metrics: bool = True, tenants: Tenants | None = None,
                tracing: Tracing | None = None) -> HttpApp:
     """The ASGI app of an :class:`HttpFrontdoor` (its front door is ``app.state.frontdoor``)."""
-    door = HttpFrontdoor(orchestrator, tokenizers, metrics=metrics, config=config, api_keys=api_keys,
+    door = HttpFrontdoor(dispatcher, tokenizers, metrics=metrics, config=config, api_keys=api_keys,
                          serve_metrics=serve_metrics, tenants=tenants, tracing=tracing)
     door.app.state.frontdoor = door
     return door.app

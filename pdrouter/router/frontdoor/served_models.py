@@ -41,7 +41,7 @@ class FrontdoorConfig:
 
 @dataclass(frozen=True)
 class ServedModel:
-    """A model the orchestrator serves, with the tokenizer the front doors use for it."""
+    """A model the dispatcher serves, with the tokenizer the front doors use for it."""
 
     info: ModelInfo
     tokenizer: Tokenizer
@@ -105,9 +105,9 @@ class ServedModel:
 
 
 class ModelRegistry:
-    """Model name → :class:`ServedModel`, from the orchestrator's models and the router's tokenizers.
+    """Model name → :class:`ServedModel`, from the dispatcher's models and the router's tokenizers.
 
-    The table is rebuilt from ``orchestrator.models()`` when a name is missing or on
+    The table is rebuilt from ``dispatcher.models()`` when a name is missing or on
     :meth:`refresh`, so models that appear later are picked up without a restart; the lookup on
     the hot path is one dict access. Models without a tokenizer are not served.
 
@@ -115,9 +115,9 @@ class ModelRegistry:
     compiled here, so one that does not compile is a ConfigError when the front door is built.
     """
 
-    def __init__(self, orchestrator: Dispatcher, tokenizers: Mapping[str, Tokenizer],
+    def __init__(self, dispatcher: Dispatcher, tokenizers: Mapping[str, Tokenizer],
                  chat_template: str | None = None) -> None:
-        self._orchestrator = orchestrator
+        self._dispatcher = dispatcher
         self._tokenizers = dict(tokenizers)
         self._models: dict[str, ServedModel] = {}
         self._chat_template = None if chat_template is None else ChatTemplate(chat_template, "--chat-template")
@@ -126,9 +126,9 @@ class ModelRegistry:
                 _ = tokenizer.chat_template
 
     def refresh(self) -> list[ServedModel]:
-        """Re-read the orchestrator's models; the served ones, in its order."""
+        """Re-read the dispatcher's models; the served ones, in its order."""
         served = [ServedModel(info, self._tokenizers[info.name], self._chat_template)
-                  for info in self._orchestrator.models() if info.name in self._tokenizers]
+                  for info in self._dispatcher.models() if info.name in self._tokenizers]
         self._models = {m.name: m for m in served}
         return served
 
@@ -141,6 +141,6 @@ class ModelRegistry:
         found = self._models.get(name)
         if found is not None:
             return found
-        if name in {info.name for info in self._orchestrator.models()}:
+        if name in {info.name for info in self._dispatcher.models()}:
             raise PdRouterError(f"model {name!r} is served but the router has no tokenizer for it")
         raise ModelNotFoundError(f"model {name!r} does not exist; served models: {sorted(self._models)}")
