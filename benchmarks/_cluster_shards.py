@@ -1,6 +1,6 @@
 """How the load of model pools spreads over the shards of a Redis Cluster (``measure_shards``).
 
-Starts an :class:`~pdrouter.state.embedded_redis.EmbeddedRedisCluster` (3 masters, one replica
+Starts an :class:`~pdrouter.testing.redis_cluster.EmbeddedRedisCluster` (3 masters, one replica
 each) and drives the real code paths of ``pdrouter.state`` against it for a few seconds per
 scenario, as a pool's workers and routers do:
 
@@ -43,10 +43,10 @@ from _report import Report, base_parser
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.state.client import RedisClient, redis_client
-from pdrouter.state.embedded_redis import EmbeddedRedisCluster
 from pdrouter.state.prefix_index import HASH_BYTES, PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations
+from pdrouter.testing.redis_cluster import EmbeddedRedisCluster
 
 WORKERS = 16
 """Simulated workers per pool."""

@@ -54,8 +54,8 @@ def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[object]:
     """One real Redis Cluster for the whole session: 3 masters with a replica each on loopback
-    (``pdrouter.state.embedded_redis.EmbeddedRedisCluster``); see ``redis_cluster_url``."""
-    from pdrouter.state.embedded_redis import EmbeddedRedisCluster
+    (``pdrouter.testing.redis_cluster.EmbeddedRedisCluster``); see ``redis_cluster_url``."""
+    from pdrouter.testing.redis_cluster import EmbeddedRedisCluster
 
     with EmbeddedRedisCluster() as cluster:
         yield cluster
@@ -65,7 +65,7 @@ def redis_cluster() -> Iterator[object]:
 def redis_cluster_url(redis_cluster: object) -> Iterator[str]:
     """The ``redis+cluster://`` URL of the session's cluster, healthy (nodes an earlier test killed
     are back, as replicas) and empty at the start of the test."""
-    from pdrouter.state.embedded_redis import EmbeddedRedisCluster
+    from pdrouter.testing.redis_cluster import EmbeddedRedisCluster
 
     assert isinstance(redis_cluster, EmbeddedRedisCluster)
     redis_cluster.revive()

@@ -6,6 +6,8 @@
 * :mod:`pdrouter.testing.http`: the router's own HTTP server for such a door, on a free port;
 * :mod:`pdrouter.testing.pki`: a throwaway certificate authority (``trustme``) and certificates
   as PEM files, for TLS and mutual TLS;
+* :mod:`pdrouter.testing.redis_cluster`: a Redis Cluster of child processes on loopback that can
+  lose a master or fail one over, for the tests and benchmarks of the cluster layout;
 * :mod:`pdrouter.testing.leftovers`: what dead worker incarnations left in Redis (bookings,
   prefix-index entries), counted.
 """

@@ -30,11 +30,11 @@ from pdrouter.state.client import (
     redis_client,
     url_with_password,
 )
-from pdrouter.state.embedded_redis import EmbeddedRedisCluster, find_redis_cli, free_cluster_port
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.prefix_index import SCRIPT_BATCH, PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations
+from pdrouter.testing.redis_cluster import EmbeddedRedisCluster, find_redis_cli, free_cluster_port
 
 HASHES = [BlockHash(i.to_bytes(16, "little")) for i in range(1, 201)]
 
