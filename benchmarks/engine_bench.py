@@ -32,8 +32,8 @@ from _report import Report, base_parser
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
 from pdrouter.engine.model_io import make_model
+from pdrouter.engine.torch_engine import TorchEngine
 
 DECODE_TARGET = 8.0
 PREFILL_TARGET = 0.25
@@ -48,7 +48,7 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(256) for _ in range(n)]
 
 
-def decode_tokens_per_s(engine: Engine, batch: int, steps: int, rng: random.Random) -> float:
+def decode_tokens_per_s(engine: TorchEngine, batch: int, steps: int, rng: random.Random) -> float:
     """Tokens/s of the decode steps of ``batch`` concurrent requests (median step time)."""
     params = SamplingParams(max_tokens=steps + 4, temperature=0.0, ignore_eos=True)
     ids = [_rid() for _ in range(batch)]
@@ -67,7 +67,7 @@ def decode_tokens_per_s(engine: Engine, batch: int, steps: int, rng: random.Rand
     return batch / statistics.median(times)
 
 
-def prefill_ms(engine: Engine, prompt: list[int]) -> tuple[float, int]:
+def prefill_ms(engine: TorchEngine, prompt: list[int]) -> tuple[float, int]:
     """Milliseconds from admission to first token of one request, and its cached prompt tokens."""
     rid = _rid()
     engine.add_request(rid, prompt, SamplingParams(max_tokens=1, temperature=0.0))
@@ -79,7 +79,7 @@ def prefill_ms(engine: Engine, prompt: list[int]) -> tuple[float, int]:
     return elapsed, outs[0].num_cached_tokens
 
 
-def prefill_figures(engine: Engine, length: int, trials: int, rng: random.Random) -> dict[str, float]:
+def prefill_figures(engine: TorchEngine, length: int, trials: int, rng: random.Random) -> dict[str, float]:
     bs = engine.block_size
     cached_blocks = (length * 9 // 10) // bs
     uncached, cached = [], []
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     report.add("load_avg_1m_before", round(os.getloadavg()[0], 2), "(other processes skew the figures)")
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_model(args.preset, args.seed, Path(tmp) / args.preset)
-        engine = Engine(EngineConfig(model_dir, device=args.device, num_blocks=1024,
+        engine = TorchEngine(EngineConfig(model_dir, device=args.device, num_blocks=1024,
                                      max_num_batched_tokens=2048, max_num_seqs=64))
         decode = {b: decode_tokens_per_s(engine, b, steps, rng) for b in (1, 8, 32)}
         prefill = prefill_figures(engine, length, trials, rng)

@@ -46,7 +46,7 @@ def test_the_import_contract_holds() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(("module", "planted", "broken"), [
     ("core/ids.py", "import pdrouter.router.request", "pdrouter.core is not allowed to import pdrouter.router"),
-    ("state/keys.py", "import pdrouter.engine.engine", "pdrouter.state is not allowed to import pdrouter.engine"),
+    ("state/keys.py", "import pdrouter.engine.torch_engine", "pdrouter.state is not allowed to import pdrouter.engine"),
     ("wire/convert.py", "from pdrouter.worker import driver", "pdrouter.wire is not allowed to import pdrouter.worker"),
     ("router/request.py", "import torch", "pdrouter.router is not allowed to import torch"),
     ("engine/sim/link.py", "import torch", "pdrouter.engine.sim is not allowed to import torch"),

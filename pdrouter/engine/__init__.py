@@ -1,6 +1,6 @@
 """Torch runtime shared by the workers: Llama-family model, paged KV cache, prefix caching, scheduler.
 
-The worker-facing contract is :class:`pdrouter.engine.engine.Engine` (built from an
+The worker-facing contract is :class:`pdrouter.engine.torch_engine.TorchEngine` (built from an
 :class:`pdrouter.engine.config.EngineConfig`) and the value objects of :mod:`pdrouter.engine.outputs`. Modules:
 
 * ``config``: the frozen engine configuration and KV pool sizing;
@@ -10,7 +10,7 @@ The worker-facing contract is :class:`pdrouter.engine.engine.Engine` (built from
 * ``block_manager`` / ``events``: block allocation, prefix reuse, LRU eviction, block events (pure Python);
 * ``request`` / ``scheduler`` / ``validation``: request lifecycle, continuous batching, input checks;
 * ``model_runner`` / ``sampler``: one model step, and next-token sampling;
-* ``engine`` / ``outputs``: the synchronous engine and what it hands to its driver.
+* ``torch_engine`` / ``outputs``: the synchronous torch engine and what it hands to its driver.
 
 Importing this package imports no torch; the router can use ``pdrouter.core.tokenizer`` cheaply.
 """

@@ -4,7 +4,7 @@
 the prefix cache, chunked prefill, preemption, the request lifecycle and block events. One
 :class:`ModelStep` runs each scheduled step and returns the sampled tokens:
 
-* ``pdrouter.engine.engine.Engine``: the torch model over a real KV tensor;
+* ``pdrouter.engine.torch_engine.TorchEngine``: the torch model over a real KV tensor;
 * ``pdrouter.engine.sim.engine.SimEngine``: a roofline timing model of a GPU, with no tensors.
 
 This module imports no torch. Threading: exactly one driver thread calls :meth:`BatchEngine.step`

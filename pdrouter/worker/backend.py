@@ -1,6 +1,6 @@
 """Which engine a worker runs, and what its KV transport moves: the torch engine, a simulated GPU or vLLM.
 
-* ``EngineConfig`` → ``pdrouter.engine.engine.Engine`` (torch; the transport moves its pool tensor);
+* ``EngineConfig`` → ``pdrouter.engine.torch_engine.TorchEngine`` (torch; the transport moves its pool tensor);
 * ``SimEngineConfig`` → ``pdrouter.engine.sim.engine.SimEngine`` (no torch; the transport moves a
   one-byte-per-block-and-layer stand-in pool, ``pdrouter.transfer.pool_bytes.standin_layout``, and
   the prefill side paces each transfer to the modeled time of the real bytes, ``TransferPacing``);
@@ -68,9 +68,9 @@ def build_engine(config: EngineConfig | SimEngineConfig, event_sink: BlockEventS
     if isinstance(config, SimEngineConfig):
         engine = SimEngine(config, event_sink=event_sink)
     else:
-        from pdrouter.engine.engine import Engine  # torch, for the real engine only
+        from pdrouter.engine.torch_engine import TorchEngine  # torch, for the real engine only
 
-        engine = Engine(config, event_sink=event_sink)
+        engine = TorchEngine(config, event_sink=event_sink)
     if fault is not None:
         engine.model_step = FaultyStep(engine.model_step, fault)
     return engine
@@ -81,10 +81,10 @@ def kv_pool(engine: BatchEngine) -> PoolBytes:
     worker's stand-in pool (``pool.layout`` is the layout the transport sees)."""
     if isinstance(engine, SimEngine):
         return PoolBytes.allocate(standin_layout(engine.kv_layout))
-    from pdrouter.engine.engine import Engine
+    from pdrouter.engine.torch_engine import TorchEngine
     from pdrouter.transfer.pool_view import PoolView
 
-    assert isinstance(engine, Engine)
+    assert isinstance(engine, TorchEngine)
     return PoolView(engine.kv_tensor, engine.kv_layout)
 
 
@@ -92,9 +92,9 @@ def device_name(engine: BatchEngine) -> str:
     """What the worker runs on, as its registry record names it: ``cpu``, ``cuda:0``, ``sim:h100-80g``…"""
     if isinstance(engine, SimEngine):
         return engine.device_name
-    from pdrouter.engine.engine import Engine
+    from pdrouter.engine.torch_engine import TorchEngine
 
-    assert isinstance(engine, Engine)
+    assert isinstance(engine, TorchEngine)
     return str(engine.device)
 
 

@@ -21,7 +21,7 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
@@ -35,7 +35,7 @@ PROMPT = "The quick brown fox"
 def expected_text(model: Path, prompt: str, max_tokens: int) -> tuple[list[int], str]:
     tok = load_tokenizer(model)
     ids = tok.encode(prompt)
-    out = Engine(EngineConfig(model_dir=model, num_blocks=128)).generate(
+    out = TorchEngine(EngineConfig(model_dir=model, num_blocks=128)).generate(
         [ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
     return out, tok.decode(out)
 

@@ -31,7 +31,7 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import load_tokenizer
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.request import RouterRequest, TokenDelta
 from pdrouter.router.server import RouterProcess
@@ -56,7 +56,7 @@ class Answer:
 
 
 def reference_ids(model: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    engine = Engine(EngineConfig(model_dir=model, num_blocks=128))
+    engine = TorchEngine(EngineConfig(model_dir=model, num_blocks=128))
     return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0))[0]
 
 

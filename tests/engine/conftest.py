@@ -18,11 +18,11 @@ from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.engine.batch_engine import BatchEngine, SchedulingConfig
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
 from pdrouter.engine.model_folder import read_model_folder
 from pdrouter.engine.model_io import make_model, write_random_model
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
+from pdrouter.engine.torch_engine import TorchEngine
 
 from .engine_testing import AnyEngineFactory, EngineFactory, assert_no_leak
 
@@ -74,7 +74,7 @@ def _engines(kind: str, default_dir: Path) -> Iterator[Callable[..., Any]]:
         if kind == "sim":
             engine = sim_engine(model_dir or default_dir, event_sink=event_sink, **overrides)
         else:
-            engine = Engine(EngineConfig(model_dir or default_dir, **overrides), event_sink=event_sink)
+            engine = TorchEngine(EngineConfig(model_dir or default_dir, **overrides), event_sink=event_sink)
         engines.append(engine)
         return engine
 

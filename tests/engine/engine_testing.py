@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from pdrouter.core.ids import RequestId
 from pdrouter.engine.batch_engine import BatchEngine
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 
-EngineFactory = Callable[..., Engine]
+EngineFactory = Callable[..., TorchEngine]
 """Builds torch engines (``make_engine``)."""
 AnyEngineFactory = Callable[..., BatchEngine]
 """Builds the torch or the simulated engine (``make_any_engine``: the contract suite)."""

@@ -20,9 +20,9 @@ from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.batch_engine import BatchEngine, StepWork
-from pdrouter.engine.engine import Engine
 from pdrouter.engine.events import RecordingBlockEventSink
 from pdrouter.engine.outputs import FinishReason, PrefillResult, RequestOutput
+from pdrouter.engine.torch_engine import TorchEngine
 
 from .dense_reference import dense_greedy
 from .engine_testing import AnyEngineFactory, EngineFactory, assert_no_leak, random_prompt, rid
@@ -51,7 +51,7 @@ def prefill(engine: BatchEngine, prompt: Sequence[int], params: SamplingParams =
     return out.prefill
 
 
-def ship(src: Engine, result: PrefillResult, dst: Engine, reservation_blocks: Sequence[int],
+def ship(src: TorchEngine, result: PrefillResult, dst: TorchEngine, reservation_blocks: Sequence[int],
          num_cached: int) -> None:
     """Copy the prompt's KV from the prefill pool into the reserved blocks, skipping cached ones."""
     data = src.kv_cache.export_blocks(result.block_ids[num_cached:])
@@ -72,7 +72,7 @@ def test_prefill_only_holds_blocks_until_release(make_any_engine: AnyEngineFacto
     result = prefill(engine, prompt)
     assert result.token_ids == tuple(prompt)
     assert len(result.block_ids) == 3 and result.num_cached_blocks == 0
-    if isinstance(engine, Engine):
+    if isinstance(engine, TorchEngine):
         assert result.first_token == dense_greedy(engine.model, prompt, 1)[0]
     assert 0 <= result.first_token < engine.spec.vocab_size
     assert result.block_hashes == tuple(BlockHasher(16).hash_blocks(prompt))
@@ -306,5 +306,5 @@ def test_a_failed_model_step_can_be_retried(make_any_engine: AnyEngineFactory,
     (tokens,) = [[t for o in drain(engine) for t in o.new_token_ids]]
     # The retry gives what an engine that never failed gives.
     assert tokens == make_any_engine().generate([[9, 8, 7, 6]], params)[0]
-    if isinstance(engine, Engine):
+    if isinstance(engine, TorchEngine):
         assert tokens == dense_greedy(engine.model, [9, 8, 7, 6], 3, engine.eos_token_ids)

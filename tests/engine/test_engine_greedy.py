@@ -8,8 +8,8 @@ import pytest
 
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.engine.engine import Engine
 from pdrouter.engine.outputs import FinishReason, RequestOutput
+from pdrouter.engine.torch_engine import TorchEngine
 
 from .dense_reference import dense_greedy
 from .engine_testing import EngineFactory, rid
@@ -22,7 +22,7 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-def run(engine: Engine,
+def run(engine: TorchEngine,
         requests: dict[RequestId, tuple[list[int], SamplingParams]]) -> dict[RequestId, list[RequestOutput]]:
     for request_id, (prompt, params) in requests.items():
         engine.add_request(request_id, prompt, params)
@@ -37,7 +37,7 @@ def tokens(outs: list[RequestOutput]) -> list[int]:
     return [t for o in outs for t in o.new_token_ids]
 
 
-def reference(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+def reference(engine: TorchEngine, prompt: list[int], max_tokens: int) -> list[int]:
     return dense_greedy(engine.model, prompt, max_tokens, engine.eos_token_ids)
 
 

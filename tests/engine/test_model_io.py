@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
 from pdrouter.engine.model_io import make_model, read_model_folder
+from pdrouter.engine.torch_engine import TorchEngine
 
 
 def test_same_preset_and_seed_give_identical_bytes(tmp_path: Path) -> None:
@@ -46,20 +46,20 @@ def test_half_precision_models_write_and_run(tmp_path: Path, dtype: str) -> None
     folder = make_model("tiny", 0, tmp_path / dtype, dtype=dtype)
     expected = torch.bfloat16 if dtype == "bf16" else torch.float16
     assert load_file(str(folder / "model.safetensors"))["model.norm.weight"].dtype == expected
-    engine = Engine(EngineConfig(folder, num_blocks=8))
+    engine = TorchEngine(EngineConfig(folder, num_blocks=8))
     assert engine.kv_tensor.dtype == expected
     (tokens,) = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert len(tokens) == 4 and all(0 <= t < 512 for t in tokens)
 
 
 def test_fp32_folder_can_run_in_bf16(tiny_dir: Path) -> None:
-    engine = Engine(EngineConfig(tiny_dir, num_blocks=8, dtype="bfloat16"))
+    engine = TorchEngine(EngineConfig(tiny_dir, num_blocks=8, dtype="bfloat16"))
     assert engine.model.embed.weight.dtype == torch.bfloat16
     assert engine.kv_layout.dtype == "bfloat16"
 
 
 def test_greedy_decoding_of_the_tiny_model_is_not_degenerate(tiny_dir: Path) -> None:
-    engine = Engine(EngineConfig(tiny_dir, num_blocks=64))
+    engine = TorchEngine(EngineConfig(tiny_dir, num_blocks=64))
     prompts = [engine.tokenizer.encode(s) for s in ("Hello world", "The quick brown fox", "a", "12345")]
     outs = engine.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True))
     distinct = [len(set(o[16:])) for o in outs]
@@ -82,7 +82,7 @@ def test_missing_tensor_is_a_config_error(tiny_dir: Path, tmp_path: Path) -> Non
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(broken / "model.safetensors"))
     with pytest.raises(ConfigError, match="up_proj"):
-        Engine(EngineConfig(broken, num_blocks=8))
+        TorchEngine(EngineConfig(broken, num_blocks=8))
 
 
 @pytest.mark.parametrize("change", [{"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
@@ -102,4 +102,4 @@ def test_folder_without_weights_is_refused(tiny_dir: Path, tmp_path: Path) -> No
     folder.mkdir()
     shutil.copy(tiny_dir / "config.json", folder / "config.json")
     with pytest.raises(ConfigError, match="safetensors"):
-        Engine(EngineConfig(folder, num_blocks=8))
+        TorchEngine(EngineConfig(folder, num_blocks=8))

@@ -18,7 +18,7 @@ from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import check_health
@@ -34,7 +34,7 @@ SIM_TIME_SCALE = 10.0
 
 
 def reference(model: Path) -> list[list[int]]:
-    engine = Engine(EngineConfig(model_dir=model, num_blocks=256))
+    engine = TorchEngine(EngineConfig(model_dir=model, num_blocks=256))
     return engine.generate(PROMPTS, GREEDY)
 
 

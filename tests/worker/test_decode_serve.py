@@ -28,7 +28,7 @@ from pdrouter.core.ids import WorkerId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.convert import sampling_to_pb
@@ -196,7 +196,7 @@ async def fleet(workers: Workers, request: pytest.FixtureRequest) -> AsyncIterat
 
 @pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
 async def test_outputs_equal_colocated_and_report_says_how(fleet: Fleet, tiny_model: Path) -> None:
-    expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate(PROMPTS, GREEDY)
+    expected = TorchEngine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate(PROMPTS, GREEDY)
     results = await asyncio.gather(*(fleet.run(f"r{i}", p) for i, p in enumerate(PROMPTS)))
     assert [tokens for tokens, _ in results] == expected
     for prompt, (_, chunks) in zip(PROMPTS, results, strict=True):
@@ -218,7 +218,7 @@ async def test_outputs_equal_colocated_and_report_says_how(fleet: Fleet, tiny_mo
 
 
 async def test_local_prefill_when_little_is_uncached_or_no_route(fleet: Fleet, tiny_model: Path) -> None:
-    expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate(PROMPTS[:2], GREEDY)
+    expected = TorchEngine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate(PROMPTS[:2], GREEDY)
     tokens, chunks = await fleet.run("small", PROMPTS[0], local_prefill_tokens=32)
     assert tokens == expected[0]
     assert chunks[0].prefill.local and chunks[0].prefill.worker_id == ""
@@ -229,7 +229,7 @@ async def test_local_prefill_when_little_is_uncached_or_no_route(fleet: Fleet, t
 @pytest.mark.parametrize("fleet", ["grpc", "lane"], indirect=True)
 async def test_failed_prefill_worker_is_retried_on_the_next(fleet: Fleet, tiny_model: Path) -> None:
     d_free = (await fleet.load(fleet.decode.worker_id))[0]
-    expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
+    expected = TorchEngine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
     routes = [await fleet.dead_route(), fleet.route(fleet.prefills[1])]
     tokens, chunks = await fleet.run("retry", PROMPTS[1], routes=routes)
     assert tokens == expected
@@ -262,7 +262,7 @@ async def test_routes_not_registered_in_the_pool_are_never_called(fleet: Fleet, 
     server = await asyncio.start_server(count, "127.0.0.1", 0)
     elsewhere = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     d_free = (await fleet.load(fleet.decode.worker_id))[0]
-    expected = Engine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
+    expected = TorchEngine(EngineConfig(model_dir=tiny_model, num_blocks=256)).generate([PROMPTS[1]], GREEDY)[0]
     unregistered = worker_pb2.PrefillRoute(worker_id="intruder", address=elsewhere, lane_address=elsewhere)
     moved = worker_pb2.PrefillRoute(worker_id=fleet.prefills[0].worker_id, address=elsewhere, lane_address=elsewhere)
     tokens, chunks = await fleet.run("refused", PROMPTS[1], routes=[unregistered, moved,

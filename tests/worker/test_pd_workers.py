@@ -22,7 +22,7 @@ from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.config import EngineConfig
-from pdrouter.engine.engine import Engine
+from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.wire.convert import sampling_to_pb
@@ -117,7 +117,7 @@ async def pd(spawn_worker: SpawnWorker, redis_url: str, request: pytest.FixtureR
 
 
 def reference(model: Path) -> list[list[int]]:
-    return Engine(EngineConfig(model_dir=model, num_blocks=256)).generate(PROMPTS, GREEDY)
+    return TorchEngine(EngineConfig(model_dir=model, num_blocks=256)).generate(PROMPTS, GREEDY)
 
 
 @pytest.mark.parametrize("pd", ["tcp", "gloo", "tcp+lane"], indirect=True)

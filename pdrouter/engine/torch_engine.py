@@ -1,6 +1,6 @@
 """The torch engine: a Llama-family model over a paged KV tensor, behind the shared batching engine.
 
-``Engine`` is a :class:`pdrouter.engine.batch_engine.BatchEngine` (its module docstring is the
+``TorchEngine`` is a :class:`pdrouter.engine.batch_engine.BatchEngine` (its module docstring is the
 contract: threading, the three ways in, aborts, errors, block events) whose model step is
 :class:`TorchModelStep`: it builds the step's tensors (``pdrouter.engine.model_runner``), runs the
 model and samples (``pdrouter.engine.sampler``). The pool tensor, ``kv_tensor``, is what the KV
@@ -60,7 +60,7 @@ class TorchModelStep:
         return [NON_FINITE_LOGITS if t is None else t for t in tokens]
 
 
-class Engine(BatchEngine):
+class TorchEngine(BatchEngine):
     """The torch engine of one worker: loads the folder's weights and sizes the KV pool from ``config``."""
 
     def __init__(self, config: EngineConfig, *, event_sink: BlockEventSink | None = None) -> None:
