@@ -33,10 +33,10 @@ from pdrouter.transfer.errors import (
     UnknownTransferError,
 )
 from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.lifecycle import TransferState
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.receiver import KvReceiver, ReceiverStats
 from pdrouter.transfer.sender import KvSender, SenderStats
-from pdrouter.transfer.state import TransferState
 from pdrouter.transfer.target import TransferTarget
 
 if TYPE_CHECKING:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from pdrouter.core.errors import PdRouterError
-from pdrouter.transfer.state import TransferState
+from pdrouter.transfer.lifecycle import TransferState
 from pdrouter.transfer.target import TransferTarget
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.errors import ProtocolError
 from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
 from pdrouter.transfer.framed_socket import FramedSocket
@@ -49,7 +49,7 @@ class DataPlane(Protocol):
         """Write the DATA header on the socket and move the payload read from ``frame.src``."""
         ...
 
-    def recv_frame(self, header: wire.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
+    def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         """Take one payload; write it into ``span`` of the local pool if ``land`` and the guard allows,
         else drop it. Returns whether its MAC (checksum) matched, or None when nothing was checked."""
         ...
@@ -76,8 +76,8 @@ class SocketPlane:
         self._helper = MacHelper(f"kvt-mac-{fs.peer}") if offload else None
 
     def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
-        flags = wire.Flag.MAC_TRAILER if self._macs else wire.Flag.NO_CHECKSUM
-        header = wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
+        flags = frames.Flag.MAC_TRAILER if self._macs else frames.Flag.NO_CHECKSUM
+        header = frames.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
                                   payload_checksum=0)
         # A block's layers are many small ranges (32 KiB each for Llama-3-8B): they go out
         # gathered, one system call per SEND_CHUNK_BYTES rather than one per range.
@@ -99,8 +99,8 @@ class SocketPlane:
                 raise
             self._fs.write_all(tag)
 
-    def recv_frame(self, header: wire.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
-        trailer = wire.TAG_BYTES if header.flags & wire.Flag.MAC_TRAILER else 0
+    def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
+        trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
         if self._macs and not trailer:
             raise ProtocolError(f"a DATA frame from {self._fs.peer} without a payload MAC: this receiver "
                                 f"requires them")

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.config import Backend
 from pdrouter.transfer.data_plane import WriteGuard
 from pdrouter.transfer.errors import PeerLostError
@@ -38,15 +38,15 @@ class StoreHost:
             host, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s))
         self.port = int(self._store.port)
 
-    def new_rendezvous(self) -> wire.Ready:
-        return wire.Ready(self.host, self.port, f"kvtransfer/{uuid.uuid4().hex}/")
+    def new_rendezvous(self) -> frames.Ready:
+        return frames.Ready(self.host, self.port, f"kvtransfer/{uuid.uuid4().hex}/")
 
     def close(self) -> None:
         """Stop serving the store (its sockets close with the last reference)."""
         self._store = None
 
 
-def join_pair_group(backend: Backend, ready: wire.Ready, rank: int, local_host: str,
+def join_pair_group(backend: Backend, ready: frames.Ready, rank: int, local_host: str,
                     timeout_s: float, device: torch.device) -> Any:
     """Build (and block until the peer joins) the two-rank group described by ``ready``."""
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -89,21 +89,21 @@ class DistPlane:
         self._scratch: torch.Tensor | None = None
 
     def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
-        flags = wire.Flag.OUT_OF_BAND | (wire.Flag.NONE if self._hash else wire.Flag.NO_CHECKSUM)
+        flags = frames.Flag.OUT_OF_BAND | (frames.Flag.NONE if self._hash else frames.Flag.NO_CHECKSUM)
         digest = self._view.checksum(frame.src) if self._hash else 0
-        self._fs.send(wire.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
+        self._fs.send(frames.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
                                        payload_checksum=digest))  # the header's MAC covers the digest
         tensors = self._view.tensors(frame.src)
         works = [self._group.send([t], self._peer, tag) for tag, t in enumerate(tensors)]
         self._wait(works, "send")
 
-    def recv_frame(self, header: wire.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
+    def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         with guard() as ok:
             landing = land and ok
             targets = self._view.tensors(span) if landing else self._scratch_pieces(span)
             works = [self._group.recv([t], self._peer, tag) for tag, t in enumerate(targets)]
             self._wait(works, "receive")
-        if not landing or self._view.is_cuda or header.flags & wire.Flag.NO_CHECKSUM:
+        if not landing or self._view.is_cuda or header.flags & frames.Flag.NO_CHECKSUM:
             return None
         return self._view.checksum(span) == header.payload_checksum
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.errors import PeerLostError, ProtocolError
 from pdrouter.transfer.integrity import MacKey, PayloadMac
 from pdrouter.transfer.tls_channel import TlsSession
@@ -78,7 +78,7 @@ class FramedSocket:
         host, port = sock.getpeername()[:2]
         self.peer = f"{host}:{port}"
         self.local_host: str = sock.getsockname()[0]
-        self._prefix = bytearray(wire.PREFIX.size)
+        self._prefix = bytearray(frames.PREFIX.size)
         self._scratch = bytearray(_DISCARD_CHUNK)
 
     @classmethod
@@ -189,7 +189,7 @@ class FramedSocket:
 
     # -- writing ----------------------------------------------------------------------------------
     def send(self, message: bytes) -> None:
-        """Seal and write one whole ``wire.encode``d message (no other message interleaves)."""
+        """Seal and write one whole ``frames.encode``d message (no other message interleaves)."""
         with self._send_lock:
             self.write_header(message)
 
@@ -203,13 +203,13 @@ class FramedSocket:
         """Seal and write ``message`` (prefix and body); only inside ``exclusive`` (or ``send``)."""
         key = self._send_key
         if key is None:
-            prefix, tag = wire.seal(message, wire.plain_tag)
+            prefix, tag = frames.seal(message, frames.plain_tag)
             seq = -1
         else:
             seq = self._send_seq
             self._send_seq += 1
-            prefix, tag = wire.seal(message, lambda data: key.header_tag(seq, data))
-        self._write([prefix, memoryview(message)[wire.PREFIX.size:]])
+            prefix, tag = frames.seal(message, lambda data: key.header_tag(seq, data))
+        self._write([prefix, memoryview(message)[frames.PREFIX.size:]])
         return Sealed(seq, tag)
 
     def send_payload_mac(self, sealed: Sealed) -> PayloadMac:
@@ -257,7 +257,7 @@ class FramedSocket:
             raise self._lost("send failed", exc) from exc
 
     # -- reading ----------------------------------------------------------------------------------
-    def recv_header(self, *, idle: bool = True, max_body: int | None = None) -> wire.Header:
+    def recv_header(self, *, idle: bool = True, max_body: int | None = None) -> frames.Header:
         """The next message's verified header.
 
         With ``idle`` it waits as long as it takes for the message to start (within ``set_deadline``);
@@ -281,21 +281,21 @@ class FramedSocket:
         self._msg_deadline = start + self._message_timeout
         self.recv_into([view[got:]])
         raw = bytes(self._prefix)
-        p = wire.parse_prefix(raw)
+        p = frames.parse_prefix(raw)
         if not self.authenticated:
-            limit = max_body if max_body is not None else wire.MAX_BODY_BYTES
+            limit = max_body if max_body is not None else frames.MAX_BODY_BYTES
             if p.body_len > limit:
                 raise ProtocolError(f"{self.peer} sent a {p.body_len}-byte body before authenticating "
                                     f"(at most {limit})")
             if p.payload_len or p.kind not in _HANDSHAKE_KINDS:
                 raise ProtocolError(f"{self.peer} sent a message of kind {p.kind} before authenticating")
-        self._msg_deadline = start + self._deadline_for(wire.PREFIX.size + p.body_len)
+        self._msg_deadline = start + self._deadline_for(frames.PREFIX.size + p.body_len)
         body = bytearray(p.body_len)
         self.recv_into([memoryview(body)])
         header = self._open(raw, bytes(body))
-        if header.kind is wire.Kind.DATA and not header.flags & wire.Flag.OUT_OF_BAND:
-            trailer = wire.TAG_BYTES if header.flags & wire.Flag.MAC_TRAILER else 0
-            self._msg_deadline = start + self._deadline_for(wire.PREFIX.size + p.body_len + p.payload_len + trailer)
+        if header.kind is frames.Kind.DATA and not header.flags & frames.Flag.OUT_OF_BAND:
+            trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
+            self._msg_deadline = start + self._deadline_for(frames.PREFIX.size + p.body_len + p.payload_len + trailer)
         else:
             self._msg_deadline = None
         return header
@@ -303,16 +303,16 @@ class FramedSocket:
     def _deadline_for(self, nbytes: int) -> float:
         return max(self._message_timeout, nbytes / self._min_rate)
 
-    def _open(self, raw: bytes, body: bytes) -> wire.Header:
+    def _open(self, raw: bytes, body: bytes) -> frames.Header:
         key = self._recv_key
         if key is None:
-            return wire.verify(raw, body)
+            return frames.verify(raw, body)
         seq = self._recv_seq
-        header = wire.verify(raw, body, lambda data: key.header_tag(seq, data), seq=seq, what="MAC")
+        header = frames.verify(raw, body, lambda data: key.header_tag(seq, data), seq=seq, what="MAC")
         self._recv_seq += 1
         return header
 
-    def recv_payload_mac(self, header: wire.Header) -> PayloadMac:
+    def recv_payload_mac(self, header: frames.Header) -> PayloadMac:
         """The MAC the payload following ``header`` must match."""
         if self._recv_key is None or header.seq < 0:
             raise ProtocolError("a payload before the handshake")
@@ -411,7 +411,7 @@ class FramedSocket:
         return error
 
 
-_HANDSHAKE_KINDS = frozenset(int(k) for k in wire.HANDSHAKE_KINDS)
+_HANDSHAKE_KINDS = frozenset(int(k) for k in frames.HANDSHAKE_KINDS)
 
 
 def _advance(bufs: list[memoryview], i: int, nbytes: int) -> int:

@@ -33,13 +33,13 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 from pdrouter.core.errors import IncompatibleError
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.errors import AuthError, ErrorCode, ProtocolError, error_for_code
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.integrity import derive_session, proof_matches
 
-_M = TypeVar("_M", bound=wire.Control)
+_M = TypeVar("_M", bound=frames.Control)
 _NONCE_HEX = 32
 
 
@@ -50,7 +50,7 @@ class PeerInfo:
     address: str
     epoch: int
     compat_hash: str
-    ready: wire.Ready
+    ready: frames.Ready
     ack_every: int = 0
     """(receiver side) how often the sender wants acknowledgements; 0: never."""
 
@@ -60,49 +60,49 @@ def client_handshake(fs: FramedSocket, config: TransferConfig, compat_hash: str)
 
     On return ``fs`` carries MACs both ways.
     """
-    hello = wire.encode_control(wire.ClientHello(config.epoch, compat_hash, config.backend.value,
+    hello = frames.encode_control(frames.ClientHello(config.epoch, compat_hash, config.backend.value,
                                                  secrets.token_hex(_NONCE_HEX // 2), config.ack_every_bytes))
     fs.send(hello)
-    header, server = _expect(fs, wire.ServerHello, config)
+    header, server = _expect(fs, frames.ServerHello, config)
     _check_nonce(fs, server.nonce)
     keys = derive_session(config.auth_token, _body(hello), header.body)
-    fs.send(wire.encode_control(wire.ClientAuth(keys.client_proof.hex())))
-    _, auth = _expect(fs, wire.ServerAuth, config)
+    fs.send(frames.encode_control(frames.ClientAuth(keys.client_proof.hex())))
+    _, auth = _expect(fs, frames.ServerAuth, config)
     if not proof_matches(auth.proof, keys.server_proof):
         raise AuthError(f"receiver at {fs.peer} could not prove the auth token: the workers are "
                         f"configured with different tokens")
     fs.install_keys(keys.client_to_server, keys.server_to_client)
-    _, ready = _expect(fs, wire.Ready, config)
+    _, ready = _expect(fs, frames.Ready, config)
     return PeerInfo(fs.peer, server.epoch, server.compat_hash, ready)
 
 
 def server_handshake(fs: FramedSocket, config: TransferConfig, compat_hash: str,
-                     make_ready: Callable[[], wire.Ready]) -> PeerInfo:
+                     make_ready: Callable[[], frames.Ready]) -> PeerInfo:
     """Run the server side; refuses (telling the client why, with nothing derived from the token)
     and raises when the client is not fit. On return ``fs`` carries MACs both ways."""
-    header, client = _expect(fs, wire.ClientHello, config)
+    header, client = _expect(fs, frames.ClientHello, config)
     _check_nonce(fs, client.nonce)
     if client.backend != config.backend.value:
         _refuse(fs, ErrorCode.INCOMPATIBLE, IncompatibleError(
             f"sender uses backend {client.backend!r}, receiver {config.backend.value!r}"))
     if client.ack_every < 0:
         _refuse(fs, ErrorCode.PROTOCOL, ProtocolError(f"sender at {fs.peer} asked for a negative ack window"))
-    hello = wire.encode_control(wire.ServerHello(config.epoch, compat_hash, config.backend.value,
+    hello = frames.encode_control(frames.ServerHello(config.epoch, compat_hash, config.backend.value,
                                                  secrets.token_hex(_NONCE_HEX // 2)))
     fs.send(hello)
     keys = derive_session(config.auth_token, header.body, _body(hello))
-    _, auth = _expect(fs, wire.ClientAuth, config)
+    _, auth = _expect(fs, frames.ClientAuth, config)
     if not proof_matches(auth.proof, keys.client_proof):
         _refuse(fs, ErrorCode.AUTH, AuthError(f"sender at {fs.peer} could not prove the auth token"))
-    fs.send(wire.encode_control(wire.ServerAuth(keys.server_proof.hex())))
+    fs.send(frames.encode_control(frames.ServerAuth(keys.server_proof.hex())))
     fs.install_keys(keys.server_to_client, keys.client_to_server)
     ready = make_ready()
-    fs.send(wire.encode_control(ready))
+    fs.send(frames.encode_control(ready))
     return PeerInfo(fs.peer, client.epoch, client.compat_hash, ready, client.ack_every)
 
 
 def _body(message: bytes) -> bytes:
-    return message[wire.PREFIX.size:]
+    return message[frames.PREFIX.size:]
 
 
 def _check_nonce(fs: FramedSocket, nonce: str) -> None:
@@ -110,10 +110,10 @@ def _check_nonce(fs: FramedSocket, nonce: str) -> None:
         raise ProtocolError(f"handshake with {fs.peer}: a nonce of {len(nonce)} characters, not {_NONCE_HEX}")
 
 
-def _expect(fs: FramedSocket, cls: type[_M], config: TransferConfig) -> tuple[wire.Header, _M]:
+def _expect(fs: FramedSocket, cls: type[_M], config: TransferConfig) -> tuple[frames.Header, _M]:
     header = fs.recv_header(idle=False, max_body=config.max_preauth_bytes)
-    msg = wire.decode_control(header) if header.kind is not wire.Kind.DATA else None
-    if isinstance(msg, wire.ErrorMsg):
+    msg = frames.decode_control(header) if header.kind is not frames.Kind.DATA else None
+    if isinstance(msg, frames.ErrorMsg):
         raise error_for_code(msg.code, f"{fs.peer} refused the connection: {msg.message}")
     if not isinstance(msg, cls):
         raise ProtocolError(f"handshake with {fs.peer}: expected {cls.KIND.name}, got {header.kind.name}")
@@ -122,6 +122,6 @@ def _expect(fs: FramedSocket, cls: type[_M], config: TransferConfig) -> tuple[wi
 
 def _refuse(fs: FramedSocket, code: ErrorCode, exc: Exception) -> NoReturn:
     try:
-        fs.send(wire.encode_control(wire.ErrorMsg("", int(code), str(exc))))
+        fs.send(frames.encode_control(frames.ErrorMsg("", int(code), str(exc))))
     finally:
         raise exc

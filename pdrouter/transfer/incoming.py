@@ -16,9 +16,9 @@ from pdrouter.core.errors import (
     StaleEpochError,
 )
 from pdrouter.transfer.errors import ChecksumError, ProtocolError
-from pdrouter.transfer.state import Lifecycle, TransferState
+from pdrouter.transfer.frames import Begin
+from pdrouter.transfer.lifecycle import Lifecycle, TransferState
 from pdrouter.transfer.target import TransferTarget
-from pdrouter.transfer.wire import Begin
 
 PeerNotifier = Callable[[PdRouterError], object]
 

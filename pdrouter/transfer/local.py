@@ -18,7 +18,7 @@ import torch
 
 from pdrouter.core.errors import IncompatibleError, PdRouterError, StaleEpochError
 from pdrouter.core.kv_layout import KvLayout
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.errors import PeerLostError, code_for_error, error_for_code
 from pdrouter.transfer.expectations import ExpectationBook
 from pdrouter.transfer.incoming import IncomingTransfer
@@ -161,7 +161,7 @@ class _LocalLink:
     def _run(self, transfer: OutgoingTransfer, incoming: IncomingTransfer, item: OutItem) -> None:
         if isinstance(item, BeginItem):
             t = transfer.target
-            begin = wire.Begin(t.transfer_id, t.epoch, self._sender_compat, t.dst_block_ids, t.skip_blocks,
+            begin = frames.Begin(t.transfer_id, t.epoch, self._sender_compat, t.dst_block_ids, t.skip_blocks,
                                t.layer_start, t.layer_end)
             incoming.bind(begin, self._sender_epoch, self._sender_compat, self._receiver.compat_hash,
                           lambda error: transfer.fail(error, tell_peer=False), lambda: None)

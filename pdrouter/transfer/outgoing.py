@@ -9,8 +9,8 @@ from typing import Protocol
 
 from pdrouter.core.errors import CancelledError, DeadlineExceededError, InvalidRequestError, PdRouterError
 from pdrouter.transfer.frame_plan import PlannedFrame, plan_frames
+from pdrouter.transfer.lifecycle import Lifecycle, TransferState
 from pdrouter.transfer.pool_bytes import PoolBytes
-from pdrouter.transfer.state import Lifecycle, TransferState
 from pdrouter.transfer.target import BlockSegment, TransferTarget, check_block_ids, pair_segments
 
 

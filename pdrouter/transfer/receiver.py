@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdrouter.core.kv_layout import KvLayout
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.expectations import ExpectationBook
 from pdrouter.transfer.incoming import IncomingTransfer
@@ -175,8 +175,8 @@ class KvReceiver:
             for old in evicted:
                 old.fs.close()  # its thread sees the connection gone, and ends
 
-    def _rendezvous(self) -> wire.Ready:
-        return self._store.new_rendezvous() if self._store is not None else wire.Ready()
+    def _rendezvous(self) -> frames.Ready:
+        return self._store.new_rendezvous() if self._store is not None else frames.Ready()
 
     def _evict_oldest(self) -> ReceiverConnection:
         """Forget the oldest connection that has not proved the token (the caller closes it); under the lock."""

@@ -20,15 +20,15 @@ from contextlib import contextmanager
 from typing import Protocol
 
 from pdrouter.core.errors import PdRouterError
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane, SocketPlane
 from pdrouter.transfer.errors import PeerLostError, ProtocolError, code_for_error, error_for_code
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo, server_handshake
 from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.lifecycle import TransferState
 from pdrouter.transfer.pool_bytes import PoolBytes
-from pdrouter.transfer.state import TransferState
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class ReceiverConnection:
     """Serves one accepted socket on its own thread until it closes."""
 
     def __init__(self, sock: socket.socket, view: PoolBytes, config: TransferConfig, compat_hash: str,
-                 expectations: Expectations, make_ready: Callable[[], wire.Ready],
+                 expectations: Expectations, make_ready: Callable[[], frames.Ready],
                  on_closed: Callable[[ReceiverConnection], None], *, tls: ssl.SSLContext | None = None,
                  on_proven: Callable[[ReceiverConnection], None] | None = None) -> None:
         """``on_closed`` runs once the connection is gone, ``on_proven`` once its peer proved the token
@@ -86,7 +86,7 @@ class ReceiverConnection:
         except PdRouterError as exc:
             failure = exc.with_traceback(None)  # no frames (and what they hold) kept alive by the error
             if self._plane is not None and not isinstance(exc, PeerLostError):
-                self._send(wire.encode_control(wire.ErrorMsg("", int(code_for_error(exc)), exc.message)))
+                self._send(frames.encode_control(frames.ErrorMsg("", int(code_for_error(exc)), exc.message)))
         except Exception as exc:  # a bug must not leave the bound transfers hanging
             log.exception("kvtransfer receiver connection from %s crashed", self.fs.peer)
             failure = ProtocolError(f"receiver crashed: {exc!r}")
@@ -124,25 +124,25 @@ class ReceiverConnection:
                                 cfg.connect_timeout_s, self._view.pool.device)
         return DistPlane(self.fs, self._view, group, 1 - RECEIVER_RANK, cfg.checksums, cfg.progress_timeout_s)
 
-    def _handle(self, header: wire.Header) -> None:
-        if header.kind is wire.Kind.DATA:
+    def _handle(self, header: frames.Header) -> None:
+        if header.kind is frames.Kind.DATA:
             self._on_data(header)
             return
-        msg = wire.decode_control(header)
-        if isinstance(msg, wire.Begin):
+        msg = frames.decode_control(header)
+        if isinstance(msg, frames.Begin):
             self._on_begin(msg)
-        elif isinstance(msg, wire.End):
+        elif isinstance(msg, frames.End):
             incoming = self._bound.get(msg.transfer_id)
             if incoming is not None:
                 incoming.end_of_stream()
-        elif isinstance(msg, wire.ErrorMsg) and msg.transfer_id:
+        elif isinstance(msg, frames.ErrorMsg) and msg.transfer_id:
             self._on_sender_error(msg)
-        elif isinstance(msg, wire.ErrorMsg):
+        elif isinstance(msg, frames.ErrorMsg):
             raise PeerLostError(f"sender at {self.fs.peer} closed the connection: {msg.message}")
         else:
             raise ProtocolError(f"unexpected {header.kind.name} from sender at {self.fs.peer}")
 
-    def _on_begin(self, msg: wire.Begin) -> None:
+    def _on_begin(self, msg: frames.Begin) -> None:
         assert self._peer is not None and self._plane is not None
         self._bound = {tid: t for tid, t in self._bound.items() if not t.state.terminal}
         incoming = self._expectations.lookup(msg.transfer_id)
@@ -159,9 +159,9 @@ class ReceiverConnection:
             return
         self._bound[tid] = incoming
 
-    def _on_data(self, header: wire.Header) -> None:
+    def _on_data(self, header: frames.Header) -> None:
         assert self._plane is not None
-        data = wire.decode_data(header)
+        data = frames.decode_data(header)
         span = data.span
         try:
             self._view.check_span(span)
@@ -170,7 +170,7 @@ class ReceiverConnection:
         if header.payload_len != self._view.nbytes(span):
             raise ProtocolError(f"DATA frame says {header.payload_len} bytes, its runs hold "
                                 f"{self._view.nbytes(span)}")
-        if bool(header.flags & wire.Flag.OUT_OF_BAND) != self._plane.out_of_band:
+        if bool(header.flags & frames.Flag.OUT_OF_BAND) != self._plane.out_of_band:
             raise ProtocolError("DATA frame on the wrong data plane")
         incoming = self._bound.get(data.transfer_id)
         positions = None
@@ -190,9 +190,9 @@ class ReceiverConnection:
         incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len)
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
-            self._send(wire.encode_control(wire.Done(data.transfer_id)))
+            self._send(frames.encode_control(frames.Done(data.transfer_id)))
 
-    def _on_sender_error(self, msg: wire.ErrorMsg) -> None:
+    def _on_sender_error(self, msg: frames.ErrorMsg) -> None:
         assert self._peer is not None
         incoming = self._bound.get(msg.transfer_id)
         if incoming is None:
@@ -211,7 +211,7 @@ class ReceiverConnection:
         if self._peer.ack_every:
             self._unacked += nbytes
             if self._unacked and (flush or self._unacked >= self._peer.ack_every):
-                self._send(wire.encode_ack(self._unacked))
+                self._send(frames.encode_ack(self._unacked))
                 self._unacked = 0
 
     def _send(self, message: bytes) -> None:
@@ -219,7 +219,7 @@ class ReceiverConnection:
             self.fs.send(message)
 
     def _send_error(self, transfer_id: str, error: PdRouterError) -> None:
-        self._send(wire.encode_control(wire.ErrorMsg(transfer_id, int(code_for_error(error)), error.message)))
+        self._send(frames.encode_control(frames.ErrorMsg(transfer_id, int(code_for_error(error)), error.message)))
 
     def _shutdown(self, failure: PdRouterError) -> None:
         if self._plane is not None:

@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from pdrouter.core.errors import InvalidRequestError, PdRouterError
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.config import TransferConfig
 from pdrouter.transfer.data_plane import DataPlane
 from pdrouter.transfer.errors import PeerLostError, code_for_error, error_for_code
@@ -132,9 +132,9 @@ class SenderConnection:
                 elif item.transfer.state.terminal:
                     continue
                 elif isinstance(item, BeginItem):
-                    self.fs.send(wire.encode_control(_begin(item.transfer, self._compat)))
+                    self.fs.send(frames.encode_control(_begin(item.transfer, self._compat)))
                 elif isinstance(item, EndItem):
-                    self.fs.send(wire.encode_control(wire.End(item.transfer.transfer_id, item.frames,
+                    self.fs.send(frames.encode_control(frames.End(item.transfer.transfer_id, item.frames,
                                                               item.nbytes)))
         except PdRouterError as exc:
             self._die(exc)
@@ -158,20 +158,20 @@ class SenderConnection:
         try:
             while True:
                 header = self.fs.recv_header()
-                if header.kind is wire.Kind.ACK:
+                if header.kind is frames.Kind.ACK:
                     with self._cv:
-                        self._inflight -= wire.decode_ack(header)
+                        self._inflight -= frames.decode_ack(header)
                         self._cv.notify_all()
                     continue
-                msg = wire.decode_control(header)
-                if isinstance(msg, wire.Done):
+                msg = frames.decode_control(header)
+                if isinstance(msg, frames.Done):
                     if (transfer := self._transfer(msg.transfer_id)) is not None:
                         transfer.complete()
-                elif isinstance(msg, wire.ErrorMsg) and msg.transfer_id:
+                elif isinstance(msg, frames.ErrorMsg) and msg.transfer_id:
                     if (transfer := self._transfer(msg.transfer_id)) is not None:
                         transfer.fail(error_for_code(msg.code, f"receiver at {self.peer.address}: {msg.message}"),
                                       tell_peer=False)
-                elif isinstance(msg, wire.ErrorMsg):
+                elif isinstance(msg, frames.ErrorMsg):
                     raise error_for_code(msg.code, f"receiver at {self.peer.address} dropped the "
                                                    f"connection: {msg.message}")
                 else:
@@ -223,11 +223,11 @@ def _follows(span: FrameSpan, nxt: FrameSpan) -> bool:
     return span.layer_end == nxt.layer_start and span.runs == nxt.runs
 
 
-def _begin(transfer: OutgoingTransfer, compat_hash: str) -> wire.Begin:
+def _begin(transfer: OutgoingTransfer, compat_hash: str) -> frames.Begin:
     t = transfer.target
-    return wire.Begin(t.transfer_id, t.epoch, compat_hash, t.dst_block_ids, t.skip_blocks,
+    return frames.Begin(t.transfer_id, t.epoch, compat_hash, t.dst_block_ids, t.skip_blocks,
                       t.layer_start, t.layer_end)
 
 
 def _error(transfer_id: str, error: PdRouterError) -> bytes:
-    return wire.encode_control(wire.ErrorMsg(transfer_id, int(code_for_error(error)), error.message))
+    return frames.encode_control(frames.ErrorMsg(transfer_id, int(code_for_error(error)), error.message))

@@ -14,7 +14,7 @@ import torch
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.tls import TlsFiles
 from pdrouter.testing.pki import TestCa
-from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, new_epoch, wire
+from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, frames, new_epoch
 from pdrouter.transfer.pool_view import torch_dtype
 
 TOKEN = "kvtransfer-test-token-0123456789"
@@ -216,7 +216,7 @@ class MessageProxy(_Relay):
                  drop: int | None = None, swap: int | None = None) -> None:
         super().__init__(upstream)
         self._flip, self._replay, self._drop, self._swap = flip, replay, drop, swap
-        self.kinds: list[wire.Kind] = []
+        self.kinds: list[frames.Kind] = []
         """The kinds of the sender's messages seen so far."""
         self._start(self._accept)
 
@@ -266,14 +266,14 @@ class MessageProxy(_Relay):
         return bytes(message)
 
     def _read_message(self, src: socket.socket) -> bytes | None:
-        prefix = _recv_exact(src, wire.PREFIX.size)
+        prefix = _recv_exact(src, frames.PREFIX.size)
         if prefix is None:
             return None
-        kind, flags, body_len, payload_len = wire.PREFIX.unpack(prefix)[2:6]
-        self.kinds.append(wire.Kind(kind))
+        kind, flags, body_len, payload_len = frames.PREFIX.unpack(prefix)[2:6]
+        self.kinds.append(frames.Kind(kind))
         rest = body_len
-        if kind == wire.Kind.DATA and not flags & wire.Flag.OUT_OF_BAND:
-            rest += payload_len + (wire.TAG_BYTES if flags & wire.Flag.MAC_TRAILER else 0)
+        if kind == frames.Kind.DATA and not flags & frames.Flag.OUT_OF_BAND:
+            rest += payload_len + (frames.TAG_BYTES if flags & frames.Flag.MAC_TRAILER else 0)
         tail = _recv_exact(src, rest)
         return None if tail is None else prefix + tail
 

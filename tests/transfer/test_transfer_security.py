@@ -31,7 +31,7 @@ from pdrouter.transfer import (
     ProtocolError,
     TransferState,
     TransferTarget,
-    wire,
+    frames,
 )
 from pdrouter.transfer.errors import error_for_code
 from pdrouter.transfer.frame_plan import FrameSpan
@@ -75,7 +75,7 @@ def raw_client(address: str, **limits: float) -> FramedSocket:
 
 
 def client_hello(epoch: int = 7, compat: str = "c" * 16) -> bytes:
-    return wire.encode_control(wire.ClientHello(epoch, compat, "tcp", "0" * 32, 0))
+    return frames.encode_control(frames.ClientHello(epoch, compat, "tcp", "0" * 32, 0))
 
 
 def closed_within(sock: socket.socket, seconds: float, *, trickle: bytes = b"") -> float | None:
@@ -126,14 +126,14 @@ def test_a_wrong_token_is_refused_before_the_receiver_sends_anything_derived_fro
         fs.set_deadline(5.0)
         fs.send(client_hello())
         header = fs.recv_header(idle=False)
-        hello = wire.decode_control(header)
-        assert isinstance(hello, wire.ServerHello)
+        hello = frames.decode_control(header)
+        assert isinstance(hello, frames.ServerHello)
         assert set(json.loads(header.body)) == {"epoch", "compat_hash", "backend", "nonce"}  # no proof, no MAC
         time.sleep(0.2)
         assert not fs.has_data()  # and nothing else until the client proved the token
-        fs.send(wire.encode_control(wire.ClientAuth("ab" * 32)))
-        refusal = wire.decode_control(fs.recv_header(idle=False))
-        assert isinstance(refusal, wire.ErrorMsg) and refusal.code == ErrorCode.AUTH
+        fs.send(frames.encode_control(frames.ClientAuth("ab" * 32)))
+        refusal = frames.decode_control(fs.recv_header(idle=False))
+        assert isinstance(refusal, frames.ErrorMsg) and refusal.code == ErrorCode.AUTH
         assert isinstance(error_for_code(refusal.code, refusal.message), AuthError)
         with pytest.raises(PeerLostError, match="closed"):  # then the receiver hangs up
             fs.recv_header(idle=False)
@@ -152,9 +152,9 @@ def test_garbage_proofs_are_a_clean_auth_error(make_pair: Callable[..., Pair], c
             fs.set_deadline(5.0)
             fs.send(client_hello())
             fs.recv_header(idle=False)
-            fs.send(wire.encode_control(wire.ClientAuth(proof)))
-            refusal = wire.decode_control(fs.recv_header(idle=False))
-            assert isinstance(refusal, wire.ErrorMsg) and refusal.code == ErrorCode.AUTH
+            fs.send(frames.encode_control(frames.ClientAuth(proof)))
+            refusal = frames.decode_control(fs.recv_header(idle=False))
+            assert isinstance(refusal, frames.ErrorMsg) and refusal.code == ErrorCode.AUTH
             assert wait_until(lambda: pair.receiver.stats().connections == 0)
     finally:
         fs.close()
@@ -172,10 +172,10 @@ def test_the_sender_refuses_a_receiver_that_cannot_prove_the_token(make_pair: Ca
         fs = FramedSocket(conn, 5.0)
         try:
             fs.recv_header(idle=False)
-            fs.send(wire.encode_control(wire.ServerHello(3, "c" * 16, "tcp", "1" * 32)))
-            auth = wire.decode_control(fs.recv_header(idle=False))
-            seen.append(auth.proof if isinstance(auth, wire.ClientAuth) else "")
-            fs.send(wire.encode_control(wire.ServerAuth(auth.proof if isinstance(auth, wire.ClientAuth) else "")))
+            fs.send(frames.encode_control(frames.ServerHello(3, "c" * 16, "tcp", "1" * 32)))
+            auth = frames.decode_control(fs.recv_header(idle=False))
+            seen.append(auth.proof if isinstance(auth, frames.ClientAuth) else "")
+            fs.send(frames.encode_control(frames.ServerAuth(auth.proof if isinstance(auth, frames.ClientAuth) else "")))
             fs.recv_header(idle=False)  # until the sender hangs up
         except PeerLostError:
             pass
@@ -218,16 +218,16 @@ def test_a_silent_client_is_dropped_at_the_handshake_deadline(make_pair: Callabl
 def test_a_large_body_before_authentication_is_refused_unread(make_pair: Callable[..., Pair]) -> None:
     pair = make_pair(LAYOUT)
     host, port = pair.receiver.address.rsplit(":", 1)
-    big = wire.encode(wire.Kind.CLIENT_HELLO, b"{" + b" " * 8000 + b"}")
-    prefix, _ = wire.seal(big, wire.plain_tag)
+    big = frames.encode(frames.Kind.CLIENT_HELLO, b"{" + b" " * 8000 + b"}")
+    prefix, _ = frames.seal(big, frames.plain_tag)
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(prefix)  # announces 8 KiB, over the 4 KiB allowed before the token is proved
         took = closed_within(sock, 5.0)
     assert took is not None and took < 1.0
     with socket.create_connection((host, int(port))) as sock:  # DATA before the handshake: refused too
-        data = wire.encode_data("t", 0, FrameSpan(0, 1, ((1, 1),)), flags=wire.Flag.MAC_TRAILER,
+        data = frames.encode_data("t", 0, FrameSpan(0, 1, ((1, 1),)), flags=frames.Flag.MAC_TRAILER,
                                 payload_len=1 << 20, payload_checksum=0)
-        sock.sendall(wire.seal(data, wire.plain_tag)[0] + data[wire.PREFIX.size:])
+        sock.sendall(frames.seal(data, frames.plain_tag)[0] + data[frames.PREFIX.size:])
         assert closed_within(sock, 5.0) is not None
 
 
@@ -241,7 +241,7 @@ def test_an_authenticated_client_trickling_a_data_frame_is_dropped_at_its_deadli
     fs.set_deadline(5.0)
     client_handshake(fs, make_config(), LAYOUT.compat_hash())  # this client knows the token
     fs.set_deadline(None)
-    fs.send(wire.encode_control(wire.Begin(t.transfer_id, t.epoch, t.compat_hash, t.dst_block_ids, 0,
+    fs.send(frames.encode_control(frames.Begin(t.transfer_id, t.epoch, t.compat_hash, t.dst_block_ids, 0,
                                            0, LAYOUT.num_layers)))
     span = FrameSpan(0, 1, ((0, 8),))
     nbytes = span.nbytes(LAYOUT.block_elems * LAYOUT.dtype_bytes)
@@ -250,7 +250,7 @@ def test_an_authenticated_client_trickling_a_data_frame_is_dropped_at_its_deadli
 
     def trickle() -> None:  # 64 bytes every 50 ms: never silent for long, far below the minimum rate
         with fs.exclusive():
-            fs.write_header(wire.encode_data(t.transfer_id, 0, span, flags=wire.Flag.MAC_TRAILER,
+            fs.write_header(frames.encode_data(t.transfer_id, 0, span, flags=frames.Flag.MAC_TRAILER,
                                              payload_len=nbytes, payload_checksum=0))
             while sent[0] < nbytes and not stop.wait(0.05):
                 try:
@@ -345,14 +345,14 @@ def tampered_transfer(pair: Pair, proxies: list[MessageProxy], *, timeout_s: flo
     return handle, transfer
 
 
-DATA_HEAD = wire.PREFIX.size + 31
+DATA_HEAD = frames.PREFIX.size + 31
 """A DATA message of transfer "req-1" with one run: prefix, then a 31-byte body; then the payload."""
 
 
 @pytest.mark.parametrize(("flip", "match"), [
     ((4, DATA_HEAD + 30_000), "frame 1 payload failed its integrity check"),
     ((4, DATA_HEAD + (64 << 10) + 5), "frame 1 payload failed its integrity check"),
-    ((4, wire.PREFIX.size + 20), "header MAC mismatch"),
+    ((4, frames.PREFIX.size + 20), "header MAC mismatch"),
     ((4, 14), "header MAC mismatch"),
     ((5, 30), "header MAC mismatch"),
 ], ids=["payload", "payload MAC", "DATA body", "DATA prefix", "DATA tag"])
@@ -384,7 +384,7 @@ def test_replayed_reordered_or_dropped_frames_are_rejected(make_pair: Callable[.
     pair.assert_released()
 
 
-@pytest.mark.parametrize("tamper", [{"flip": (2, wire.PREFIX.size + 30)}, {"drop": 2}],
+@pytest.mark.parametrize("tamper", [{"flip": (2, frames.PREFIX.size + 30)}, {"drop": 2}],
                          ids=["flipped BEGIN", "dropped BEGIN"])
 def test_a_tampered_begin_binds_nothing(make_pair: Callable[..., Pair], proxies: list[MessageProxy],
                                         tamper: dict[str, Any]) -> None:
@@ -404,7 +404,8 @@ def test_an_untouched_relay_changes_nothing(make_pair: Callable[..., Pair], prox
     transfer.finish(30)
     handle.wait_all(30)
     assert blocks_equal(pair.src, list(range(8, 16)), pair.dst, list(range(8)))
-    assert proxies[0].kinds[:4] == [wire.Kind.CLIENT_HELLO, wire.Kind.CLIENT_AUTH, wire.Kind.BEGIN, wire.Kind.DATA]
+    assert proxies[0].kinds[:4] == [frames.Kind.CLIENT_HELLO, frames.Kind.CLIENT_AUTH, frames.Kind.BEGIN,
+                                    frames.Kind.DATA]
 
 
 @pytest.mark.parametrize("offload", [True, False])
@@ -535,19 +536,19 @@ def test_arbitrary_handshake_bodies_are_refused_cleanly(make_pair: Callable[...,
     bodies = st.binary(max_size=600) | json_values.map(lambda v: json.dumps(v).encode()) | st.just(b"[" * 3000)
 
     @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(bodies, st.sampled_from([wire.Kind.CLIENT_HELLO, wire.Kind.CLIENT_AUTH, wire.Kind.BEGIN]))
-    def check(body: bytes, kind: wire.Kind) -> None:
+    @given(bodies, st.sampled_from([frames.Kind.CLIENT_HELLO, frames.Kind.CLIENT_AUTH, frames.Kind.BEGIN]))
+    def check(body: bytes, kind: frames.Kind) -> None:
         fs = raw_client(pair.receiver.address)
         try:
             fs.set_deadline(5.0)
-            if kind is not wire.Kind.CLIENT_HELLO:
+            if kind is not frames.Kind.CLIENT_HELLO:
                 fs.send(client_hello())
                 fs.recv_header(idle=False)
-            fs.send(wire.encode(kind, body))
+            fs.send(frames.encode(kind, body))
             with pytest.raises(PeerLostError):  # an ERROR message at most, then the receiver hangs up
                 while True:
-                    msg = wire.decode_control(fs.recv_header(idle=False))
-                    assert isinstance(msg, wire.ErrorMsg)
+                    msg = frames.decode_control(fs.recv_header(idle=False))
+                    assert isinstance(msg, frames.ErrorMsg)
         finally:
             fs.close()
 

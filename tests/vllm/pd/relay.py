@@ -6,7 +6,7 @@ forwards each connection to ``127.0.0.1:PORT``, so the router's calls and the pr
 reach the worker through it, as through a network. ``arm`` makes it break the next DATA message a
 sender writes to the KV port (any connection, opened before or after): flip one of its bytes, or cut
 the connection in the middle of it. The sender's stream is parsed message by message with the wire
-format's own prefix (``pdrouter.transfer.wire``), so payload bytes are never taken for a header.
+format's own prefix (``pdrouter.transfer.frames``), so payload bytes are never taken for a header.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdrouter.transfer.wire import PREFIX, TAG_BYTES, Flag, Kind
+from pdrouter.transfer.frames import PREFIX, TAG_BYTES, Flag, Kind
 
 
 @dataclass(frozen=True)

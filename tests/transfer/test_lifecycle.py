@@ -6,7 +6,7 @@ import threading
 import pytest
 
 from pdrouter.core.errors import CancelledError, DeadlineExceededError
-from pdrouter.transfer.state import IllegalTransitionError, Lifecycle, TransferState
+from pdrouter.transfer.lifecycle import IllegalTransitionError, Lifecycle, TransferState
 
 
 def test_happy_path_and_terminal_states() -> None:

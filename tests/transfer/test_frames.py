@@ -6,88 +6,88 @@ import numpy as np
 import pytest
 
 from pdrouter.core.errors import IncompatibleError, StaleEpochError
-from pdrouter.transfer import wire
+from pdrouter.transfer import frames
 from pdrouter.transfer.errors import ChecksumError, ErrorCode, ProtocolError, code_for_error, error_for_code
 from pdrouter.transfer.frame_plan import FrameSpan
 
 
 def split(message: bytes) -> tuple[bytes, bytes]:
     """An encoded message sealed with the handshake's tag, as (prefix, body)."""
-    prefix, _ = wire.seal(message, wire.plain_tag)
-    return prefix, message[wire.PREFIX.size:]
+    prefix, _ = frames.seal(message, frames.plain_tag)
+    return prefix, message[frames.PREFIX.size:]
 
 
 @pytest.mark.parametrize("msg", [
-    wire.ClientHello(epoch=5, compat_hash="c", backend="tcp", nonce="n1", ack_every=1 << 24),
-    wire.ServerHello(epoch=6, compat_hash="c", backend="gloo", nonce="n2"),
-    wire.ClientAuth(proof="ab" * 32),
-    wire.ServerAuth(proof="cd" * 32),
-    wire.Ready("127.0.0.1", 1234, "p/"),
-    wire.Begin("req-1", 9, "c", (4, 5, 6), 1, 0, 32),
-    wire.End("req-1", 3, 4096),
-    wire.Done("req-1"),
-    wire.ErrorMsg("req-1", int(ErrorCode.CHECKSUM), "bad"),
+    frames.ClientHello(epoch=5, compat_hash="c", backend="tcp", nonce="n1", ack_every=1 << 24),
+    frames.ServerHello(epoch=6, compat_hash="c", backend="gloo", nonce="n2"),
+    frames.ClientAuth(proof="ab" * 32),
+    frames.ServerAuth(proof="cd" * 32),
+    frames.Ready("127.0.0.1", 1234, "p/"),
+    frames.Begin("req-1", 9, "c", (4, 5, 6), 1, 0, 32),
+    frames.End("req-1", 3, 4096),
+    frames.Done("req-1"),
+    frames.ErrorMsg("req-1", int(ErrorCode.CHECKSUM), "bad"),
 ])
-def test_control_messages_round_trip(msg: wire.Control) -> None:
-    prefix, body = split(wire.encode_control(msg))
-    assert wire.decode_control(wire.verify(prefix, body)) == msg
+def test_control_messages_round_trip(msg: frames.Control) -> None:
+    prefix, body = split(frames.encode_control(msg))
+    assert frames.decode_control(frames.verify(prefix, body)) == msg
 
 
 def test_data_header_round_trip() -> None:
     span = FrameSpan(2, 5, ((7, 3), (40, 1)))
-    message = wire.encode_data("req-9", 17, span, flags=wire.Flag.MAC_TRAILER, payload_len=12345,
+    message = frames.encode_data("req-9", 17, span, flags=frames.Flag.MAC_TRAILER, payload_len=12345,
                                payload_checksum=99)
-    header = wire.verify(*split(message))
+    header = frames.verify(*split(message))
     assert (header.kind, header.flags, header.payload_len, header.payload_checksum) == (
-        wire.Kind.DATA, wire.Flag.MAC_TRAILER, 12345, 99)
-    data = wire.decode_data(header)
+        frames.Kind.DATA, frames.Flag.MAC_TRAILER, 12345, 99)
+    data = frames.decode_data(header)
     assert (data.transfer_id, data.seq, data.span) == ("req-9", 17, span)
     assert np.array_equal(data.runs, [[7, 3], [40, 1]])
 
 
 def test_ack_round_trip() -> None:
-    assert wire.decode_ack(wire.verify(*split(wire.encode_ack(1 << 40)))) == 1 << 40
+    assert frames.decode_ack(frames.verify(*split(frames.encode_ack(1 << 40)))) == 1 << 40
 
 
 @pytest.mark.parametrize("offset", [5, 12, 20, 30, 40, 50, 60])
 def test_any_flipped_header_byte_is_caught(offset: int) -> None:
-    prefix, body = split(wire.encode_data("req-1", 0, FrameSpan(0, 1, ((3, 4),)), flags=wire.Flag.NONE,
+    prefix, body = split(frames.encode_data("req-1", 0, FrameSpan(0, 1, ((3, 4),)), flags=frames.Flag.NONE,
                                           payload_len=800, payload_checksum=1))
     sealed = bytearray(prefix + body)
     sealed[offset] ^= 0x10
     with pytest.raises((ChecksumError, ProtocolError, IncompatibleError)):
-        wire.verify(bytes(sealed[:wire.PREFIX.size]), bytes(sealed[wire.PREFIX.size:]))
+        frames.verify(bytes(sealed[:frames.PREFIX.size]), bytes(sealed[frames.PREFIX.size:]))
 
 
 def test_header_checksum_mismatch_is_a_checksum_error() -> None:
-    prefix, body = split(wire.encode_control(wire.Done("req-1")))
+    prefix, body = split(frames.encode_control(frames.Done("req-1")))
     with pytest.raises(ChecksumError, match="corrupted"):
-        wire.verify(prefix, body.replace(b"req-1", b"req-2"))
+        frames.verify(prefix, body.replace(b"req-1", b"req-2"))
 
 
 def test_wrong_magic_and_version() -> None:
-    prefix, _ = split(wire.encode_control(wire.Done("x")))
+    prefix, _ = split(frames.encode_control(frames.Done("x")))
     with pytest.raises(ProtocolError, match="not a kvtransfer peer"):
-        wire.parse_prefix(b"HTTP" + prefix[4:])
+        frames.parse_prefix(b"HTTP" + prefix[4:])
     with pytest.raises(IncompatibleError, match="wire version 9"):
-        wire.parse_prefix(prefix[:4] + bytes([9]) + prefix[5:])
+        frames.parse_prefix(prefix[:4] + bytes([9]) + prefix[5:])
     with pytest.raises(IncompatibleError, match="wire version 1"):  # the checksummed format before MACs
-        wire.parse_prefix(prefix[:4] + bytes([1]) + prefix[5:])
+        frames.parse_prefix(prefix[:4] + bytes([1]) + prefix[5:])
 
 
 @pytest.mark.parametrize("body", [b"not json", b"[]", b'{"transfer_id": 5}', b'{"transfer_id": "x", "extra": 1}'])
 def test_malformed_control_bodies(body: bytes) -> None:
-    header = wire.verify(*split(wire.encode(wire.Kind.DONE, body)))
+    header = frames.verify(*split(frames.encode(frames.Kind.DONE, body)))
     with pytest.raises(ProtocolError):
-        wire.decode_control(header)
+        frames.decode_control(header)
 
 
 def test_begin_block_ids_must_be_ints() -> None:
     raw = {"transfer_id": "t", "receiver_epoch": 1, "compat_hash": "c", "dst_block_ids": [1, "2"],
            "skip_blocks": 0, "layer_start": 0, "layer_end": 1}
-    header = wire.verify(*split(wire.encode(wire.Kind.BEGIN, json.dumps(raw).encode())))
+    header = frames.verify(*split(frames.encode(frames.Kind.BEGIN, json.dumps(raw).encode())))
     with pytest.raises(ProtocolError, match="list of ints"):
-        wire.decode_control(header)
+        frames.decode_control(header)
 
 
 def test_error_codes_rebuild_the_same_class() -> None:
