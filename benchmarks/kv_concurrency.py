@@ -10,7 +10,7 @@ is then checked bit for bit against the sender's blocks.
 Figures (``name: value unit``, ``--json`` for one object):
 
 - ``raw_socket_gbps``: one plain TCP socket moving the same bytes with the transport's system-call
-  pattern (``kvtransfer_bench``'s baseline), and ``single_stream_gbps``: one transfer alone, both
+  pattern (``kv_transfer_bench``'s baseline), and ``single_stream_gbps``: one transfer alone, both
   measured in the same run, interleaved with the concurrent rounds;
 - ``concurrent_aggregate_gbps``: all bytes of a round over the round's wall time (first start to
   last end), and its ratio to the single stream;
@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
-from kvtransfer_bench import SEND_PIECE, SOCKET_BUFFER, _raw_sink, _tune
+from kv_transfer_bench import SEND_PIECE, SOCKET_BUFFER, _raw_sink, _tune
 
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.transfer import KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch

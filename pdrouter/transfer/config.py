@@ -40,7 +40,7 @@ class Backend(StrEnum):
         return self is not Backend.TCP
 
 
-def check_auth_token(token: str, *, what: str = "the kvtransfer auth token") -> str:
+def check_auth_token(token: str, *, what: str = "the KV transfer auth token") -> str:
     """``token`` when it is long enough to be a secret; ConfigError (naming ``what``, never the value) otherwise."""
     if not token:
         raise ConfigError(f"{what} is empty: every prefill and decode worker of a deployment shares one secret")
@@ -112,7 +112,7 @@ class TransferConfig:
     the GIL, so they overlap where a core is free); False: in the socket's thread; None: on a
     helper thread when the process may use at least ``MAC_OFFLOAD_MIN_CORES`` cores (with fewer,
     the sender, the receiver and the kernel already keep every core busy, and the hand-overs only
-    add to it: measured on two cores, ``benchmarks/kvtransfer_bench.py``)."""
+    add to it: measured on two cores, ``benchmarks/kv_transfer_bench.py``)."""
     checksums: bool = True
     """gloo payloads (which travel over the process group, not the socket): an xxh3-64 of each
     frame in its authenticated header. A CUDA pool's NCCL payload is not hashed."""

@@ -39,7 +39,7 @@ class StoreHost:
         self.port = int(self._store.port)
 
     def new_rendezvous(self) -> frames.Ready:
-        return frames.Ready(self.host, self.port, f"kvtransfer/{uuid.uuid4().hex}/")
+        return frames.Ready(self.host, self.port, f"kv-transfer/{uuid.uuid4().hex}/")
 
     def close(self) -> None:
         """Stop serving the store (its sockets close with the last reference)."""

@@ -1,6 +1,6 @@
 """Transfer errors, and the codes that carry them across the wire.
 
-The kvtransfer errors are leaves of the project's error tree (``pdrouter.core.errors``)::
+The KV transfer errors are leaves of the project's error tree (``pdrouter.core.errors``)::
 
     TransferError (UNAVAILABLE)              a transfer failed; retrying elsewhere may succeed
     ├── ChecksumError                        a frame failed its MAC: corrupted, forged, replayed

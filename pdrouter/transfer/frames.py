@@ -125,9 +125,9 @@ def parse_prefix(raw: bytes) -> Prefix:
     """The fields of a 44-byte prefix (not yet verified: only magic, version and size are checked)."""
     magic, version, kind, flags, body_len, payload_len, payload_ck, tag = PREFIX.unpack(raw)
     if magic != MAGIC:
-        raise ProtocolError(f"not a kvtransfer peer (magic {magic!r})")
+        raise ProtocolError(f"not a KV transfer peer (magic {magic!r})")
     if version != WIRE_VERSION:
-        raise IncompatibleError(f"peer speaks kvtransfer wire version {version}, this side {WIRE_VERSION}")
+        raise IncompatibleError(f"peer speaks KV transfer wire version {version}, this side {WIRE_VERSION}")
     if body_len > MAX_BODY_BYTES:
         raise ProtocolError(f"message body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
     return Prefix(kind, flags, body_len, payload_len, payload_ck, tag)

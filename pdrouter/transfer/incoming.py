@@ -33,7 +33,7 @@ class IncomingTransfer:
     them. A ``timeout`` on a wait is a deadline for the transfer itself: when it passes the
     transfer is aborted with ``DeadlineExceededError``.
 
-    Transport API (kvtransfer internals): ``bind``, ``write_guard``, ``positions_of``,
+    Transport API (this package's internals): ``bind``, ``write_guard``, ``positions_of``,
     ``mark_landed``, ``end_of_stream``, ``fail``.
     """
 

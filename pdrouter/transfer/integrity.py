@@ -42,6 +42,8 @@ TAG_BYTES = 16
 PROOF_BYTES = 32
 _NONCE = struct.Struct("<QI")
 _LABEL = b"pdrouter kvtransfer v2"
+"""Bound into every derived key and proof: part of the protocol, so it keeps the package's former name
+(another label would change every key, and peers of earlier builds could no longer prove the token)."""
 _HEADER, _PAYLOAD = 0, 1
 
 Buffer = bytes | bytearray | memoryview

@@ -158,7 +158,7 @@ class KvReceiver:
                         first = self._refused == 1
                         sock.close()
                         if first:
-                            log.warning("kvtransfer receiver at %s: %d connections open, refusing more "
+                            log.warning("KV transfer receiver at %s: %d connections open, refusing more "
                                         "(max_connections; counted in ReceiverStats.refused_connections, logged once)",
                                         self.address, len(self._connections))
                         continue
@@ -185,7 +185,7 @@ class KvReceiver:
         self._connections.discard(oldest)
         self._evicted += 1
         if self._evicted == 1:
-            log.warning("kvtransfer receiver at %s: closing the oldest connections that have not proved the token to "
+            log.warning("KV transfer receiver at %s: closing the oldest connections that have not proved the token to "
                         "make room (max_unauthenticated_connections %d; counted in "
                         "ReceiverStats.evicted_connections, logged once)", self.address,
                         self._config.unauthenticated_budget)

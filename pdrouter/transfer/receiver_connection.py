@@ -88,7 +88,7 @@ class ReceiverConnection:
             if self._plane is not None and not isinstance(exc, PeerLostError):
                 self._send(frames.encode_control(frames.ErrorMsg("", int(code_for_error(exc)), exc.message)))
         except Exception as exc:  # a bug must not leave the bound transfers hanging
-            log.exception("kvtransfer receiver connection from %s crashed", self.fs.peer)
+            log.exception("KV transfer receiver connection from %s crashed", self.fs.peer)
             failure = ProtocolError(f"receiver crashed: {exc!r}")
         finally:
             self._shutdown(failure)
@@ -246,5 +246,5 @@ def _log_refusal(peer: str, exc: PdRouterError) -> None:
     kind = type(exc).__name__
     first = kind not in _REFUSALS_LOGGED
     _REFUSALS_LOGGED.add(kind)
-    log.log(logging.WARNING if first else logging.DEBUG, "kvtransfer: refused a connection from %s: %s%s", peer,
+    log.log(logging.WARNING if first else logging.DEBUG, "KV transfer: refused a connection from %s: %s%s", peer,
             exc.message, " (further refusals of this kind are logged at DEBUG)" if first else "")

@@ -1,4 +1,4 @@
-"""Fixtures for the kvtransfer tests, and a check that every test ends with its threads and sockets closed."""
+"""Fixtures for the KV transfer tests, and a check that every test ends with its threads and sockets closed."""
 
 from __future__ import annotations
 

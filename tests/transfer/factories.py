@@ -1,4 +1,4 @@
-"""Factories for the kvtransfer tests: small layouts, random pools, configs, endpoint pairs."""
+"""Factories for the KV transfer tests: small layouts, random pools, configs, endpoint pairs."""
 
 from __future__ import annotations
 

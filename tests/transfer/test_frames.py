@@ -67,7 +67,7 @@ def test_header_checksum_mismatch_is_a_checksum_error() -> None:
 
 def test_wrong_magic_and_version() -> None:
     prefix, _ = split(frames.encode_control(frames.Done("x")))
-    with pytest.raises(ProtocolError, match="not a kvtransfer peer"):
+    with pytest.raises(ProtocolError, match="not a KV transfer peer"):
         frames.parse_prefix(b"HTTP" + prefix[4:])
     with pytest.raises(IncompatibleError, match="wire version 9"):
         frames.parse_prefix(prefix[:4] + bytes([9]) + prefix[5:])

@@ -66,7 +66,7 @@ class Peer:
 
 @pytest.fixture
 def spawn(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Peer]]:
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # the children import tests.kvtransfer
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))  # the children import tests.transfer
     peers: list[Peer] = []
 
     def factory(target: Callable[..., None], *args: Any) -> Peer:
