@@ -224,6 +224,12 @@ class PrefillWorker:
 
 class DecodeWorkerStub:
     """Owns a KV block pool; receives KV and decodes with continuous batching.
+
+    The router calls Serve only. Allocate, Generate and Release are the same request as three
+    calls a client drives itself, kept for those who need the steps apart: the tests that put
+    chosen KV into an allocation (a prefill worker's bytes, or garbage from a holder of the
+    secret) or check each call's authentication, and benchmarks/router_overhead.py, whose
+    "direct" baseline is this three-call path without a router.
     """
 
     def __init__(self, channel):
@@ -256,6 +262,12 @@ class DecodeWorkerStub:
 
 class DecodeWorkerServicer:
     """Owns a KV block pool; receives KV and decodes with continuous batching.
+
+    The router calls Serve only. Allocate, Generate and Release are the same request as three
+    calls a client drives itself, kept for those who need the steps apart: the tests that put
+    chosen KV into an allocation (a prefill worker's bytes, or garbage from a holder of the
+    secret) or check each call's authentication, and benchmarks/router_overhead.py, whose
+    "direct" baseline is this three-call path without a router.
     """
 
     def Allocate(self, request, context):
@@ -327,6 +339,12 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class DecodeWorker:
     """Owns a KV block pool; receives KV and decodes with continuous batching.
+
+    The router calls Serve only. Allocate, Generate and Release are the same request as three
+    calls a client drives itself, kept for those who need the steps apart: the tests that put
+    chosen KV into an allocation (a prefill worker's bytes, or garbage from a holder of the
+    secret) or check each call's authentication, and benchmarks/router_overhead.py, whose
+    "direct" baseline is this three-call path without a router.
     """
 
     @staticmethod
