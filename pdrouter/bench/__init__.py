@@ -9,7 +9,10 @@ Pure parts (no I/O beyond reading a workload file):
 
 At the edge: :mod:`~pdrouter.bench.client` (one timed streamed request), :mod:`~pdrouter.bench.runner`
 (one run), :mod:`~pdrouter.bench.scrape` (the router's ``/metrics`` during it) and
-:mod:`~pdrouter.bench.report` (what a run leaves behind). Comparing layouts:
-:mod:`~pdrouter.bench.compare` (layouts on equal simulated GPUs, the winner per rate, crossovers)
-and :mod:`~pdrouter.bench.plots` (the PNGs and their data).
+:mod:`~pdrouter.bench.report` (what a run leaves behind); :mod:`~pdrouter.bench.point` (one point
+of a run, sweep or comparison: sent, written, scored). Comparing layouts:
+:mod:`~pdrouter.bench.compare` (layouts on equal simulated GPUs, the winner per rate, crossovers),
+:mod:`~pdrouter.bench.compare_run` (each layout up in turn, warmed and swept),
+:mod:`~pdrouter.bench.compare_report` and :mod:`~pdrouter.bench.plots` (the report, the PNGs and
+their data).
 """

@@ -13,32 +13,39 @@ measured). Every point of a ``sweep`` or ``compare`` sends requests of its own
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdrouter.core.errors import ConfigError, UnavailableError
+from pdrouter.bench.point import (
+    API_KEY_ENV,
+    Outcome,
+    Prepared,
+    check_point_sizes,
+    failure_hint,
+    first_failure,
+    key_hint,
+    metrics_url_beside,
+    point_entry,
+    point_line,
+    point_size,
+    run_point,
+)
+from pdrouter.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from pdrouter.bench.progress import PlannedPoint, Progress
-    from pdrouter.bench.stats import Slo, Summary
-    from pdrouter.bench.window import Window
-    from pdrouter.bench.workload import PointSource, RequestSpec, Workload
+    from pdrouter.bench.runner import RunConfig
+    from pdrouter.bench.workload import Workload
 
 WORKLOADS = ("synthetic", "shared-prefix", "rag", "jsonl", "chat", "summarize", "generate")
 
 COMPARE_SLO = "ttft=1s,tpot=50ms"
 """The SLO ``compare`` scores when none is given."""
-
-API_KEY_ENV = "OPENAI_API_KEY"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -214,13 +221,17 @@ def _metrics_url(args: argparse.Namespace) -> str | None:
         return None
     if args.metrics_url:
         return str(args.metrics_url)
-    base = args.url.rstrip("/")
-    return (base[:-3] if base.endswith("/v1") else base) + "/metrics"
+    return metrics_url_beside(args.url)
 
 
-def key_hint(url: str) -> str:
-    return (f"the server at {url} wants an API key: give --api-key or set {API_KEY_ENV} (`pdrouter up` prints "
-            "its key in its banner)")
+def _run_config(args: argparse.Namespace, prep: Prepared) -> RunConfig:
+    """How ``run`` and ``sweep`` send every point, from their flags (each point sets its rate and seed)."""
+    from pdrouter.bench.runner import RunConfig
+
+    return RunConfig(base_url=args.url, model=prep.model, burstiness=args.burstiness, concurrency=args.concurrency,
+                     max_concurrency=args.max_concurrency, duration_s=args.duration, seed=args.seed,
+                     metrics_url=_metrics_url(args), api_key=prep.api_key, timeout_s=args.timeout,
+                     time_scale=args.time_scale)
 
 
 def _discover_model(url: str, api_key: str | None) -> str:
@@ -248,54 +259,6 @@ def _discover_model(url: str, api_key: str | None) -> str:
         raise ConfigError(f"{where} lists no model; give --model") from None
 
 
-def failure_hint(kind: str, detail: str, url: str, model: str) -> str:
-    """What to do about a run whose requests all failed with ``kind`` (``http_401``, ``connect``…),
-    the server's own reason (``detail``) first."""
-    reason = f": {detail}" if detail else ""
-    if kind in ("http_401", "http_403"):
-        return f"{kind}{reason}; {key_hint(url)}"
-    if kind == "connect":
-        return f"connect{reason}; nothing answers at {url}: check --url"
-    if kind == "http_404":
-        return f"http_404{reason}; check --url (the OpenAI base URL) and --model ({model})"
-    if kind in ("http_400", "http_422", "stream_error"):
-        return f"{kind}{reason}; the server refused the request: check the workload against the model (context " \
-               f"length, vocabulary)"
-    if kind == "http_429":
-        return f"http_429{reason}; the server had no room: lower the rate or the concurrency"
-    return f"{kind}{reason}; is {url} serving {model}?"
-
-
-@dataclass
-class Outcome:
-    """One run as written: its summaries, its document and where it went."""
-
-    summary: Summary
-    """The whole run, with ``vllm bench serve``'s definitions."""
-    steady: Summary
-    """The measured window's figures."""
-    window: Window
-    document: dict[str, Any]
-    path: Path
-    interrupted: bool
-
-
-@dataclass
-class Prepared:
-    """What every run of one command shares: the workload (and the points drawn from it), the model,
-    the SLO, the API key."""
-
-    workload: Workload
-    source: PointSource
-    model: str
-    slo: Slo | None
-    api_key: str | None
-
-    @property
-    def label(self) -> str:
-        return self.workload.label
-
-
 def prepare(args: argparse.Namespace) -> Prepared:
     from pdrouter.bench.stats import Slo
     from pdrouter.bench.workload import PointSource
@@ -309,51 +272,6 @@ def prepare(args: argparse.Namespace) -> Prepared:
     api_key = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENV) or None
     model = args.model or _discover_model(args.url, api_key)
     return Prepared(workload, PointSource(workload), model, slo, api_key)
-
-
-def execute(args: argparse.Namespace, prep: Prepared, rate: float | None, stem: str, *, point: int,
-            specs: list[RequestSpec], progress: Progress | None = None) -> Outcome:
-    """Point ``point`` at ``rate`` (None: closed loop) with ``specs``, written as ``{stem}.json`` / ``.md``
-    under ``--out``."""
-    from pdrouter.bench.report import (
-        markdown,
-        measured_hit_rate,
-        prefix_figures,
-        run_document,
-        steady_figures,
-        write_json,
-    )
-    from pdrouter.bench.runner import RunConfig, run
-    from pdrouter.bench.stats import summarize
-    from pdrouter.bench.window import measure_window, offered_rate, window_summary
-    from pdrouter.bench.workload import expected_hit_rate
-
-    config = RunConfig(base_url=args.url, model=prep.model, rate=rate, burstiness=args.burstiness,
-                       concurrency=args.concurrency, max_concurrency=args.max_concurrency,
-                       duration_s=args.duration, seed=args.seed + 7919 * point, metrics_url=_metrics_url(args),
-                       api_key=prep.api_key, timeout_s=args.timeout, time_scale=args.time_scale)
-    result = asyncio.run(_interruptible(run(config, specs, progress=progress)))
-    scale = args.time_scale or 1.0
-    records = [r.scaled(scale) for r in result.records]
-    summary = summarize(records, result.duration_s / scale, prep.slo)
-    window = measure_window(records)
-    steady = window_summary(records, window, prep.slo)
-    measured = [r for r in records if window.start_s <= r.start_s <= window.end_s]
-    by_index = {s.index: s for s in specs}
-    prefix = prefix_figures(expected_hit_rate([by_index[r.index] for r in measured if r.index in by_index]),
-                            measured_hit_rate(measured))
-    arrivals = (f"Poisson {rate:g}/s" + (f", burstiness {args.burstiness}" if args.burstiness != 1 else "")
-                if rate else f"closed loop, {args.concurrency or len(specs)} in flight")
-    cfg = {"base_url": args.url, "model": prep.model, "workload": prep.label, "arrivals": arrivals,
-           "num_requests": len(specs), "rate": rate, "burstiness": args.burstiness, "point": point,
-           "concurrency": args.concurrency, "max_concurrency": args.max_concurrency, "duration_s": args.duration,
-           "slo": prep.slo.describe() if prep.slo else None, "time_scale": args.time_scale, "seed": args.seed,
-           "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    document = run_document(cfg, summary, [r.to_dict() for r in records], result.samples, result.interrupted,
-                            steady=steady_figures(window, steady, offered_rate(records, window)), prefix=prefix)
-    path = write_json(args.out / f"{stem}.json", document)
-    (args.out / f"{stem}.md").write_text(markdown(document))
-    return Outcome(summary, steady, window, document, path, result.interrupted)
 
 
 def _print_run(outcome: Outcome, as_json: bool) -> None:
@@ -384,18 +302,11 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
     print(f"results: {outcome.path}")
 
 
-def _first_failure(outcome: Outcome) -> tuple[str, str]:
-    for r in outcome.document["requests"]:
-        if r.get("error"):
-            return str(r["error"]), str(r.get("detail") or "")
-    return "no request", ""
-
-
 def _exit_code(outcome: Outcome, args: argparse.Namespace, model: str) -> int:
     if outcome.interrupted:
         return 130
     if outcome.summary.completed == 0:
-        kind, detail = _first_failure(outcome)
+        kind, detail = first_failure(outcome)
         print(f"pdrouter bench: error: no request completed (first error: "
               f"{failure_hint(kind, detail, args.url, model)})", file=sys.stderr)
         return 1
@@ -416,8 +327,9 @@ def run_cmd(args: argparse.Namespace) -> int:
     label = f"{args.rate:g} req/s" if args.rate else "closed loop"
     progress = _progress(args, [PlannedPoint(label, len(specs), args.rate, args.time_scale)])
     progress.begin(0)
-    outcome = execute(args, prep, args.rate, time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}", point=point,
-                      specs=specs, progress=progress)
+    stem = time.strftime("%Y%m%d-%H%M%S") + f"-{args.workload}"
+    outcome = run_point(_run_config(args, prep), args.out, prep, args.rate, stem, point=point, specs=specs,
+                        progress=progress)
     progress.end()
     _print_run(outcome, args.json)
     return _exit_code(outcome, args, prep.model)
@@ -433,59 +345,9 @@ def _rates(text: str) -> list[float]:
     return rates
 
 
-def point_size(rate: float, num_requests: int | None, point_duration: float | None) -> int:
-    """Requests of a point at ``rate``: ``rate × point_duration`` (simulated seconds of arrivals), at least
-    ``num_requests``; ``num_requests`` alone without a duration."""
-    by_time = math.ceil(rate * point_duration) if point_duration else 0
-    return max(num_requests or 0, by_time, 1)
-
-
-def check_point_sizes(sizes: dict[float, int]) -> None:
-    """Refuse, before anything runs, points too small to leave ``MIN_REQUESTS`` in their window."""
-    from pdrouter.bench.window import MIN_REQUESTS, WARMUP_SHARE
-
-    small = {rate: n for rate, n in sizes.items() if n * (1 - WARMUP_SHARE) < MIN_REQUESTS}
-    if small:
-        need = math.ceil(MIN_REQUESTS / (1 - WARMUP_SHARE))
-        rate, n = min(small.items())
-        raise ConfigError(f"a point of {n} requests at {rate:g} req/s is too short to reach steady state: its "
-                          f"measured window (after a {100 * WARMUP_SHARE:g}% warm-up) would hold fewer than "
-                          f"{MIN_REQUESTS}; send at least {need} a point (--num-requests, or --point-duration "
-                          f"{need / rate:.3g} at that rate)")
-
-
 def _check_point_duration(args: argparse.Namespace) -> None:
     if args.point_duration is not None and not (args.point_duration > 0 and math.isfinite(args.point_duration)):
         raise ConfigError(f"--point-duration must be > 0 seconds, got {args.point_duration}")
-
-
-def _point_line(name: str, outcome: Outcome) -> str:
-    s, w = outcome.steady, outcome.window
-    share = 100.0 * (s.slo_met or 0) / s.requests if s.requests and s.slo_met is not None else None
-    text = (f"{name}: goodput {s.goodput if s.goodput is not None else float('nan'):.3g} req/s, throughput "
-            f"{s.request_rate:.3g} req/s, TTFT p99 {s.ttft.p99 * 1e3:.1f} ms, TPOT p99 {s.tpot.p99 * 1e3:.1f} ms, "
-            f"ITL p99 {s.itl.p99 * 1e3:.1f} ms" + (f", {share:.0f}% within the SLO" if share is not None else ""))
-    if s.failed:
-        text += f", failed {s.failed} (" + ", ".join(f"{k}: {v}" for k, v in sorted(s.errors.items())) + ")"
-    if not w.steady:
-        text += f" [too short: {w.reason}]"
-    prefix = outcome.document["prefix"]
-    if prefix.get("flagged"):
-        text += (f" [prefix hits {100 * prefix['measured_hit_rate']:.1f}% above the workload's "
-                 f"{100 * prefix['expected_hit_rate']:.1f}%]")
-    return text
-
-
-def _point_entry(rate: float, outcome: Outcome, point: int) -> dict[str, Any]:
-    """A sweep's or comparison's record of one point (its steady figures first)."""
-    from pdrouter.bench.compare import slo_attainment
-
-    doc = outcome.document
-    return {"rate": rate, "point": point, "requests": doc["config"]["num_requests"],
-            "summary": doc["steady"]["summary"], "run_summary": doc["summary"], "window": doc["steady"]["window"],
-            "offered_rate": doc["steady"]["offered_rate"], "saturated": doc["steady"]["saturated"],
-            "prefix": doc["prefix"], "router": doc["router"],
-            "slo_met_percent": slo_attainment(doc["steady"]["summary"]), "file": str(outcome.path)}
 
 
 def sweep_cmd(args: argparse.Namespace) -> int:
@@ -516,16 +378,19 @@ def sweep_cmd(args: argparse.Namespace) -> int:
             for r in rates]
     progress = _progress(args, plan)
 
-    def run_point(rate: float) -> Outcome:
+    run_config = _run_config(args, prep)
+
+    def sweep_point(rate: float) -> Outcome:
         index = len(points)
         point, specs = prep.source.take(point_size(rate, args.num_requests, args.point_duration))
         progress.begin(index, PlannedPoint(f"{rate:g} req/s" + (" (search)" if args.search else ""), len(specs),
                                            rate, args.time_scale))
-        outcome = execute(args, prep, rate, f"{stem}/rate-{rate:g}", point=point, specs=specs, progress=progress)
+        outcome = run_point(run_config, args.out, prep, rate, f"{stem}/rate-{rate:g}", point=point, specs=specs,
+                            progress=progress)
         progress.end()
-        points.append(_point_entry(rate, outcome, point))
+        points.append(point_entry(rate, outcome, point))
         if not args.json:
-            print(_point_line(f"rate {rate:g}/s", outcome), flush=True)
+            print(point_line(f"rate {rate:g}/s", outcome), flush=True)
         return outcome
 
     best: float | None = None
@@ -534,7 +399,7 @@ def sweep_cmd(args: argparse.Namespace) -> int:
         lo, hi = args.min_rate, args.max_rate
         for _ in range(args.steps):
             rate = (lo * hi) ** 0.5  # bisect in log space: rates span orders of magnitude
-            interrupted = run_point(rate).interrupted
+            interrupted = sweep_point(rate).interrupted
             if interrupted:
                 break
             share = points[-1]["slo_met_percent"] or 0.0
@@ -544,7 +409,7 @@ def sweep_cmd(args: argparse.Namespace) -> int:
                 hi = rate
     else:
         for rate in rates:
-            interrupted = run_point(rate).interrupted
+            interrupted = sweep_point(rate).interrupted
             if interrupted:
                 break
     sweep = {"config": {"workload": prep.label, "model": prep.model, "url": args.url,
@@ -588,8 +453,8 @@ def vllm_pd() -> bool:
 def compare_cmd(args: argparse.Namespace) -> int:
     """Each layout up in turn, the same sweep against each (fresh requests every point), then plots and
     a Markdown verdict."""
-    from pdrouter.bench.compare import LayoutResult, bring_up, parse_layouts
-    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
+    from pdrouter.bench.compare import parse_layouts
+    from pdrouter.bench.compare_run import ComparePlan, run_comparison
     from pdrouter.bench.progress import PlannedPoint
     from pdrouter.bench.stats import Slo
     from pdrouter.bench.workload import PointSource
@@ -645,54 +510,23 @@ def compare_cmd(args: argparse.Namespace) -> int:
         dtype = "bfloat16" if args.backend == "vllm" else None
         folder = make_model(spec.name, 0, stem / "model" / spec.name, dtype=dtype)
     prep = Prepared(workload, source, folder.name, slo, None)
-    run_args = argparse.Namespace(**vars(args))
-    run_args.concurrency = run_args.max_concurrency = run_args.duration = None
-    run_args.metrics_url, run_args.no_metrics = None, False
-    plan = [PlannedPoint(f"{layout.name} @ {rate:g} req/s", sizes[rate], rate, args.time_scale)
-            for layout in layouts for rate in rates]
-    progress = _progress(args, plan)
-    results: list[LayoutResult] = []
-    skipped: dict[str, list[float]] = {}
-    extra = ["--link", args.link] if args.backend == "sim" else []
-    for li, layout in enumerate(layouts):
-        result = LayoutResult(layout)
-        results.append(result)
-        with bring_up(layout, folder, gpu=args.gpu, time_scale=args.time_scale, backend=args.backend,
-                      extra=extra) as cluster:
-            run_args.url = cluster.url
-            warm_up(run_args, prep, layout, args.warmup)
-            for ri, rate in enumerate(rates):
-                if result.points and args.stop_below is not None and \
-                        (result.points[-1]["slo_met_percent"] or 0.0) < args.stop_below:
-                    skipped[layout.name] = rates[ri:]
-                    progress.skip(range(li * len(rates) + ri, (li + 1) * len(rates)))
-                    if not args.json:
-                        print(f"{layout.name:>12}: below {args.stop_below:g}% within the SLO; higher rates "
-                              f"skipped", flush=True)
-                    break
-                point, specs = source.take(sizes[rate])
-                progress.begin(li * len(rates) + ri)
-                outcome = execute(run_args, prep, rate, f"{stem.name}/{layout.name}/rate-{rate:g}", point=point,
-                                  specs=specs, progress=progress)
-                progress.end()
-                result.points.append(_point_entry(rate, outcome, point))
-                if not args.json:
-                    print(_point_line(f"{layout.name:>12} @ {rate:g}/s", outcome), flush=True)
-                if outcome.summary.completed == 0 and outcome.summary.failed:
-                    kind, detail = _first_failure(outcome)
-                    raise UnavailableError(f"every request to {layout.name} at {rate:g}/s failed "
-                                           f"({failure_hint(kind, detail, cluster.url, prep.model)}): {outcome.path}")
-                if outcome.interrupted:
-                    return 130
     title = {"sim": f"{args.model_preset} on {args.gpus}× {args.gpu} (TP {args.tp}, KV link {args.link}), "
                     f"{workload.label}",
              "torch": f"tiny torch model on {args.gpus} CPU workers, {workload.label}",
              "vllm": f"vLLM {engine_version}, small model (bfloat16) on {args.gpus} CPU workers, "
                      f"{workload.label}"}[args.backend]
-    setup = CompareSetup(title, slo, args.attainment, args.time_scale, args.stop_below, skipped)
-    report = write_compare_report(results, stem, setup)
+    plan = ComparePlan(layouts, rates, sizes, folder, stem, title, slo, args.attainment, gpu=args.gpu,
+                       backend=args.backend, time_scale=args.time_scale,
+                       up_extra=("--link", args.link) if args.backend == "sim" else (), warmup=args.warmup,
+                       stop_below=args.stop_below, burstiness=args.burstiness, seed=args.seed,
+                       timeout_s=args.timeout, echo=not args.json)
+    progress = _progress(args, [PlannedPoint(f"{layout.name} @ {rate:g} req/s", sizes[rate], rate, args.time_scale)
+                                for layout in layouts for rate in rates])
+    report = run_comparison(plan, prep, progress)
+    if report is None:
+        return 130
     if args.json:
-        print(json.dumps({"report": str(report), "layouts": [r.layout.name for r in results]}))
+        print(json.dumps({"report": str(report), "layouts": [layout.name for layout in layouts]}))
     else:
         print(f"report: {report}")
     return 0
@@ -712,43 +546,3 @@ def _vllm_version() -> str:
         return importlib.metadata.version(dist)
     return "(version unknown)"
 
-
-def warm_up(args: argparse.Namespace, prep: Prepared, layout: Any, count: int | None) -> None:
-    """Send ``count`` short requests (default: 2 per worker), two per worker at a time, and discard
-    them: a fresh cluster's first requests pay for connections being opened and code paths run for
-    the first time, which would otherwise land in the sweep's first point. Their prompts are a point
-    of their own, so they share nothing with any measured request. A warm-up that fails stops the
-    comparison."""
-    from pdrouter.bench import workload as w
-    from pdrouter.bench.runner import RunConfig, run
-
-    workers = layout.colocated + layout.prefill + layout.decode
-    count = 2 * workers if count is None else count
-    if count == 0:
-        return
-    specs = w.synthetic(count, w.LengthDist.parse("64", "warm-up"), w.LengthDist.parse("4", "warm-up"),
-                        seed=args.seed, point=prep.source.number())
-    config = RunConfig(base_url=args.url, model=prep.model, concurrency=min(count, 2 * workers),
-                       timeout_s=args.timeout, time_scale=args.time_scale)
-    result = asyncio.run(_interruptible(run(config, specs)))
-    failed = [r for r in result.records if not r.ok]
-    if result.interrupted:
-        raise KeyboardInterrupt
-    if failed:
-        raise UnavailableError(f"{layout.name}: {len(failed)} of {count} warm-up requests failed "
-                               f"(first: {failure_hint(failed[0].error_kind, failed[0].detail, args.url, prep.model)})")
-
-
-async def _interruptible(coro: Any) -> Any:
-    """Run ``coro``; SIGINT/SIGTERM cancel it (the run then returns what it measured)."""
-    task = asyncio.ensure_future(coro)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, task.cancel)
-    try:
-        return await task
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.remove_signal_handler(sig)

@@ -40,7 +40,7 @@ def test_the_api_key_is_read_at_run_time_and_never_shown_in_help(monkeypatch: py
 
 
 def test_a_missing_key_is_hinted_as_such(capsys: pytest.CaptureFixture[str]) -> None:
-    from pdrouter.cli.bench_cmd import failure_hint
+    from pdrouter.bench.point import failure_hint
 
     hint = failure_hint("http_401", "a valid API key is required", "http://h:1/v1", "m")
     assert hint.startswith("http_401: a valid API key is required;") and "--api-key" in hint
