@@ -60,7 +60,7 @@ from pdrouter.router.server import RouterProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import (
+from pdrouter.testing.leak_audit import (
     LoadOutcomes,
     booking_parts,
     closed_loop,

@@ -8,6 +8,6 @@
   as PEM files, for TLS and mutual TLS;
 * :mod:`pdrouter.testing.redis_cluster`: a Redis Cluster of child processes on loopback that can
   lose a master or fail one over, for the tests and benchmarks of the cluster layout;
-* :mod:`pdrouter.testing.leftovers`: what dead worker incarnations left in Redis (bookings,
+* :mod:`pdrouter.testing.leak_audit`: what dead worker incarnations left in Redis (bookings,
   prefix-index entries), counted.
 """

@@ -31,7 +31,7 @@ from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import LoadOutcomes, closed_loop, count_leftovers, dead_bookings, dead_index_entries
+from pdrouter.testing.leak_audit import LoadOutcomes, closed_loop, count_leftovers, dead_bookings, dead_index_entries
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 from .conftest import Cluster

@@ -29,7 +29,7 @@ from pdrouter.engine.faults import ENGINE_FAULT_ENV
 from pdrouter.router.server import RouterProcess
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import LoadOutcomes, closed_loop
+from pdrouter.testing.leak_audit import LoadOutcomes, closed_loop
 from pdrouter.transfer import KvSender, TransferConfig, new_epoch
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS

@@ -40,7 +40,7 @@ from pdrouter.core.workers import WorkerRole
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leftovers import booking_parts
+from pdrouter.testing.leak_audit import booking_parts
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdrouter.worker.presence import connect_redis
