@@ -58,16 +58,9 @@ from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.server import RouterProcess
 from pdrouter.state.embedded_redis import EmbeddedRedis
-from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leak_audit import (
-    LoadOutcomes,
-    booking_parts,
-    closed_loop,
-    count_leftovers,
-    dead_bookings,
-    dead_index_entries,
-)
+from pdrouter.testing.leak_audit import LeakAudit
+from pdrouter.testing.load import LoadOutcomes, classified_load
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 MODEL, GPU = "llama-3-8b", "h100"
@@ -140,13 +133,13 @@ async def run(args: argparse.Namespace, report: Report) -> None:
                     break
                 await asyncio.sleep(0.1)
             registry = WorkerRegistry(client, MODEL)
-            keys = PoolKeys("pdr", MODEL)
+            audit = LeakAudit(client, MODEL)
             loop = asyncio.get_running_loop()
             outcomes = LoadOutcomes()
             seconds = args.seconds
-            load = asyncio.create_task(closed_loop(router.http_port, outcomes, model=MODEL, prompts=SYSTEM_PROMPTS,
-                                                   concurrency=args.concurrency, until=loop.time() + seconds,
-                                                   bound_s=REQUEST_BOUND_S))
+            load = asyncio.create_task(classified_load(router.http_port, outcomes, model=MODEL,
+                                                       prompts=SYSTEM_PROMPTS, concurrency=args.concurrency,
+                                                       until=loop.time() + seconds, bound_s=REQUEST_BOUND_S))
             await asyncio.sleep(0.3 * seconds)
             victims = [(role, i) for role in ("prefill", "decode") for i in range(killed_per_role)]
             doomed = set().union(*(fleets.ids(*v) for v in victims))
@@ -162,19 +155,19 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             async def watch_dead() -> None:
                 """When the dead incarnations' bookings, and their index entries, were all gone (polled)."""
                 while len(gone_at) < 2:
-                    if "bookings" not in gone_at and await dead_bookings(client, keys, dead_decode) == 0:
+                    if "bookings" not in gone_at and await audit.dead_bookings(dead_decode) == 0:
                         gone_at["bookings"] = time.monotonic()
-                    if "index" not in gone_at and await dead_index_entries(client, keys, dead) == 0:
+                    if "index" not in gone_at and await audit.dead_index_entries(dead) == 0:
                         gone_at["index"] = time.monotonic()
                     await asyncio.sleep(0.25)
 
             watcher = asyncio.create_task(watch_dead())
             report.add("killed_workers", len(dead), "workers")
             report.add("killed_fraction", len(dead) / total, "")
-            entries, _, blocks = await booking_parts(client, keys, dead_decode)
+            entries, _, blocks = await audit.booking_parts(dead_decode)
             report.add("left_at_kill_bookings", entries, "bookings")
             report.add("left_at_kill_booked_blocks", blocks, "blocks")
-            report.add("left_at_kill_index_entries", await dead_index_entries(client, keys, dead), "entries")
+            report.add("left_at_kill_index_entries", await audit.dead_index_entries(dead), "entries")
             if not args.no_restart:
                 restarted = [fleets.spawn(*victim) for victim in victims]
                 for proc in restarted:
@@ -184,7 +177,7 @@ async def run(args: argparse.Namespace, report: Report) -> None:
             load_ended = time.monotonic()
             census: dict[str, int] = {}
             while True:
-                census = await count_leftovers(client, registry, keys, dead, dead_decode)
+                census = await audit.count_leftovers(dead, dead_decode)
                 if not any(census.values()) or time.monotonic() - load_ended > CLEAN_BOUND_S:
                     break
                 await asyncio.sleep(0.5)

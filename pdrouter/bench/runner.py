@@ -127,11 +127,14 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def closed_loop(slots: int) -> None:
-        queue = list(reversed(specs))
+        queue = iter(specs)  # drawn as the slots free up: a long (lazy) sequence is never copied
 
         async def slot() -> None:
-            while queue and not past_deadline():
-                await one(queue.pop())
+            while not past_deadline():
+                spec = next(queue, None)
+                if spec is None:
+                    return
+                await one(spec)
 
         workers = [asyncio.create_task(slot()) for _ in range(slots)]
         try:

@@ -370,6 +370,30 @@ class PrefixIndex:
         got = await self._r.hget(self.keys.prefix_slots, self._member(worker_id, epoch))
         return None if got is None else int(got)
 
+    async def footprint(self, incarnations: Sequence[tuple[str, int]]) -> int:
+        """Entries of ``incarnations`` anywhere in the index: members of their own sets, their liveness
+        members, the slots still given to them and those slots' bits in the block bitmaps. Reads only;
+        a SCAN of every block key (one Redis), so for audits, not for a hot path."""
+        left = sum([int(await self._r.scard(self.keys.prefix_set(w, e))) for w, e in incarnations])
+        names = [PoolKeys.incarnation(w, e) for w, e in incarnations]
+        members = await self._r.zrange(self.keys.prefix_live, 0, -1)
+        live = {m.decode() if isinstance(m, bytes) else str(m) for m in members}
+        left += sum(1 for name in names if name in live)
+        slots = [int(s) for s in await self._r.hmget(self.keys.prefix_slots, names) if s is not None]
+        left += len(slots)
+        cursor, match = 0, self._block_prefix + b"*"
+        while slots:  # one pipeline of GETBITs per page of block keys
+            cursor, page = await self._r.scan(cursor, match=match, count=1000)
+            if page:
+                async with self._r.pipeline(transaction=False) as pipe:
+                    for key in page:
+                        for slot in slots:
+                            pipe.getbit(key, slot)
+                    left += sum(int(x) for x in await pipe.execute())
+            if not cursor:
+                break
+        return left
+
     async def holders(self, block_hash: bytes) -> set[Incarnation]:
         """The incarnations holding one block (reads the slot table afresh)."""
         bitmap = await self._r.get(self.keys.prefix_block(block_hash))

@@ -22,7 +22,7 @@ import contextlib
 import enum
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, NewType
+from typing import Any, NamedTuple, NewType
 
 from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.errors import CapacityError, InvalidRequestError, RequestTooLargeError
@@ -200,6 +200,17 @@ for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now)) do
 end
 return tonumber(redis.call('GET', KEYS[3]) or '0')
 """
+
+
+class BookingHoldings(NamedTuple):
+    """One incarnation's booking keys as Redis holds them."""
+
+    entries: int
+    """Bookings in its hash."""
+    leases: int
+    """Leases in its lease set."""
+    blocks: int
+    """Blocks its used counter says are booked."""
 
 
 def _retrieve(fut: asyncio.Future[Any]) -> None:
@@ -391,6 +402,14 @@ class KvReservations:
     async def used(self, worker_id: str, epoch: int) -> int:
         """Blocks booked on a worker now, after dropping expired leases."""
         return int(await self._purge(keys=self._worker_keys(worker_id, epoch)))
+
+    async def holdings(self, worker_id: str, epoch: int) -> BookingHoldings:
+        """What Redis holds for one incarnation, as it is (expired leases included, nothing purged):
+        for audits of what dead incarnations left behind."""
+        k = self.keys
+        return BookingHoldings(int(await self._r.hlen(k.kv_bookings(worker_id, epoch))),
+                               int(await self._r.zcard(k.kv_leases(worker_id, epoch))),
+                               int(await self._r.get(k.kv_used(worker_id, epoch)) or 0))
 
     async def bookings(self, worker_id: str, epoch: int) -> dict[str, int]:
         """The worker's bookings as Redis holds them: booking id → blocks (expired leases included)."""

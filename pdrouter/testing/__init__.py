@@ -9,5 +9,7 @@
 * :mod:`pdrouter.testing.redis_cluster`: a Redis Cluster of child processes on loopback that can
   lose a master or fail one over, for the tests and benchmarks of the cluster layout;
 * :mod:`pdrouter.testing.leak_audit`: what dead worker incarnations left in Redis (bookings,
-  prefix-index entries), counted.
+  prefix-index entries) and on the live workers, counted through the state's own readers;
+* :mod:`pdrouter.testing.load`: ``pdrouter.bench.runner``'s closed loop on a router, every answer
+  classified (a completion, a clean error, hung or broken).
 """

@@ -29,9 +29,9 @@ import redis.asyncio as aioredis
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.router.admission import AdmissionConfig
 from pdrouter.router.dispatch import DispatchConfig
-from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leak_audit import LoadOutcomes, closed_loop, count_leftovers, dead_bookings, dead_index_entries
+from pdrouter.testing.leak_audit import LeakAudit
+from pdrouter.testing.load import LoadOutcomes, classified_load
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 from .conftest import Cluster
@@ -67,7 +67,7 @@ async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(clu
     router = await cluster.router(dispatch=DispatchConfig(local_prefill_tokens=0),
                                   admission_config=AdmissionConfig(queue_timeout_s=2.0, lease_ms=LEASE_MS))
     client = aioredis.Redis.from_url(cluster.redis_url)
-    keys = PoolKeys("pdr", "tiny")
+    audit = LeakAudit(client, "tiny")
     registry = WorkerRegistry(client, "tiny")
     try:
         assert router.pool is not None
@@ -77,9 +77,9 @@ async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(clu
             await asyncio.sleep(0.05)
         loop = asyncio.get_running_loop()
         outcomes = LoadOutcomes()
-        load_task = asyncio.create_task(closed_loop(router.http_port, outcomes, model="tiny", prompts=SYSTEM_PROMPTS,
-                                                    concurrency=CONCURRENCY, until=loop.time() + LOAD_S,
-                                                    bound_s=REQUEST_BOUND_S))
+        load_task = asyncio.create_task(classified_load(router.http_port, outcomes, model="tiny",
+                                                        prompts=SYSTEM_PROMPTS, concurrency=CONCURRENCY,
+                                                        until=loop.time() + LOAD_S, bound_s=REQUEST_BOUND_S))
         await asyncio.sleep(KILL_AT_S)
         victims = [("prefill", 0), ("decode", 0)]
         doomed = {f"churn-{role}-{i}" for role, index in victims
@@ -90,8 +90,8 @@ async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(clu
         for victim in victims:
             fleets[victim].kill()  # kill -9: no deregistration, no clean-up of any kind
         dead_decode = [(w, e) for w, e in dead if "decode" in w]
-        at_kill = {"bookings": await dead_bookings(client, keys, dead_decode),
-                   "index_entries": await dead_index_entries(client, keys, dead)}
+        at_kill = {"bookings": await audit.dead_bookings(dead_decode),
+                   "index_entries": await audit.dead_index_entries(dead)}
         assert at_kill["index_entries"] > 0, at_kill  # the dead did leave something behind to clean up
         await asyncio.sleep(0.5)
         for victim in victims:  # the same worker ids again: new incarnations
@@ -109,7 +109,7 @@ async def test_kill_a_tenth_of_the_fleet_mid_load_and_nothing_is_left_behind(clu
 
         census: dict[str, int] = {}
         while True:
-            census = await count_leftovers(client, registry, keys, dead, dead_decode)
+            census = await audit.count_leftovers(dead, dead_decode)
             if not any(census.values()) or time.monotonic() - load_ended > CLEAN_BOUND_S:
                 break
             await asyncio.sleep(0.5)

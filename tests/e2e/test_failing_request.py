@@ -29,7 +29,7 @@ from pdrouter.engine.faults import ENGINE_FAULT_ENV
 from pdrouter.router.server import RouterProcess
 from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leak_audit import LoadOutcomes, closed_loop
+from pdrouter.testing.load import LoadOutcomes, classified_load
 from pdrouter.transfer import KvSender, TransferConfig, new_epoch
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
@@ -151,8 +151,8 @@ async def test_fuzzed_sampling_fields_never_stop_an_engine_and_others_are_served
     await wait_workers(router, {WorkerRole.COLOCATED: 1})
     outcomes = LoadOutcomes()
     loop = asyncio.get_running_loop()
-    load = asyncio.create_task(closed_loop(router.http_port, outcomes, model="tiny", prompts=[PROMPT], concurrency=2,
-                                           until=loop.time() + 3600, bound_s=60.0, max_tokens=4))
+    load = asyncio.create_task(classified_load(router.http_port, outcomes, model="tiny", prompts=[PROMPT],
+                                               concurrency=2, until=loop.time() + 3600, bound_s=60.0, max_tokens=4))
     answers: list[str] = []
     try:
         async with httpx.AsyncClient(timeout=60) as http:

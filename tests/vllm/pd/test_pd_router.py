@@ -38,9 +38,8 @@ import pytest
 from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.core.workers import WorkerRole
 from pdrouter.state.embedded_redis import EmbeddedRedis
-from pdrouter.state.keys import PoolKeys
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.testing.leak_audit import booking_parts
+from pdrouter.testing.leak_audit import LeakAudit
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdrouter.worker.presence import connect_redis
@@ -187,12 +186,12 @@ async def leftovers(pd: PdCluster, dead_decode: list[tuple[str, int]] = ()) -> d
     live decode workers, and booking entries, leases and blocks left on dead decode incarnations."""
     client = await connect_redis(pd.redis_url)
     try:
-        keys = PoolKeys("pdr", MODEL)
-        live = await WorkerRegistry(client, MODEL).live_workers()
+        audit = LeakAudit(client, MODEL)
+        live = await audit.registry.live_workers()
         decode = [(w.record.worker_id, int(w.record.epoch)) for w in live if w.record.role is WorkerRole.DECODE]
         return {"stranded_work": sum(w.load.running + w.load.allocated_blocks for w in live),
-                "bookings": sum([int(await client.get(keys.kv_used(w, e)) or 0) for w, e in decode]),
-                "dead_bookings": sum(await booking_parts(client, keys, list(dead_decode)))}
+                "bookings": sum([(await audit.reservations.holdings(w, e)).blocks for w, e in decode]),
+                "dead_bookings": await audit.dead_bookings(list(dead_decode))}
     finally:
         await client.aclose()
 
