@@ -53,10 +53,10 @@ from pdrouter.worker.block_publisher import RedisBlockPublisher
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import ServingEngine
+from pdrouter.worker.info_service import WorkerInfoServicer
 from pdrouter.worker.kv_connector import READY_S, engine_with_connector, start_connector
 from pdrouter.worker.presence import Presence, connect_redis
 from pdrouter.worker.role import Role, RoleContext, RoleFactory
-from pdrouter.worker.streaming import WorkerInfoServicer
 from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)

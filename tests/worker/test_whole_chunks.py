@@ -30,7 +30,8 @@ from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.lane import ColocatedLane, LaneChannel, LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import TokenStream
-from pdrouter.worker.streaming import WHOLE_CHUNK_TOKENS, token_chunks, whole_outputs
+from pdrouter.worker.token_chunks import token_chunks
+from pdrouter.worker.whole_outputs import WHOLE_CHUNK_TOKENS, whole_outputs
 
 from .conftest import SpawnWorker
 

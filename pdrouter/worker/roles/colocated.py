@@ -19,7 +19,7 @@ from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.worker.engine_contract import ServingEngine
 from pdrouter.worker.role import RoleContext, Service
-from pdrouter.worker.streaming import token_chunks
+from pdrouter.worker.token_chunks import token_chunks
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):

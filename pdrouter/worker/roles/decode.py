@@ -45,12 +45,13 @@ from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import report_to_pb, serve_order_from_pb
 from pdrouter.worker.engine_contract import DisaggregatedEngine
+from pdrouter.worker.request_checks import check_request
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_connector import ConnectorDecodeServe
 from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk, ServeEvent
 from pdrouter.worker.roles.prefill_connector import connector_engine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
-from pdrouter.worker.streaming import check_request, token_chunks
+from pdrouter.worker.token_chunks import token_chunks
 from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)

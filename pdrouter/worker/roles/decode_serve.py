@@ -14,7 +14,7 @@ route), its blocks cleared.
   (no token when every route failed; the call then ends with the last failure);
 * ``EngineStream``: the engine's outputs for the request, one chunk each (``report``, when set,
   goes on the first one: the prompt was computed here). For a caller that does not stream
-  (``ServeOrder.whole``) the outputs are merged (``pdrouter.worker.streaming.whole_outputs``): the
+  (``ServeOrder.whole``) the outputs are merged (``pdrouter.worker.whole_outputs.whole_outputs``): the
   first token by itself (its chunk brings the report, which the caller's accounting of the prefill
   workers waits for), then the rest in one output at the end, so the call is two chunks.
 
@@ -51,8 +51,8 @@ from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.worker.engine_contract import DisaggregatedEngine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
-from pdrouter.worker.streaming import whole_outputs
 from pdrouter.worker.transfer_tally import TransferTally
+from pdrouter.worker.whole_outputs import whole_outputs
 
 log = logging.getLogger(__name__)
 

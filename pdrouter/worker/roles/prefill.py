@@ -39,10 +39,10 @@ from pdrouter.wire.trace_context import past_span, traced
 from pdrouter.wire.v1 import worker_pb2, worker_pb2_grpc
 from pdrouter.worker.backend import TransferPacing
 from pdrouter.worker.engine_contract import DisaggregatedEngine
+from pdrouter.worker.request_checks import check_request
 from pdrouter.worker.role import RoleContext, Service
 from pdrouter.worker.roles.decode_targets import DecodeTargets, RegisteredDecodeWorkers, StaticDecodeTargets
 from pdrouter.worker.roles.prefill_connector import ConnectorPrefill, connector_engine
-from pdrouter.worker.streaming import check_request
 from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
