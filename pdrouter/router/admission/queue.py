@@ -12,6 +12,13 @@ The order, strictly in this precedence:
    never behind another flow's burst;
 3. **arrival order** among equal tags.
 
+A flow is charged only for what is served: a waiter that leaves without being admitted (pushed out
+of a full queue, timed out, cancelled) gives its charge back, as if it had never joined: the tags
+of its flow's later waiters of the class are computed again without it. Otherwise a flow whose
+waiters are pushed out or time out would pay for admissions it never got, and fall further behind
+at every one (under a flood, the flows of the smallest weights, whose waiters are the ones pushed
+out).
+
 One flow alone is served exactly in arrival order within each class (its tags only grow), which is
 what the queue did before it knew flows; without tenants every request is one flow.
 
@@ -44,6 +51,10 @@ class Waiter:
     """Its virtual finish tag within the class."""
     seq: int
     flow: Hashable = field(compare=False, default=None)
+    vtime: float = field(compare=False, default=0.0)
+    """Its class's virtual time when it joined."""
+    charge: float = field(compare=False, default=0.0)
+    """Its cost ÷ its flow's weight (its tag is its start, ``max(vtime, F_prev)``, plus this)."""
     wake: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
     evicted: bool = field(compare=False, default=False)
     """Pushed out of a full queue by a waiter served before it (the owner refuses the request)."""
@@ -96,8 +107,9 @@ class WaitQueue:
         it would, the last one is pushed out (``evicted``) and the newcomer joins."""
         cls = -priority
         key = (cls, flow)
-        tag = max(self._vtime.get(cls, 0.0), self._finish.get(key, 0.0)) + cost / weight
-        waiter = Waiter(cls, tag, next(self._seq), flow)
+        vtime = self._vtime.get(cls, 0.0)
+        tag = max(vtime, self._finish.get(key, 0.0)) + cost / weight
+        waiter = Waiter(cls, tag, next(self._seq), flow, vtime, cost / weight)
         if self.full:
             if not self._heap:
                 return None
@@ -105,11 +117,14 @@ class WaitQueue:
             if not waiter < last:
                 return None
             self._heap.remove(last)
-            heapq.heapify(self._heap)
             self._forget(last)
+            self._uncharge(last)
+            heapq.heapify(self._heap)
             last.evicted = True
             last.wake.set()
-        self._finish[key] = tag
+            if last.flow == flow and last.priority == cls:  # its charge is back: the newcomer's tag moves too
+                waiter.tag = max(vtime, self._finish.get(key, 0.0)) + waiter.charge
+        self._finish[key] = waiter.tag
         heapq.heappush(self._heap, waiter)
         self._flows.setdefault(flow, []).append(waiter)
         return waiter
@@ -120,6 +135,22 @@ class WaitQueue:
             waiters.remove(waiter)
             if not waiters:
                 del self._flows[waiter.flow]
+
+    def _uncharge(self, gone: Waiter) -> None:
+        """``gone`` left unserved: its flow's later waiters of its class (and the flow's finish tag)
+        are tagged again as if it had never joined. Call once ``gone`` is out of the heap and the flow."""
+        key = (gone.priority, gone.flow)
+        if key not in self._finish:
+            return
+        finish = gone.tag - gone.charge  # its start: max(V, F_prev) when it joined
+        if gone.tag < self._finish[key]:  # not the flow's last
+            later = [w for w in self._flows.get(gone.flow, ()) if w.priority == gone.priority and w.seq > gone.seq]
+            if not later:  # the later ones were admitted already: they keep the finish they set
+                return
+            for waiter in later:
+                waiter.tag = max(waiter.vtime, finish) + waiter.charge
+                finish = waiter.tag
+        self._finish[key] = finish
 
     def is_head(self, waiter: Waiter) -> bool:
         return bool(self._heap) and self._heap[0] is waiter
@@ -140,10 +171,16 @@ class WaitQueue:
         if waiter in self._heap:
             if self._heap[0] is waiter:
                 heapq.heappop(self._heap)
+                self._forget(waiter)
+                if not served:
+                    self._uncharge(waiter)
+                    heapq.heapify(self._heap)
             else:
                 self._heap.remove(waiter)
+                self._forget(waiter)
+                if not served:
+                    self._uncharge(waiter)
                 heapq.heapify(self._heap)
-            self._forget(waiter)
         if not self._heap:  # idle: every flow starts afresh (and the bookkeeping stays small)
             self._vtime.clear()
             self._finish.clear()

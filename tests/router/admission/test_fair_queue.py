@@ -91,3 +91,39 @@ def test_bookkeeping_is_forgotten_when_the_queue_empties() -> None:
         _joined(queue, i % 3, f"t{i}")
     _drain(queue)
     assert queue._finish == {} and queue._vtime == {}
+
+
+def test_a_waiter_leaving_unserved_gives_its_flows_charge_back() -> None:
+    queue = WaitQueue(limit=100)
+    flood = [_joined(queue, 0, "flooder", 1.0, 4) for _ in range(10)]
+    first, second, third = (_joined(queue, 0, "quiet", 1.0, 4) for _ in range(3))
+    assert (first.tag, second.tag, third.tag) == (4.0, 8.0, 12.0)
+    queue.leave(first)  # timed out, say: "quiet" is charged for the two still waiting only
+    assert (second.tag, third.tag) == (4.0, 8.0)
+    queue.leave(third)
+    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 8.0
+    # Served waiters keep their charge.
+    served = _drain(queue, 2)
+    assert served == [flood[0], second]
+    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 12.0
+
+
+def test_a_flood_pushing_out_waiters_does_not_cost_the_others_their_shares() -> None:
+    """Three tenants flooding a full queue (weights 2 : 1 : 1, the same arrivals each): the waiters
+    pushed out are the smaller weights' (their tags grow faster), and pushed-out waiters are not
+    charged, so admissions still follow the weights."""
+    queue = WaitQueue(limit=32)
+    weights = {"a": 2.0, "b": 1.0, "c": 1.0}
+    served: Counter[object] = Counter()
+    rng = random.Random(5)
+    for step in range(6000):
+        flow = rng.choice(list(weights))
+        queue.join(0, flow, weights[flow], 4)
+        if step % 3 == 2:  # arrivals at three times the rate of service
+            head = queue._heap[0]
+            queue.leave(head, served=True)
+            if step > 600:
+                served[head.flow] += 1
+    total = sum(served.values())
+    for flow, w in weights.items():
+        assert abs(served[flow] / total - w / 4) / (w / 4) < 0.03, served
