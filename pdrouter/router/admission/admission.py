@@ -10,9 +10,10 @@ requests are admitted by priority class, then by their tenants' weighted fair sh
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
 **Headroom.** While a tenant has a backlog here (two or more requests waiting) and another tenant
-has been active in the last ``fair_window_s``, the backlogged tenant books against each worker's
-pool less ``fair_headroom`` of it. The room it leaves goes to tenants with at most one request
-waiting, which may book it without being the queue's head. So a flood never fills the pools to
+of its priority class has been active in the last ``fair_window_s``, the backlogged tenant books
+against each worker's pool less ``fair_headroom`` of it. The room it leaves goes to the tenants of
+that class with at most one request waiting, which may book it without being the queue's head
+(never before a head of a higher class: a class alone is never held back). So a flood never fills the pools to
 the last block: a tenant sending at its fair share is admitted on arrival instead of at the next
 request's end anywhere in the pool. The cost is that headroom, idle while only the flood waits.
 A tenant alone, and every request of a router without tenants, books whole pools, head first.
@@ -69,8 +70,8 @@ class Admission:
         self.owner = uuid.uuid4().hex[:12]
         """This router's part of every booking id it assigns."""
         self._booking_seq = itertools.count()
-        self._seen: dict[str, float] = {}
-        """Per tenant, when it last asked for room (bounded by the tenants)."""
+        self._seen: dict[tuple[int, str], float] = {}
+        """Per priority class and tenant, when it last asked for room (bounded by the tenants)."""
         tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
@@ -132,7 +133,7 @@ class Admission:
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
         if flow is not None:
-            self._seen[flow] = time.monotonic()
+            self._seen[(priority, flow)] = time.monotonic()
         preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
         if not queue and preferred and len(candidates) > 1:
             if cfg.credit_fraction > 0:
@@ -173,8 +174,8 @@ class Admission:
                     self.stats.rejections["queue_full"] += 1
                     raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
                                 f"tenants or a higher priority came", cfg.retry_after_s)
-                held = self._held_back(flow)
-                if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back()):
+                held = self._held_back(flow, priority)
+                if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back(priority)):
                     try:
                         res = await self.reservations.reserve(
                             booking_id, blocks, self._without_headroom(candidates, blocks) if held else candidates,
@@ -196,16 +197,20 @@ class Admission:
         finally:
             queue.leave(waiter, served)
 
-    def _held_back(self, flow: str | None) -> bool:
-        """Whether ``flow`` books without the headroom now (see the module docstring)."""
+    def _held_back(self, flow: str | None, priority: int) -> bool:
+        """Whether ``flow``'s requests of class ``priority`` book without the headroom now (see the
+        module docstring): only for another tenant of the same class, which alone may take it."""
         if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2:
             return False
         since = time.monotonic() - self.config.fair_window_s
-        return any(other != flow and seen > since for other, seen in self._seen.items())
+        return any(other != flow and cls == priority and seen > since for (cls, other), seen in self._seen.items())
 
-    def _head_held_back(self) -> bool:
+    def _head_held_back(self, priority: int) -> bool:
+        """Whether the queue's head is of class ``priority`` and held back from the headroom: then
+        a request of its class with no backlog may book before it. A head of a higher class is
+        never passed."""
         head = self._queue.head
-        return head is not None and self._held_back(head.flow)  # type: ignore[arg-type]
+        return head is not None and -head.priority == priority and self._held_back(head.flow, priority)  # type: ignore[arg-type]
 
     def _without_headroom(self, candidates: Sequence[DecodeCapacity], blocks: int) -> list[DecodeCapacity]:
         """The candidates less their headroom (but never below the request: a request larger than a

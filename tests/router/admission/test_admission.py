@@ -268,3 +268,33 @@ async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_ar
     for res in [*held[1:], *(t.result() for t in waiting)]:
         await adm.release(res)
     assert adm.queue_length == 0 and adm.active == 0
+
+
+async def test_a_higher_class_with_a_backlog_is_not_held_back_from_the_headroom_of_a_lower_one(
+        client: aioredis.Redis) -> None:
+    """The headroom is kept for tenants of the backlogged tenant's own class: an interactive burst
+    beside a standard flood books the whole pool, and no standard request passes it."""
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=5))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))  # b was active a moment ago
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]  # the pool, full
+    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
+    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    burst = [asyncio.create_task(adm.admit(RequestId(f"p{i}"), 10, pool, priority=1, flow="p")) for i in range(2)]
+    await until(lambda: _true(adm.queue_length == 5), "the interactive burst queued")
+    b = asyncio.create_task(adm.admit(RequestId("b1"), 10, pool, flow="b"))
+    await until(lambda: _true(adm.queue_length == 6), "b waits")
+    for urgent in burst:
+        await adm.release(held.pop())  # the last 10 % of the pool: the burst's, not b's
+        await until(lambda: _true(urgent.done()), "the interactive request admitted")  # noqa: B023
+        assert not b.done()
+    await adm.release(held.pop())
+    await until(lambda: _true(b.done()), "b admitted into the headroom")
+    assert not any(t.done() for t in flood)
+    for res in [*held, b.result(), *(t.result() for t in burst)]:
+        await adm.release(res)
+    await asyncio.gather(*flood)
+    for res in (t.result() for t in flood):
+        await adm.release(res)
+    assert adm.queue_length == 0 and adm.active == 0
