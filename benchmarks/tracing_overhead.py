@@ -16,20 +16,35 @@ per request; then per router the median, and the ratios of the medians of per-ro
   i.e. at most 1.02);
 * ``tracing_on_vs_off``: what tracing every request costs.
 
-    python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF]
+``--instructions``: the same comparison counted in instructions instead of CPU seconds, which the
+rest of the machine does not move. Each router runs under Valgrind's callgrind with instrumentation
+off until its measured window; per round and router, ``callgrind_control`` turns it on and zeroes the
+counts, the router serves the same ``--requests`` requests (one at a time, the same bodies), and the
+dump's total is divided by the requests: instructions per request, every thread of the router
+process counted. Rounds are interleaved as above; the ratios are reported per round, with their
+median and their spread (max − min). The per-round spread is the measurement's own noise
+(background timers, whose count follows the wall clock, and the order in which asyncio wakes
+tasks), so a ratio is resolved to about that spread.
+
+    python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF] [--instructions]
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
+import shutil
 import statistics
 import subprocess
+import sys
 import tarfile
 import tempfile
+from collections.abc import Iterator
 from io import BytesIO
 from pathlib import Path
+from unittest import mock
 
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
@@ -63,6 +78,32 @@ def export_tree(ref: str, into: Path) -> Path:
     return into
 
 
+@contextlib.contextmanager
+def under_callgrind(tmp: Path, name: str) -> Iterator[Path]:
+    """While open, ``pdrouter`` child processes (``ManagedProcess``) start under callgrind with its
+    instrumentation off; yields the prefix of their dump files."""
+    out = tmp / f"callgrind-{name}"
+    wrapper = tmp / f"python-under-callgrind-{name}"
+    wrapper.write_text(f"#!/bin/sh\nexec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file={out}.%p "
+                       f"--log-file={out}.log {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    with mock.patch.object(sys, "executable", str(wrapper)):
+        yield out
+
+
+def callgrind(pid: int, *command: str) -> None:
+    subprocess.run(["callgrind_control", *command, str(pid)], check=True, capture_output=True, timeout=120)
+
+
+def dumped_instructions(prefix: Path, pid: int, dumps: int) -> int:
+    """The instruction count (``summary``) of dump number ``dumps`` of process ``pid``."""
+    text = Path(f"{prefix}.{pid}.{dumps}").read_text()
+    for line in text.splitlines():
+        if line.startswith("summary:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no summary line in {prefix}.{pid}.{dumps}")
+
+
 async def run(args: object, report: Report) -> None:
     a = args
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
@@ -82,15 +123,21 @@ async def run(args: object, report: Report) -> None:
                 procs.append(proc)
                 proc.wait_ready(120.0)
             routers: dict[str, ManagedProcess] = {}
+            counted = a.instructions  # type: ignore[attr-defined]
+            dumps: dict[str, Path] = {}
             for name, extra_env in (("off", {}), ("base", {"PYTHONPATH": str(base_tree)}),
                                     ("on", sink.environment("http/protobuf"))):
-                proc = ManagedProcess(f"router-{name}", [
-                    "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
-                    "--local-prefill-tokens", "0", "--log-level", "WARNING"], env={**env, **token, **extra_env})
+                with under_callgrind(Path(tmp), name) if counted else contextlib.nullcontext() as prefix:
+                    proc = ManagedProcess(f"router-{name}", [
+                        "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
+                        "--local-prefill-tokens", "0", "--log-level", "WARNING"],
+                        env={**env, **token, **extra_env, **({"PYTHONHASHSEED": "0"} if counted else {})})
+                if prefix is not None:
+                    dumps[name] = prefix
                 procs.append(proc)
                 routers[name] = proc
             for proc in routers.values():
-                proc.wait_ready(120.0)
+                proc.wait_ready(900.0 if counted else 120.0)
             await asyncio.sleep(1.5)  # every router has both workers in its pool
             ids = list(range(3, 3 + a.prompt_tokens))  # type: ignore[attr-defined]
             clients = {}
@@ -100,8 +147,9 @@ async def run(args: object, report: Report) -> None:
                 clients[name] = HttpCompletions(host, int(port), "tiny", ids, a.max_tokens, stream=False)  # type: ignore[attr-defined]
             concurrency, n = a.concurrency, a.requests  # type: ignore[attr-defined]
 
-            async def phase(name: str, count: int) -> float:
-                """CPU seconds per request of router ``name`` over ``count`` requests."""
+            async def phase(name: str, count: int, measured: bool = True) -> float:
+                """CPU seconds (``--instructions``: instructions) per request of router ``name`` over
+                ``count`` requests (``measured`` False: only sent, e.g. to warm it)."""
                 left = count
 
                 async def slot(i: int) -> None:
@@ -111,12 +159,26 @@ async def run(args: object, report: Report) -> None:
                         await clients[name].once(i)
 
                 pid = routers[name].proc.pid
-                cpu0 = cpu_seconds(pid)
-                await asyncio.gather(*(slot(i) for i in range(concurrency)))
-                return (cpu_seconds(pid) - cpu0) / count
+                if counted and not measured:
+                    await slot(0)
+                    return 0.0
+                if not counted:
+                    cpu0 = cpu_seconds(pid)
+                    await asyncio.gather(*(slot(i) for i in range(concurrency)))
+                    return (cpu_seconds(pid) - cpu0) / count
+                # One at a time (the same sequence every round), counted between a zero and a dump.
+                await asyncio.to_thread(callgrind, pid, "--instr=on")
+                await asyncio.to_thread(callgrind, pid, "--zero")
+                await slot(0)
+                await asyncio.to_thread(callgrind, pid, "--dump")
+                await asyncio.to_thread(callgrind, pid, "--instr=off")
+                dumped[name] += 1
+                return dumped_instructions(dumps[name], pid, dumped[name]) / count
+
+            dumped = dict.fromkeys(routers, 0)
 
             for name in routers:  # warm every path (and the tracer's exporter) before measuring
-                await phase(name, n // 2)
+                await phase(name, n // 2, measured=False)
             per_round: dict[str, list[float]] = {name: [] for name in routers}
             order = list(routers)
             for r in range(a.rounds):  # type: ignore[attr-defined]
@@ -129,14 +191,18 @@ async def run(args: object, report: Report) -> None:
         finally:
             for proc in reversed(procs):
                 proc.stop()
+    counted = a.instructions  # type: ignore[attr-defined]
     for name, values in per_round.items():
-        report.add(f"tracing_router_cpu_{name}_us", round(statistics.median(values) * 1e6, 1), "us/req")
-    pairs = list(zip(per_round["off"], per_round["base"], strict=True))
-    report.add("tracing_off_vs_base", round(statistics.median(off / base for off, base in pairs), 3),
-               "× (target ≤ 1.02)")
-    report.add("tracing_off_vs_base_rounds", " ".join(f"{off / base:.3f}" for off, base in pairs))
-    pairs = list(zip(per_round["on"], per_round["off"], strict=True))
-    report.add("tracing_on_vs_off", round(statistics.median(on / off for on, off in pairs), 3), "×")
+        if counted:
+            report.add(f"tracing_router_instructions_{name}", round(statistics.median(values)), "instructions/req")
+        else:
+            report.add(f"tracing_router_cpu_{name}_us", round(statistics.median(values) * 1e6, 1), "us/req")
+    for key, num, den, unit in (("tracing_off_vs_base", "off", "base", "× (target ≤ 1.02)"),
+                                ("tracing_on_vs_off", "on", "off", "×")):
+        ratios = [x / y for x, y in zip(per_round[num], per_round[den], strict=True)]
+        report.add(key, round(statistics.median(ratios), 4 if counted else 3), unit)
+        report.add(f"{key}_spread", round(max(ratios) - min(ratios), 4), "(max − min of the rounds)")
+        report.add(f"{key}_rounds", " ".join(f"{r:.4f}" for r in ratios))
     report.add("tracing_traces_received", traced, "traces")
 
 
@@ -148,9 +214,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=13)
     parser.add_argument("--max-tokens", type=int, default=2)
+    parser.add_argument("--instructions", action="store_true",
+                        help="count the routers' instructions under callgrind instead of their CPU seconds "
+                             "(robust to the machine's load; default --requests 300, --rounds 4)")
     args = parser.parse_args()
+    if args.instructions and shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions needs Valgrind (valgrind and callgrind_control on the PATH)")
+    if args.instructions and args.requests == parser.get_default("requests"):
+        args.requests, args.rounds = 300, 4
     if args.quick:
-        args.requests, args.rounds = 300, 2
+        args.requests, args.rounds = (40 if args.instructions else 300), 2
     report = Report()
     asyncio.run(run(args, report))
     report.emit(args.json)
