@@ -15,18 +15,31 @@ Two routers on the same workers and Redis: ``fair``, with a tenants file (tenant
    completions per second;
 2. ``solo_b``, ``solo_c``: ``b`` alone, then ``c`` alone, Poisson arrivals at their fair share
    (weight ÷ Σ weights of ``a``, ``b``, ``c``, times the capacity), through ``fair``;
-3. ``fair``: the same ``b`` and ``c`` while ``a`` floods at ``--flood`` × the capacity, and ``p``
+3. ``share``: the same ``b`` and ``c`` beside ``a`` at its share of the pool (a closed loop of its
+   weight's share of the decode pools' requests), through ``fair``: the pool as busy as beside the
+   flood, with nobody over its share;
+4. ``fair``: the same ``b`` and ``c`` while ``a`` floods at ``--flood`` × the capacity, and ``p``
    sends bursts of ``--burst`` requests at once, through ``fair``;
-4. ``fifo``: the same load through ``fifo`` (``p``'s bursts with no priority there);
-5. ``backlog``: ``a``, ``b`` and ``c`` all flooding (each at the whole capacity), through ``fair``:
-   each one's admitted share against its weight.
+5. ``fifo``: the same load through ``fifo`` (``p``'s bursts with no priority there);
+6. ``backlog``: ``a``, ``b`` and ``c`` all flooding (each at the whole capacity), through ``fair``.
 
-Per phase and tenant: requests sent, answered 200, refused (429), TTFT p50 / p99 of those answered
-(``b`` and ``c`` stream; ``a`` does not), and the admitted share: completions started in the phase's
-measured window (after ``--warmup`` s) over all of them. Then the ratios its targets are stated in:
-``ratio_ttft_p99_{b,c}`` (fair ÷ solo; ≤ 1.5), ``share_error_*`` (|share − weight share| ÷ weight
-share; ≤ 0.10), ``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests) and the
-same ratios under FIFO for contrast.
+Each tenant's arrivals are the same sequence in every phase (a seed per tenant). Per phase and
+tenant: requests sent, answered 200, refused (429), TTFT p50 / p99 / mean of those answered (``b``,
+``c`` and ``p`` stream; ``a`` does not), and, from the router's metrics over the window, its queue
+wait (mean, and the p99's histogram bucket) and the decode pools' booked share when its requests
+arrived (Redis, sampled every 50 ms). Per phase: the simulated GPUs' late share of their modeled
+time (the machine's load showing in the model) and this process's event-loop lag.
+
+The targets' ratios: ``ratio_ttft_p99_{b,c}`` (fair ÷ solo, the acceptance's words) and
+``ratio_ttft_p99_{b,c}_vs_share`` (fair ÷ share: what the flood itself costs them; ≤ 1.5). Alone,
+``b`` meets an idle pool (short prefill queues, a decode pool a fifth booked), which no tenant of a
+full shared pool is owed: ``share`` is the reference fair queuing can be held to. Admitted shares
+(``*_share_error`` ≤ 0.10, over the completions of requests sent in the window) are measured against
+the weighted max-min fair share of what each tenant asked: its weight's share when all ask for more
+(``backlog``), and all it asked when it asked less (``b`` and ``c`` beside the flood, whose Poisson
+arrivals over a window of a minute vary by some 10 % around their weight's share); then
+``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests) and the same ratios under
+FIFO for contrast.
 
     python benchmarks/tenant_fairness.py [--quick] [--json] [--time-scale S] [--phase-s T]
 """
@@ -34,17 +47,23 @@ same ratios under FIFO for contrast.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import multiprocessing
 import random
 import secrets
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from _report import Report, base_parser
+from prometheus_client.parser import text_string_to_metric_families
+from redis.asyncio import Redis
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.capacity import plan_capacity
@@ -81,6 +100,35 @@ class Phase:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
     window: tuple[float, float] = (0.0, 0.0)
+    occupancy: list[tuple[float, float]] = field(default_factory=list)
+    """(monotonic time, booked share of the decode pools) samples."""
+    metrics: tuple[dict[str, float], dict[str, float]] = ({}, {})
+    """The router's metrics at the window's start and at the phase's end."""
+    lag: list[float] = field(default_factory=list)
+    """This process's event-loop lag samples (s)."""
+    engines: list[dict[str, float]] = field(default_factory=list)
+    """Once a second in the window: requests running and waiting in the workers' engines, by role."""
+
+    def occupancy_at(self, at: float) -> float:
+        i = bisect.bisect_right(self.occupancy, (at, float("inf"))) - 1
+        return self.occupancy[i][1] if i >= 0 else float("nan")
+
+    def bucket_quantile(self, prefix: str, q: float) -> float:
+        """The upper bound of the histogram bucket (series ``prefix``…``}``) holding quantile ``q`` of
+        what it counted over the window."""
+        bounds = sorted((float(k[len(prefix):-1]), k) for k in self.metrics[1] if k.startswith(prefix))
+        counts = [(bound, self.delta(k)) for bound, k in bounds]
+        total = counts[-1][1] if counts else 0.0
+        return next((bound for bound, n in counts if n >= q * total), float("nan")) if total else float("nan")
+
+    def delta(self, name: str) -> float:
+        """How much ``name`` (with its labels, or without any: all its series) grew over the window."""
+        before, after = self.metrics
+
+        def total(flat: dict[str, float]) -> float:
+            return sum(v for k, v in flat.items() if k == name or ("{" not in name and k.startswith(name + "{")))
+
+        return total(after) - total(before)
 
     def of(self, tenant: str) -> list[Outcome]:
         return [o for o in self.outcomes if o.tenant == tenant]
@@ -108,6 +156,27 @@ class Client:
         return (f"POST /v1/completions HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {KEYS[tenant]}\r\n"
                 f"content-type: application/json\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
                 ).encode() + body
+
+    async def metrics(self) -> dict[str, float]:
+        """The router's ``/metrics``, flat: ``name`` plus its labels (``name{k=v,...}``) → value."""
+        reader, writer = await asyncio.open_connection(self.host, self.port)
+        try:
+            writer.write(f"GET /metrics HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {KEYS['a']}\r\n"
+                         f"connection: close\r\n\r\n".encode())
+            raw = await reader.read()
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+        flat: dict[str, float] = {}
+        for family in text_string_to_metric_families(raw.split(b"\r\n\r\n", 1)[1].decode()):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+                if "le" in sample.labels:
+                    labels = f"{labels},le={sample.labels['le']}" if labels else f"le={sample.labels['le']}"
+                key = f"{sample.name}{{{labels}}}" if labels else sample.name
+                flat[key] = flat.get(key, 0.0) + sample.value
+        return flat
 
     async def send(self, tenant: str, stream: bool, phase: Phase) -> None:
         sent = time.monotonic()
@@ -147,7 +216,7 @@ async def poisson(client: Client, tenant: str, rate: float, until: float, phase:
                   burst: int = 1, tasks: set[asyncio.Task[None]] | None = None) -> None:
     """Open-loop arrivals of ``tenant`` at ``rate`` per second (``burst`` requests each) until ``until``."""
     held = tasks if tasks is not None else set()
-    rng = random.Random(hash(tenant) & 0xFFFF)
+    rng = random.Random(zlib.crc32(tenant.encode()))  # the same arrivals in every phase and run
     next_at = time.monotonic() + rng.expovariate(rate)
     while next_at < until:
         await asyncio.sleep(max(0.0, next_at - time.monotonic()))
@@ -160,12 +229,60 @@ async def poisson(client: Client, tenant: str, rate: float, until: float, phase:
         await asyncio.wait(held)
 
 
+def flood(host: str, port: int, prompt_tokens: int, output: int, loads: list[tuple[str, float]],
+          until: float) -> list[tuple[str, float, int]]:
+    """Open-loop, non-streamed ``loads`` (tenant, rate) until ``until`` (monotonic, the machine's
+    clock), sent from a process of its own (``Flooder``): (tenant, sent, status) of each request."""
+    phase = Phase("flood")
+    client = Client(host, port, prompt_tokens, output, random.Random(11))
+
+    async def main() -> None:
+        await asyncio.gather(*(poisson(client, t, rate, until, phase, False) for t, rate in loads))
+
+    asyncio.run(main())
+    return [(o.tenant, o.sent, o.status) for o in phase.outcomes]
+
+
+class Flooder:
+    """Sends the floods from another process: in this one they took the event loop (a loop lag of
+    seconds at the 99th percentile), and every TTFT measured here with it."""
+
+    def __init__(self, prompt_tokens: int, output: int) -> None:
+        self._sizes = (prompt_tokens, output)
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+
+    async def run(self, client: Client, loads: list[tuple[str, float]], until: float, phase: Phase) -> None:
+        sent = await asyncio.get_running_loop().run_in_executor(
+            self._pool, flood, client.host, client.port, *self._sizes, loads, until)
+        phase.outcomes += [Outcome(tenant, at, status) for tenant, at, status in sent]
+
+    def close(self) -> None:
+        self._pool.shutdown()
+
+
 async def closed_loop(client: Client, tenant: str, concurrency: int, until: float, phase: Phase) -> None:
     async def slot() -> None:
         while time.monotonic() < until:
             await client.send(tenant, False, phase)
 
     await asyncio.gather(*(slot() for _ in range(concurrency)))
+
+
+def fair_allocation(demand: dict[str, int], weights: dict[str, float], capacity: float) -> dict[str, float]:
+    """Weighted max-min fair shares of ``capacity``: each gets what it asked for, or its weight's share
+    of what those asking for more are left (water-filling)."""
+    owed: dict[str, float] = {}
+    left = dict(demand)
+    while left:
+        level = capacity / sum(weights[t] for t in left)
+        content = [t for t in left if left[t] <= weights[t] * level]
+        if not content:
+            owed.update({t: weights[t] * level for t in left})
+            break
+        for t in content:
+            owed[t] = left.pop(t)
+            capacity -= owed[t]
+    return owed
 
 
 def pct(values: list[float], q: float) -> float:
@@ -180,6 +297,7 @@ class Pool:
     procs: list[ManagedProcess]
     fair: Client
     fifo: Client
+    redis_url: str
 
 
 @contextlib.contextmanager
@@ -223,7 +341,7 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
                 host, port = router.address.rsplit(":", 1)
                 clients.append(Client(host, int(port), a.prompt, a.output, random.Random(7)))  # type: ignore[attr-defined]
             time.sleep(1.5)  # every router's pool has every worker
-            yield Pool(procs, clients[0], clients[1])
+            yield Pool(procs, clients[0], clients[1], redis.url)
         finally:
             for proc in reversed(procs):
                 proc.stop()
@@ -233,7 +351,9 @@ async def run(args: object, report: Report) -> None:
     a = args
     phase_s: float = a.phase_s  # type: ignore[attr-defined]
     warmup: float = a.warmup  # type: ignore[attr-defined]
-    with tempfile.TemporaryDirectory() as tmp, pool(args, Path(tmp)) as p:
+    flooder = Flooder(a.prompt, a.output)  # type: ignore[attr-defined]
+    with tempfile.TemporaryDirectory() as tmp, pool(args, Path(tmp)) as p, contextlib.closing(flooder):
+        redis = Redis.from_url(p.redis_url)
         # 1. the pool's capacity: completions per second of a closed loop that keeps it full
         cap_phase = Phase("capacity")
         until = time.monotonic() + phase_s
@@ -247,29 +367,70 @@ async def run(args: object, report: Report) -> None:
         share = {t: w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
         rates = {t: capacity * share[t] for t in ("b", "c")}
 
-        async def phase(name: str, client: Client, loads: list[tuple[str, float, bool, int]]) -> Phase:
+        async def phase(name: str, client: Client, loads: list[tuple[str, float, bool, int]],
+                        closed: tuple[str, int] | None = None) -> Phase:
+            """Open-loop ``loads`` (tenant, rate, streamed, burst) and, with ``closed`` (tenant,
+            concurrency), a closed loop beside them."""
             ph = Phase(name)
             start = time.monotonic()
             until = start + phase_s
             ph.window = (start + warmup, until)
             tasks: set[asyncio.Task[None]] = set()
-            await asyncio.gather(*(poisson(client, t, rate, until, ph, stream, burst, tasks)
-                                   for t, rate, stream, burst in loads))
-            if tasks:
-                await asyncio.wait(tasks)
+            watch = asyncio.create_task(observe(client, ph))
+            loops = [] if closed is None else [closed_loop(client, closed[0], closed[1], until, ph)]
+            floods = [(t, rate) for t, rate, stream, _ in loads if not stream]
+            if floods:
+                loops.append(flooder.run(client, floods, until, ph))
+            try:
+                await asyncio.gather(*(poisson(client, t, rate, until, ph, stream, burst, tasks)
+                                       for t, rate, stream, burst in loads if stream), *loops)
+                if tasks:
+                    await asyncio.wait(tasks)
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+            ph.metrics = (ph.metrics[0], await client.metrics())
             return ph
 
+        async def observe(client: Client, ph: Phase) -> None:
+            """Samples the decode pools' booked share (Redis, every 50 ms) and this loop's lag; the
+            router's metrics once the measured window opens."""
+            first = await client.metrics()
+            capacity = sum(v for k, v in first.items() if k.startswith("pdrouter_kv_capacity_blocks{"))
+            used_keys = [k async for k in redis.scan_iter(match="*kv:used:*")]
+            scraped = False
+            next_engines = ph.window[0]
+            while True:
+                at = time.monotonic()
+                if not scraped and at >= ph.window[0]:
+                    scraped = True
+                    ph.metrics = (await client.metrics(), {})
+                if at >= next_engines and at < ph.window[1]:
+                    next_engines = at + 1.0
+                    flat = await client.metrics()
+                    ph.engines.append({f"{what}_{role}": sum(
+                        v for k, v in flat.items() if k.startswith(f"pdrouter_worker_{what}_requests{{")
+                        and f"role={role}" in k) for what in ("running", "waiting") for role in ("prefill", "decode")})
+                used = sum(int(v or 0) for v in await redis.mget(used_keys)) if used_keys else 0
+                ph.occupancy.append((at, used / capacity if capacity else float("nan")))
+                await asyncio.sleep(0.05)
+                ph.lag.append(max(0.0, time.monotonic() - at - 0.05))
+
         solo = {t: await phase(f"solo_{t}", p.fair, [(t, rates[t], True, 1)]) for t in ("b", "c")}
-        flood = ("a", a.flood * capacity, False, 1)  # type: ignore[attr-defined]
+        # The reference beside the flood: the pool as busy, a no further than its share of it.
+        share_phase = await phase("share", p.fair, [("b", rates["b"], True, 1), ("c", rates["c"], True, 1)],
+                                  closed=("a", max(1, round(a.pool_requests * share["a"]))))  # type: ignore[attr-defined]
+        flooding = ("a", a.flood * capacity, False, 1)  # type: ignore[attr-defined]
         burst = ("p", a.burst_rate, True, a.burst)  # type: ignore[attr-defined]
-        fair = await phase("fair", p.fair, [flood, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
-        fifo = await phase("fifo", p.fifo, [flood, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
+        fair = await phase("fair", p.fair, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
+        fifo = await phase("fifo", p.fifo, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
         backlog = await phase("backlog", p.fair, [(t, capacity, False, 1) for t in WEIGHTS])
 
     def ttfts(ph: Phase, tenant: str) -> list[float]:
         return [o.ttft for o in ph.measured(tenant) if o.status == 200 and o.ttft]
 
-    for ph in (*solo.values(), fair, fifo, backlog):
+    for ph in (*solo.values(), share_phase, fair, fifo, backlog):
         for tenant in ("a", "b", "c", "p"):
             mine = ph.measured(tenant)
             if not mine:
@@ -282,13 +443,51 @@ async def run(args: object, report: Report) -> None:
             if t:
                 report.add(f"{ph.name}_{tenant}_ttft_p50_ms", round(statistics.median(t) * 1e3, 1), "ms")
                 report.add(f"{ph.name}_{tenant}_ttft_p99_ms", round(pct(t, 0.99) * 1e3, 1), "ms")
+                report.add(f"{ph.name}_{tenant}_ttft_mean_ms", round(statistics.fmean(t) * 1e3, 1), "ms")
+            waits = ph.delta(f"pdrouter_tenant_queue_wait_seconds_count{{tenant={tenant}}}")
+            if waits:
+                wait_s = ph.delta(f"pdrouter_tenant_queue_wait_seconds_sum{{tenant={tenant}}}") / waits
+                report.add(f"{ph.name}_{tenant}_queue_wait_mean_ms", round(wait_s * 1e3, 1), "ms")
+                report.add(f"{ph.name}_{tenant}_queue_wait_p99_ms", round(ph.bucket_quantile(
+                    f"pdrouter_tenant_queue_wait_seconds_bucket{{tenant={tenant},le=", 0.99) * 1e3, 1),
+                    "ms (upper bound of its histogram bucket)")
+            if ph.occupancy and t:
+                at = [ph.occupancy_at(o.sent) for o in ok if o.ttft]
+                report.add(f"{ph.name}_{tenant}_pool_booked_on_arrival", round(statistics.fmean(at), 3),
+                           "of the decode pools (mean)")
+        waits = ph.delta("pdrouter_queue_time_seconds_count")
+        if waits:
+            report.add(f"{ph.name}_queue_wait_mean_ms",
+                       round(ph.delta("pdrouter_queue_time_seconds_sum") / waits * 1e3, 1), "ms (all tenants)")
+        modeled = ph.delta("pdrouter_worker_sim_modeled_seconds")
+        late = ph.delta("pdrouter_worker_sim_late_seconds")
+        if modeled:
+            report.add(f"{ph.name}_sim_late_share", round(late / modeled, 3), "of modeled GPU time (machine load)")
+        if ph.lag:
+            report.add(f"{ph.name}_client_loop_lag_p99_ms", round(pct(ph.lag, 0.99) * 1e3, 1), "ms")
+        for key in (ph.engines[0] if ph.engines else {}):
+            report.add(f"{ph.name}_engines_{key}_mean", round(statistics.fmean(e[key] for e in ph.engines), 1),
+                       "requests (workers' heartbeats, once a second)")
+        if ph.occupancy:
+            lo, hi = ph.window
+            inside = [v for at, v in ph.occupancy if lo <= at < hi]
+            if inside:
+                report.add(f"{ph.name}_pool_booked_mean", round(statistics.fmean(inside), 3), "of the decode pools")
         admitted = {t: sum(o.status == 200 for o in ph.measured(t)) for t in WEIGHTS}
         total = sum(admitted.values())
         if ph.name in ("fair", "fifo", "backlog") and total:
+            # What each is owed: its weight's share of what was admitted, or what it asked when it
+            # asked less (weighted max-min fairness over the requests each sent in the window).
+            owed = fair_allocation({t: len(ph.measured(t)) for t in WEIGHTS}, WEIGHTS, total)
             for t in WEIGHTS:
                 report.add(f"{ph.name}_{t}_share", round(admitted[t] / total, 3))
-                report.add(f"{ph.name}_{t}_share_error", round(abs(admitted[t] / total - share[t]) / share[t], 3))
+                report.add(f"{ph.name}_{t}_fair_share", round(owed[t] / total, 3), f"(weight share {share[t]:g})")
+                report.add(f"{ph.name}_{t}_share_error", round(abs(admitted[t] - owed[t]) / owed[t], 3),
+                           "of its fair share (≤ 0.10)")
     for t in ("b", "c"):
+        share_p99 = pct(ttfts(share_phase, t), 0.99)
+        report.add(f"ratio_ttft_p99_{t}_vs_share", round(pct(ttfts(fair, t), 0.99) / share_p99, 2),
+                   "× beside a at its share (≤ 1.5)")
         solo_p99 = pct(ttfts(solo[t], t), 0.99)
         report.add(f"ratio_ttft_p99_{t}", round(pct(ttfts(fair, t), 0.99) / solo_p99, 2), "× solo (≤ 1.5)")
         served = ttfts(fifo, t)
@@ -323,11 +522,11 @@ def main() -> None:
     if args.quick:  # a smoke run: every phase, too short for steady state
         args.time_scale, args.phase_s, args.warmup, args.prefill, args.prompt, args.output = 3.0, 2.0, 0.5, 2, 512, 16
         args.decode_utilization = 0.25
+    spec = get_model_preset(MODEL)
+    blocks = plan_capacity(spec, get_gpu_preset("h100"), utilization=args.decode_utilization).num_blocks
+    args.pool_requests = args.decode * (blocks // -(-(args.prompt + args.output) // 16))
     if not args.concurrency:
-        spec = get_model_preset(MODEL)
-        blocks = plan_capacity(spec, get_gpu_preset("h100"), utilization=args.decode_utilization).num_blocks
-        per_request = -(-(args.prompt + args.output) // 16)
-        args.concurrency = int(1.2 * args.decode * (blocks // per_request)) + 1
+        args.concurrency = int(1.2 * args.pool_requests) + 1
     report = Report()
     asyncio.run(run(args, report))
     if args.quick:
