@@ -40,6 +40,7 @@ from pdrouter.core.workers import WorkerRole
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.testing.leak_audit import LeakAudit
+from pdrouter.testing.otlp import CLIENT, INTERNAL, SERVER, OtlpSink, ReceivedSpan
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdrouter.worker.presence import connect_redis
@@ -88,6 +89,8 @@ class PdCluster:
 
     relays: dict[str, WorkerRelay] = field(default_factory=dict)
     """The relay in front of each decode worker (its incarnation's ports)."""
+    spans: OtlpSink | None = None
+    """Where every process exports the spans of the requests that come with a sampled trace context."""
 
     def start_worker(self, role: str, name: str, *, registered: bool = True) -> ManagedProcess:
         argv = vllm_worker(role, self.model, name, self.redis_url if registered else None)
@@ -142,20 +145,24 @@ class PdCluster:
 def cluster(vllm_model: Path) -> Iterator[PdCluster]:
     redis = EmbeddedRedis()
     redis.start()
-    pd = PdCluster(vllm_model, redis.url, {INTERNAL_TOKEN_ENV: secrets.token_hex(16)})
-    try:
-        for role, name, registered in (("prefill", "prefill-0", True), ("decode", "decode-0", True),
-                                       ("worker", "reference", False)):  # all at once: their imports overlap
-            pd.start_worker(role, name, registered=registered)
-        for proc in pd.workers.values():
-            proc.wait_ready(START_S)
-        pd.start_router("pd", "--redis", redis.url, "--mode", "disaggregated")
-        pd.start_router("reference", "--workers", pd.workers["reference"].address or "", "--mode", "colocated")
-        run(wait_for(lambda: live(pd), "the prefill and decode workers registered", lambda n: n == 2))
-        yield pd
-    finally:
-        pd.stop()
-        redis.stop()
+    with OtlpSink() as sink:
+        # Traced only when a request brings a sampled context: the other tests' requests start no trace.
+        tracing = {**sink.environment("http/protobuf"), "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+                   "OTEL_TRACES_SAMPLER_ARG": "0"}
+        pd = PdCluster(vllm_model, redis.url, {INTERNAL_TOKEN_ENV: secrets.token_hex(16), **tracing}, spans=sink)
+        try:
+            for role, name, registered in (("prefill", "prefill-0", True), ("decode", "decode-0", True),
+                                           ("worker", "reference", False)):  # all at once: their imports overlap
+                pd.start_worker(role, name, registered=registered)
+            for proc in pd.workers.values():
+                proc.wait_ready(START_S)
+            pd.start_router("pd", "--redis", redis.url, "--mode", "disaggregated")
+            pd.start_router("reference", "--workers", pd.workers["reference"].address or "", "--mode", "colocated")
+            run(wait_for(lambda: live(pd), "the prefill and decode workers registered", lambda n: n == 2))
+            yield pd
+        finally:
+            pd.stop()
+            redis.stop()
 
 
 def run(coro: Any) -> Any:
@@ -308,6 +315,58 @@ def test_disaggregated_tokens_equal_the_colocated_engine(cluster: PdCluster) -> 
     run(wait_for(lambda: asyncio.sleep(0, metric(cluster, "pdrouter_worker_kv_transfer_bytes")),
                  "the workers' transfer counts", lambda total: total == 2 * moved, timeout=15))
     assert metric(cluster, "pdrouter_worker_kv_transfer_bytes", role="decode", direction="received") == moved
+
+
+def test_a_request_is_one_trace_across_the_router_and_the_vllm_prefill_and_decode_workers(
+        cluster: PdCluster) -> None:
+    """The vLLM workers' servicers continue the router's trace: Serve and Prefill in server spans
+    parented on the calls' client spans, the decode in a span of its own, the transfer's bytes on
+    the router's call span."""
+    assert cluster.spans is not None
+    sink = cluster.spans
+    trace_id, parent_id = secrets.token_hex(16), secrets.token_hex(8)
+    prompt = random_prompt(random.Random(9), 100)  # past local_prefill_tokens: prefilled on the prefill worker
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+    async def traced() -> list[ReceivedSpan]:
+        async with httpx.AsyncClient(timeout=BOUND_S) as client:
+            resp = await client.post(f"{cluster.http('pd')}/v1/completions", json=body,
+                                     headers={"traceparent": f"00-{trace_id}-{parent_id}-01"})
+        assert resp.status_code == 200, resp.text
+        services = {"pdrouter-router", "pdrouter-prefill", "pdrouter-decode"}
+        for _ in range(200):
+            spans = sink.trace(trace_id)
+            if {s.service for s in spans} >= services and any(s.name == "decode" for s in spans):
+                await asyncio.sleep(0.3)  # late spans of the same trace
+                return sink.trace(trace_id)
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"trace incomplete: {[(s.service, s.name) for s in sink.trace(trace_id)]}")
+
+    spans = run(traced())
+
+    def one(service: str, name: str, kind: int) -> ReceivedSpan:
+        found = [s for s in spans if s.service == service and s.name == name and s.kind == kind]
+        assert len(found) == 1, (service, name, [(s.service, s.name, s.kind) for s in spans])
+        return found[0]
+
+    root = one("pdrouter-router", "POST /v1/completions", SERVER)
+    assert root.parent_id == parent_id
+    call = one("pdrouter-router", "pdrouter.v1.DecodeWorker/Serve", CLIENT)
+    assert call.parent_id == root.span_id
+    assert call.attributes["pdrouter.kv.bytes"] == sent_blocks(len(prompt)) * BLOCK_BYTES
+    serve = one("pdrouter-decode", "pdrouter.v1.DecodeWorker/Serve", SERVER)
+    assert serve.parent_id == call.span_id
+    assert one("pdrouter-decode", "decode", INTERNAL).parent_id == serve.span_id
+    prefill_call = one("pdrouter-decode", "pdrouter.v1.PrefillWorker/Prefill", CLIENT)
+    assert prefill_call.parent_id == serve.span_id
+    prefill = one("pdrouter-prefill", "pdrouter.v1.PrefillWorker/Prefill", SERVER)
+    assert prefill.parent_id == prefill_call.span_id
+    assert call.start_ns <= serve.start_ns <= prefill.start_ns and prefill.end_ns <= serve.end_ns
+    by_id = {s.span_id: s for s in spans}
+    for span in spans:  # nothing dangles, nothing failed
+        assert span.parent_id == parent_id or span.parent_id in by_id, span
+        assert span.status_code != 2, span
+    run(idle(cluster))
 
 
 PREFIX_CASES = [(700, 640, 940), (300, 250, 400), (1100, 1024, 1500)]
