@@ -16,15 +16,17 @@ per request; then per router the median, and the ratios of the medians of per-ro
   i.e. at most 1.02);
 * ``tracing_on_vs_off``: what tracing every request costs.
 
-``--instructions``: the same comparison counted in instructions instead of CPU seconds, which the
-rest of the machine does not move. Each router runs under Valgrind's callgrind with instrumentation
-off until its measured window; per round and router, ``callgrind_control`` turns it on and zeroes the
-counts, the router serves the same ``--requests`` requests (one at a time, the same bodies), and the
-dump's total is divided by the requests: instructions per request, every thread of the router
-process counted. Rounds are interleaved as above; the ratios are reported per round, with their
-median and their spread (max − min). The per-round spread is the measurement's own noise
-(background timers, whose count follows the wall clock, and the order in which asyncio wakes
-tasks), so a ratio is resolved to about that spread.
+``--instructions``: ``off`` against ``base`` counted in instructions instead of CPU seconds, which
+the rest of the machine does not move. Each router runs under Valgrind's callgrind with
+instrumentation off until its measured window; per round and router, ``callgrind_control`` turns
+it on and zeroes the counts, the router serves the same ``--requests`` requests (one at a time, the
+same bodies), and the dump's total is taken; then the router is counted as long again idle, and
+that count is taken off: the router's timers (heartbeats, leases, pool refreshes) run by the wall
+clock, more of them per request when the machine's load slows the router down. Every thread of the
+router process is counted. Within a round the two routers are sent their requests in turn, one to
+each, so that both go through the same moments of the machine's load; the ratios are reported per
+round, with their median and their spread (max − min), the measurement's own noise. Tracing on is
+left to the CPU-seconds mode (it runs five times slower under callgrind).
 
     python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF] [--instructions]
 """
@@ -41,7 +43,8 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Awaitable, Iterator
 from io import BytesIO
 from pathlib import Path
 from unittest import mock
@@ -125,8 +128,10 @@ async def run(args: object, report: Report) -> None:
             routers: dict[str, ManagedProcess] = {}
             counted = a.instructions  # type: ignore[attr-defined]
             dumps: dict[str, Path] = {}
-            for name, extra_env in (("off", {}), ("base", {"PYTHONPATH": str(base_tree)}),
-                                    ("on", sink.environment("http/protobuf"))):
+            variants: list[tuple[str, dict[str, str]]] = [("off", {}), ("base", {"PYTHONPATH": str(base_tree)})]
+            if not counted:  # tracing on runs five times slower under callgrind: its cost is measured in seconds
+                variants.append(("on", sink.environment("http/protobuf")))
+            for name, extra_env in variants:
                 with under_callgrind(Path(tmp), name) if counted else contextlib.nullcontext() as prefix:
                     proc = ManagedProcess(f"router-{name}", [
                         "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
@@ -166,14 +171,40 @@ async def run(args: object, report: Report) -> None:
                     cpu0 = cpu_seconds(pid)
                     await asyncio.gather(*(slot(i) for i in range(concurrency)))
                     return (cpu_seconds(pid) - cpu0) / count
-                # One at a time (the same sequence every round), counted between a zero and a dump.
-                await asyncio.to_thread(callgrind, pid, "--instr=on")
-                await asyncio.to_thread(callgrind, pid, "--zero")
-                await slot(0)
-                await asyncio.to_thread(callgrind, pid, "--dump")
-                await asyncio.to_thread(callgrind, pid, "--instr=off")
-                dumped[name] += 1
-                return dumped_instructions(dumps[name], pid, dumped[name]) / count
+                raise AssertionError("--instructions counts both routers at once: paired()")
+
+            async def paired(count: int) -> dict[str, float]:
+                """``--instructions``: instructions per request of every router over ``count`` requests
+                each, sent to them in turn one at a time (the same sequence every round), so that both
+                run through the same moments of the machine's load; counted between a zero and a dump.
+                Then as long idle, whose count (the routers' timers run by the wall clock: more of them
+                per request when the load slows the router down) is taken off."""
+                pids = {name: proc.proc.pid for name, proc in routers.items()}
+
+                async def every(*command: str) -> None:
+                    await asyncio.gather(*(asyncio.to_thread(callgrind, pid, *command) for pid in pids.values()))
+
+                async def counted_while(work: Awaitable[None]) -> tuple[dict[str, int], float]:
+                    await every("--zero")
+                    start = time.monotonic()
+                    await work
+                    took = time.monotonic() - start
+                    await every("--dump")
+                    for name in dumped:
+                        dumped[name] += 1
+                    counts = {name: dumped_instructions(dumps[name], pid, dumped[name]) for name, pid in pids.items()}
+                    return counts, took
+
+                async def alternate() -> None:
+                    for _ in range(count):
+                        for name in clients:
+                            await clients[name].once(0)
+
+                await every("--instr=on")
+                busy, busy_s = await counted_while(alternate())
+                idle, idle_s = await counted_while(asyncio.sleep(min(busy_s, 10.0)))
+                await every("--instr=off")
+                return {name: (busy[name] - idle[name] * busy_s / idle_s) / count for name in pids}
 
             dumped = dict.fromkeys(routers, 0)
 
@@ -182,6 +213,10 @@ async def run(args: object, report: Report) -> None:
             per_round: dict[str, list[float]] = {name: [] for name in routers}
             order = list(routers)
             for r in range(a.rounds):  # type: ignore[attr-defined]
+                if counted:
+                    for name, value in (await paired(n)).items():
+                        per_round[name].append(value)
+                    continue
                 for name in (order if r % 2 == 0 else list(reversed(order))):
                     per_round[name].append(await phase(name, n))
             for client in clients.values():
@@ -198,12 +233,13 @@ async def run(args: object, report: Report) -> None:
         else:
             report.add(f"tracing_router_cpu_{name}_us", round(statistics.median(values) * 1e6, 1), "us/req")
     for key, num, den, unit in (("tracing_off_vs_base", "off", "base", "× (target ≤ 1.02)"),
-                                ("tracing_on_vs_off", "on", "off", "×")):
+                                *([] if counted else [("tracing_on_vs_off", "on", "off", "×")])):
         ratios = [x / y for x, y in zip(per_round[num], per_round[den], strict=True)]
         report.add(key, round(statistics.median(ratios), 4 if counted else 3), unit)
         report.add(f"{key}_spread", round(max(ratios) - min(ratios), 4), "(max − min of the rounds)")
         report.add(f"{key}_rounds", " ".join(f"{r:.4f}" for r in ratios))
-    report.add("tracing_traces_received", traced, "traces")
+    if not counted:
+        report.add("tracing_traces_received", traced, "traces")
 
 
 def main() -> None:
@@ -221,7 +257,9 @@ def main() -> None:
     if args.instructions and shutil.which("callgrind_control") is None:
         raise SystemExit("--instructions needs Valgrind (valgrind and callgrind_control on the PATH)")
     if args.instructions and args.requests == parser.get_default("requests"):
-        args.requests, args.rounds = 300, 4
+        args.requests = 300
+    if args.instructions and args.rounds == parser.get_default("rounds"):
+        args.rounds = 4
     if args.quick:
         args.requests, args.rounds = (40 if args.instructions else 300), 2
     report = Report()
