@@ -11,7 +11,7 @@ import redis.asyncio as aioredis
 from pdrouter.core.errors import CapacityError, RequestTooLargeError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
 from pdrouter.router.admission import Admission, AdmissionConfig
-from pdrouter.state.reservations import DecodeCapacity, KvReservations
+from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
 
 from .conftest import until
 
@@ -241,15 +241,23 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_arrival(
-        client: aioredis.Redis) -> None:
+async def _flooded(client: aioredis.Redis, fair_window_s: float) -> tuple[
+        Admission, list[DecodeCapacity], list[Reservation], list[asyncio.Task[Reservation]]]:
+    """A pool of 100 blocks with a 10 % headroom, filled by tenant a (ten requests of 10 blocks) with
+    three more of a's waiting, and tenant b active a moment ago."""
     pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
     adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
-        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=0.5))
-    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))  # b was active a moment ago
-    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]  # the pool, full
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=fair_window_s))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
     waiting = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
     await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    return adm, pool, held, waiting
+
+
+async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_arrival(
+        client: aioredis.Redis) -> None:
+    adm, pool, held, waiting = await _flooded(client, fair_window_s=0.5)
     await adm.release(held.pop())  # 10 blocks free: the headroom, which a's backlog may not book
     b = asyncio.create_task(adm.admit(RequestId("b1"), 10, pool, flow="b"))
     await until(lambda: _true(b.done()), "b admitted into the headroom")
@@ -274,13 +282,7 @@ async def test_a_higher_class_with_a_backlog_is_not_held_back_from_the_headroom_
         client: aioredis.Redis) -> None:
     """The headroom is kept for tenants of the backlogged tenant's own class: an interactive burst
     beside a standard flood books the whole pool, and no standard request passes it."""
-    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
-    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
-        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=5))
-    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))  # b was active a moment ago
-    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]  # the pool, full
-    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
-    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    adm, pool, held, flood = await _flooded(client, fair_window_s=5)
     burst = [asyncio.create_task(adm.admit(RequestId(f"p{i}"), 10, pool, priority=1, flow="p")) for i in range(2)]
     await until(lambda: _true(adm.queue_length == 5), "the interactive burst queued")
     b = asyncio.create_task(adm.admit(RequestId("b1"), 10, pool, flow="b"))
