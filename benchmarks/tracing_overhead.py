@@ -246,20 +246,21 @@ def main() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--baseline", default=None, help="git ref of the tree to compare with")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--requests", type=int, default=1500, help="requests per router per round")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per router per round (default 1,500; --instructions: 300)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 8; --instructions: 4)")
     parser.add_argument("--prompt-tokens", type=int, default=13)
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--instructions", action="store_true",
                         help="count the routers' instructions under callgrind instead of their CPU seconds "
-                             "(robust to the machine's load; default --requests 300, --rounds 4)")
+                             "(robust to the machine's load)")
     args = parser.parse_args()
     if args.instructions and shutil.which("callgrind_control") is None:
         raise SystemExit("--instructions needs Valgrind (valgrind and callgrind_control on the PATH)")
-    if args.instructions and args.requests == parser.get_default("requests"):
-        args.requests = 300
-    if args.instructions and args.rounds == parser.get_default("rounds"):
-        args.rounds = 4
+    if args.requests is None:
+        args.requests = 300 if args.instructions else 1500
+    if args.rounds is None:
+        args.rounds = 4 if args.instructions else 8
     if args.quick:
         args.requests, args.rounds = (40 if args.instructions else 300), 2
     report = Report()
