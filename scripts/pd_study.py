@@ -191,6 +191,17 @@ def rewrite_report(folder: Path) -> None:
     (folder / "compare.json").write_text(saved)  # keep the case's own figures (tight SLO, the case)
 
 
+def behind_points(results: list[LayoutResult], case: dict[str, Any]) -> list[str]:
+    """The points whose ITL p50 is under half the modeled decode step of one sequence: no engine step is
+    that short, so the client read chunks that had queued up behind a late router or a late client."""
+    step_ms = (case.get("timing_model") or {}).get("decode_step_1_ms")
+    if not step_ms:
+        return []
+    return [f"{r.layout.name} at {float(p['rate']):g} (ITL p50 {1e3 * p['summary']['itl']['p50']:.1f} ms)"
+            for r in results for p in r.points
+            if p["summary"]["itl"].get("p50") is not None and 1e3 * p["summary"]["itl"]["p50"] < step_ms / 2]
+
+
 def best(kept: dict[str, float | None]) -> str:
     served = {n: v for n, v in kept.items() if v is not None}
     if not served:
@@ -266,6 +277,12 @@ def summary() -> Path:
         if late:
             lines += [f"`sim_late_share`: at most {100 * max(late):.2f}% of a point's modeled step time ended late "
                       f"(median point {100 * sorted(late)[len(late) // 2]:.2f}%).", ""]
+        behind = behind_points(results, case)
+        if behind:
+            lines += ["Chunks reached the client in bursts (ITL p50 under half the modeled decode step of one "
+                      f"sequence, {case['timing_model']['decode_step_1_ms']:g} ms): the router or the load generator "
+                      "fell behind on this machine, which `sim_late_share` does not see, so these points' TTFT and "
+                      f"ITL measure the machine as well: {', '.join(behind)}.", ""]
     path = STUDY / "README.md"
     path.write_text("\n".join(lines))
     return path
