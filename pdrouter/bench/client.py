@@ -48,6 +48,8 @@ def _reason(exc: BaseException) -> str:
 _JSON = {"Content-Type": "application/json"}
 
 MAX_DETAIL = 300
+CLIENT_IDLE_S = 2.0
+"""Seconds an idle kept-alive connection stays in the client's pool."""
 """Characters of a server's error message kept per failed request."""
 
 
@@ -59,7 +61,10 @@ class CompletionsClient:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        # Idle connections are let go after 2 s: sooner than the router's keep-alive idle timeout (5 s by
+        # default, as uvicorn's), so the client never reuses one the router is closing at that moment.
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
+                              keepalive_expiry=CLIENT_IDLE_S)
         self._http = httpx.AsyncClient(headers=headers, limits=limits,
                                        timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
 

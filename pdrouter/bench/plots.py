@@ -77,11 +77,14 @@ def _ties(series: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _y_axis(series: Sequence[dict[str, Any]], lines: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """From 0 to a little above the largest value or line; log when the values span over ``LOG_SPAN``."""
+    """From 0 to a little above the largest value or line; log when the values span over ``LOG_SPAN``.
+
+    On a log axis the smallest value or line stays clear of the bottom edge (an SLO of 100 ms drawn on
+    an axis that starts at 100 ms would hide in the frame)."""
     ys = [p["y"] for s in series for p in s["points"]] + [ln["value"] for ln in lines if ln["axis"] == "y"]
     positive = [y for y in ys if y > 0]
     if positive and max(positive) / min(positive) > LOG_SPAN:
-        return {"scale": "log", "min": 10 ** math.floor(math.log10(min(positive))),
+        return {"scale": "log", "min": 10 ** math.floor(math.log10(min(positive) / 1.5)),
                 "max": 10 ** math.ceil(math.log10(max(positive) * 1.05))}
     return {"scale": "linear", "min": 0.0, "max": 1.1 * max(ys, default=1.0) or 1.0}
 

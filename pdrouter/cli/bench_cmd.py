@@ -178,11 +178,19 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="goodput SLO, any of ttft,tpot,itl,e2e: e.g. ttft=500ms,tpot=50ms (default: none; compare: "
                         f"{COMPARE_SLO})")
     p.add_argument("--seed", type=int, default=0, help="the workload's and the arrivals' seed")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds one request may take; simulated seconds under --time-scale, as every time here "
+                        "(the wall-clock limit is this × the time scale)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the run's JSON and Markdown")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress on stderr (by default: one line redrawn on a terminal, else a line every 10 s)")
+
+
+def wall_timeout(args: argparse.Namespace) -> float:
+    """``--timeout`` on the clock: simulated seconds run ``--time-scale`` times slower than wall ones."""
+    scale = getattr(args, "time_scale", 1.0) or 1.0  # 0: instant workers, the clock's own seconds
+    return float(args.timeout) * scale
 
 
 def _workload(args: argparse.Namespace) -> Workload:
@@ -230,7 +238,7 @@ def _run_config(args: argparse.Namespace, prep: Prepared) -> RunConfig:
 
     return RunConfig(base_url=args.url, model=prep.model, burstiness=args.burstiness, concurrency=args.concurrency,
                      max_concurrency=args.max_concurrency, duration_s=args.duration, seed=args.seed,
-                     metrics_url=_metrics_url(args), api_key=prep.api_key, timeout_s=args.timeout,
+                     metrics_url=_metrics_url(args), api_key=prep.api_key, timeout_s=wall_timeout(args),
                      time_scale=args.time_scale)
 
 
@@ -519,7 +527,7 @@ def compare_cmd(args: argparse.Namespace) -> int:
                        backend=args.backend, time_scale=args.time_scale,
                        up_extra=("--link", args.link) if args.backend == "sim" else (), warmup=args.warmup,
                        stop_below=args.stop_below, burstiness=args.burstiness, seed=args.seed,
-                       timeout_s=args.timeout, echo=not args.json)
+                       timeout_s=wall_timeout(args), echo=not args.json)
     progress = _progress(args, [PlannedPoint(f"{layout.name} @ {rate:g} req/s", sizes[rate], rate, args.time_scale)
                                 for layout in layouts for rate in rates])
     report = run_comparison(plan, prep, progress)

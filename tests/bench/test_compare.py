@@ -55,6 +55,15 @@ def test_max_rate_within_stops_at_the_first_rate_missing_the_target() -> None:
     assert slo_attainment({"slo_met": None, "requests": 12}) is None
 
 
+def test_a_log_axis_keeps_an_slo_at_a_power_of_ten_off_its_bottom_edge() -> None:
+    from pdrouter.bench.plots import _y_axis
+
+    series = [{"points": [{"y": 120.0}, {"y": 9000.0}]}]
+    lines = [{"axis": "y", "value": 100.0}]
+    axis = _y_axis(series, lines)
+    assert axis["scale"] == "log" and axis["min"] < 100.0 and axis["max"] > 9000.0
+
+
 def test_the_winner_per_rate_ties_and_crossovers() -> None:
     co = LayoutResult(Layout("colocated-2", colocated=2), [point(1, 1.0), point(4, 3.0), point(8, 4.0)])
     pd = LayoutResult(Layout("1p1d", prefill=1, decode=1), [point(1, 0.99), point(4, 3.5), point(8, 6.0)])
@@ -114,6 +123,8 @@ def check_plots(folder: Path, *, slo_ms: dict[str, float], target: float) -> Non
         assert "requests a point" in spec["footer"] and "time scale" in spec["footer"]
         if name in slo_ms:
             assert [line["value"] for line in spec["lines"] if line["kind"] == "slo"] == [slo_ms[name]]
+            if spec["y"]["scale"] == "log":  # the SLO line inside the frame, not on its bottom edge
+                assert spec["y"]["min"] < slo_ms[name] < spec["y"]["max"]
     attainment = specs["slo_met_percent"]
     assert (attainment["y"]["min"], attainment["y"]["max"]) == (0.0, 100.0)
     assert [line["value"] for line in attainment["lines"] if line["kind"] == "target"] == [target]

@@ -62,3 +62,11 @@ def test_a_sweep_of_points_too_small_for_a_trace_is_refused(tmp_path: pytest.Tem
     assert code == 2
     err = capsys.readouterr().err
     assert "2 points need 40" in err and err.strip().count("\n") == 0
+
+
+def test_timeout_is_in_simulated_seconds_like_every_other_time() -> None:
+    from pdrouter.cli.bench_cmd import wall_timeout
+
+    assert wall_timeout(argparse.Namespace(timeout=600.0, time_scale=8.0)) == 4800.0
+    assert wall_timeout(argparse.Namespace(timeout=600.0, time_scale=0.0)) == 600.0  # instant: the clock's seconds
+    assert wall_timeout(argparse.Namespace(timeout=30.0)) == 30.0  # no time scale: real engines
