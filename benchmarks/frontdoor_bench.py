@@ -2,7 +2,7 @@
 
 A child process serves both front doors built as ``pdrouter.router.server.RouterProcess`` builds them
 (``create_app`` / ``make_server`` / ``bind_socket`` for HTTP, ``RouterServicer`` on a
-``GrpcServer`` for gRPC), over ``EchoOrchestrator`` instead of the real orchestrator, so nothing
+``GrpcServer`` for gRPC), over ``EchoDispatcher`` instead of the real dispatcher, so nothing
 but the doors (parsing, tokenizing, metrics, response shaping, the HTTP and gRPC stacks) costs CPU.
 It runs on the event loop the router runs on (``event_loop_factory``: uvloop when installed;
 ``PDROUTER_EVENT_LOOP=asyncio`` selects asyncio's). The same HTTP door app is also served, in the same
@@ -74,7 +74,7 @@ from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import RouterRequest
-from pdrouter.testing.echo import ECHO, TINY, EchoOrchestrator
+from pdrouter.testing.echo import ECHO, TINY, EchoDispatcher
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -93,7 +93,7 @@ _START_WAIT_S = 10.0
 T = TypeVar("T")
 
 
-# -- the child: both front doors over the echo orchestrator ------------------------------------
+# -- the child: both front doors over the echo dispatcher ------------------------------------
 
 
 async def serve() -> None:
@@ -106,24 +106,24 @@ async def serve() -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    orchestrator = EchoOrchestrator([ECHO, TINY])
+    dispatcher = EchoDispatcher([ECHO, TINY])
     tokenizers = {ECHO.name: ByteTokenizer(ECHO.vocab_size), TINY.name: ByteTokenizer(TINY.vocab_size)}
     metrics = RouterMetrics()
     config = FrontdoorConfig()
     grpc_server = GrpcServer(HOST, 0)
     grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server,
-                    RouterServicer(orchestrator, tokenizers, metrics=metrics, config=config), SERVICE_NAME)
+                    RouterServicer(dispatcher, tokenizers, metrics=metrics, config=config), SERVICE_NAME)
     await grpc_server.start()
     bare_server = GrpcServer(HOST, 0)
     bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, _BareRouter(), SERVICE_NAME)
     await bare_server.start()
-    app = create_app(orchestrator, tokenizers, metrics=metrics, config=config)
+    app = create_app(dispatcher, tokenizers, metrics=metrics, config=config)
     http_port, server, http_task = await _serve_uvicorn(lambda port: make_server(app, HOST, port))
     plain_port, plain, plain_task = await _serve_uvicorn(lambda port: _plain_uvicorn(app, port))
     granian, granian_note = await _serve_granian(app)
     # The fake keeps every request it saw; a long run must not grow the heap without bound.
-    orchestrator.requests = _Discard[RouterRequest]()
-    orchestrator.completed = _Discard[str]()
+    dispatcher.requests = _Discard[RouterRequest]()
+    dispatcher.completed = _Discard[str]()
     freeze_startup_heap()  # as every pdrouter server process does after start-up
     addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
                  "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("router", help="run the router (OpenAI HTTP + gRPC front doors, PD orchestration)",
+    p = sub.add_parser("router", help="run the router (OpenAI HTTP + gRPC front doors, PD dispatch)",
                        description="Run the front-door router for one model.")
     p.add_argument("--model", type=Path, required=True,
                    help="model folder with config.json and the tokenizer (weights are not read)")

@@ -227,7 +227,7 @@ class RouterMetrics:
             "pdrouter_requests_in_flight", "Requests accepted by a front door and not finished yet.",
             ["frontdoor"], registry=r)
         self.prompt_tokens_total = Counter(
-            "pdrouter_prompt_tokens_total", "Prompt tokens of requests sent to the orchestrator.",
+            "pdrouter_prompt_tokens_total", "Prompt tokens of requests sent to the dispatcher.",
             ["frontdoor"], registry=r)
         self.generation_tokens_total = Counter(
             "pdrouter_generation_tokens_total", "Tokens generated and streamed to clients.",

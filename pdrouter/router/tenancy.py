@@ -1,6 +1,6 @@
 """The tenants' gate: every request of a tenant passes its limits before it reaches the dispatcher.
 
-``TenantGate`` is the orchestrator the front doors call on a router with a tenants file
+``TenantGate`` is the dispatcher the front doors call on a router with a tenants file
 (``pdrouter.core.tenants``). Per request of a tenant:
 
 1. its limits, when it has any: one script in Redis shared by every router

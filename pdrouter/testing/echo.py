@@ -1,7 +1,7 @@
 """An in-process ``Dispatcher`` (``pdrouter.router.request``) with a deterministic "echo" model and fault injection.
 
-It stands in for the real orchestrator in the front doors' tests and in measurements of the
-front doors' own overhead. ``EchoOrchestrator`` streams the prompt's byte tokens (ids below 256)
+It stands in for the real dispatcher in the front doors' tests and in measurements of the
+front doors' own overhead. ``EchoDispatcher`` streams the prompt's byte tokens (ids below 256)
 back, one delta at a time by default, then ``<eos>`` (id 258); it honours ``max_tokens``,
 ``stop_token_ids`` and ``ignore_eos`` (cycling through the prompt), reports usage (with
 ``CACHED_TOKENS`` cached prompt tokens), and records every request and whether its stream was
@@ -12,7 +12,7 @@ closed before it finished. Directives in the prompt text make it fail on purpose
 * ``#fail-after``: two tokens, then UnavailableError;
 * ``#noend``: the stream ends after two tokens without a finish reason;
 * ``#stall0:TAG`` / ``#stall:TAG``: wait forever before the first token / after two tokens;
-  ``events(TAG)`` gives two ``threading.Event``: set when the request reaches the orchestrator,
+  ``events(TAG)`` gives two ``threading.Event``: set when the request reaches the dispatcher,
   and when its stream is closed early (the request cancelled).
 """
 
@@ -48,8 +48,8 @@ _ERRORS: dict[str, tuple[type[Exception], str]] = {
 _STALL = re.compile(r"#stall(0?):([\w-]+)")
 
 
-class EchoOrchestrator:
-    """An in-process orchestrator serving the "echo" model family (see the module docstring)."""
+class EchoDispatcher:
+    """An in-process dispatcher serving the "echo" model family (see the module docstring)."""
 
     def __init__(self, models: list[ModelInfo] | None = None, tokens_per_delta: int = 1) -> None:
         self._models = models if models is not None else [ECHO, TINY]

@@ -10,7 +10,7 @@ worker computing it. For the same greedy request:
   reference engine's text, finish_reason and usage: a max_tokens case, a stop string that cuts the
   output between tokens (unary and streamed: the text before it, usage counting the tokens up to
   the one that completed it), kept with ``include_stop_str_in_output``, and one that never appears;
-* the router's own orchestrator with ``whole`` set gets the output in one delta (colocated) or at
+* the router's own dispatcher with ``whole`` set gets the output in one delta (colocated) or at
   most two (``Serve``), the same tokens, reason and usage as without it; the gRPC door still
   streams message by message.
 """
@@ -136,7 +136,7 @@ async def grpc_generate(address: str, prompt: str, max_tokens: int) -> tuple[Ans
     return Answer("".join(texts), _FINISH[last.finish_reason], usage), ids, messages
 
 
-async def orchestrated(router: RouterProcess, prompt_ids: list[int], whole: bool) -> list[TokenDelta]:
+async def dispatched(router: RouterProcess, prompt_ids: list[int], whole: bool) -> list[TokenDelta]:
     assert router.dispatcher is not None
     request = RouterRequest(RequestId(f"direct-{whole}"), "tiny", tuple(prompt_ids),
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0), whole=whole)
@@ -203,10 +203,10 @@ async def test_whole_answers_equal_streamed_ones(cluster: Cluster, mode: str) ->
     assert answer == whole
     assert messages > 1
 
-    # The orchestrator: whole is one delta (Serve: at most two, the first token with its report, then
+    # The dispatcher: whole is one delta (Serve: at most two, the first token with its report, then
     # the rest), the same tokens and end.
-    one_by_one = await orchestrated(router, prompt_ids, whole=False)
-    at_once = await orchestrated(router, prompt_ids, whole=True)
+    one_by_one = await dispatched(router, prompt_ids, whole=False)
+    at_once = await dispatched(router, prompt_ids, whole=True)
     assert len(at_once) <= (1 if router_mode == "colocated" else 2) < len(one_by_one)
     assert [t for d in at_once for t in d.token_ids] == [t for d in one_by_one for t in d.token_ids] == expected_ids
     assert at_once[-1].finish_reason == one_by_one[-1].finish_reason

@@ -2,7 +2,7 @@
 every way a request arrives, the open liveness paths, ``/metrics`` behind the key or on its own
 port, and the start-up checks.
 
-The doors serve the echo orchestrator on real servers; the router tests run the real process.
+The doors serve the echo dispatcher on real servers; the router tests run the real process.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 from pdrouter.testing.http import serving
 from pdrouter.wire.grpc_util import GrpcServer, check_health
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -130,7 +130,7 @@ def test_loopback_hosts(host: str, loopback: bool) -> None:
 
 @pytest.fixture
 async def door_port() -> AsyncIterator[int]:
-    door = HttpFrontdoor(EchoOrchestrator(), TOKENIZERS, metrics=RouterMetrics(), api_keys=ApiKeys([KEY, OTHER_KEY]))
+    door = HttpFrontdoor(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics(), api_keys=ApiKeys([KEY, OTHER_KEY]))
     async with serving(door.app, WAIT_S) as (_, port):
         yield port
 
@@ -243,7 +243,7 @@ async def test_the_official_client_gets_an_authentication_error(door_port: int) 
 
 
 async def test_without_keys_the_door_is_open_and_metrics_can_move_out() -> None:
-    door = HttpFrontdoor(EchoOrchestrator(), TOKENIZERS, metrics=RouterMetrics(), api_keys=ApiKeys(),
+    door = HttpFrontdoor(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics(), api_keys=ApiKeys(),
                          serve_metrics=False)
     async with serving(door.app, WAIT_S) as (_, port), httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
         assert (await c.post("/v1/completions", content=BODY)).status_code == 200
@@ -256,7 +256,7 @@ async def test_without_keys_the_door_is_open_and_metrics_can_move_out() -> None:
 @pytest.fixture
 async def grpc_address() -> AsyncIterator[str]:
     server = GrpcServer(interceptors=[ApiKeyInterceptor(ApiKeys([KEY, OTHER_KEY]))])
-    add_to_server(server, RouterServicer(EchoOrchestrator(), TOKENIZERS, metrics=RouterMetrics()))
+    add_to_server(server, RouterServicer(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics()))
     await server.start()
     yield server.address
     await server.stop(0)

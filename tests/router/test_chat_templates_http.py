@@ -25,7 +25,7 @@ from pdrouter.router.frontdoor.openai_schema import parse_openai_request, to_rou
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ServedModel
 from pdrouter.router.request import ModelInfo
 from pdrouter.router.server import RouterProcess
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 from pdrouter.testing.http import serving
 
 from ..core.hf_folders import FAMILIES, MISTRAL_TEMPLATE, write_hf_folder
@@ -126,7 +126,7 @@ def test_continue_final_message_over_the_front_door(folders: dict[str, Path], re
 @pytest.fixture
 async def door(folders: dict[str, Path]) -> AsyncIterator[str]:
     names = ("llama3", "mistral", "bare")
-    fake = EchoOrchestrator(models=[info_for(folders[n], n) for n in names])
+    fake = EchoDispatcher(models=[info_for(folders[n], n) for n in names])
     front = HttpFrontdoor(fake, {n: load_tokenizer(folders[n]) for n in names})
     async with serving(front.app) as (_, port):
         yield f"http://127.0.0.1:{port}"
@@ -175,7 +175,7 @@ async def test_chat_errors_are_400s_in_openai_shape(door: str) -> None:
 
 @pytest.mark.parametrize("source", ["{{ ''.__class__.__mro__ }}", "{{ cycler.__init__.__globals__ }}"])
 async def test_a_template_escaping_the_sandbox_is_a_400(folders: dict[str, Path], source: str) -> None:
-    fake = EchoOrchestrator(models=[info_for(folders["bare"], "bare")])
+    fake = EchoDispatcher(models=[info_for(folders["bare"], "bare")])
     front = HttpFrontdoor(fake, {"bare": load_tokenizer(folders["bare"])}, config=FrontdoorConfig(chat_template=source))
     async with serving(front.app) as (_, port):
         response = await chat(f"http://127.0.0.1:{port}", {"model": "bare", "messages": USER})
@@ -189,7 +189,7 @@ async def test_chat_template_option_serves_a_folder_without_one(folders: dict[st
                                       "--chat-template", str(tmp_path / "t.jinja")])
     config = build_config(args).frontdoor
     assert config.chat_template == MISTRAL_TEMPLATE
-    fake = EchoOrchestrator(models=[info_for(folders["bare"], "bare")])
+    fake = EchoDispatcher(models=[info_for(folders["bare"], "bare")])
     front = HttpFrontdoor(fake, {"bare": load_tokenizer(folders["bare"])}, config=config)
     async with serving(front.app) as (_, port):
         response = await chat(f"http://127.0.0.1:{port}", {"model": "bare", "messages": USER})
@@ -205,7 +205,7 @@ async def test_chat_template_option_serves_a_folder_without_one(folders: dict[st
 
 
 async def test_include_stop_str_in_output_over_http() -> None:
-    front = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)})  # echoes the prompt back
+    front = HttpFrontdoor(EchoDispatcher(), {"echo": ByteTokenizer(512)})  # echoes the prompt back
     async with serving(front.app) as (_, port), httpx.AsyncClient() as client:
         url = f"http://127.0.0.1:{port}/v1/completions"
         texts = []

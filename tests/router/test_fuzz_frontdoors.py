@@ -1,9 +1,9 @@
 """Property-based fuzzing of both front doors: whatever a client sends, the answer is a 2xx or a
 4xx (gRPC: OK or a client-side status), the router keeps serving, and nothing is left held.
 
-* In process: the HTTP and gRPC doors (with API keys) over the echo orchestrator, on real servers
+* In process: the HTTP and gRPC doors (with API keys) over the echo dispatcher, on real servers
   in a thread of their own; afterwards no request is in flight and every stream the doors opened
-  on the orchestrator was closed.
+  on the dispatcher was closed.
 * A real router (its own process, Redis, a simulated prefill and decode worker at
   ``--time-scale 0``), where a request crosses the wire to the workers; afterwards no KV block is
   left booked (``pdrouter_kv_reserved_blocks`` back to 0).
@@ -39,7 +39,7 @@ from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.state.embedded_redis import EmbeddedRedis
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -142,7 +142,7 @@ def generate_requests(draw: st.DrawFn) -> router_pb2.GenerateRequest:
 
 @dataclass
 class Doors:
-    fake: EchoOrchestrator
+    fake: EchoDispatcher
     http_door: HttpFrontdoor
     servicer: RouterServicer
     http_url: str
@@ -152,7 +152,7 @@ class Doors:
 @pytest.fixture(scope="module")
 def doors() -> Iterator[Doors]:
     """Both doors, with an API key, on one event loop in a thread of their own."""
-    fake = EchoOrchestrator(tokens_per_delta=2)
+    fake = EchoDispatcher(tokens_per_delta=2)
     tokenizers = {"echo": ByteTokenizer(512), "tiny": ByteTokenizer(512)}
     metrics = RouterMetrics()
     keys = ApiKeys([KEY])
@@ -246,7 +246,7 @@ def test_grpc_answers_client_statuses_at_worst(grpc_stub: router_pb2_grpc.Router
 def test_the_doors_keep_serving_and_hold_nothing(doors: Doors, http_client: httpx.Client,
                                                  grpc_stub: router_pb2_grpc.RouterStub) -> None:
     """Run after the fuzzing above (file order): both doors still answer, nothing is in flight, and
-    every stream the doors opened on the orchestrator was closed."""
+    every stream the doors opened on the dispatcher was closed."""
     status, content = post(http_client, "/v1/completions", b'{"model": "echo", "prompt": "ok", "max_tokens": 2}', KEY)
     assert status == 200 and json.loads(content)["choices"][0]["text"] == "ok"
     messages = list(grpc_stub.Generate(router_pb2.GenerateRequest(model="echo", text="ok"),
@@ -263,7 +263,7 @@ def test_the_doors_keep_serving_and_hold_nothing(doors: Doors, http_client: http
             break
         assert time.monotonic() < deadline, (open_streams, in_flight)
         time.sleep(0.05)
-    # The fuzzing did reach the orchestrator, often. How often varies between runs (43 to 53 of the 300
+    # The fuzzing did reach the dispatcher, often. How often varies between runs (43 to 53 of the 300
     # examples have been seen), so the bound leaves room.
     assert len(doors.fake.requests) > 20
 

@@ -1,7 +1,7 @@
 """Every numeric field of a request is bounded at both front doors: a value out of range is a 400
 naming the field (gRPC: INVALID_ARGUMENT), and whatever is accepted fits the wire to the workers.
 
-The doors serve the echo orchestrator (``pdrouter.testing.echo``) on real servers and sockets.
+The doors serve the echo dispatcher (``pdrouter.testing.echo``) on real servers and sockets.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.openai_schema import MAX_STOP_CHARS
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 from pdrouter.testing.http import serving
 from pdrouter.wire.convert import sampling_from_pb, sampling_to_pb
 from pdrouter.wire.grpc_util import GrpcServer
@@ -36,7 +36,7 @@ CHAT = {"model": "echo", "messages": [{"role": "user", "content": "hi"}]}
 
 
 class Http:
-    def __init__(self, fake: EchoOrchestrator, client: httpx.AsyncClient) -> None:
+    def __init__(self, fake: EchoDispatcher, client: httpx.AsyncClient) -> None:
         self.fake = fake
         self.client = client
 
@@ -48,7 +48,7 @@ class Http:
 
 @pytest.fixture
 async def http() -> AsyncIterator[Http]:
-    fake = EchoOrchestrator()
+    fake = EchoDispatcher()
     door = HttpFrontdoor(fake, TOKENIZERS, metrics=RouterMetrics())
     async with serving(door.app) as (_, port), httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
         yield Http(fake, client)
@@ -110,7 +110,7 @@ REFUSED: list[tuple[dict[str, Any], str]] = [
                                                             ((v[f], f) for v, f in REFUSED)])
 async def test_completions_refuse_values_out_of_range(http: Http, fields: dict[str, Any], field: str) -> None:
     assert_refused(await http.post({**PROMPT, **fields}), field)
-    assert http.fake.requests == []  # refused before the orchestrator saw it
+    assert http.fake.requests == []  # refused before the dispatcher saw it
 
 
 @pytest.mark.parametrize(("fields", "field"), [
@@ -156,7 +156,7 @@ async def test_values_at_the_bounds_are_served(http: Http) -> None:
 
 @pytest.fixture
 async def channel() -> AsyncIterator[grpc.aio.Channel]:
-    servicer = RouterServicer(EchoOrchestrator(), TOKENIZERS, metrics=RouterMetrics())
+    servicer = RouterServicer(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics())
     server = GrpcServer()
     add_to_server(server, servicer)
     await server.start()

@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics: names, per-router registries, the orchestrator's API."""
+"""The router's Prometheus metrics: names, per-router registries, the dispatcher's API."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def test_failed_requests_are_counted_but_not_timed() -> None:
     assert r.get_sample_value("pdrouter_request_duration_seconds_sum", {"frontdoor": "grpc"}) == 0.25
 
 
-def test_orchestrator_side_api() -> None:
+def test_dispatcher_side_api() -> None:
     metrics = RouterMetrics()
     r = metrics.registry
     metrics.set_worker_load("decode-0", "decode", running=3, queued_prefill_tokens=0, free_blocks=120,

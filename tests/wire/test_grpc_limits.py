@@ -22,7 +22,7 @@ from pdrouter.core.errors import ConfigError
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.auth import ApiKeys
 from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer, add_to_server
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 from pdrouter.testing.grpc_probe import probe
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.grpc_util import GrpcServer
@@ -37,7 +37,7 @@ SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 
 async def door(limits: GrpcLimits, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> GrpcServer:
     server = GrpcServer(limits=limits, interceptors=interceptors)
-    add_to_server(server, RouterServicer(EchoOrchestrator(), {"echo": ByteTokenizer()}))
+    add_to_server(server, RouterServicer(EchoDispatcher(), {"echo": ByteTokenizer()}))
     await server.start()
     return server
 

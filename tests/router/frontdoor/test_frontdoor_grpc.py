@@ -14,7 +14,7 @@ import pytest
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.testing.echo import CACHED_TOKENS, EOS, EchoOrchestrator
+from pdrouter.testing.echo import CACHED_TOKENS, EOS, EchoDispatcher
 from pdrouter.wire.grpc_util import GrpcServer, check_health
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -23,7 +23,7 @@ WAIT_S = 10.0  # hang guard, not a latency bound
 
 @dataclass
 class GrpcStack:
-    fake: EchoOrchestrator
+    fake: EchoDispatcher
     servicer: RouterServicer
     server: GrpcServer
     stub: router_pb2_grpc.RouterStub
@@ -36,7 +36,7 @@ class GrpcStack:
 
 @pytest.fixture
 async def grpc_stack() -> AsyncIterator[GrpcStack]:
-    fake = EchoOrchestrator(tokens_per_delta=2)
+    fake = EchoDispatcher(tokens_per_delta=2)
     servicer = RouterServicer(fake, {"echo": ByteTokenizer(512), "tiny": ByteTokenizer(512)},
                               metrics=RouterMetrics())
     server = GrpcServer()
@@ -139,7 +139,7 @@ async def test_error_mid_stream_ends_the_call_with_its_status(grpc_stack: GrpcSt
 
 
 @pytest.mark.parametrize("stall", ["stall", "stall0"])
-async def test_cancelling_the_call_closes_the_orchestrator_stream(grpc_stack: GrpcStack, stall: str) -> None:
+async def test_cancelling_the_call_closes_the_dispatcher_stream(grpc_stack: GrpcStack, stall: str) -> None:
     tag = uuid.uuid4().hex
     started, closed = grpc_stack.fake.events(tag)
     call = grpc_stack.stub.Generate(generate_request(f"#{stall}:{tag}", max_tokens=50))

@@ -20,7 +20,7 @@ from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.testing.echo import CACHED_TOKENS, EchoOrchestrator
+from pdrouter.testing.echo import CACHED_TOKENS, EchoDispatcher
 
 WAIT_S = 10.0  # hang guard for events set by the server thread, not a latency bound
 
@@ -29,7 +29,7 @@ WAIT_S = 10.0  # hang guard for events set by the server thread, not a latency b
 class HttpStack:
     """A real uvicorn server (in its own thread and event loop) serving an ``HttpFrontdoor``."""
 
-    fake: EchoOrchestrator
+    fake: EchoDispatcher
     door: HttpFrontdoor
     port: int
 
@@ -64,7 +64,7 @@ class _ServerThread:
 @pytest.fixture(scope="module")
 def http_stack() -> Iterator[HttpStack]:
     """One server for the module; tests share the fake, so each looks up its own requests."""
-    fake = EchoOrchestrator()
+    fake = EchoDispatcher()
     door = HttpFrontdoor(fake, {"echo": ByteTokenizer(512), "tiny": ByteTokenizer(512)},
                          metrics=RouterMetrics())
     with _ServerThread(door.app) as server:
@@ -124,7 +124,7 @@ def test_every_prompt_form(http_stack: HttpStack, prompt: Any) -> None:
     assert result.usage is not None and result.usage.prompt_tokens == len(expected)
 
 
-def test_sampling_fields_reach_the_orchestrator(http_stack: HttpStack) -> None:
+def test_sampling_fields_reach_the_dispatcher(http_stack: HttpStack) -> None:
     raw = client(http_stack).completions.with_raw_response.create(
         model="echo", prompt="abc", max_tokens=7, temperature=0.5, top_p=0.9, seed=42, user="someone",
         extra_body={"top_k": 5, "stop_token_ids": [1, 2]})
@@ -367,7 +367,7 @@ def test_unknown_model_is_400_model_not_found(http_stack: HttpStack) -> None:
     assert (raised.value.type, raised.value.code) == ("invalid_request_error", "model_not_found")
 
 
-# -- orchestrator errors -----------------------------------------------------------------------
+# -- dispatcher errors -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -425,7 +425,7 @@ def test_stream_without_a_finish_reason_is_an_error(http_stack: HttpStack) -> No
 # -- client disconnects ------------------------------------------------------------------------
 
 
-def test_disconnect_mid_stream_closes_the_orchestrator_stream(http_stack: HttpStack) -> None:
+def test_disconnect_mid_stream_closes_the_dispatcher_stream(http_stack: HttpStack) -> None:
     tag = uuid.uuid4().hex
     cancelled_before = metric(http_stack, "cancelled")
     _, closed = http_stack.fake.events(tag)
@@ -448,7 +448,7 @@ def _raw_request(stack: HttpStack, body: dict[str, Any]) -> socket.socket:
 
 
 @pytest.mark.parametrize(("stall", "stream"), [("stall0", True), ("stall0", False), ("stall", False)])
-def test_disconnect_before_the_response_closes_the_orchestrator_stream(
+def test_disconnect_before_the_response_closes_the_dispatcher_stream(
         http_stack: HttpStack, stall: str, stream: bool) -> None:
     tag = uuid.uuid4().hex
     started, closed = http_stack.fake.events(tag)

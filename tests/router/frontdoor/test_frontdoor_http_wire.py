@@ -19,7 +19,7 @@ from pdrouter.router.frontdoor.http_server import (
 )
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 
 WAIT_S = 10.0  # hang guard, not a latency bound
 
@@ -30,7 +30,7 @@ def serving(door: HttpFrontdoor) -> contextlib.AbstractAsyncContextManager[tuple
 
 
 async def test_responses_through_the_server_arrive_whole_and_in_order() -> None:
-    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    door = HttpFrontdoor(EchoDispatcher(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     async with serving(door) as (server, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
@@ -100,7 +100,7 @@ async def test_a_response_head_waits_for_its_body_and_bodies_are_never_held() ->
 
 
 async def test_a_unary_response_leaves_in_one_write() -> None:
-    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    door = HttpFrontdoor(EchoDispatcher(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     async with serving(door) as (server, port):
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -124,7 +124,7 @@ async def test_a_unary_response_leaves_in_one_write() -> None:
 async def test_a_client_gone_is_noticed_with_or_without_the_servers_disconnect_callback() -> None:
     """Under uvicorn the connection calls back (no watcher task per request); any other ASGI
     server's ``http.disconnect`` message is watched for. Either way the request is cancelled."""
-    fake = EchoOrchestrator()
+    fake = EchoDispatcher()
     door = HttpFrontdoor(fake, {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     body = b'{"model": "echo", "prompt": "#stall0:plain", "max_tokens": 5}'
     # A plain ASGI server: the body, then (once the request started) the disconnect message.
@@ -204,7 +204,7 @@ async def _response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
 
 
 async def test_generation_posts_take_the_routers_own_cycle_with_uvicorns_connection_rules() -> None:
-    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    door = HttpFrontdoor(EchoDispatcher(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     unary = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
     streamed = b'{"model": "echo", "prompt": "hey", "max_tokens": 3, "stream": true}'
     chat = b'{"model": "echo", "messages": [{"role": "user", "content": "yo"}], "max_tokens": 1}'
@@ -254,9 +254,9 @@ async def test_generation_posts_take_the_routers_own_cycle_with_uvicorns_connect
 
 async def test_a_clients_request_id_is_a_label_echoed_back() -> None:
     """``X-Request-Id``: echoed in the response, whichever way the request arrives; the request is
-    keyed by a fresh id of the router's (the orchestrator sees it, the label beside it). Without
+    keyed by a fresh id of the router's (the dispatcher sees it, the label beside it). Without
     one, the response carries the router's id; a malformed one is a 400 naming the header."""
-    echo = EchoOrchestrator()
+    echo = EchoDispatcher()
     door = HttpFrontdoor(echo, {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     body = b'{"model": "echo", "prompt": "hi", "max_tokens": 2}'
 

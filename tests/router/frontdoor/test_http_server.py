@@ -24,7 +24,7 @@ from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import FastCycle, HttpProtocol, whole_request
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
-from pdrouter.testing.echo import EchoOrchestrator
+from pdrouter.testing.echo import EchoDispatcher
 
 ROUTES = {b"/v1/completions": "completions", b"/v1/chat/completions": "chat"}
 BODY = b'{"model":"m","prompt":"hi"}'
@@ -118,7 +118,7 @@ def parsed(monkeypatch: pytest.MonkeyPatch) -> Iterator[Parsed]:
 
 def serving() -> contextlib.AbstractAsyncContextManager[tuple[uvicorn.Server, int]]:
     """The router's server for an HTTP door over the echo model, on a free port."""
-    door = HttpFrontdoor(EchoOrchestrator(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
+    door = HttpFrontdoor(EchoDispatcher(), {"echo": ByteTokenizer(512)}, metrics=RouterMetrics())
     return testing_http.serving(door.app, WAIT_S)
 
 

@@ -25,7 +25,7 @@ from pdrouter.router.frontdoor.openai_responses import SseWriter, error_reply
 from pdrouter.router.frontdoor.openai_schema import FieldError, OpenAIRequest, parse_openai_request, to_router_request
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.router.request import FinishReason, ModelInfo, Usage
-from pdrouter.testing.echo import ECHO, EchoOrchestrator
+from pdrouter.testing.echo import ECHO, EchoDispatcher
 
 CONFIG = FrontdoorConfig()
 
@@ -104,7 +104,7 @@ def test_request_ids_are_fresh(tokenizer: ByteTokenizer) -> None:
 
 def test_registry_picks_up_new_models_and_needs_a_tokenizer(tokenizer: ByteTokenizer) -> None:
     served = [ECHO]
-    fake = EchoOrchestrator(models=served)  # lists `served` as it is at each call
+    fake = EchoDispatcher(models=served)  # lists `served` as it is at each call
     registry = ModelRegistry(fake, {"echo": tokenizer, "late": tokenizer})
     assert registry.get("echo").info == ECHO
     with pytest.raises(ModelNotFoundError, match="'late'"):
