@@ -66,8 +66,10 @@ def probe_chat_stream(args: argparse.Namespace) -> str:
         for choice in chunk.choices:
             text += choice.delta.content or ""
             finish = choice.finish_reason or finish
-    if finish is None or chunks < 2:
+    if finish is None:
         raise ProbeError(f"stream ended after {chunks} chunks without a finish_reason")
+    if chunks < 2:
+        raise ProbeError(f"the whole answer came in one chunk (finish_reason {finish}): not streamed")
     return f"{chunks} chunks, {len(text)} characters, finish_reason {finish}"
 
 
