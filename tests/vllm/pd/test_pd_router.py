@@ -480,7 +480,9 @@ def test_clients_cancelling_at_random_points_strand_nothing(cluster: PdCluster) 
         gate = asyncio.Semaphore(6)
         async with httpx.AsyncClient(timeout=BOUND_S, limits=httpx.Limits(max_keepalive_connections=0)) as client:
             cancelled = await asyncio.gather(*(one(client, i, gate) for i in range(200)))
-        assert sum(cancelled) >= 100, sum(cancelled)
+        # Enough of them went away mid-request for the check to mean something (about half do: a request
+        # that ends before its random moment is not cancelled; 99 and 100+ of 200 were both seen).
+        assert sum(cancelled) >= 60, sum(cancelled)
         await idle(cluster)
         reference = await grpc_tokens(cluster.grpc("reference"), prompts[0], 8)
         assert (await grpc_tokens(cluster.grpc("pd"), prompts[0], 8))[0] == reference[0]
