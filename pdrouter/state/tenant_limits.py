@@ -133,7 +133,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local lease = tonumber(ARGV[1])
 local n = 0
 for i = 2, #ARGV do
-  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + lease, ARGV[i])
+  -- Counted by presence: ZADD's CH counts a changed score only, and a renewal within the millisecond
+  -- of the booking leaves the score as it was.
+  if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
+    redis.call('ZADD', KEYS[1], 'XX', now + lease, ARGV[i])
+    n = n + 1
+  end
 end
 if n > 0 then redis.call('PEXPIRE', KEYS[1], lease * 4 + 60000) end
 return n

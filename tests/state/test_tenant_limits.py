@@ -111,6 +111,14 @@ async def test_max_concurrent_frees_on_settle_and_lapses_without_renewal(client:
     assert isinstance(await limiter.acquire("t", limits, "e", 1, 1), LimitRefusal)
 
 
+async def test_a_renewal_in_the_millisecond_of_its_booking_still_counts_it(client: aioredis.Redis) -> None:
+    limiter = TenantLimiter(client)
+    grant = await limiter.acquire("t", TenantLimits(max_concurrent=2), "a", 1, 1)
+    assert isinstance(grant, LimitGrant)
+    # Back to back, several renewals fall in one millisecond: each finds the request running.
+    assert [await limiter.renew([grant]) for _ in range(50)] == [1] * 50
+
+
 async def test_limits_are_checked_together_and_nothing_is_counted_on_refusal(client: aioredis.Redis) -> None:
     limiter = TenantLimiter(client)
     limits = TenantLimits(requests_per_minute=10, prompt_tokens_per_minute=50, max_concurrent=1)
