@@ -64,7 +64,7 @@ class Admission:
         self.config = cfg = config or AdmissionConfig()
         self.stats = AdmissionStats()
         self._active: dict[BookingId, Reservation] = {}
-        self._queue = WaitQueue(cfg.queue_limit)
+        self._queue = WaitQueue(cfg.queue_limit, cfg.fair_burst)
         self._changes = BackgroundTasks(log, "credit booking change failed (its lease expires on its own)")
         self._releases = BackgroundTasks(log, "release of a booking failed (its lease expires on its own)")
         self.owner = uuid.uuid4().hex[:12]

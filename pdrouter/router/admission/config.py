@@ -34,6 +34,9 @@ class AdmissionConfig:
     ``fair_window_s``. So a tenant sending at its fair share beside a flood finds room at once, not
     at the next request's end (0: no headroom). A tenant alone books the whole pool."""
     fair_window_s: float = 10.0
+    fair_burst: float = 8.0
+    """With tenants: how many of its requests a tenant that has been asking for less than its fair
+    share may have admitted ahead of the others' backlogs (see ``queue``)."""
     on_redis_error: Literal["fail", "local"] = "fail"
     """When a booking fails because Redis cannot be reached: ``fail`` refuses the request
     (UNAVAILABLE / HTTP 503); ``local`` places it by load alone, without shared admission (each
@@ -49,6 +52,8 @@ class AdmissionConfig:
         if not 0.0 <= self.fair_headroom < 1.0 or self.fair_window_s <= 0:
             raise ConfigError(f"admission: fair_headroom must be in [0, 1) and fair_window_s > 0, got "
                               f"{self.fair_headroom:g} and {self.fair_window_s:g}")
+        if self.fair_burst < 0:
+            raise ConfigError(f"admission: fair_burst must be >= 0, got {self.fair_burst:g}")
         if self.on_redis_error not in ("fail", "local"):
             raise ConfigError(f"admission: on_redis_error must be fail or local, got {self.on_redis_error!r}")
 

@@ -3,13 +3,17 @@
 The order, strictly in this precedence:
 
 1. **priority class**: a waiter of a higher ``priority`` is always served before any of a lower one;
-2. **weighted fair share** among the *flows* (tenants) of a class: self-clocked fair queueing
-   (Golestani, 1994). Each waiter gets a virtual finish tag ``F = max(V, F_prev(flow)) + cost /
-   weight``, where ``F_prev(flow)`` is the tag of its flow's previous waiter and ``V`` the tag of
-   the last waiter of the class that was served; the smallest tag goes first. A flow that keeps a
-   backlog is served ``weight / Σ weights`` of the cost (KV blocks) that is admitted while the
-   others also wait, and one arriving in an idle moment is placed at the front of the backlogs,
-   never behind another flow's burst;
+2. **weighted fair share** among the *flows* (tenants) of a class: start-time fair queueing (Goyal,
+   Vin and Cheng, 1996) with a bounded burst credit. Each waiter gets a virtual start tag
+   ``S = max(V - burst × cost / weight, F_prev(flow))`` and its flow's finish moves to
+   ``F_prev(flow) = S + cost / weight``, where ``V`` is the start tag of the class's waiter served
+   last; the smallest start tag goes first. A flow that keeps a backlog is served ``weight / Σ
+   weights`` of the cost (KV blocks) admitted while the others also wait (its tags run ahead of
+   ``V`` and the credit never applies). A flow that has been asking for less than its share
+   arrives with a start tag behind ``V``, so it is served before the backlogs, for up to ``burst``
+   of its requests in a row (and one more starting at ``V``): a tenant under its share waits for
+   its own earlier requests, not for a round of the others'. That round is what ordering by finish
+   tags, or starting at ``V``, costs it (docs/tenants.md has the figures);
 3. **arrival order** among equal tags.
 
 A flow is charged only for what is served: a waiter that leaves without being admitted (pushed out
@@ -19,8 +23,9 @@ waiters are pushed out or time out would pay for admissions it never got, and fa
 at every one (under a flood, the flows of the smallest weights, whose waiters are the ones pushed
 out).
 
-One flow alone is served exactly in arrival order within each class (its tags only grow), which is
-what the queue did before it knew flows; without tenants every request is one flow.
+One flow alone is served exactly in arrival order within each class (its tags only grow: its
+finish is never behind ``V`` less its credit), which is what the queue did before it knew flows;
+without tenants every request is one flow.
 
 When the queue is full (``limit`` waiters), a newcomer that would be served before the waiter
 served last (its class is higher, or its fair-share tag is smaller) takes that waiter's place,
@@ -40,6 +45,10 @@ import itertools
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+BURST = 8.0
+"""A flow's credit, in its own requests: how far ahead of the virtual time a flow that has been
+asking for less than its share may start (see the module docstring)."""
+
 
 @dataclass(order=True)
 class Waiter:
@@ -48,13 +57,13 @@ class Waiter:
     priority: int
     """Its class, negated (the heap's smallest first)."""
     tag: float
-    """Its virtual finish tag within the class."""
+    """Its virtual start tag within the class."""
     seq: int
     flow: Hashable = field(compare=False, default=None)
-    vtime: float = field(compare=False, default=0.0)
-    """Its class's virtual time when it joined."""
+    floor: float = field(compare=False, default=0.0)
+    """The earliest start it could have: its class's virtual time when it joined, less its credit."""
     charge: float = field(compare=False, default=0.0)
-    """Its cost ÷ its flow's weight (its tag is its start, ``max(vtime, F_prev)``, plus this)."""
+    """Its cost ÷ its flow's weight (its flow's finish is its start plus this)."""
     wake: asyncio.Event = field(compare=False, default_factory=asyncio.Event)
     evicted: bool = field(compare=False, default=False)
     """Pushed out of a full queue by a waiter served before it (the owner refuses the request)."""
@@ -69,17 +78,20 @@ class WaitQueue:
     moves its class's virtual time) and wakes the new head.
     """
 
-    __slots__ = ("_finish", "_flows", "_heap", "_seq", "_vtime", "limit")
+    __slots__ = ("_finish", "_flows", "_heap", "_seq", "_vtime", "burst", "limit")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, burst: float = BURST) -> None:
+        if burst < 0:
+            raise ValueError(f"burst must be >= 0, got {burst:g}")
         self.limit = limit
+        self.burst = burst
         self._heap: list[Waiter] = []
         self._seq = itertools.count()
         self._vtime: dict[int, float] = {}
-        """Per class: the tag of the waiter last served."""
+        """Per class: the start tag of the waiter last served."""
         self._finish: dict[tuple[int, Hashable], float] = {}
-        """Per class and flow: the tag of its last waiter (bounded by the classes and flows seen
-        since the queue was last empty)."""
+        """Per class and flow: its last waiter's start tag plus its charge (bounded by the classes
+        and flows seen since the queue was last empty)."""
         self._flows: dict[Hashable, list[Waiter]] = {}
         """Each flow's waiters (flows with none are dropped)."""
 
@@ -107,9 +119,9 @@ class WaitQueue:
         it would, the last one is pushed out (``evicted``) and the newcomer joins."""
         cls = -priority
         key = (cls, flow)
-        vtime = self._vtime.get(cls, 0.0)
-        tag = max(vtime, self._finish.get(key, 0.0)) + cost / weight
-        waiter = Waiter(cls, tag, next(self._seq), flow, vtime, cost / weight)
+        charge = cost / weight
+        floor = self._vtime.get(cls, 0.0) - self.burst * charge
+        waiter = Waiter(cls, max(floor, self._finish.get(key, floor)), next(self._seq), flow, floor, charge)
         if self.full:
             if not self._heap:
                 return None
@@ -123,8 +135,8 @@ class WaitQueue:
             last.evicted = True
             last.wake.set()
             if last.flow == flow and last.priority == cls:  # its charge is back: the newcomer's tag moves too
-                waiter.tag = max(vtime, self._finish.get(key, 0.0)) + waiter.charge
-        self._finish[key] = waiter.tag
+                waiter.tag = max(floor, self._finish.get(key, floor))
+        self._finish[key] = waiter.tag + charge
         heapq.heappush(self._heap, waiter)
         self._flows.setdefault(flow, []).append(waiter)
         return waiter
@@ -137,19 +149,19 @@ class WaitQueue:
                 del self._flows[waiter.flow]
 
     def _uncharge(self, gone: Waiter) -> None:
-        """``gone`` left unserved: its flow's later waiters of its class (and the flow's finish tag)
-        are tagged again as if it had never joined. Call once ``gone`` is out of the heap and the flow."""
+        """``gone`` left unserved: its flow's later waiters of its class (and the flow's finish) are
+        tagged again as if it had never joined. Call once ``gone`` is out of the heap and the flow."""
         key = (gone.priority, gone.flow)
         if key not in self._finish:
             return
-        finish = gone.tag - gone.charge  # its start: max(V, F_prev) when it joined
-        if gone.tag < self._finish[key]:  # not the flow's last
+        finish = gone.tag  # the flow's finish before it joined (or its floor then)
+        if gone.tag + gone.charge < self._finish[key]:  # not the flow's last
             later = [w for w in self._flows.get(gone.flow, ()) if w.priority == gone.priority and w.seq > gone.seq]
             if not later:  # the later ones were admitted already: they keep the finish they set
                 return
             for waiter in later:
-                waiter.tag = max(waiter.vtime, finish) + waiter.charge
-                finish = waiter.tag
+                waiter.tag = max(waiter.floor, finish)
+                finish = waiter.tag + waiter.charge
         self._finish[key] = finish
 
     def is_head(self, waiter: Waiter) -> bool:
@@ -165,7 +177,7 @@ class WaitQueue:
 
     def leave(self, waiter: Waiter, served: bool = False) -> None:
         """Take ``waiter`` out (nothing if it is not queued) and wake whoever is the head now.
-        ``served``: it was admitted; its class's virtual time moves to its tag."""
+        ``served``: it was admitted; its class's virtual time moves to its start tag."""
         if served:
             self._vtime[waiter.priority] = max(self._vtime.get(waiter.priority, 0.0), waiter.tag)
         if waiter in self._heap:

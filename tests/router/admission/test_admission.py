@@ -202,6 +202,8 @@ async def test_waiting_tenants_are_admitted_by_weight_and_a_priority_class_jumps
         client: aioredis.Redis) -> None:
     """A decode worker with room for one request at a time; three tenants keep a backlog (weights 1,
     2, 3), and an interactive request arriving late is admitted next, before every one of them.
+    Arriving in an empty queue, each tenant first has its burst credit's worth admitted (8), then
+    they share by weight.
 
     Each admitted request holds the worker until the test gives it a turn, so the order does not
     depend on how fast the loop runs."""
@@ -231,7 +233,10 @@ async def test_waiting_tenants_are_admitted_by_weight_and_a_priority_class_jumps
         turns.put_nowait(None)
     await asyncio.gather(*tasks, urgent)
     assert order.index("ops") == 30  # admitted as soon as the one holding the worker was done
-    shares = {t: order[:60].count(t) / 60 for t in weights}  # every tenant still had a backlog then
+    credit = int(AdmissionConfig().fair_burst)
+    assert all(order[:3 * credit].count(t) == credit for t in weights), order[:3 * credit]
+    shared = [t for t in order[3 * credit:] if t != "ops"][:60]  # every tenant still had a backlog then
+    shares = {t: shared.count(t) / 60 for t in weights}
     for tenant, w in weights.items():
         assert abs(shares[tenant] - w / 6) <= 0.1 * w / 6 + 1 / 60, shares
     assert adm.queue_length == 0 and adm.active == 0

@@ -94,18 +94,73 @@ def test_bookkeeping_is_forgotten_when_the_queue_empties() -> None:
 
 
 def test_a_waiter_leaving_unserved_gives_its_flows_charge_back() -> None:
-    queue = WaitQueue(limit=100)
+    queue = WaitQueue(limit=100, burst=0)  # no credit: the start tags are the virtual time's
     flood = [_joined(queue, 0, "flooder", 1.0, 4) for _ in range(10)]
     first, second, third = (_joined(queue, 0, "quiet", 1.0, 4) for _ in range(3))
-    assert (first.tag, second.tag, third.tag) == (4.0, 8.0, 12.0)
+    assert (first.tag, second.tag, third.tag) == (0.0, 4.0, 8.0)
     queue.leave(first)  # timed out, say: "quiet" is charged for the two still waiting only
-    assert (second.tag, third.tag) == (4.0, 8.0)
+    assert (second.tag, third.tag) == (0.0, 4.0)
     queue.leave(third)
-    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 8.0
+    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 4.0
     # Served waiters keep their charge.
     served = _drain(queue, 2)
     assert served == [flood[0], second]
-    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 12.0
+    assert _joined(queue, 0, "quiet", 1.0, 4).tag == 8.0
+
+
+def test_a_quiet_tenant_goes_ahead_of_a_backlog_for_its_burst_credit_and_no_further() -> None:
+    queue = WaitQueue(limit=1000, burst=3)
+    flood = [_joined(queue, 0, "flooder", 1.0, 4) for _ in range(100)]
+    _drain(queue, 20)
+    quiet = [_joined(queue, 0, "quiet", 1.0, 4) for _ in range(8)]
+    order = _drain(queue, 16)
+    # Its credit's three requests, and one starting at the virtual time, before the backlog's next.
+    assert order[:4] == quiet[:4]
+    # Then the two alternate as their equal weights say, each in its own order.
+    assert order[4:] == [flood[20], quiet[4], flood[21], quiet[5], flood[22], quiet[6], flood[23], quiet[7],
+                         flood[24], flood[25], flood[26], flood[27]]
+
+
+def _wait_beside_a_flood(queue: WaitQueue, quiet_rate: float, ticks: int = 6000) -> list[int]:
+    """A model of admission under a flood: one waiter admitted per tick; tenant "flood" (weight 2)
+    sends 10 a tick, "b" and "c" (weight 1 each, a quarter of the admissions their fair share)
+    ``quiet_rate`` a tick each; a waiter leaves unserved after 35 ticks. The ticks ``b``'s and
+    ``c``'s admitted waiters waited."""
+    rng = random.Random(1)
+    joined: dict[int, tuple[int, Waiter]] = {}
+    waits: list[int] = []
+    for tick in range(ticks):
+        arrivals = [("flood", 2.0)] * 10 + [(f, 1.0) for f in "bc" if rng.random() < quiet_rate]
+        for flow, weight in arrivals:
+            waiter = queue.join(0, flow, weight, 4)
+            if waiter is not None:
+                joined[id(waiter)] = (tick, waiter)
+        for key, (since, waiter) in list(joined.items()):
+            if waiter.evicted:
+                del joined[key]
+            elif tick - since > 35:
+                del joined[key]
+                queue.leave(waiter)
+        head = queue.head
+        if head is not None:
+            since, _ = joined.pop(id(head))
+            queue.leave(head, served=True)
+            if head.flow != "flood" and tick > 500:
+                waits.append(tick - since)
+    return waits
+
+
+def test_a_tenant_under_its_share_waits_for_hardly_anyone_beside_a_flood() -> None:
+    """Beside a tenant flooding the queue (its waiters timing out by the hundred, each giving its
+    charge back), tenants sending at 0.4 and 0.8 of their fair share wait for 0.1 and 0.5 ticks on
+    average. Without the credit (their arrivals start at the virtual time, behind the flood's waiter
+    there and as much of the flood as their own bursts) they wait 0.7 and 4.9."""
+    for rate, mean_bound, p99_bound in ((0.1, 0.25, 2), (0.2, 1.0, 16)):
+        waits = sorted(_wait_beside_a_flood(WaitQueue(limit=32), rate))
+        without_credit = sorted(_wait_beside_a_flood(WaitQueue(limit=32, burst=0), rate))
+        mean, p99 = sum(waits) / len(waits), waits[len(waits) * 99 // 100]
+        assert mean <= mean_bound and p99 <= p99_bound, (rate, mean, p99)
+        assert mean * 4 < sum(without_credit) / len(without_credit), (rate, mean, without_credit)
 
 
 def test_a_flood_pushing_out_waiters_does_not_cost_the_others_their_shares() -> None:
