@@ -1,7 +1,7 @@
 """The simulator's dynamics against a real engine on this machine: one workload, one harness, both engines.
 
     python benchmarks/sim_dynamics.py [--quick] [--json] [--backend vllm|torch] [--layouts colocated,1p1d]
-        [--rates 1,1.5,2,3] [--calibration FILE] [--write-calibration FILE]
+        [--rates 1,1.5,2,3] [--calibration FILE] [--write-calibration FILE] [--pin]
 
 1. **Calibrate a CPU device preset** (unless ``--calibration`` gives one). One real worker behind the
    router answers probes: single prompts of several lengths with one output token (prefill against
@@ -27,6 +27,9 @@ below saturation, and the same saturation rate within one step of the sweep. Pri
 unit`` lines (``--json``: one object): the probes (real, harness, model), the fitted fields, per layout
 and rate every figure of both engines and the error, the saturation rates and the acceptance counts.
 Timings are compared within one run only; the machine's load average is printed at the start and end.
+``--pin`` puts the real engine's compute (vLLM's engine-core process; the torch engine's worker) on
+CPU 1 and every other process of the run on CPU 0, so that the engine steps while the harness
+streams, as a GPU does, instead of taking turns with it; it wants a machine with no other work.
 ``--quick`` runs few probes, two rates and short points (the machinery, not the figures; a vLLM
 engine alone takes 40–150 s to start here).
 """
@@ -141,6 +144,60 @@ class Cluster:
     url: str
     """The router's OpenAI base URL."""
     procs: list[ManagedProcess] = field(default_factory=list)
+    real: bool = True
+    """Its workers run a real engine (not simulated)."""
+
+
+ENGINE_CPU = 1
+"""With ``--pin``: the CPU a real engine's compute runs on; everything else runs on CPU 0."""
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from ``/proc``; processes gone meanwhile are skipped)."""
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+    return out
+
+
+def _pin_process(pid: int, cpu: int) -> None:
+    """Every thread of ``pid`` onto ``cpu`` (``sched_setaffinity`` moves one thread at a time)."""
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(task), {cpu})
+
+
+def _is_engine(pid: int, backend_process: bool) -> bool:
+    """Whether ``pid`` computes a real engine's steps: vLLM's engine-core process (its title starts
+    ``VLLM::``), or the worker itself for the torch engine, which steps in the worker's process."""
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            comm = f.read().strip()
+    except OSError:
+        return False
+    return comm.startswith("VLLM::") or backend_process
+
+
+def pin(clusters: Sequence[Cluster], backend: str) -> None:
+    """The real engines' compute on ``ENGINE_CPU``, everything else (router, Redis, the workers' serving,
+    simulated workers, this process) on CPU 0: the engine then steps while the harness streams, as on
+    a GPU, instead of taking turns with it on the same cores."""
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("--pin needs two CPUs")
+    for pid in _descendants(os.getpid()):  # this process, Redis and every cluster's processes
+        _pin_process(pid, 0)
+    for c in clusters:
+        for proc in c.procs if c.real else ():
+            if proc.name != "router":
+                for pid in _descendants(proc.proc.pid):
+                    if _is_engine(pid, backend == "torch" and pid == proc.proc.pid):
+                        _pin_process(pid, ENGINE_CPU)
 
 
 @contextlib.contextmanager
@@ -166,7 +223,7 @@ def cluster(model: Path, layout: Layout, engine: Sequence[str], *, limits: Limit
             "router", "--model", str(model), "--redis", redis.url, "--mode", layout.mode, "--block-size",
             str(BLOCK_SIZE), "--http-port", "0", "--grpc-port", "0", "--log-level", "WARNING"], env=env)
         procs.append(router)
-        yield Cluster(f"http://{router.wait_ready()}/v1", procs)
+        yield Cluster(f"http://{router.wait_ready()}/v1", procs, real=not simulated)
     finally:
         for proc in reversed(procs):
             proc.stop(60.0)
@@ -485,9 +542,13 @@ def calibrate(args: Any, folder: Path, report: Report) -> Path:
     prompts = Prompts(seed=1)
     layout = Layout("colocated")
     with cluster(folder, layout, sim_engine(None, 0.0)) as free:
+        if args.pin:
+            pin([free], args.backend)
         asyncio.run(wait_serving(free.url, folder.name))
         harness = asyncio.run(measure(free.url, folder.name, plan, prompts, reps))
     with cluster(folder, layout, real_engine(args.backend)) as real:
+        if args.pin:
+            pin([real], args.backend)
         asyncio.run(wait_serving(real.url, folder.name))
         measured = asyncio.run(measure(real.url, folder.name, plan, prompts, reps))
     # Every probe less the harness's share: on two cores the router, the worker's streaming and the
@@ -524,6 +585,8 @@ def main() -> None:
     parser.add_argument("--write-calibration", type=Path, default=None,
                         help="where the fitted preset goes (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=None, help="the model folder's parent (default: temporary)")
+    parser.add_argument("--pin", action="store_true",
+                        help=f"the real engine's compute on CPU {ENGINE_CPU}, everything else on CPU 0 (two CPUs)")
     args = parser.parse_args()
     rates = [float(r) for r in (args.rates or ("1,2" if args.quick else "1,1.5,2,2.5,3,4")).split(",")]
     duration = args.point_duration or (20.0 if args.quick else 90.0)
@@ -540,6 +603,8 @@ def main() -> None:
     for layout in layouts:
         with cluster(folder, layout, real_engine(args.backend)) as real, \
                 cluster(folder, layout, sim_engine(calibration, 1.0)) as sim:
+            if args.pin:
+                pin([real, sim], args.backend)
             asyncio.run(wait_serving(real.url, folder.name))
             asyncio.run(wait_serving(sim.url, folder.name))
             real_points, sim_points = asyncio.run(sweep(real.url, sim.url, folder.name, rates, workload, duration,

@@ -9,10 +9,12 @@ request larger than every worker's whole pool is refused at once (RequestTooLarg
 requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
-**Headroom.** While a tenant has a backlog here (two or more requests waiting) and another tenant
+**Headroom.** While a tenant has a backlog here past its fair share and its burst credit (two or
+more requests waiting, the last of them starting after the queue's virtual time) and another tenant
 of its priority class has been active in the last ``fair_window_s``, the backlogged tenant books
 against each worker's pool less ``fair_headroom`` of it. The room it leaves goes to the tenants of
-that class with at most one request waiting, which may book it without being the queue's head
+that class with at most one request waiting or still within their share, which may book it without
+being the queue's head
 (never before a head of a higher class: a class alone is never held back). So a flood never fills the pools to
 the last block: a tenant sending at its fair share is admitted on arrival instead of at the next
 request's end anywhere in the pool. The cost is that headroom, idle while only the flood waits.
@@ -200,7 +202,8 @@ class Admission:
     def _held_back(self, flow: str | None, priority: int) -> bool:
         """Whether ``flow``'s requests of class ``priority`` book without the headroom now (see the
         module docstring): only for another tenant of the same class, which alone may take it."""
-        if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2:
+        if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2 \
+                or not self._queue.over_share(flow, priority):
             return False
         since = time.monotonic() - self.config.fair_window_s
         return any(other != flow and cls == priority and seen > since for (cls, other), seen in self._seen.items())

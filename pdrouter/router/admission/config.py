@@ -29,10 +29,11 @@ class AdmissionConfig:
     credit_yield_s: float = 1.0
     """After another router asked for room, this router books no credit for this long."""
     fair_headroom: float = 0.05
-    """With tenants: the fraction of each decode worker's pool that a tenant with a backlog (two or
-    more requests waiting here) may not book while another tenant has been active in the last
-    ``fair_window_s``. So a tenant sending at its fair share beside a flood finds room at once, not
-    at the next request's end (0: no headroom). A tenant alone books the whole pool."""
+    """With tenants: the fraction of each decode worker's pool that a tenant with a backlog past its
+    share (two or more requests waiting here, beyond its burst credit) may not book while another
+    tenant has been active in the last ``fair_window_s``. So a tenant sending at its fair share
+    beside a flood finds room at once, not at the next request's end (0: no headroom). A tenant
+    alone books the whole pool."""
     fair_window_s: float = 10.0
     fair_burst: float = 8.0
     """With tenants: how many of its requests a tenant that has been asking for less than its fair

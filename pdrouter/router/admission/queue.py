@@ -103,6 +103,13 @@ class WaitQueue:
         waiters = self._flows.get(flow)
         return 0 if waiters is None else len(waiters)
 
+    def over_share(self, flow: Hashable, priority: int) -> bool:
+        """Whether ``flow``'s last waiter of class ``priority`` starts after the class's virtual time:
+        the flow asks for more than its share and its credit (one under them starts at or before it)."""
+        cls = -priority
+        last = next((w for w in reversed(self._flows.get(flow, ())) if w.priority == cls), None)
+        return last is not None and last.tag > self._vtime.get(cls, 0.0)
+
     @property
     def head(self) -> Waiter | None:
         return self._heap[0] if self._heap else None

@@ -249,10 +249,12 @@ async def _true(value: bool) -> bool:
 async def _flooded(client: aioredis.Redis, fair_window_s: float) -> tuple[
         Admission, list[DecodeCapacity], list[Reservation], list[asyncio.Task[Reservation]]]:
     """A pool of 100 blocks with a 10 % headroom, filled by tenant a (ten requests of 10 blocks) with
-    three more of a's waiting, and tenant b active a moment ago."""
+    three more of a's waiting, and tenant b active a moment ago. (No burst credit: a's three waiting
+    are past its share at once.)"""
     pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
     adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
-        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=fair_window_s))
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.1, fair_window_s=fair_window_s,
+        fair_burst=0))
     await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))
     held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
     waiting = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
@@ -279,6 +281,32 @@ async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_ar
     await asyncio.gather(*waiting)
     assert [t.result().blocks for t in waiting] == [10, 10, 10]
     for res in [*held[1:], *(t.result() for t in waiting)]:
+        await adm.release(res)
+    assert adm.queue_length == 0 and adm.active == 0
+
+
+async def test_a_tenant_waiting_within_its_credit_books_the_headroom_the_flood_may_not(
+        client: aioredis.Redis) -> None:
+    """Tenant b has two requests waiting, but within its burst credit (a's backlog is past its own):
+    b is not held back from the headroom, so a room that comes back below the headroom is b's, and
+    the flood keeps waiting."""
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.2, fair_window_s=30,
+        fair_burst=2))
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
+    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(5)]
+    await until(lambda: _true(adm.queue_length == 5), "a's backlog queued")
+    b = [asyncio.create_task(adm.admit(RequestId(f"b{i}"), 10, pool, flow="b")) for i in range(2)]
+    await until(lambda: _true(adm.queue_length == 7), "b's two wait")
+    await adm.release(held.pop())
+    await adm.release(held.pop())  # 20 blocks free: the headroom
+    await until(lambda: _true(all(t.done() for t in b)), "both of b's admitted into the headroom")
+    assert not any(t.done() for t in flood) and adm.queue_length == 5
+    for res in [*held, *(t.result() for t in b)]:
+        await adm.release(res)
+    await asyncio.gather(*flood)
+    for res in (t.result() for t in flood):
         await adm.release(res)
     assert adm.queue_length == 0 and adm.active == 0
 
