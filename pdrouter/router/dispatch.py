@@ -60,7 +60,7 @@ from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.disaggregation import PrefillReport, PrefillRoute, ServeOrder, may_prefill_remotely
 from pdrouter.core.errors import DeadlineExceededError, PdRouterError, UnavailableError
 from pdrouter.core.hashing import BlockHasher
-from pdrouter.core.ids import WorkerId
+from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.tracing import Tracing
 from pdrouter.core.workers import WorkerRole
 from pdrouter.router.admission import Admission
@@ -72,7 +72,7 @@ from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
 from pdrouter.router.request import ModelInfo, RouterRequest, TokenDelta
 from pdrouter.router.transfer_stats import TransferStats
 from pdrouter.router.worker_errors import client_error
-from pdrouter.state.prefix_index import PrefixIndex
+from pdrouter.state.prefix_index import PendingLookup, PrefixIndex
 from pdrouter.state.reservations import DecodeCapacity, Reservation
 from pdrouter.wire.worker_client import TokenStream
 
@@ -152,6 +152,39 @@ class _ServeCall:
         self.dispatcher._on_report(report, self.request)
         if self.span is not None:
             self.dispatcher._reported(self.span, report)
+
+
+class _Lookup:
+    """One request's prefix-index lookup, started early (``PoolDispatcher._early_lookup``)."""
+
+    __slots__ = ("dispatcher", "pending", "start", "workers")
+
+    def __init__(self, dispatcher: PoolDispatcher, pending: PendingLookup,
+                 workers: list[tuple[WorkerId, Epoch]], start: float) -> None:
+        self.dispatcher = dispatcher
+        self.pending = pending
+        self.workers = workers
+        self.start = start
+
+    async def cached_tokens(self) -> dict[WorkerId, int]:
+        """Per candidate, the prompt tokens its prefix cache holds; {} when the index cannot be read
+        (placement then goes by load alone)."""
+        d = self.dispatcher
+        try:
+            held = await self.pending.matched_blocks(self.workers)
+        except (RedisError, OSError) as exc:
+            if d.index_ok:
+                log.warning("prefix index unreachable (%s): placing by load alone", exc)
+            d.index_ok = False
+            d.stats.index_errors += 1
+            return {}
+        if not d.index_ok:
+            log.info("prefix index reachable again")
+        d.index_ok = True
+        d.stats.lookup_seconds += time.perf_counter() - self.start
+        d.stats.lookups += 1
+        block_size = d.model.block_size
+        return {w: blocks * block_size for w, blocks in held.items()}
 
 
 class PoolDispatcher:
@@ -239,41 +272,32 @@ class PoolDispatcher:
 
         A prompt shorter than one block cannot hit, so it costs no lookup.
         """
-        if self.prefix_index is None or not candidates or len(request.prompt_token_ids) < self.model.block_size:
-            return {}
-        start = time.perf_counter()
-        hashes = self.hasher.hash_blocks(request.prompt_token_ids, self.hasher.salted_root(request.cache_salt))
-        try:
-            held = await self.prefix_index.matched_blocks(hashes, [(h.worker_id, h.record.epoch) for h in candidates])
-        except (RedisError, OSError) as exc:
-            if self.index_ok:
-                log.warning("prefix index unreachable (%s): placing by load alone", exc)
-            self.index_ok = False
-            self.stats.index_errors += 1
-            return {}
-        if not self.index_ok:
-            log.info("prefix index reachable again")
-        self.index_ok = True
-        self.stats.lookup_seconds += time.perf_counter() - start
-        self.stats.lookups += 1
-        return {w: blocks * self.model.block_size for w, blocks in held.items()}
+        lookup = self._early_lookup(request, candidates)
+        return {} if lookup is None else await lookup.cached_tokens()
 
-    def _early_lookup(self, request: RouterRequest) -> asyncio.Task[dict[WorkerId, int]] | None:
-        """Start the prefill placement's index lookup now, to run while admission does.
+    def _early_lookup(self, request: RouterRequest,
+                      candidates: Sequence[WorkerHandle] | None = None) -> _Lookup | None:
+        """Start the prefix-index lookup of ``request`` among ``candidates`` (default: the prefill
+        workers available) now, to run while admission books; None when it needs none.
 
-        Only for prompts that may need the prefill pool (longer than ``local_prefill_tokens``) and
-        can hit (one block or more). The task never raises (``_cached_tokens`` degrades to {}); it
-        is left to finish when the request does not use it (a local prefill, an early error).
+        Only for prompts that can hit (one block or more); by default only for those that may need
+        the prefill pool (longer than ``local_prefill_tokens``). The lookup never raises
+        (``_Lookup.cached_tokens`` degrades to {}); one the request does not use (a local prefill,
+        an early error) is left unread.
         """
         n = len(request.prompt_token_ids)
-        if self.prefix_index is None or n < self.model.block_size or \
-                not may_prefill_remotely(n, self.config.local_prefill_tokens):
+        if self.prefix_index is None or n < self.model.block_size:
             return None
-        candidates = self.pool.available(WorkerRole.PREFILL)
+        if candidates is None:
+            if not may_prefill_remotely(n, self.config.local_prefill_tokens):
+                return None
+            candidates = self.pool.available(WorkerRole.PREFILL)
         if not candidates:
             return None
-        return self._background.spawn(self._cached_tokens(request, candidates),
-                                      name=f"prefix-lookup-{request.request_id}")
+        start = time.perf_counter()
+        hashes = self.hasher.hash_blocks(request.prompt_token_ids, self.hasher.salted_root(request.cache_salt))
+        workers = [(h.worker_id, h.record.epoch) for h in candidates]
+        return _Lookup(self, self.prefix_index.lookup_soon(hashes), workers, start)
 
     # -- tracing (only for requests with a span) ---------------------------------------------
     def _span(self, name: str, request: RouterRequest, attributes: dict[str, object] | None = None,
@@ -465,7 +489,7 @@ class PoolDispatcher:
         self.stats.reported(report)
 
     async def _place(self, request: RouterRequest, tried: Collection[WorkerId],
-                     lookup: asyncio.Task[dict[WorkerId, int]] | None, before: Placement | None) -> Placement:
+                     lookup: _Lookup | None, before: Placement | None) -> Placement:
         """Decide where ``request`` goes: admit it on a decode worker (not one of ``tried``), then (the
         first time; a placement on another decode worker keeps them) rank the prefill workers by the
         prefix ``lookup``'s answer and write the order. Nothing is sent."""
@@ -477,7 +501,7 @@ class PoolDispatcher:
             placing = None if request.trace is None else self._span("placement", request)
             ranked: list[tuple[WorkerHandle, int]] = []
             if may_prefill_remotely(len(request.prompt_token_ids), self.config.local_prefill_tokens):
-                cached_tokens = await asyncio.shield(lookup) if lookup is not None else {}
+                cached_tokens = await lookup.cached_tokens() if lookup is not None else {}
                 ranked = self._prefill_routes(request, cached_tokens)
         except BaseException:
             decode.inflight -= 1

@@ -43,6 +43,7 @@ from pdrouter.router.request import Dispatcher, ModelInfo
 from pdrouter.router.state_metrics import StateMetrics
 from pdrouter.router.tenancy import TenantGate
 from pdrouter.state.client import RedisClient, redis_client
+from pdrouter.state.pipelined import PipelinedRedis
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
@@ -68,6 +69,7 @@ class RouterProcess:
         self.tokenizer = load_tokenizer(config.model_dir)
         self.metrics = RouterMetrics()
         self.redis: RedisClient | None = None
+        self._pipe: PipelinedRedis | None = None
         self.pool: WorkerPool | None = None
         self.admission: Admission | None = None
         self.dispatcher: PoolDispatcher | None = None
@@ -95,10 +97,13 @@ class RouterProcess:
                 log.warning("Redis at %s unreachable (%s): serving the static workers by load alone",
                             redact_url(cfg.redis_url), exc)
             registry = WorkerRegistry(self.redis, self.model_name)
+            # Lookups and bookings, a call or more per request, share a pipelined connection where one can be.
+            self._pipe = PipelinedRedis.of(self.redis) if cfg.cache_aware or cfg.admission else None
             if cfg.cache_aware:
-                index = PrefixIndex(self.redis, self.model_name)
+                index = PrefixIndex(self.redis, self.model_name, pipelined=self._pipe)
             if cfg.admission:
-                self.admission = Admission(KvReservations(self.redis, self.model_name), cfg.admission_config)
+                self.admission = Admission(KvReservations(self.redis, self.model_name, pipelined=self._pipe),
+                                           cfg.admission_config)
                 self.admission.start()
         self.pool = WorkerPool(self.model_name, registry, cfg.static_workers, cfg.refresh_interval_s,
                                use_lane=cfg.worker_transport == "lane", security=cfg.worker_security,
@@ -217,6 +222,8 @@ class RouterProcess:
             await _bounded("admission stop", self.admission.stop(), bound)
         if self.pool is not None:
             await _bounded("worker pool stop", self.pool.stop(), bound)
+        if self._pipe is not None:
+            await _bounded("Redis lookup connection close", self._pipe.aclose(), bound)
         if self.redis is not None:
             await _bounded("Redis client close", self.redis.aclose(), bound)
         if self.tracing is not None:

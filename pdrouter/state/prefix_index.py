@@ -46,15 +46,18 @@ incarnation) entries, so none holds Redis for long.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
 from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
+from pdrouter.state.pipelined import PipelinedRedis
 
 HASH_BYTES = 16
 
@@ -281,12 +284,16 @@ class PrefixIndex:
     """One pool's prefix index. Safe to share between tasks of one event loop.
 
     ``ttl_ms``: how long an incarnation's entries stay live without a write or ``touch``; after it
-    they are swept. ``lookup_budget``: see ``LOOKUP_BUDGET``.
+    they are swept. ``lookup_budget``: see ``LOOKUP_BUDGET``. ``pipelined``: a connection to the
+    same Redis that lookups go over (``pdrouter.state.pipelined``; None: the client's own path).
     """
 
     def __init__(self, client: RedisClient, pool: str, namespace: str = "pdr",
-                 ttl_ms: int = 10_000, lookup_budget: int = LOOKUP_BUDGET) -> None:
+                 ttl_ms: int = 10_000, lookup_budget: int = LOOKUP_BUDGET,
+                 pipelined: PipelinedRedis | None = None) -> None:
         self._r = client
+        self._pipe = pipelined
+        self._tasks = BackgroundTasks()  # lookups started early over the client's path
         self.keys = PoolKeys(namespace, pool)
         self.ttl_ms = ttl_ms
         self.lookup_budget = lookup_budget
@@ -420,17 +427,44 @@ class PrefixIndex:
         (distinct worker ids) holding one block or more. Its Python work follows the holders of
         the prompt's first block, not the candidates."""
         depth = await self._depths(hashes) if workers else {}
-        if not depth:
-            return {}
-        wanted = dict(workers)
-        return {w: blocks for (w, e), blocks in depth.items() if wanted.get(w) == e}
+        return _of_workers(depth, workers)
+
+    def lookup_soon(self, hashes: Sequence[BlockHash]) -> PendingLookup:
+        """Start looking ``hashes`` up now; the answer is awaited later (``PendingLookup.matched_blocks``).
+
+        Over the pipelined connection the script is sent at once and costs no task; otherwise a task
+        runs the client's call meanwhile. A lookup nobody awaits costs nothing more: its reply, or its
+        failure, is dropped.
+        """
+        if not hashes:
+            return PendingLookup(self, hashes, None)
+        reply: asyncio.Future[Any] = self._send_lookup(hashes) if self._pipe is not None else \
+            self._tasks.spawn(self._call_lookup(hashes))
+        reply.add_done_callback(_retrieved)
+        return PendingLookup(self, hashes, reply)
 
     async def _depths(self, hashes: Sequence[BlockHash]) -> dict[Incarnation, int]:
         """Incarnation → leading blocks held, for every incarnation holding block 1."""
         if not hashes:
             return {}
-        flat = await self._lookup(keys=[self.keys.prefix_slots],
-                                  args=[self._block_prefix, b"".join(hashes), HASH_BYTES, self.lookup_budget])
+        if self._pipe is not None:
+            flat = await self._reply(self._send_lookup(hashes), hashes)
+        else:
+            flat = await self._call_lookup(hashes)
+        return await self._depths_of(flat)
+
+    def _lookup_args(self, hashes: Sequence[BlockHash]) -> list[bytes | int]:
+        return [self._block_prefix, b"".join(hashes), HASH_BYTES, self.lookup_budget]
+
+    async def _call_lookup(self, hashes: Sequence[BlockHash]) -> Any:
+        return await self._lookup(keys=[self.keys.prefix_slots], args=self._lookup_args(hashes))
+
+    def _send_lookup(self, hashes: Sequence[BlockHash]) -> asyncio.Future[Any]:
+        assert self._pipe is not None
+        return self._pipe.call("EVALSHA", self._lookup.sha, 1, self.keys.prefix_slots, *self._lookup_args(hashes))
+
+    async def _depths_of(self, flat: Any) -> dict[Incarnation, int]:
+        """Incarnation → leading blocks held, from a lookup's reply ``flat``."""
         if not flat:
             return {}
         version = int(flat[0])
@@ -444,6 +478,15 @@ class PrefixIndex:
             if given is not None and given[0] <= version:  # a slot given since the lookup had other bits
                 depth[given[1]] = blocks
         return depth
+
+    async def _reply(self, reply: Awaitable[Any], hashes: Sequence[BlockHash]) -> Any:
+        """A pipelined lookup's reply; sent again once when Redis had lost the script (it restarted)."""
+        try:
+            return await reply
+        except NoScriptError:
+            assert self._pipe is not None
+            await self._pipe.load(self._lookup)
+            return await self._send_lookup(hashes)
 
     async def _read_table(self) -> None:
         """Read the slot table and its version (one ``HGETALL``: one consistent view)."""
@@ -475,6 +518,43 @@ class PrefixIndex:
                 return list(await pipe.execute())
 
         return await _loading(self._r, script, send)
+
+
+class PendingLookup:
+    """A lookup started by ``PrefixIndex.lookup_soon``; await ``matched_blocks`` once for its answer."""
+
+    __slots__ = ("_hashes", "_index", "_reply")
+
+    def __init__(self, index: PrefixIndex, hashes: Sequence[BlockHash], reply: asyncio.Future[Any] | None) -> None:
+        self._index = index
+        self._hashes = hashes
+        self._reply = reply
+
+    async def matched_blocks(self, workers: Sequence[tuple[WorkerId, Epoch]]) -> dict[WorkerId, int]:
+        """As ``PrefixIndex.matched_blocks``: worker id → blocks, for the incarnations of ``workers``
+        holding one block or more. Raises what the lookup raised (``RedisError``, ``OSError``)."""
+        if self._reply is None or not workers:
+            return {}
+        index = self._index
+        if index._pipe is not None:
+            flat = await index._reply(self._reply, self._hashes)
+        else:  # the client's call runs on in its task: a cancelled caller does not cut it off mid-reply
+            flat = await asyncio.shield(self._reply)
+        return _of_workers(await index._depths_of(flat), workers)
+
+
+def _of_workers(depth: dict[Incarnation, int], workers: Sequence[tuple[WorkerId, Epoch]]) -> dict[WorkerId, int]:
+    """The depths of the incarnations in ``workers``, by worker id."""
+    if not depth:
+        return {}
+    wanted = dict(workers)
+    return {w: blocks for (w, e), blocks in depth.items() if wanted.get(w) == e}
+
+
+def _retrieved(reply: asyncio.Future[Any]) -> None:
+    """A lookup's failure is its awaiter's to handle; one nobody awaits is dropped here, not logged."""
+    if not reply.cancelled():
+        reply.exception()
 
 
 async def _loading(client: RedisClient, script: Any, send: Callable[[], Awaitable[list[Any]]]) -> list[Any]:

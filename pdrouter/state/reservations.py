@@ -30,6 +30,7 @@ from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.state.client import RedisClient, is_cluster_client
 from pdrouter.state.coalesce import Coalescer
 from pdrouter.state.keys import PoolKeys
+from pdrouter.state.pipelined import PipelinedRedis
 
 BookingId = NewType("BookingId", str)
 """The ledger's key for one booking: assigned by the router that books it, unique to one admission
@@ -230,11 +231,14 @@ class KvReservations:
 
     def __init__(self, client: RedisClient, pool: str, namespace: str = "pdr",
                  policy: PickPolicy = PickPolicy.MOST_FREE, resize_delay_s: float = 0.002,
-                 bookings_apart: bool | None = None) -> None:
+                 bookings_apart: bool | None = None, pipelined: PipelinedRedis | None = None) -> None:
         """``bookings_apart``: the bookings under a hash tag of their own (``PoolKeys.bookings_tag``);
         by default on a Redis Cluster (so they may live on another shard than the rest of the pool),
-        not on one Redis (where the names stay those every version uses)."""
+        not on one Redis (where the names stay those every version uses). ``pipelined``: a connection
+        to the same Redis that the booking script goes over (``pdrouter.state.pipelined``; None: the
+        client's own path)."""
         self._r = client
+        self._pipe = pipelined
         apart = is_cluster_client(client) if bookings_apart is None else bookings_apart
         self.keys = PoolKeys(namespace, pool, bookings_apart=apart)
         self.policy = policy
@@ -315,7 +319,9 @@ class KvReservations:
             args += [booking_id, blocks]
         self.script_calls += 1
         try:
-            flat = [int(x) for x in await self._admit(keys=keys, args=args)]
+            reply = await (self._admit(keys=keys, args=args) if self._pipe is None
+                           else self._pipe.evalsha(self._admit, keys, args))
+            flat = [int(x) for x in reply]
         except asyncio.CancelledError:
             # Resizes are idempotent: whether or not this call got through, they go again.
             if resizes:
