@@ -469,7 +469,9 @@ class PoolDispatcher:
             return [(candidates[0], cached_tokens.get(candidates[0].worker_id, 0))]
         ranked: list[tuple[WorkerHandle, int]] = []
         while candidates and len(ranked) < self.config.max_prefill_attempts:
-            handle = self.policy.pick_prefill(request, candidates, cached_tokens)
+            # A policy picks the one candidate left (it mutates nothing): no need to ask it.
+            handle = candidates[0] if len(candidates) == 1 else \
+                self.policy.pick_prefill(request, candidates, cached_tokens)
             candidates.remove(handle)
             ranked.append((handle, cached_tokens.get(handle.worker_id, 0)))
         return ranked

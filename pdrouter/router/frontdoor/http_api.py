@@ -158,10 +158,6 @@ class HttpFrontdoor:
             deadline = None if timeout is None else time.monotonic() + timeout
             tenant = None if self.tenants is None else self.tenants.for_authorization(head.authorization)
             router_request = to_router_request(parsed, served, self.config, deadline, client_id, tenant)
-            if not parsed.stream and not parsed.stop:
-                # Taken in one piece, and no stop string to watch token by token: the worker
-                # sends the tokens at once (the same output, one message instead of one a token).
-                router_request = dataclasses.replace(router_request, whole=True)
             if span is not None:
                 router_request = dataclasses.replace(router_request, trace=span)
                 describe(span, router_request)

@@ -400,7 +400,10 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
                       tenant: Tenant | None = None) -> RouterRequest:
     """Tokenize and size ``req`` for ``served``: context-window and vocabulary checks, sampling.
     The request gets a fresh id of the router's; ``label`` is the client's name for it; ``tenant``
-    (its key's) gives its priority class and its part of the cache salt."""
+    (its key's) gives its priority class and its part of the cache salt. A request that is not
+    streamed and has no stop strings is ``whole``: taken in one piece, with no stop string to watch
+    token by token, its worker sends the tokens at once (the same output, one message instead of
+    one a token)."""
     tokenizer = served.tokenizer
     if req.chat:
         ids = served.chat_prompt(req.messages, req.chat_options)
@@ -422,8 +425,10 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
             raise
         field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
         raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
+    whole = not req.stream and not req.stop
     if tenant is None and req.cache_salt is None:
-        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label)
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=label, tenant=tenant,
+        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, whole=whole, label=label)
+    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, whole=whole, label=label,
+                         tenant=tenant,
                          priority=0 if tenant is None else tenant.priority,
                          cache_salt=cache_salt_key(None if tenant is None else tenant.salt_scope, req.cache_salt))

@@ -102,6 +102,13 @@ def test_request_ids_are_fresh(tokenizer: ByteTokenizer) -> None:
     assert first.prompt_token_ids == (257, 104, 105)
 
 
+def test_only_an_unstreamed_request_without_stop_strings_is_taken_whole(tokenizer: ByteTokenizer) -> None:
+    served = ServedModel(ECHO, tokenizer)
+    whole = [to_router_request(parse({"model": "echo", "prompt": "hi", **extra}), served, CONFIG).whole
+             for extra in ({}, {"stream": True}, {"stop": ["x"]}, {"stop": []})]
+    assert whole == [True, False, False, True]
+
+
 def test_registry_picks_up_new_models_and_needs_a_tokenizer(tokenizer: ByteTokenizer) -> None:
     served = [ECHO]
     fake = EchoDispatcher(models=served)  # lists `served` as it is at each call
