@@ -515,6 +515,11 @@ class _CorkedTransport:
         else:
             self._transport.write(data)
 
+    def is_closing(self) -> bool:
+        # Asked at every response (here and by uvicorn): a method of its own spares the miss that
+        # ``__getattr__`` would answer only after raising an AttributeError inside the lookup.
+        return self._transport.is_closing()
+
     def close(self) -> None:
         self._flush()
         self._transport.close()
