@@ -97,8 +97,9 @@ class RouterProcess:
                 log.warning("Redis at %s unreachable (%s): serving the static workers by load alone",
                             redact_url(cfg.redis_url), exc)
             registry = WorkerRegistry(self.redis, self.model_name)
-            # Lookups and bookings, a call or more per request, share a pipelined connection where one can be.
-            self._pipe = PipelinedRedis.of(self.redis) if cfg.cache_aware or cfg.admission else None
+            # The calls each request makes (lookup, booking, tenant limits) share a pipelined connection
+            # where one can be; it connects at its first call.
+            self._pipe = PipelinedRedis.of(self.redis)
             if cfg.cache_aware:
                 index = PrefixIndex(self.redis, self.model_name, pipelined=self._pipe)
             if cfg.admission:
@@ -122,7 +123,7 @@ class RouterProcess:
             self.metrics.enable_tenants(cfg.tenants.names)
             limiter = None
             if self.redis is not None:
-                limiter = TenantLimiter(self.redis, lease_ms=cfg.admission_config.lease_ms)
+                limiter = TenantLimiter(self.redis, lease_ms=cfg.admission_config.lease_ms, pipelined=self._pipe)
             elif any(cfg.tenants.get(name).limits.limited for name in cfg.tenants.names):
                 log.warning("tenants' limits need Redis (--redis): without it they are not enforced")
             self.gate = TenantGate(self.dispatcher, limiter, self.metrics, cfg.admission_config.on_redis_error)

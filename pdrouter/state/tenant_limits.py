@@ -29,10 +29,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pdrouter.core.tenants import LIMIT_NAMES, TenantLimits
 from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import TenantKeys
+from pdrouter.state.pipelined import PipelinedRedis
 
 WINDOW_MS = 60_000
 """The limits are per minute, over a sliding window."""
@@ -184,9 +186,12 @@ class TenantLimiter:
     """Every tenant's limits in one Redis (or cluster), for one router."""
 
     def __init__(self, client: RedisClient, namespace: str = "pdr", window_ms: int = WINDOW_MS,
-                 lease_ms: int = 30_000) -> None:
-        """``lease_ms``: how long a running request's place outlives this router's last renewal."""
+                 lease_ms: int = 30_000, pipelined: PipelinedRedis | None = None) -> None:
+        """``lease_ms``: how long a running request's place outlives this router's last renewal;
+        ``pipelined``: a connection to the same Redis that each request's scripts go over
+        (``pdrouter.state.pipelined``; None: the client's own path)."""
         self._r = client
+        self._pipe = pipelined
         self.namespace = namespace
         self.window_ms = window_ms
         self.lease_ms = lease_ms
@@ -207,7 +212,7 @@ class TenantLimiter:
                                                                 limits.prompt_tokens_per_minute,
                                                                 limits.output_tokens_per_minute)),
                            running=limits.max_concurrent is not None)
-        reply = await self._acquire(keys=self._keys(tenant), args=[
+        reply = await self._run(self._acquire, self._keys(tenant), [
             grant.member, prompt_tokens, output_tokens, limits.requests_per_minute or 0,
             limits.prompt_tokens_per_minute or 0, limits.output_tokens_per_minute or 0, limits.max_concurrent or 0,
             self.window_ms, self.lease_ms, booking])
@@ -223,8 +228,14 @@ class TenantLimiter:
         if not grant.windowed and not grant.running:
             return
         corrected = f"{grant.booking}|{grant.prompt_tokens}|{output_tokens}"
-        await self._settle(keys=self._keys(grant.tenant), args=[
+        await self._run(self._settle, self._keys(grant.tenant), [
             grant.member if grant.windowed else "", corrected, output_tokens - grant.output_tokens, grant.booking])
+
+    async def _run(self, script: Any, keys: list[str], args: list[str | int]) -> Any:
+        """One request's script, over the pipelined connection when there is one."""
+        if self._pipe is None:
+            return await script(keys=keys, args=args)
+        return await self._pipe.evalsha(script, keys, args)
 
     async def renew(self, grants: Iterable[LimitGrant]) -> int:
         """Extend the leases of running requests (per tenant, one call); the number still running."""

@@ -1,6 +1,7 @@
 """The pipelined Redis connection (``pdrouter.state.pipelined``) against a real Redis: replies in order
 under concurrency, credentials, error replies, a lost script, a lost server, a stalled one, callers
-that give up; and the prefix index and the bookings answering over it exactly as over the client."""
+that give up; and the prefix index, the bookings and the tenants' limits answering over it exactly
+as over the client."""
 
 from __future__ import annotations
 
@@ -14,12 +15,14 @@ from redis.exceptions import AuthenticationError, ConnectionError, ResponseError
 
 from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.core.tenants import TenantLimits
 from pdrouter.state.acl import ROUTER_USER, component_users
 from pdrouter.state.client import redis_client
 from pdrouter.state.embedded_redis import EmbeddedRedis, find_redis_server, redis_version
 from pdrouter.state.pipelined import PipelinedRedis, encode
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations
+from pdrouter.state.tenant_limits import LimitGrant, LimitRefusal, TenantLimiter
 
 PROMPT = list(range(7000, 7000 + 16 * 40))
 HASHES = hash_blocks(PROMPT, 16)
@@ -187,3 +190,19 @@ async def test_bookings_over_the_pipelined_connection(client: aioredis.Redis, pi
     await client.script_flush()
     assert await piped.release(first, urgent=True) == 60
     assert await plain.used(WorkerId("d0"), 1) == 0
+
+
+async def test_tenant_limits_over_the_pipelined_connection(client: aioredis.Redis, pipe: PipelinedRedis) -> None:
+    piped, plain = TenantLimiter(client, pipelined=pipe), TenantLimiter(client)
+    limits = TenantLimits(requests_per_minute=10, prompt_tokens_per_minute=50, max_concurrent=1)
+    grant = await piped.acquire("t", limits, "a", 30, 1)
+    assert isinstance(grant, LimitGrant)
+    refused = await plain.acquire("t", limits, "b", 10, 1)
+    assert isinstance(refused, LimitRefusal) and refused.limit == "max_concurrent"
+    await piped.settle(grant, 1)
+    assert isinstance(await plain.acquire("t", limits, "c", 10, 1), LimitGrant)
+    # Routers on either path share one exact count.
+    rpm = TenantLimits(requests_per_minute=25)
+    results = await asyncio.gather(*((piped if i % 2 else plain).acquire("r", rpm, f"r-{i}", 1, 1)
+                                     for i in range(80)))
+    assert sum(isinstance(r, LimitGrant) for r in results) == 25
