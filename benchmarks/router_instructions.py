@@ -207,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     if shutil.which("callgrind_control") is None:
         raise SystemExit("this benchmark needs Valgrind (valgrind and callgrind_control on the PATH)")
-    args.requests = args.requests or (30 if args.quick else 200)
+    args.requests = args.requests or (20 if args.quick else 200)
     args.rounds = args.rounds or (2 if args.quick else 4)
     if args.quick:
         args.layouts = "pd"
