@@ -4,8 +4,9 @@
 as writable memoryviews (or none, for a CUDA pool, which moves through NCCL). Two pools have it:
 
 * ``pdrouter.transfer.pool_view.PoolView``: the engine's torch tensor (CPU or CUDA);
-* ``PoolBytes.allocate(layout)``: a plain byte buffer, for a simulated worker, whose blocks carry
-  a small stand-in payload over the real transfer path (``standin_layout``).
+* ``PoolBytes.allocate(layout)``: a plain byte buffer;
+* ``StandinPool.for_layout(layout)``: a simulated worker's, whose blocks carry a small stand-in
+  payload over the real transfer path (``standin_layout``).
 
 ``pdrouter.transfer.pools.open_pool`` takes either; only a tensor loads torch, so a simulated
 worker's sender and receiver never do.
@@ -101,3 +102,32 @@ class PoolBytes:
     def checksum(self, span: FrameSpan) -> int:
         """xxh3-64 of the span's payload (CPU pools only)."""
         return checksum(self.buffers(span))
+
+
+class StandinPool(PoolBytes):
+    """A simulated worker's pool: ``standin_layout``'s bytes, arranged block-major.
+
+    A block's bytes for every layer, K and V lie together (``[block, layer, K|V]``), so a frame
+    over every layer of a run of consecutive blocks is one range, and one over some layers is one
+    range per block: a transfer moves a handful of ranges, not ``2 × layers × runs`` ranges of a
+    byte each. The payload order differs from a tensor pool's; both ends of a simulated transfer
+    are stand-in pools (their layout's compatibility hash is no real pool's).
+    """
+
+    @classmethod
+    def for_layout(cls, layout: KvLayout) -> StandinPool:
+        """A zeroed stand-in pool for a simulated engine of ``layout`` (its real geometry)."""
+        standin = standin_layout(layout)
+        return cls(standin, memoryview(bytearray(standin.pool_bytes)))
+
+    def pieces(self, span: FrameSpan) -> Iterator[tuple[int, int]]:
+        half = self.half_block_bytes
+        per_block = 2 * self.layout.num_layers * half
+        if span.layer_start == 0 and span.layer_end == self.layout.num_layers:
+            for start, count in span.runs:
+                yield start * per_block, count * per_block
+            return
+        first, length = 2 * span.layer_start * half, 2 * span.num_layers * half
+        for start, count in span.runs:
+            for block in range(start, start + count):
+                yield block * per_block + first, length

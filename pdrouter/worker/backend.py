@@ -2,7 +2,7 @@
 
 * ``EngineConfig`` → ``pdrouter.engine.torch_engine.TorchEngine`` (torch; the transport moves its pool tensor);
 * ``SimEngineConfig`` → ``pdrouter.engine.sim.engine.SimEngine`` (no torch; the transport moves a
-  one-byte-per-block-and-layer stand-in pool, ``pdrouter.transfer.pool_bytes.standin_layout``, and
+  one-byte-per-block-and-layer stand-in pool, ``pdrouter.transfer.pool_bytes.StandinPool``, and
   the prefill side paces each transfer to the modeled time of the real bytes, ``TransferPacing``);
 * ``VllmEngineConfig`` → ``pdrouter.engine.vllm.VllmEngine`` (vLLM's async engine client; colocated
   workers only for now: its KV moves through a vLLM KV connector, not this transport).
@@ -30,7 +30,7 @@ from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
 from pdrouter.engine.sim.link import SharedLink
 from pdrouter.engine.vllm.config import VllmEngineConfig
-from pdrouter.transfer.pool_bytes import PoolBytes, standin_layout
+from pdrouter.transfer.pool_bytes import PoolBytes, StandinPool
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import ServingEngine
 
@@ -80,7 +80,7 @@ def kv_pool(engine: BatchEngine) -> PoolBytes:
     """What the worker's KV sender or receiver moves: a view of the pool tensor, or a simulated
     worker's stand-in pool (``pool.layout`` is the layout the transport sees)."""
     if isinstance(engine, SimEngine):
-        return PoolBytes.allocate(standin_layout(engine.kv_layout))
+        return StandinPool.for_layout(engine.kv_layout)
     from pdrouter.engine.torch_engine import TorchEngine
     from pdrouter.transfer.pool_view import PoolView
 

@@ -139,6 +139,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return
         layers = self.layout.num_layers
         deadline = self.pacing.deadline(blocks_sent)
+        if deadline <= time.monotonic():  # no modeled time left to wait (time scale 0): one frame
+            outgoing.send_layers(block_ids)
+            return
         if layers > 1:
             outgoing.send_layers(block_ids, range(0, layers - 1))
         delay = deadline - time.monotonic()
