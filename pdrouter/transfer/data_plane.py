@@ -82,6 +82,9 @@ class SocketPlane:
         # A block's layers are many small ranges (32 KiB each for Llama-3-8B): they go out
         # gathered, one system call per SEND_CHUNK_BYTES rather than one per range.
         batches = _batches(self._view.chunks(frame.src, SEND_CHUNK_BYTES), SEND_CHUNK_BYTES, _MAX_BUFFERS)
+        if frame.nbytes <= SEND_CHUNK_BYTES:
+            self._send_small(header, list(batches))
+            return
         with self._fs.exclusive():
             sealed = self._fs.write_header(header)
             if not self._macs:
@@ -98,6 +101,24 @@ class SocketPlane:
                 feed.settle()
                 raise
             self._fs.write_all(tag)
+
+    def _send_small(self, header: bytes, batches: list[list[memoryview]]) -> None:
+        """A payload of at most one write: hashed first, then the header, the payload and its MAC leave
+        in one system call (several for more pieces than one call takes)."""
+        pieces = [piece for batch in batches for piece in batch]
+        with self._fs.exclusive():
+            parts, sealed = self._fs.seal(header)
+            if self._macs:
+                feed = self._feed(self._fs.send_payload_mac(sealed), sum(len(p) for p in pieces))
+                try:
+                    feed.add_all(pieces)
+                    parts += [*pieces, feed.finish()]
+                except BaseException:
+                    feed.settle()
+                    raise
+            else:
+                parts += pieces
+            self._fs.write_parts(parts)
 
     def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0

@@ -45,7 +45,8 @@ class DeadlineWatch:
         entry: Entry = [when, next(self._seq), callback]
         with self._cv:
             heapq.heappush(self._heap, entry)
-            self._cv.notify()
+            if self._heap[0] is entry:  # the thread sleeps until an earlier deadline: no need to wake it
+                self._cv.notify()
         return entry
 
     def cancel(self, entry: Entry) -> None:

@@ -20,6 +20,8 @@ from pdrouter.transfer.integrity import MacKey, PayloadMac
 from pdrouter.transfer.tls_channel import TlsSession
 
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024, 1024)
+_READ_AHEAD_BYTES = 64 << 10
+"""Reads smaller than this go through the read-ahead buffer (see ``FramedSocket._sys_recv``)."""
 _DISCARD_CHUNK = 1 << 20
 _TLS_READ_BYTES = 256 << 10
 _QUANTUM_S = 0.25
@@ -80,6 +82,9 @@ class FramedSocket:
         self.local_host: str = sock.getsockname()[0]
         self._prefix = bytearray(frames.PREFIX.size)
         self._scratch = bytearray(_DISCARD_CHUNK)
+        self._ahead = bytearray(_READ_AHEAD_BYTES)
+        self._pending = memoryview(b"")
+        """Bytes read ahead of the reader (plaintext only): served before the socket is read again."""
 
     @classmethod
     def connect(cls, host: str, port: int, connect_timeout: float, progress_timeout: float,
@@ -165,6 +170,8 @@ class FramedSocket:
 
     def start_tls(self, ctx: ssl.SSLContext, *, server_side: bool, server_hostname: str | None = None) -> None:
         """Run the TLS handshake (within the current deadline); everything after travels inside TLS."""
+        if self._pending:
+            raise ProtocolError(f"{self.peer} sent bytes before TLS started")
         session = TlsSession(ctx, server_side=server_side, server_hostname=server_hostname)
         try:
             while not session.handshake_step():
@@ -193,6 +200,14 @@ class FramedSocket:
         with self._send_lock:
             self.write_header(message)
 
+    def send_many(self, messages: Sequence[bytes]) -> None:
+        """``send`` each message, in order, in as few system calls as the kernel takes."""
+        with self._send_lock:
+            parts: list[Buffer] = []
+            for message in messages:
+                parts += self.seal(message)[0]
+            self._write(parts)
+
     @contextmanager
     def exclusive(self) -> Iterator[None]:
         """Hold the connection for one message written in several steps (a header, its payload, its MAC)."""
@@ -201,6 +216,13 @@ class FramedSocket:
 
     def write_header(self, message: bytes) -> Sealed:
         """Seal and write ``message`` (prefix and body); only inside ``exclusive`` (or ``send``)."""
+        parts, sealed = self.seal(message)
+        self._write(parts)
+        return sealed
+
+    def seal(self, message: bytes) -> tuple[list[Buffer], Sealed]:
+        """Seal ``message`` as the next one of this direction without writing it: the parts to write
+        next, in order, before any other message (only inside ``exclusive``), and its seal."""
         key = self._send_key
         if key is None:
             prefix, tag = frames.seal(message, frames.plain_tag)
@@ -209,8 +231,7 @@ class FramedSocket:
             seq = self._send_seq
             self._send_seq += 1
             prefix, tag = frames.seal(message, lambda data: key.header_tag(seq, data))
-        self._write([prefix, memoryview(message)[frames.PREFIX.size:]])
-        return Sealed(seq, tag)
+        return [prefix, memoryview(message)[frames.PREFIX.size:]], Sealed(seq, tag)
 
     def send_payload_mac(self, sealed: Sealed) -> PayloadMac:
         """The MAC of the payload following the message ``sealed`` (after the handshake only)."""
@@ -340,11 +361,23 @@ class FramedSocket:
             i = _advance(bufs, i, received)
 
     def _sys_recv(self, bufs: list[memoryview], *, waitall: bool, message: bool) -> int:
-        """One read into ``bufs`` (plaintext: decrypted when TLS is on); 0 at end-of-stream."""
+        """One read into ``bufs`` (plaintext: decrypted when TLS is on); 0 at end-of-stream.
+
+        Plaintext reads of less than ``_READ_AHEAD_BYTES`` go through a buffer that takes whatever the
+        socket holds, so the small messages of a transfer (a header, its body, a small payload, the
+        next message) cost one system call between them, not one each; larger reads go straight
+        into ``bufs``, after whatever was read ahead.
+        """
         if self._tls is not None:
             return self._tls_recv(bufs[0], message=message)
+        if self._pending:
+            return self._take_pending(bufs)
         try:
             self._arm(socket.SO_RCVTIMEO, message=message)
+            if sum(len(b) for b in bufs) < _READ_AHEAD_BYTES:
+                got = self._sock.recv_into(self._ahead)
+                self._pending = memoryview(self._ahead)[:got]
+                return self._take_pending(bufs) if got else 0
             flags = socket.MSG_WAITALL if waitall else 0
             if len(bufs) == 1:
                 return self._sock.recv_into(bufs[0], 0, flags)
@@ -353,6 +386,21 @@ class FramedSocket:
             raise self._timed_out(exc, "no progress within the timeout", message=message) from exc
         except OSError as exc:
             raise self._lost("receive failed", exc) from exc
+
+    def _take_pending(self, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` in order from the bytes read ahead, as far as they go; how many were taken."""
+        taken = 0
+        pending = self._pending
+        for buf in bufs:
+            n = min(len(buf), len(pending))
+            dst = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+            dst[:n] = pending[:n]
+            pending = pending[n:]
+            taken += n
+            if n < len(buf):
+                break
+        self._pending = pending
+        return taken
 
     def _tls_recv(self, buf: memoryview, *, message: bool) -> int:
         tls = self._tls
@@ -377,7 +425,7 @@ class FramedSocket:
 
     def has_data(self) -> bool:
         """Whether bytes (or end-of-stream) are waiting to be read right now."""
-        if self._tls is not None and self._tls.pending():
+        if self._pending or (self._tls is not None and self._tls.pending()):
             return True
         try:
             self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)

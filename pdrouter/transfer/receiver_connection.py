@@ -190,7 +190,12 @@ class ReceiverConnection:
         incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len)
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
-            self._send(frames.encode_control(frames.Done(data.transfer_id)))
+            done = frames.encode_control(frames.Done(data.transfer_id))
+            if self._unacked and not self.fs.has_data():  # going idle: the credit goes with DONE, in one write
+                ack, self._unacked = frames.encode_ack(self._unacked), 0
+                self._send_many([ack, done])
+            else:
+                self._send(done)
 
     def _on_sender_error(self, msg: frames.ErrorMsg) -> None:
         assert self._peer is not None
@@ -215,8 +220,11 @@ class ReceiverConnection:
                 self._unacked = 0
 
     def _send(self, message: bytes) -> None:
+        self._send_many([message])
+
+    def _send_many(self, messages: list[bytes]) -> None:
         with contextlib.suppress(PeerLostError):  # the read loop notices a dead connection itself
-            self.fs.send(message)
+            self.fs.send_many(messages)
 
     def _send_error(self, transfer_id: str, error: PdRouterError) -> None:
         self._send(frames.encode_control(frames.ErrorMsg(transfer_id, int(code_for_error(error)), error.message)))

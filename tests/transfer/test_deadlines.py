@@ -33,6 +33,21 @@ def test_callbacks_run_in_deadline_order_once() -> None:
     watch.close()
 
 
+def test_an_earlier_deadline_wakes_the_thread_and_later_ones_wait_their_turn() -> None:
+    """The thread sleeps until the earliest deadline: one added before it wakes it, later ones do not need to."""
+    watch = DeadlineWatch("test")
+    fired: list[int] = []
+    now = time.monotonic()
+    watch.add(now + 60, Owner(fired, 60).expire)
+    time.sleep(0.05)  # the thread now sleeps until the 60 s deadline
+    watch.add(now + 120, Owner(fired, 120).expire)
+    watch.add(time.monotonic() + 0.05, Owner(fired, 1).expire)
+    watch.add(time.monotonic() + 0.1, Owner(fired, 2).expire)
+    assert wait_until(lambda: len(fired) == 2, timeout=5)
+    assert fired == [1, 2] and watch.pending() == 2
+    watch.close()
+
+
 def test_a_cancelled_deadline_never_fires_and_frees_its_callback_at_once() -> None:
     watch = DeadlineWatch("test")
     fired: list[int] = []
