@@ -61,17 +61,23 @@ class RedisBlockPublisher:
         """Entries of lapsed incarnations this publisher's sweeps removed."""
 
     # -- BlockEventSink (any thread) --------------------------------------------------------
+    # The flushing task is woken by the first event after a flush took the buffer; the events that
+    # follow it before the flush ride along without a wake-up (a write to the loop's wake-up pipe each).
     def blocks_stored(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
+            first = not self._pending
             self._pending.append((True, tuple(hashes)))
             self._live.update(hashes)
-        self._loop.call_soon_threadsafe(self._wake.set)
+        if first:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
         with self._lock:
+            first = not self._pending
             self._pending.append((False, tuple(hashes)))
             self._live.difference_update(hashes)
-        self._loop.call_soon_threadsafe(self._wake.set)
+        if first:
+            self._loop.call_soon_threadsafe(self._wake.set)
 
     # -- publishing (event loop) ------------------------------------------------------------
     @property
