@@ -90,15 +90,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
             self.tally.failed()
             raise
         finally:
-            # Shielded: a call cancelled while its transfer stops must still free the engine's blocks
-            # (once the transfer no longer reads them), or they stay held for good.
-            ending = asyncio.ensure_future(self._end(RequestId(rid), outgoing, done))
-            try:
-                await asyncio.shield(ending)
-            except asyncio.CancelledError:
-                self._ending.add(ending)
-                ending.add_done_callback(self._ending.discard)
-                raise
+            if done or outgoing is None:  # nothing reads the blocks any more: give them back now
+                self._give_back(RequestId(rid), done)
+            else:
+                await self._stop_then_give_back(RequestId(rid), outgoing)
         finished = time.perf_counter()
         sent = len(target.dst_block_ids) - target.skip_blocks
         self.tally.sent(sent * self.layout.block_bytes, finished - computed)
@@ -120,17 +115,32 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         scale = self.pacing.time_scale if self.pacing is not None else 1.0
         return wall_s * 1e3 / (scale if scale > 0 else 1.0)
 
-    async def _end(self, rid: RequestId, outgoing: OutgoingTransfer | None, done: bool) -> None:
-        """Stop the transfer if it did not finish (it reads the blocks until then), then give the
-        request's blocks back to the engine (released when done, aborted if not)."""
+    def _give_back(self, rid: RequestId, done: bool) -> None:
+        """The request's blocks back to the engine: released when its KV was sent, aborted if not."""
+        if done:
+            self.driver.release(rid)
+        else:
+            self.driver.abort(rid)
+
+    async def _stop_then_give_back(self, rid: RequestId, outgoing: OutgoingTransfer) -> None:
+        """Stop a transfer that did not finish (it reads the blocks until then), then abort the request.
+
+        Shielded: a call cancelled while its transfer stops must still free the engine's blocks
+        (once the transfer no longer reads them), or they stay held for good.
+        """
+        ending = asyncio.ensure_future(self._end(rid, outgoing))
         try:
-            if not done and outgoing is not None:
-                await asyncio.to_thread(outgoing.abort, "the prefill request ended early")
+            await asyncio.shield(ending)
+        except asyncio.CancelledError:
+            self._ending.add(ending)
+            ending.add_done_callback(self._ending.discard)
+            raise
+
+    async def _end(self, rid: RequestId, outgoing: OutgoingTransfer) -> None:
+        try:
+            await asyncio.to_thread(outgoing.abort, "the prefill request ended early")
         finally:
-            if done:
-                self.driver.release(rid)
-            else:
-                self.driver.abort(rid)
+            self._give_back(rid, False)
 
     async def _send(self, outgoing: OutgoingTransfer, block_ids: Sequence[int], blocks_sent: int) -> None:
         """Queue every layer; a simulated worker holds the last one back until the real bytes' modeled time."""
