@@ -18,13 +18,15 @@ trees (the order reversed every round), so that the machine's drift hits both al
 ``..._vs_cpu_per_token`` is theirs, ``..._ratio`` theirs ÷ this tree's (the median of the rounds'
 ratios, with ``..._ratio_min`` / ``..._ratio_max``): how many times less CPU a token costs now.
 
-    python benchmarks/sim_worker_cpu.py [--quick] [--json] [--vs REV] [--concurrency N]
+    python benchmarks/sim_worker_cpu.py [--quick] [--json] [--vs REV] [--concurrency N] [--mode colocated|pd]
+                                        [--rounds N] [--requests N]
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import random
@@ -198,21 +200,22 @@ def kind_name(mode: str, whole: bool) -> str:
     return f"{mode}_{'whole' if whole else 'stream'}"
 
 
-async def measure(clusters: list[Cluster], plan: Plan, concurrency: int, report: Report) -> None:
+async def measure(clusters: list[Cluster], plan: Plan, concurrency: int, report: Report,
+                  kinds: list[tuple[str, bool]]) -> None:
     source = prompts(0)
     for cluster in clusters:
-        for mode, whole in KINDS:
+        for mode, whole in kinds:
             await phase(cluster, mode, whole, plan.warmup, concurrency, source)
-    cpu = {(c.label, k): [] for c in clusters for k in KINDS}  # type: dict[tuple[str, tuple[str, bool]], list[float]]
+    cpu = {(c.label, k): [] for c in clusters for k in kinds}  # type: dict[tuple[str, tuple[str, bool]], list[float]]
     for r in range(plan.rounds):
         for cluster in clusters if r % 2 == 0 else list(reversed(clusters)):
-            for mode, whole in KINDS:
+            for mode, whole in kinds:
                 seconds, tokens = await phase(cluster, mode, whole, plan.requests, concurrency, source)
                 if tokens != plan.requests * OUTPUT_TOKENS:
                     raise RuntimeError(f"{cluster.label} {mode}: {tokens} tokens, expected "
                                        f"{plan.requests * OUTPUT_TOKENS}")
                 cpu[cluster.label, (mode, whole)].append(seconds / tokens)
-    for mode, whole in KINDS:
+    for mode, whole in kinds:
         name = kind_name(mode, whole)
         mine = cpu["now", (mode, whole)]
         report.add(f"{name}_cpu_per_token", statistics.median(mine) * 1e6, "us/token")
@@ -231,8 +234,18 @@ async def main_async() -> None:
     parser.add_argument("--vs", default=None, metavar="REV",
                         help="also run the workers of this commit, interleaved, and report the ratio")
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--mode", choices=("colocated", "pd"), default=None,
+                        help="measure this mode only (default: both)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default: 2 with --quick, else 5)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per phase (default: 64 with --quick, else 192)")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        plan = dataclasses.replace(plan, rounds=args.rounds)
+    if args.requests is not None:
+        plan = dataclasses.replace(plan, requests=args.requests)
+    kinds = [kind for kind in KINDS if args.mode in (None, kind[0])]
     report = Report()
     report.add("concurrency", args.concurrency, "requests")
     report.add("output_tokens", OUTPUT_TOKENS, "tokens")
@@ -253,7 +266,7 @@ async def main_async() -> None:
         for cluster in clusters:
             await cluster.connect()
         try:
-            await measure(clusters, plan, args.concurrency, report)
+            await measure(clusters, plan, args.concurrency, report, kinds)
         finally:
             for cluster in clusters:
                 await cluster.close()
