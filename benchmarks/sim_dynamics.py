@@ -188,8 +188,6 @@ def pin(clusters: Sequence[Cluster], backend: str) -> None:
     """The real engines' compute on ``ENGINE_CPU``, everything else (router, Redis, the workers' serving,
     simulated workers, this process) on CPU 0: the engine then steps while the harness streams, as on
     a GPU, instead of taking turns with it on the same cores."""
-    if len(os.sched_getaffinity(0)) < 2:
-        raise SystemExit("--pin needs two CPUs")
     for pid in _descendants(os.getpid()):  # this process, Redis and every cluster's processes
         _pin_process(pid, 0)
     for c in clusters:
@@ -588,6 +586,8 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help=f"the real engine's compute on CPU {ENGINE_CPU}, everything else on CPU 0 (two CPUs)")
     args = parser.parse_args()
+    if args.pin and not {0, ENGINE_CPU} <= os.sched_getaffinity(0):
+        parser.error(f"--pin needs CPUs 0 and {ENGINE_CPU} (this process may run on {sorted(os.sched_getaffinity(0))})")
     rates = [float(r) for r in (args.rates or ("1,2" if args.quick else "1,1.5,2,2.5,3,4")).split(",")]
     duration = args.point_duration or (20.0 if args.quick else 90.0)
     workload = Workload("synthetic", "", LengthDist.parse(args.input_len, "--input-len"),
