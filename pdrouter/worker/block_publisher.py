@@ -64,18 +64,19 @@ class RedisBlockPublisher:
     # The flushing task is woken by the first event after a flush took the buffer; the events that
     # follow it before the flush ride along without a wake-up (a write to the loop's wake-up pipe each).
     def blocks_stored(self, hashes: Sequence[BlockHash]) -> None:
-        with self._lock:
-            first = not self._pending
-            self._pending.append((True, tuple(hashes)))
-            self._live.update(hashes)
-        if first:
-            self._loop.call_soon_threadsafe(self._wake.set)
+        self._append(True, tuple(hashes))
 
     def blocks_removed(self, hashes: Sequence[BlockHash]) -> None:
+        self._append(False, tuple(hashes))
+
+    def _append(self, stored: bool, hashes: tuple[BlockHash, ...]) -> None:
         with self._lock:
             first = not self._pending
-            self._pending.append((False, tuple(hashes)))
-            self._live.difference_update(hashes)
+            self._pending.append((stored, hashes))
+            if stored:
+                self._live.update(hashes)
+            else:
+                self._live.difference_update(hashes)
         if first:
             self._loop.call_soon_threadsafe(self._wake.set)
 
