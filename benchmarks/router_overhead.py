@@ -90,6 +90,7 @@ from pdrouter.cli.serve import freeze_startup_heap
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokenizer import load_tokenizer
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.engine.model_io import make_model, write_random_model
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.wire.convert import sampling_to_pb
@@ -177,8 +178,8 @@ class ColocatedDirect:
 
     async def once(self, slot: int) -> tuple[float, float]:
         start = time.perf_counter()
-        msg = worker_pb2.WorkerGenerateRequest(request_id=f"direct-{next(self._seq)}", prompt_token_ids=self._ids,
-                                               sampling=self._sampling)
+        msg = worker_pb2.WorkerGenerateRequest(request_id=f"direct-{next(self._seq)}",
+                                               prompt_token_bytes=pack_token_ids(self._ids), sampling=self._sampling)
         return await _drain(self._stub.Generate(msg), start)
 
     async def close(self) -> None:
@@ -204,7 +205,7 @@ class PdDirect:
             request_id=rid, prompt_token_ids=self._ids, max_tokens=self._max_tokens, model_compat_hash=self._compat,
             lease_ms=30_000, sampling=self._sampling))
         resp = await self._prefill.Prefill(worker_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=self._ids, sampling=self._sampling, target=alloc.target,
+            request_id=rid, prompt_token_bytes=pack_token_ids(self._ids), sampling=self._sampling, target=alloc.target,
             model_compat_hash=self._compat))
         first = time.perf_counter() - start
         total, _ = await _drain(self._decode.Generate(worker_pb2.DecodeRequest(

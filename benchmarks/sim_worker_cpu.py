@@ -38,12 +38,14 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _load import cpu_seconds
 from _report import Report, base_parser
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
@@ -116,6 +118,8 @@ class Cluster:
 
     label: str
     procs: dict[str, ManagedProcess]
+    packed: bool = True
+    """Its workers take a packed prompt (``prompt_token_bytes``), as a router of their tree sends it."""
     links: dict[str, Link] = field(default_factory=dict)
     seq: Iterator[int] = field(default_factory=itertools.count)
 
@@ -131,16 +135,17 @@ class Cluster:
     async def once(self, mode: str, whole: bool, prompt: list[int]) -> int:
         rid = f"{self.label}-{next(self.seq)}"
         sampling = sampling_to_pb(SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True))
+        sent: dict[str, Any] = ({"prompt_token_bytes": pack_token_ids(prompt)} if self.packed
+                                else {"prompt_token_ids": prompt})
         if mode == "colocated":
             return await _drain(self.links["worker"].colocated.Generate(worker_pb2.WorkerGenerateRequest(
-                request_id=rid, prompt_token_ids=prompt, sampling=sampling, whole=whole)))
+                request_id=rid, sampling=sampling, whole=whole, **sent)))
         prefill, decode = self.links["prefill"].info, self.links["decode"]
         route = worker_pb2.PrefillRoute(worker_id=prefill.worker_id, address=prefill.address,
                                         lane_address=prefill.lane_address)
         return await _drain(decode.decode.Serve(worker_pb2.ServeRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling,
-            model_compat_hash=decode.info.model_compat_hash, local_prefill_tokens=0, prefill=[route],
-            whole=whole)))
+            request_id=rid, sampling=sampling, model_compat_hash=decode.info.model_compat_hash,
+            local_prefill_tokens=0, prefill=[route], whole=whole, **sent)))
 
     async def close(self) -> None:
         for link in self.links.values():
@@ -262,7 +267,8 @@ async def main_async() -> None:
         clusters = []
         for label, path in trees:
             redis_server = stack.enter_context(EmbeddedRedis())
-            clusters.append(Cluster(label, stack.enter_context(workers(label, redis_server.url, path))))
+            packed = path is None or "prompt_token_bytes" in (path / "pdrouter/wire/v1/worker_pb2.pyi").read_text()
+            clusters.append(Cluster(label, stack.enter_context(workers(label, redis_server.url, path)), packed))
         for cluster in clusters:
             await cluster.connect()
         try:

@@ -18,19 +18,18 @@ salt can give a root equal to any block's hash.
 from __future__ import annotations
 
 import struct
-from array import array
 from collections.abc import Sequence
 
 import xxhash
 
 from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.ids import BlockHash
+from pdrouter.core.tokens import pack_token_ids
 
 _DOMAIN = b"pdrouter-block-v1"
 _SALT_DOMAIN = b"pdrouter-salt-v1"
 MAX_CACHE_SALT_CHARS = 256
 """The longest ``cache_salt`` a request may send."""
-_ARRAY_IS_LE = array("I", [1]).tobytes() == b"\x01\x00\x00\x00"
 _hash128 = xxhash.xxh3_128_digest
 
 
@@ -59,16 +58,6 @@ def cache_salt_key(tenant: str | None, request_salt: str | None) -> bytes:
     t = (tenant or "").encode()
     r = (request_salt or "").encode()
     return struct.pack("<II", len(t), len(r)) + t + r
-
-
-def _token_bytes(tokens: Sequence[int]) -> bytes:
-    try:
-        arr = array("I", tokens)
-    except (OverflowError, TypeError) as exc:
-        raise InvalidRequestError(f"token ids must be integers in [0, 2^32): {exc}") from None
-    if not _ARRAY_IS_LE:
-        arr.byteswap()
-    return arr.tobytes()
 
 
 class BlockHasher:
@@ -102,7 +91,7 @@ class BlockHasher:
         n_blocks = len(tokens) // self.block_size
         if n_blocks == 0:
             return []
-        data = _token_bytes(tokens[: n_blocks * self.block_size])
+        data = pack_token_ids(tokens[: n_blocks * self.block_size])
         step = self.block_size * 4
         prev: bytes = self._root if parent is None else parent
         out: list[bytes] = []
@@ -117,7 +106,7 @@ class BlockHasher:
         if len(block_tokens) != self.block_size:
             raise InvalidRequestError(f"a block has {self.block_size} tokens, got {len(block_tokens)}")
         prev = self._root if parent is None else parent
-        return BlockHash(_hash128(prev + _token_bytes(block_tokens)))
+        return BlockHash(_hash128(prev + pack_token_ids(block_tokens)))
 
 
 def hash_blocks(tokens: Sequence[int], block_size: int = 16, seed: int | str | bytes = 0,

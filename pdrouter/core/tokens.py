@@ -8,7 +8,40 @@ turn them into their protocol's chunks.
 from __future__ import annotations
 
 import enum
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from pdrouter.core.errors import InvalidRequestError
+
+if array("I").itemsize != 4:  # pragma: no cover - every platform CPython supports has a 32-bit C int
+    raise ImportError("pdrouter packs token ids as 32-bit C unsigned ints; this platform's are not 4 bytes")
+_SWAP = sys.byteorder != "little"
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """``ids`` as little-endian uint32s, 4 bytes each: how the worker protocol's ``prompt_token_bytes``
+    and the chained block hashes take a prompt. InvalidRequestError when an id is not an integer in
+    [0, 2^32)."""
+    try:
+        packed = array("I", ids)
+    except (OverflowError, TypeError) as exc:
+        raise InvalidRequestError(f"token ids must be integers in [0, 2^32): {exc}") from None
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(data: bytes) -> list[int]:
+    """The ids ``pack_token_ids`` packed; InvalidRequestError when ``data`` is not whole uint32s."""
+    if len(data) % 4:
+        raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
+    ids = array("I")
+    ids.frombytes(data)
+    if _SWAP:  # pragma: no cover - big-endian hosts
+        ids.byteswap()
+    return ids.tolist()
 
 
 class FinishReason(enum.Enum):

@@ -8,8 +8,10 @@ from __future__ import annotations
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import unpack_token_ids
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.wire.v1 import common_pb2 as pb
+from pdrouter.wire.v1 import worker_pb2
 
 _ROLE_TO_PB = {WorkerRole.PREFILL: pb.WORKER_ROLE_PREFILL, WorkerRole.DECODE: pb.WORKER_ROLE_DECODE,
                WorkerRole.COLOCATED: pb.WORKER_ROLE_COLOCATED}
@@ -34,6 +36,18 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
         top_p=float(msg.top_p) if msg.top_p != 0.0 else 1.0, top_k=int(msg.top_k),
         seed=int(msg.seed) if msg.HasField("seed") else None,
         stop_token_ids=tuple(msg.stop_token_ids), ignore_eos=bool(msg.ignore_eos))
+
+
+def prompt_from_pb(msg: worker_pb2.ServeRequest | worker_pb2.PrefillRequest | worker_pb2.WorkerGenerateRequest,
+                   ) -> list[int]:
+    """A request's prompt, sent packed (``prompt_token_bytes``, as this release's senders do) or as the
+    repeated ``prompt_token_ids`` of earlier ones; InvalidRequestError when it came both ways."""
+    packed = msg.prompt_token_bytes
+    if not packed:
+        return list(msg.prompt_token_ids)
+    if msg.prompt_token_ids:
+        raise InvalidRequestError("the prompt came both as prompt_token_ids and as prompt_token_bytes: send one")
+    return unpack_token_ids(packed)
 
 
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:

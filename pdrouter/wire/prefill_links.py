@@ -26,6 +26,7 @@ from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.disaggregation import PrefillOutcome
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.core.tracing import Tracing
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import sampling_to_pb
@@ -94,7 +95,7 @@ class PrefillLinks:
         Raises the ``pdrouter.core.errors`` type of the call's status (``UnavailableError`` when the
         worker cannot be reached or its connection closed); a cancelled task cancels the call.
         """
-        msg = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+        msg = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_bytes=pack_token_ids(prompt_token_ids),
                                         sampling=sampling_to_pb(sampling),
                                         target=target_to_pb(target, decode_worker_id),
                                         model_compat_hash=model_compat_hash, cache_salt=cache_salt)

@@ -25,9 +25,9 @@ from typing import Any
 from pdrouter.core.disaggregation import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.core.errors import UnavailableError
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
+from pdrouter.core.tokens import FinishReason, TokenDelta, Usage, pack_token_ids
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
-from pdrouter.wire.convert import load_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
+from pdrouter.wire.convert import load_from_pb, prompt_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
 from pdrouter.wire.lane import LaneChannel, StreamCall, request_stubs
 from pdrouter.wire.security import OPEN, PeerSecurity
@@ -57,7 +57,7 @@ def report_to_pb(report: PrefillReport) -> common_pb2.PrefillReport:
 
 def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
     return worker_pb2.ServeRequest(
-        request_id=order.request_id, prompt_token_ids=order.prompt_token_ids,
+        request_id=order.request_id, prompt_token_bytes=pack_token_ids(order.prompt_token_ids),
         sampling=sampling_to_pb(order.sampling), model_compat_hash=order.model_compat_hash,
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
@@ -68,7 +68,7 @@ def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
 def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
     """The decode worker's side of ``serve_order_to_pb``; InvalidRequestError names a bad sampling field."""
     return ServeOrder(
-        request_id=msg.request_id, prompt_token_ids=list(msg.prompt_token_ids), sampling=sampling_from_pb(msg.sampling),
+        request_id=msg.request_id, prompt_token_ids=prompt_from_pb(msg), sampling=sampling_from_pb(msg.sampling),
         model_compat_hash=msg.model_compat_hash, backend=msg.backend, local_prefill_tokens=msg.local_prefill_tokens,
         routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]),
         whole=msg.whole, cache_salt=msg.cache_salt)
@@ -234,7 +234,8 @@ class WorkerClient:
                  metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
         (``whole``: every token in one chunk at the end)."""
-        msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+        msg = worker_pb2.WorkerGenerateRequest(request_id=request_id,
+                                               prompt_token_bytes=pack_token_ids(prompt_token_ids),
                                                sampling=sampling_to_pb(sampling), whole=whole,
                                                cache_salt=cache_salt)
         try:

@@ -1,12 +1,18 @@
-"""Protobuf ⇄ dataclass conversion: a worker record survives the trip with every field."""
+"""Protobuf ⇄ dataclass conversion: a worker record survives the trip with every field; a prompt is read
+packed or repeated."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
+from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.core.workers import WorkerRecord, WorkerRole
-from pdrouter.wire.convert import record_from_pb, record_to_pb
+from pdrouter.wire.convert import prompt_from_pb, record_from_pb, record_to_pb
+from pdrouter.wire.v1 import worker_pb2
 
 
 def test_a_worker_record_round_trips_through_protobuf() -> None:
@@ -18,3 +24,25 @@ def test_a_worker_record_round_trips_through_protobuf() -> None:
     assert all(getattr(record, f.name) != f.default for f in dataclasses.fields(record)), "set every field"
     assert record_from_pb(record_to_pb(record)) == record
     assert WorkerRecord.from_json(record.to_json()) == record
+
+
+PROMPT = [0, 1, 255, 256, 65_535, 128_000, 2**32 - 1]
+
+
+@pytest.mark.parametrize("message", [worker_pb2.ServeRequest, worker_pb2.PrefillRequest,
+                                     worker_pb2.WorkerGenerateRequest])
+def test_a_prompt_is_read_packed_or_repeated_alike(message: type) -> None:
+    packed = message(prompt_token_bytes=pack_token_ids(PROMPT))
+    assert len(packed.prompt_token_bytes) == 4 * len(PROMPT) and not packed.prompt_token_ids
+    assert prompt_from_pb(message.FromString(packed.SerializeToString())) == PROMPT
+    assert prompt_from_pb(message(prompt_token_ids=PROMPT)) == PROMPT  # an earlier release's sender
+    assert prompt_from_pb(message()) == []
+
+
+def test_a_prompt_sent_both_ways_or_in_torn_ids_is_refused() -> None:
+    with pytest.raises(InvalidRequestError, match="both as prompt_token_ids and as prompt_token_bytes"):
+        prompt_from_pb(worker_pb2.ServeRequest(prompt_token_ids=[1], prompt_token_bytes=pack_token_ids([1])))
+    with pytest.raises(InvalidRequestError, match="4 bytes each: got 7 bytes"):
+        prompt_from_pb(worker_pb2.PrefillRequest(prompt_token_bytes=pack_token_ids([1]) + b"\x00\x00\x00"))
+    with pytest.raises(InvalidRequestError, match=r"integers in \[0, 2\^32\)"):
+        pack_token_ids([2**32])

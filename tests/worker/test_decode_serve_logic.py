@@ -20,7 +20,7 @@ from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.engine.outputs import FinishReason, KvReservation, RequestOutput
 from pdrouter.transfer.target import TransferTarget
-from pdrouter.wire.convert import sampling_from_pb, sampling_to_pb
+from pdrouter.wire.convert import prompt_from_pb, sampling_from_pb, sampling_to_pb
 from pdrouter.wire.lane import LaneError
 from pdrouter.wire.prefill_links import PrefillLinks, RouteAddress
 from pdrouter.wire.v1 import common_pb2, worker_pb2
@@ -300,7 +300,9 @@ async def test_prefill_builds_the_request_and_answers_an_outcome(monkeypatch: py
     monkeypatch.setattr(links, "stub", lambda route: stub)
     assert await call_prefill(links) == PrefillOutcome(9, 16, 2.0, 1.0, 512)
     [(request, timeout)] = stub.requests
-    assert timeout == 4.0 and list(request.prompt_token_ids) == [1, 2, 3] and request.model_compat_hash == "m"
+    # The prompt goes packed, 4 little-endian bytes an id.
+    assert request.prompt_token_bytes == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]) and not request.prompt_token_ids
+    assert timeout == 4.0 and prompt_from_pb(request) == [1, 2, 3] and request.model_compat_hash == "m"
     assert (request.target.worker_id, request.target.transfer_id, request.target.skip_blocks) == ("decode-0", "t-1", 1)
     # The sampling the prefill worker reads is what the caller sent, top_p 0 (unset) included.
     sent = sampling_to_pb(SAMPLING)

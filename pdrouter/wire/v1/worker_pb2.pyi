@@ -16,20 +16,22 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash", "cache_salt", "prompt_token_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     target: _common_pb2.TransferTarget
     model_compat_hash: str
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    prompt_token_bytes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "compute_ms", "transfer_ms", "bytes_sent", "blocks_sent")
@@ -58,7 +60,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole", "cache_salt", "prompt_token_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +70,7 @@ class ServeRequest(_message.Message):
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -77,7 +80,8 @@ class ServeRequest(_message.Message):
     prefill: _containers.RepeatedCompositeFieldContainer[PrefillRoute]
     whole: bool
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    prompt_token_bytes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRoute(_message.Message):
     __slots__ = ("worker_id", "address", "lane_address", "cached_tokens")
@@ -154,15 +158,17 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole", "cache_salt", "prompt_token_bytes")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     whole: bool
     cache_salt: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ...) -> None: ...
+    prompt_token_bytes: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...

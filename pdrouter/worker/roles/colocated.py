@@ -13,7 +13,7 @@ import grpc
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.tracing import Tracing
-from pdrouter.wire.convert import sampling_from_pb
+from pdrouter.wire.convert import prompt_from_pb, sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -39,7 +39,7 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         if not request.request_id:
             raise InvalidRequestError("request_id is required")
         sampling = sampling_from_pb(request.sampling)
-        prompt = list(request.prompt_token_ids)
+        prompt = prompt_from_pb(request)
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
         trace = self.tracing.headers() if self.tracing is not None else None
         async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling,

@@ -32,7 +32,7 @@ from pdrouter.core.tracing import Tracing
 from pdrouter.transfer.outgoing import OutgoingTransfer
 from pdrouter.transfer.sender import KvSender
 from pdrouter.transfer.target import TransferTarget
-from pdrouter.wire.convert import sampling_from_pb
+from pdrouter.wire.convert import prompt_from_pb, sampling_from_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.kv_convert import target_from_pb
 from pdrouter.wire.trace_context import past_span, traced
@@ -174,7 +174,7 @@ async def checked_request(request: worker_pb2.PrefillRequest, model_compat_hash:
         log.warning("Prefill %s: KV target refused: %s", rid, refusal.message)
         raise refusal
     sampling = sampling_from_pb(request.sampling)
-    prompt = list(request.prompt_token_ids)
+    prompt = prompt_from_pb(request)
     blocks_needed = blocks_for_tokens(len(prompt), block_size)
     if len(target.dst_block_ids) != blocks_needed:
         raise InvalidRequestError(f"target names {len(target.dst_block_ids)} blocks; the prompt fills "
