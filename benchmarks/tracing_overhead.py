@@ -1,16 +1,22 @@
 """What tracing costs the router: CPU per request with tracing off against the commit before tracing
 existed, and with tracing on, side by side in one run.
 
-Three router processes on one Redis and the same simulated workers (one prefill, one decode, from
-this tree; ``--time-scale 0``: they answer at once, so the figures are the router's): ``off`` (this
-tree, no OTEL_* variables), ``base`` (the tree of ``--baseline``, by default the parent of the
-commit that added ``pdrouter/core/tracing.py``, exported with ``git archive`` and run from it with
-``PYTHONPATH``) and ``on`` (this tree, every request traced, exporting over OTLP/HTTP to an
-in-process receiver). A closed loop of ``--concurrency`` clients sends short disaggregated requests
-(``--prompt-tokens`` ids, ``--max-tokens`` tokens, the prefill on the prefill worker) through each
-router's HTTP door in turn, ``--rounds`` rounds of ``--requests`` each, the order reversed every
-round so drift hits all alike. Per round, each router's CPU (its process's CPU clock over its phase)
-per request; then per router the median, and the ratios of the medians of per-round pairs:
+Three routers: ``off`` (this tree, no OTEL_* variables), ``base`` (the tree of ``--baseline``, by
+default the parent of the commit that added ``pdrouter/core/tracing.py``) and ``on`` (this tree,
+every request traced, exporting over OTLP/HTTP to an in-process receiver). Each tree runs its own
+cluster: a Redis and simulated workers (one prefill, one decode; ``--time-scale 0``: they answer at
+once, so the figures are the router's) started from that tree, because the trees differ in more
+than tracing (a router reads the registry and heartbeats its own tree's workers write, and an
+older router does not start beside newer workers). ``off`` and ``on`` share this tree's cluster.
+Another tree is its ``pdrouter`` package exported with ``git archive`` and run from it with
+``PYTHONPATH`` (and ``PYTHONSAFEPATH``, so that ``python -m`` does not put the checkout ahead of
+it); ``--tree REF`` runs ``off`` and ``on`` from ``REF``'s tree in the same way instead of the
+checkout, to compare two commits. A closed loop of ``--concurrency`` clients sends short
+disaggregated requests (``--prompt-tokens`` ids, ``--max-tokens`` tokens, the prefill on the
+prefill worker) through each router's HTTP door in turn, ``--rounds`` rounds of ``--requests``
+each, the order reversed every round so drift hits all alike. Per round, each router's CPU (its
+process's CPU clock over its phase) per request; then per router the median, and the ratios of the
+medians of per-round pairs:
 
 * ``tracing_off_vs_base``: CPU per request, tracing off ÷ the baseline (the target: within 2 %,
   i.e. at most 1.02);
@@ -28,7 +34,7 @@ each, so that both go through the same moments of the machine's load; the ratios
 round, with their median and their spread (max − min), the measurement's own noise. Tracing on is
 left to the CPU-seconds mode (it runs five times slower under callgrind).
 
-    python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF] [--instructions]
+    python benchmarks/tracing_overhead.py [--quick] [--json] [--baseline REF] [--tree REF] [--instructions]
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ from unittest import mock
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
 
-from pdrouter.cli.local_cluster import ManagedProcess, worker_args
+from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.engine.model_io import make_model
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.testing.otlp import OtlpSink
@@ -79,6 +85,20 @@ def export_tree(ref: str, into: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
     return into
+
+
+def tree_environment(tree: Path) -> dict[str, str]:
+    """The variables that run ``python -m pdrouter`` from an exported tree."""
+    # PYTHONSAFEPATH: `python -m` would put the working directory (the checkout) ahead of PYTHONPATH.
+    return {"PYTHONPATH": str(tree), "PYTHONSAFEPATH": "1"}
+
+
+def worker_command(role: str, model: Path, redis_url: str) -> list[str]:
+    """``pdrouter prefill|decode``: a simulated worker answering at once, in flags that this tree's
+    CLI and the older trees' all accept (``worker_args`` follows this tree's CLI alone)."""
+    return [role, "--model", str(model), "--redis", redis_url, "--port", "0", "--log-level", "WARNING",
+            "--backend", "sim", "--gpu", "h100", "--time-scale", "0", "--num-blocks", "4096",
+            "--worker-id", f"{role}-0"]
 
 
 @contextlib.contextmanager
@@ -113,32 +133,38 @@ async def run(args: object, report: Report) -> None:
     token = {INTERNAL_TOKEN_ENV: secrets.token_hex(16), "PDROUTER_KV_TOKEN": secrets.token_hex(16),
              "PDROUTER_KV_TOKEN_FILE": ""}
     baseline = a.baseline or default_baseline()  # type: ignore[attr-defined]
+    tree = a.tree  # type: ignore[attr-defined]
     report.add("tracing_baseline", _git("rev-parse", "--short", baseline).decode().strip())
-    with tempfile.TemporaryDirectory() as tmp, EmbeddedRedis() as redis, OtlpSink() as sink:
-        base_tree = export_tree(baseline, Path(tmp) / "base")
+    if tree is not None:
+        report.add("tracing_tree", _git("rev-parse", "--short", tree).decode().strip())
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as clusters, OtlpSink() as sink:
+        # Each tree runs beside a Redis and workers of its own (the module docstring): "this" serves off and on.
+        trees = {"this": {} if tree is None else tree_environment(export_tree(tree, Path(tmp) / "tree")),
+                 "base": tree_environment(export_tree(baseline, Path(tmp) / "base"))}
         model = make_model("tiny", 0, Path(tmp) / "tiny")
         procs: list[ManagedProcess] = []
         try:
-            for role in ("prefill", "decode"):
-                proc = ManagedProcess(role, worker_args(role, model, redis_url=redis.url, num_blocks=4096,
-                                                        sim=["--gpu", "h100", "--time-scale", "0"],
-                                                        extra=("--worker-id", f"{role}-0")), env={**env, **token})
-                procs.append(proc)
-                proc.wait_ready(120.0)
+            redis_urls: dict[str, str] = {}
+            for cluster, tree_env in trees.items():
+                redis_urls[cluster] = clusters.enter_context(EmbeddedRedis()).url
+                for role in ("prefill", "decode"):
+                    proc = ManagedProcess(f"{role}-{cluster}", worker_command(role, model, redis_urls[cluster]),
+                                          env={**env, **token, **tree_env})
+                    procs.append(proc)
+                    proc.wait_ready(120.0)
             routers: dict[str, ManagedProcess] = {}
             counted = a.instructions  # type: ignore[attr-defined]
             dumps: dict[str, Path] = {}
-            # PYTHONSAFEPATH: `python -m` would put the working directory (this tree) ahead of PYTHONPATH.
-            base_env = {"PYTHONPATH": str(base_tree), "PYTHONSAFEPATH": "1"}
-            variants: list[tuple[str, dict[str, str]]] = [("off", {}), ("base", base_env)]
+            variants: list[tuple[str, str, dict[str, str]]] = [("off", "this", {}), ("base", "base", {})]
             if not counted:  # tracing on runs five times slower under callgrind: its cost is measured in seconds
-                variants.append(("on", sink.environment("http/protobuf")))
-            for name, extra_env in variants:
+                variants.append(("on", "this", sink.environment("http/protobuf")))
+            for name, cluster, extra_env in variants:
                 with under_callgrind(Path(tmp), name) if counted else contextlib.nullcontext() as prefix:
                     proc = ManagedProcess(f"router-{name}", [
-                        "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
-                        "--local-prefill-tokens", "0", "--log-level", "WARNING"],
-                        env={**env, **token, **extra_env, **({"PYTHONHASHSEED": "0"} if counted else {})})
+                        "router", "--model", str(model), "--redis", redis_urls[cluster], "--http-port", "0",
+                        "--grpc-port", "0", "--local-prefill-tokens", "0", "--log-level", "WARNING"],
+                        env={**env, **token, **trees[cluster], **extra_env,
+                             **({"PYTHONHASHSEED": "0"} if counted else {})})
                 if prefix is not None:
                     dumps[name] = prefix
                 procs.append(proc)
@@ -247,6 +273,8 @@ async def run(args: object, report: Report) -> None:
 def main() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--baseline", default=None, help="git ref of the tree to compare with")
+    parser.add_argument("--tree", default=None,
+                        help="git ref whose tree runs the off and on routers (default: this checkout)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per router per round (default 1,500; --instructions: 300)")
