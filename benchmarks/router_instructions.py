@@ -32,7 +32,6 @@ import os
 import secrets
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable
@@ -217,4 +216,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
