@@ -9,14 +9,15 @@ request larger than every worker's whole pool is refused at once (RequestTooLarg
 requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
-**Headroom.** While a tenant has a backlog here past its fair share and its burst credit (two or
-more requests waiting, the last of them starting after the queue's virtual time) and another tenant
-of its priority class has been active in the last ``fair_window_s``, the backlogged tenant books
-against each worker's pool less ``fair_headroom`` of it, or less room for ``fair_headroom_requests``
-of the other active tenants' requests where that is more (what keeps a tenant at its share from
-waiting is room for its next requests: a number of requests, whatever the pool's size). The room it
-leaves goes to the tenants of that class with at most one request waiting or still within their
-share, which may book it without being the queue's head (never before a head of a higher class: a
+**Headroom.** While a tenant has a backlog here past its fair share by more than its burst credit
+(two or more requests waiting, the last of them starting more than ``fair_burst`` of its requests
+after the queue's virtual time) and another tenant of its priority class has been active in the
+last ``fair_window_s``, the backlogged tenant books against each worker's pool less
+``fair_headroom`` of it, or less room for ``fair_headroom_requests`` of the other active tenants'
+requests where that is more (what keeps a tenant at its share from waiting is room for its next
+requests: a number of requests, whatever the pool's size). The room it leaves goes to the tenants
+of that class with at most one request waiting or within their credit of their share, which may
+book it without being the queue's head (never before a head of a higher class: a
 class alone is never held back). So a flood never fills the pools to the last block: a tenant
 sending at its fair share is admitted on arrival instead of at the next request's end anywhere in
 the pool. The cost is that headroom, idle while only the flood waits.
