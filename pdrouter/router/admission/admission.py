@@ -78,6 +78,10 @@ class Admission:
         self._seen: dict[tuple[int, str], tuple[float, int]] = {}
         """Per priority class and tenant, when it last asked for room and how many blocks (bounded by
         the tenants)."""
+        self._refused: dict[tuple[int, str], float] = {}
+        """Per priority class and tenant, when a request of it was last refused for want of room (the
+        queue full, pushed out of it, or timed out): it asks for more than its share, whatever the
+        tags of the requests still queued say."""
         tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
@@ -163,6 +167,7 @@ class Admission:
                     raise
         waiter = queue.join(priority, flow, weight, blocks)
         if waiter is None:
+            self._refuse(flow, priority)
             self.stats.rejections["queue_full"] += 1
             raise _full(f"the admission queue is full ({cfg.queue_limit} waiting)", cfg.retry_after_s)
         log.debug("%s waits for %d KV blocks (booking %s)", request_id, blocks, booking_id)
@@ -177,6 +182,7 @@ class Admission:
         try:
             while True:
                 if waiter.evicted:
+                    self._refuse(flow, priority)
                     self.stats.rejections["queue_full"] += 1
                     raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
                                 f"tenants or a higher priority came", cfg.retry_after_s)
@@ -196,6 +202,7 @@ class Admission:
                             raise
                 left = give_up - time.monotonic()
                 if left <= 0:
+                    self._refuse(flow, priority)
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
                                 cfg.retry_after_s, "timeout")
@@ -209,11 +216,17 @@ class Admission:
         module docstring): only for another tenant of the same class, which alone may take it."""
         cfg = self.config
         if flow is None or (cfg.fair_headroom <= 0 and cfg.fair_headroom_requests <= 0) \
-                or self._queue.waiting(flow) < 2 or not self._queue.over_share(flow, priority):
+                or self._queue.waiting(flow) < 2:
             return False
         since = time.monotonic() - cfg.fair_window_s
+        if not self._queue.over_share(flow, priority) and self._refused.get((priority, flow), since) <= since:
+            return False
         return any(other != flow and cls == priority and seen > since
                    for (cls, other), (seen, _) in self._seen.items())
+
+    def _refuse(self, flow: str | None, priority: int) -> None:
+        if flow is not None:
+            self._refused[(priority, flow)] = time.monotonic()
 
     def _head_held_back(self, priority: int) -> bool:
         """Whether the queue's head is of class ``priority`` and held back from the headroom: then

@@ -383,3 +383,30 @@ async def test_a_tenant_a_few_requests_past_its_share_is_not_held_back_like_the_
     await until(lambda: _true(all(t.done() for t in b)), "b's four admitted into the headroom")
     assert not any(t.done() for t in flood) and adm.queue_length == 7
     await _release_all(adm, [*held, *(t.result() for t in b)], flood)
+
+
+async def test_a_tenant_refused_for_want_of_room_is_held_back_whatever_its_queued_tags(
+        client: aioredis.Redis) -> None:
+    """Tenant a has three requests waiting in a queue of three, its last starting within its credit
+    (2) of the virtual time, and a fourth refused: the queue holds less than it asks for, so it is
+    past its share whatever the tags of the three say, and it leaves the headroom to b."""
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_limit=3, queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.2,
+        fair_window_s=30, fair_burst=2))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
+    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
+    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    assert not adm._queue.over_share("a", 0)
+    with pytest.raises(CapacityError):
+        await adm.admit(RequestId("a-refused"), 10, pool, flow="a")
+    await adm.release(held.pop())
+    await adm.release(held.pop())  # 20 blocks free: the headroom, which a may not book
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in flood)
+    b = await adm.admit(RequestId("b1"), 10, pool, flow="b")  # joining the full queue, it pushed a's last out
+    with pytest.raises(CapacityError):
+        await flood.pop()
+    assert adm.queue_length == 2
+    await _release_all(adm, [*held, b], flood)
