@@ -14,7 +14,8 @@ Two routers on the same workers and Redis: ``fair``, with a tenants file (tenant
 1. ``capacity``: a closed loop of the decode pools' requests at once (and 20 % more) through ``fifo``:
    completions per second;
 2. ``solo_b``, ``solo_c``: ``b`` alone, then ``c`` alone, Poisson arrivals at their fair share
-   (weight ÷ Σ weights of ``a``, ``b``, ``c``, times the capacity), through ``fair``;
+   (weight ÷ Σ weights of ``a``, ``b``, ``c``, times what their class is left: the capacity less
+   ``p``'s bursts, which the interactive class has admitted first), through ``fair``;
 3. ``share``: the same ``b`` and ``c`` beside ``a`` at its share of the pool (a closed loop of its
    weight's share of the decode pools' requests), through ``fair``: the pool as busy as beside the
    flood, with nobody over its share;
@@ -28,7 +29,10 @@ tenant: requests sent, answered 200, refused (429), TTFT p50 / p99 / mean of tho
 ``c`` and ``p`` stream; ``a`` does not), and, from the router's metrics over the window, its queue
 wait (mean, and the p99's histogram bucket) and the decode pools' booked share when its requests
 arrived (Redis, sampled every 50 ms). Per phase: the simulated GPUs' late share of their modeled
-time (the machine's load showing in the model) and this process's event-loop lag.
+time (the machine's load showing in the model) and this process's event-loop lag. Beside the
+flood (and in ``backlog``): the requests per second the pool served, and ``b``'s and ``c``'s load,
+what each sent ÷ its weight's share of its class's admissions (above 1 a tenant asks for more than
+any fair order owes it, and its wait has no bound).
 
 The targets' ratios: ``ratio_ttft_p99_{b,c}`` (fair ÷ solo, the acceptance's words) and
 ``ratio_ttft_p99_{b,c}_vs_share`` (fair ÷ share: what the flood itself costs them; ≤ 1.5). Alone,
@@ -40,6 +44,8 @@ the weighted max-min fair share of what each tenant asked: its weight's share wh
 arrivals over a window of a minute vary by some 10 % around their weight's share); then
 ``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests) and the same ratios under
 FIFO for contrast.
+
+``--fair-headroom``, ``--fair-headroom-requests`` and ``--fair-burst`` are passed to the ``fair`` router.
 
     python benchmarks/tenant_fairness.py [--quick] [--json] [--time-scale S] [--phase-s T]
 """
@@ -74,6 +80,8 @@ from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 
 MODEL = "llama-3-8b"
+REQUEST_TIMEOUT_S = 300.0
+"""A request with no answer by then is given up (the router's queue timeout is 10 s)."""
 WEIGHTS = {"a": 2.0, "b": 1.0, "c": 1.0}
 KEYS = {t: f"{t}-key-{'z' * 24}" for t in ("a", "b", "c", "p")}
 TENANTS = """
@@ -179,10 +187,18 @@ class Client:
         return flat
 
     async def send(self, tenant: str, stream: bool, phase: Phase) -> None:
-        sent = time.monotonic()
-        start = time.perf_counter()
-        outcome = Outcome(tenant, sent, 0)
+        """One request; one that has no answer within ``REQUEST_TIMEOUT_S`` is given up (status -1),
+        so that no phase waits forever on a connection."""
+        outcome = Outcome(tenant, time.monotonic(), 0)
         phase.outcomes.append(outcome)
+        try:
+            await asyncio.wait_for(self._exchange(outcome, stream), REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            outcome.status = -1
+
+    async def _exchange(self, outcome: Outcome, stream: bool) -> None:
+        start = time.perf_counter()
+        tenant = outcome.tenant
         try:
             reader, writer = await asyncio.open_connection(self.host, self.port)
         except OSError:
@@ -252,12 +268,19 @@ class Flooder:
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
 
     async def run(self, client: Client, loads: list[tuple[str, float]], until: float, phase: Phase) -> None:
-        sent = await asyncio.get_running_loop().run_in_executor(
-            self._pool, flood, client.host, client.port, *self._sizes, loads, until)
+        # Bounded: every request of the flood is (REQUEST_TIMEOUT_S), so its process ends by then.
+        sent = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(
+            self._pool, flood, client.host, client.port, *self._sizes, loads, until),
+            until - time.monotonic() + REQUEST_TIMEOUT_S + 30.0)
         phase.outcomes += [Outcome(tenant, at, status) for tenant, at, status in sent]
 
     def close(self) -> None:
-        self._pool.shutdown()
+        """Without waiting on the flood's process: one still running (a phase cut short) is killed."""
+        processes = list((getattr(self._pool, "_processes", None) or {}).values())
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            if process.is_alive():
+                process.kill()
 
 
 async def closed_loop(client: Client, tenant: str, concurrency: int, until: float, phase: Phase) -> None:
@@ -325,7 +348,10 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
             for proc in procs[1:]:
                 proc.wait_ready(120.0)
             routers = []
-            for name, extra in (("fair", ["--tenants", str(tmp / "tenants.yaml")]), ("fifo", [])):
+            fair = ["--tenants", str(tmp / "tenants.yaml"), "--fair-headroom", str(a.fair_headroom),  # type: ignore[attr-defined]
+                    "--fair-headroom-requests", str(a.fair_headroom_requests),  # type: ignore[attr-defined]
+                    "--fair-burst", str(a.fair_burst)]  # type: ignore[attr-defined]
+            for name, extra in (("fair", fair), ("fifo", [])):
                 router = ManagedProcess(f"router-{name}", [
                     "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
                     "--api-key-file", str(tmp / f"keys-{name}"), "--local-prefill-tokens", "0",
@@ -365,7 +391,14 @@ async def run(args: object, report: Report) -> None:
             raise SystemExit(f"no request completed in the capacity phase's {phase_s - warmup:g} s: raise --phase-s")
         report.add("fairness_capacity_rps", round(capacity, 2), "requests/s")
         share = {t: w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
-        rates = {t: capacity * share[t] for t in ("b", "c")}
+        # b's and c's fair share is of what their class is left: p's bursts (the interactive class)
+        # are admitted before any of theirs.
+        standard = capacity - a.burst_rate * a.burst  # type: ignore[attr-defined]
+        if standard <= 0.2 * capacity:
+            raise SystemExit(f"p's bursts ask for {capacity - standard:.2f} of the {capacity:.2f} requests/s: "
+                             f"lower --burst-rate")
+        report.add("fairness_standard_class_rps", round(standard, 2), "requests/s (the capacity less p's bursts)")
+        rates = {t: standard * share[t] for t in ("b", "c")}
 
         async def phase(name: str, client: Client, loads: list[tuple[str, float, bool, int]],
                         closed: tuple[str, int] | None = None) -> Phase:
@@ -475,6 +508,16 @@ async def run(args: object, report: Report) -> None:
                 report.add(f"{ph.name}_pool_booked_mean", round(statistics.fmean(inside), 3), "of the decode pools")
         admitted = {t: sum(o.status == 200 for o in ph.measured(t)) for t in WEIGHTS}
         total = sum(admitted.values())
+        span = ph.window[1] - ph.window[0]
+        if ph.name in ("fair", "fifo", "backlog") and total:
+            served = sum(o.status == 200 for o in ph.outcomes if ph.window[0] <= o.sent < ph.window[1])
+            report.add(f"{ph.name}_served_rps", round(served / span, 2),
+                       "requests/s (all tenants' answered requests sent in the window)")
+            for t in ("b", "c"):
+                # What it sent ÷ its weight's share of what its class was served: above 1 it asks
+                # for more than any fair order owes it, and its wait has no bound.
+                report.add(f"{ph.name}_{t}_load", round(len(ph.measured(t)) / (share[t] * total), 2),
+                           "× its weight's share of its class's admissions")
         if ph.name in ("fair", "fifo", "backlog") and total:
             # What each is owed: its weight's share of what was admitted, or what it asked when it
             # asked less (weighted max-min fairness over the requests each sent in the window).
@@ -514,6 +557,10 @@ def main() -> None:
     parser.add_argument("--burst-rate", type=float, default=0.2, help="p's bursts per second")
     parser.add_argument("--queue-limit", type=int, default=32,
                         help="each router's admission queue (--queue-limit): a flood past it is refused at once")
+    parser.add_argument("--fair-headroom", type=float, default=0.05, help="the fair router's --fair-headroom")
+    parser.add_argument("--fair-headroom-requests", type=float, default=0.0,
+                        help="the fair router's --fair-headroom-requests")
+    parser.add_argument("--fair-burst", type=float, default=8.0, help="the fair router's --fair-burst")
     parser.add_argument("--decode-utilization", type=float, default=0.5,
                         help="the decode workers' share of an H100 (sizes their KV pools: ~90 requests at 0.5)")
     parser.add_argument("--concurrency", type=int, default=0,

@@ -68,6 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --tenants: the fraction of each decode worker's pool a tenant with requests waiting "
                         "may not book while another tenant is active, so that one sending at its fair share "
                         "beside a flood is admitted on arrival (0: none; docs/tenants.md)")
+    p.add_argument("--fair-headroom-requests", type=float, default=0.0, metavar="REQUESTS",
+                   help="with --tenants: the headroom counted in requests of the other active tenants (their "
+                        "largest), where that is more than --fair-headroom (0: the fraction alone)")
     p.add_argument("--fair-burst", type=float, default=8.0, metavar="REQUESTS",
                    help="with --tenants: how many of its requests a tenant that has been under its fair share may "
                         "have admitted ahead of the others' backlogs (0: none; docs/tenants.md)")
@@ -140,6 +143,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         admission_config=AdmissionConfig(queue_limit=args.queue_limit, queue_timeout_s=args.queue_timeout_s,
                                           lease_ms=args.lease_ms, credit_fraction=args.admission_credit,
                                           fair_headroom=args.fair_headroom, fair_burst=args.fair_burst,
+                                          fair_headroom_requests=args.fair_headroom_requests,
                                           on_redis_error=args.admission_on_redis_error),
         redis_max_connections=args.redis_max_connections,
         http_limits=http_limits_from_args(args), grpc_limits=grpc_limits,

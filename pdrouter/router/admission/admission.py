@@ -9,15 +9,18 @@ request larger than every worker's whole pool is refused at once (RequestTooLarg
 requests are admitted by priority class, then by their tenants' weighted fair shares of the KV
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
-**Headroom.** While a tenant has a backlog here past its fair share and its burst credit (two or
-more requests waiting, the last of them starting after the queue's virtual time) and another tenant
-of its priority class has been active in the last ``fair_window_s``, the backlogged tenant books
-against each worker's pool less ``fair_headroom`` of it. The room it leaves goes to the tenants of
-that class with at most one request waiting or still within their share, which may book it without
-being the queue's head
-(never before a head of a higher class: a class alone is never held back). So a flood never fills the pools to
-the last block: a tenant sending at its fair share is admitted on arrival instead of at the next
-request's end anywhere in the pool. The cost is that headroom, idle while only the flood waits.
+**Headroom.** While a tenant has a backlog here past its fair share by more than its burst credit
+(two or more requests waiting, the last of them starting more than ``fair_burst`` of its requests
+after the queue's virtual time) and another tenant of its priority class has been active in the
+last ``fair_window_s``, the backlogged tenant books against each worker's pool less
+``fair_headroom`` of it, or less room for ``fair_headroom_requests`` of the other active tenants'
+requests where that is more (what keeps a tenant at its share from waiting is room for its next
+requests: a number of requests, whatever the pool's size). The room it leaves goes to the tenants
+of that class with at most one request waiting or within their credit of their share, which may
+book it without being the queue's head (never before a head of a higher class: a
+class alone is never held back). So a flood never fills the pools to the last block: a tenant
+sending at its fair share is admitted on arrival instead of at the next request's end anywhere in
+the pool. The cost is that headroom, idle while only the flood waits.
 A tenant alone, and every request of a router without tenants, books whole pools, head first.
 
 Every admission books under an id of its own (``book-<router>-<n>``, a :data:`BookingId`): the
@@ -72,8 +75,13 @@ class Admission:
         self.owner = uuid.uuid4().hex[:12]
         """This router's part of every booking id it assigns."""
         self._booking_seq = itertools.count()
-        self._seen: dict[tuple[int, str], float] = {}
-        """Per priority class and tenant, when it last asked for room (bounded by the tenants)."""
+        self._seen: dict[tuple[int, str], tuple[float, int]] = {}
+        """Per priority class and tenant, when it last asked for room and how many blocks (bounded by
+        the tenants)."""
+        self._refused: dict[tuple[int, str], float] = {}
+        """Per priority class and tenant, when a request of it was last refused for want of room (the
+        queue full, pushed out of it, or timed out): it asks for more than its share, whatever the
+        tags of the requests still queued say."""
         tag = f"credit-{self.owner}-"
         self._credit = CreditBook(reservations, cfg, tag, self._changes, lambda: len(self._queue) > 0)
         self._signals = CreditWanted(reservations.client, reservations.keys.credit_wanted, tag,
@@ -135,7 +143,7 @@ class Admission:
         cfg, queue = self.config, self._queue
         booking_id = self.new_booking_id()
         if flow is not None:
-            self._seen[(priority, flow)] = time.monotonic()
+            self._seen[(priority, flow)] = (time.monotonic(), blocks)
         preferred = [c for c in candidates if c.worker_id == prefer and c.capacity_blocks >= blocks]
         if not queue and preferred and len(candidates) > 1:
             if cfg.credit_fraction > 0:
@@ -159,6 +167,7 @@ class Admission:
                     raise
         waiter = queue.join(priority, flow, weight, blocks)
         if waiter is None:
+            self._refuse(flow, priority)
             self.stats.rejections["queue_full"] += 1
             raise _full(f"the admission queue is full ({cfg.queue_limit} waiting)", cfg.retry_after_s)
         log.debug("%s waits for %d KV blocks (booking %s)", request_id, blocks, booking_id)
@@ -173,6 +182,7 @@ class Admission:
         try:
             while True:
                 if waiter.evicted:
+                    self._refuse(flow, priority)
                     self.stats.rejections["queue_full"] += 1
                     raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
                                 f"tenants or a higher priority came", cfg.retry_after_s)
@@ -180,7 +190,8 @@ class Admission:
                 if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back(priority)):
                     try:
                         res = await self.reservations.reserve(
-                            booking_id, blocks, self._without_headroom(candidates, blocks) if held else candidates,
+                            booking_id, blocks,
+                            self._without_headroom(candidates, blocks, flow, priority) if held else candidates,
                             cfg.lease_ms)
                         self.stats.wait_seconds_total += time.monotonic() - start
                         served = True
@@ -191,6 +202,7 @@ class Admission:
                             raise
                 left = give_up - time.monotonic()
                 if left <= 0:
+                    self._refuse(flow, priority)
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
                                 cfg.retry_after_s, "timeout")
@@ -202,11 +214,19 @@ class Admission:
     def _held_back(self, flow: str | None, priority: int) -> bool:
         """Whether ``flow``'s requests of class ``priority`` book without the headroom now (see the
         module docstring): only for another tenant of the same class, which alone may take it."""
-        if flow is None or self.config.fair_headroom <= 0 or self._queue.waiting(flow) < 2 \
-                or not self._queue.over_share(flow, priority):
+        cfg = self.config
+        if flow is None or (cfg.fair_headroom <= 0 and cfg.fair_headroom_requests <= 0) \
+                or self._queue.waiting(flow) < 2:
             return False
-        since = time.monotonic() - self.config.fair_window_s
-        return any(other != flow and cls == priority and seen > since for (cls, other), seen in self._seen.items())
+        since = time.monotonic() - cfg.fair_window_s
+        if not self._queue.over_share(flow, priority) and self._refused.get((priority, flow), since) <= since:
+            return False
+        return any(other != flow and cls == priority and seen > since
+                   for (cls, other), (seen, _) in self._seen.items())
+
+    def _refuse(self, flow: str | None, priority: int) -> None:
+        if flow is not None:
+            self._refused[(priority, flow)] = time.monotonic()
 
     def _head_held_back(self, priority: int) -> bool:
         """Whether the queue's head is of class ``priority`` and held back from the headroom: then
@@ -215,13 +235,19 @@ class Admission:
         head = self._queue.head
         return head is not None and -head.priority == priority and self._held_back(head.flow, priority)  # type: ignore[arg-type]
 
-    def _without_headroom(self, candidates: Sequence[DecodeCapacity], blocks: int) -> list[DecodeCapacity]:
-        """The candidates less their headroom (but never below the request: a request larger than a
-        pool's rest books that pool whole, or it could never be admitted)."""
-        share = self.config.fair_headroom
-        return [dataclasses.replace(c, capacity_blocks=max(blocks, c.capacity_blocks
-                                                           - math.ceil(c.capacity_blocks * share)))
-                for c in candidates]
+    def _without_headroom(self, candidates: Sequence[DecodeCapacity], blocks: int, flow: str | None,
+                          priority: int) -> list[DecodeCapacity]:
+        """The candidates less their headroom: ``fair_headroom`` of each pool, or room for
+        ``fair_headroom_requests`` requests of the largest last request of the other tenants of this
+        class or a higher one active in the window, whichever is more (but never below the request: a
+        request larger than a pool's rest books that pool whole, or it could never be admitted)."""
+        cfg = self.config
+        since = time.monotonic() - cfg.fair_window_s
+        others = max((size for (cls, other), (seen, size) in self._seen.items()
+                      if other != flow and cls >= priority and seen > since), default=0)
+        kept = math.ceil(cfg.fair_headroom_requests * others)
+        return [dataclasses.replace(c, capacity_blocks=max(blocks, c.capacity_blocks - max(
+            kept, math.ceil(c.capacity_blocks * cfg.fair_headroom)))) for c in candidates]
 
     def _admitted(self, res: Reservation) -> Reservation:
         self._active[res.booking_id] = res

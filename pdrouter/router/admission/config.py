@@ -30,10 +30,14 @@ class AdmissionConfig:
     """After another router asked for room, this router books no credit for this long."""
     fair_headroom: float = 0.05
     """With tenants: the fraction of each decode worker's pool that a tenant with a backlog past its
-    share (two or more requests waiting here, beyond its burst credit) may not book while another
+    share by more than its burst credit (two or more requests waiting here) may not book while another
     tenant has been active in the last ``fair_window_s``. So a tenant sending at its fair share
     beside a flood finds room at once, not at the next request's end (0: no headroom). A tenant
     alone books the whole pool."""
+    fair_headroom_requests: float = 0.0
+    """With tenants: the headroom counted in requests instead: room for this many requests (each the
+    largest of the other active tenants' last requests, of its class or a higher one) is held back
+    the same way, when that is more than ``fair_headroom`` (0: the fraction alone)."""
     fair_window_s: float = 10.0
     fair_burst: float = 8.0
     """With tenants: how many of its requests a tenant that has been asking for less than its fair
@@ -50,9 +54,10 @@ class AdmissionConfig:
                 or self.credit_yield_s < 0:
             raise ConfigError("admission: need 0 <= credit_fraction <= credit_limit <= 1, credit_idle_s > 0 "
                               "and credit_yield_s >= 0")
-        if not 0.0 <= self.fair_headroom < 1.0 or self.fair_window_s <= 0:
-            raise ConfigError(f"admission: fair_headroom must be in [0, 1) and fair_window_s > 0, got "
-                              f"{self.fair_headroom:g} and {self.fair_window_s:g}")
+        if not 0.0 <= self.fair_headroom < 1.0 or self.fair_headroom_requests < 0 or self.fair_window_s <= 0:
+            raise ConfigError(f"admission: fair_headroom must be in [0, 1), fair_headroom_requests >= 0 and "
+                              f"fair_window_s > 0, got {self.fair_headroom:g}, {self.fair_headroom_requests:g} "
+                              f"and {self.fair_window_s:g}")
         if self.fair_burst < 0:
             raise ConfigError(f"admission: fair_burst must be >= 0, got {self.fair_burst:g}")
         if self.on_redis_error not in ("fail", "local"):

@@ -104,11 +104,14 @@ class WaitQueue:
         return 0 if waiters is None else len(waiters)
 
     def over_share(self, flow: Hashable, priority: int) -> bool:
-        """Whether ``flow``'s last waiter of class ``priority`` starts after the class's virtual time:
-        the flow asks for more than its share and its credit (one under them starts at or before it)."""
+        """Whether ``flow``'s last waiter of class ``priority`` starts more than ``burst`` of its
+        requests after the class's virtual time: the flow has more queued past its share than its
+        credit. (Credit is how far a flow's arrivals may run ahead of its share; the same margin the
+        other way tells a flow that sends at its share, whose Poisson arrivals queue a few past it at
+        times, from one that asks for more and keeps a backlog.)"""
         cls = -priority
         last = next((w for w in reversed(self._flows.get(flow, ())) if w.priority == cls), None)
-        return last is not None and last.tag > self._vtime.get(cls, 0.0)
+        return last is not None and last.tag > self._vtime.get(cls, 0.0) + self.burst * last.charge
 
     @property
     def head(self) -> Waiter | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
@@ -262,6 +263,33 @@ async def _flooded(client: aioredis.Redis, fair_window_s: float) -> tuple[
     return adm, pool, held, waiting
 
 
+async def _flooded_past_its_credit(client: aioredis.Redis, config: AdmissionConfig, other_blocks: int = 0) -> tuple[
+        Admission, list[DecodeCapacity], list[Reservation], list[asyncio.Task[Reservation]]]:
+    """A pool of 100 blocks filled by tenant a (ten requests of 10 blocks) with seven more of a's
+    waiting, a credit of 2 requests (a's last waiter starts 4 of its requests past the virtual time:
+    past its credit) and ``config``'s headroom; with ``other_blocks``, tenant b had a request of that
+    size a moment ago."""
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), dataclasses.replace(
+        config, queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_window_s=30, fair_burst=2))
+    if other_blocks:
+        await adm.release(await adm.admit(RequestId("b0"), other_blocks, pool, flow="b"))
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
+    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(7)]
+    await until(lambda: _true(adm.queue_length == 7), "a's backlog queued")
+    return adm, pool, held, flood
+
+
+async def _release_all(adm: Admission, admitted: list[Reservation], flood: list[asyncio.Task[Reservation]]) -> None:
+    """Release ``admitted``, then the flood's requests as they are admitted: nothing is left."""
+    for res in admitted:
+        await adm.release(res)
+    await asyncio.gather(*flood)
+    for res in (t.result() for t in flood):
+        await adm.release(res)
+    assert adm.queue_length == 0 and adm.active == 0
+
+
 async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_arrival(
         client: aioredis.Redis) -> None:
     adm, pool, held, waiting = await _flooded(client, fair_window_s=0.5)
@@ -290,25 +318,14 @@ async def test_a_tenant_waiting_within_its_credit_books_the_headroom_the_flood_m
     """Tenant b has two requests waiting, but within its burst credit (a's backlog is past its own):
     b is not held back from the headroom, so a room that comes back below the headroom is b's, and
     the flood keeps waiting."""
-    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
-    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
-        queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.2, fair_window_s=30,
-        fair_burst=2))
-    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
-    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(5)]
-    await until(lambda: _true(adm.queue_length == 5), "a's backlog queued")
+    adm, pool, held, flood = await _flooded_past_its_credit(client, AdmissionConfig(fair_headroom=0.2))
     b = [asyncio.create_task(adm.admit(RequestId(f"b{i}"), 10, pool, flow="b")) for i in range(2)]
-    await until(lambda: _true(adm.queue_length == 7), "b's two wait")
+    await until(lambda: _true(adm.queue_length == 9), "b's two wait")
     await adm.release(held.pop())
     await adm.release(held.pop())  # 20 blocks free: the headroom
     await until(lambda: _true(all(t.done() for t in b)), "both of b's admitted into the headroom")
-    assert not any(t.done() for t in flood) and adm.queue_length == 5
-    for res in [*held, *(t.result() for t in b)]:
-        await adm.release(res)
-    await asyncio.gather(*flood)
-    for res in (t.result() for t in flood):
-        await adm.release(res)
-    assert adm.queue_length == 0 and adm.active == 0
+    assert not any(t.done() for t in flood) and adm.queue_length == 7
+    await _release_all(adm, [*held, *(t.result() for t in b)], flood)
 
 
 async def test_a_higher_class_with_a_backlog_is_not_held_back_from_the_headroom_of_a_lower_one(
@@ -333,3 +350,63 @@ async def test_a_higher_class_with_a_backlog_is_not_held_back_from_the_headroom_
     for res in (t.result() for t in flood):
         await adm.release(res)
     assert adm.queue_length == 0 and adm.active == 0
+
+
+async def test_the_headroom_counted_in_requests_holds_room_for_that_many_of_the_others_requests(
+        client: aioredis.Redis) -> None:
+    """With ``fair_headroom_requests`` 2 (and no fraction), a flooding tenant leaves room for two of
+    the other active tenant's last requests (15 blocks each): of 100 blocks it books 70, and b's two
+    requests (within its credit) are admitted into the 30 on arrival."""
+    adm, pool, held, flood = await _flooded_past_its_credit(
+        client, AdmissionConfig(fair_headroom=0, fair_headroom_requests=2), other_blocks=15)
+    for _ in range(3):
+        await adm.release(held.pop())
+    await asyncio.sleep(0.05)  # a's waiters look for room ten times: none for them
+    assert not any(t.done() for t in flood) and adm.queue_length == 7
+    b = [asyncio.create_task(adm.admit(RequestId(f"b{i}"), 15, pool, flow="b")) for i in range(2)]
+    await until(lambda: _true(all(t.done() for t in b)), "both of b's admitted on arrival")
+    assert not any(t.done() for t in flood) and adm.queue_length == 7
+    await _release_all(adm, [*held, *(t.result() for t in b)], flood)
+
+
+async def test_a_tenant_a_few_requests_past_its_share_is_not_held_back_like_the_flood(
+        client: aioredis.Redis) -> None:
+    """Tenant b has four requests waiting, its last starting one request past the virtual time: past
+    its share, but by less than its credit (2), as the Poisson arrivals of a tenant sending at its
+    share queue now and then. It books the headroom; the flood, past its share by far more, does not."""
+    adm, pool, held, flood = await _flooded_past_its_credit(client, AdmissionConfig(fair_headroom=0.2))
+    b = [asyncio.create_task(adm.admit(RequestId(f"b{i}"), 5, pool, flow="b")) for i in range(4)]
+    await until(lambda: _true(adm.queue_length == 11), "b's four wait")
+    assert adm._queue.over_share("a", 0) and not adm._queue.over_share("b", 0)
+    await adm.release(held.pop())
+    await adm.release(held.pop())  # 20 blocks free: the headroom
+    await until(lambda: _true(all(t.done() for t in b)), "b's four admitted into the headroom")
+    assert not any(t.done() for t in flood) and adm.queue_length == 7
+    await _release_all(adm, [*held, *(t.result() for t in b)], flood)
+
+
+async def test_a_tenant_refused_for_want_of_room_is_held_back_whatever_its_queued_tags(
+        client: aioredis.Redis) -> None:
+    """Tenant a has three requests waiting in a queue of three, its last starting within its credit
+    (2) of the virtual time, and a fourth refused: the queue holds less than it asks for, so it is
+    past its share whatever the tags of the three say, and it leaves the headroom to b."""
+    pool = [DecodeCapacity(WorkerId("d0"), Epoch(1), 100)]
+    adm = Admission(KvReservations(client, "tiny"), AdmissionConfig(
+        queue_limit=3, queue_timeout_s=30, poll_interval_s=0.005, credit_fraction=0, fair_headroom=0.2,
+        fair_window_s=30, fair_burst=2))
+    await adm.release(await adm.admit(RequestId("b0"), 10, pool, flow="b"))
+    held = [await adm.admit(RequestId(f"a{i}"), 10, pool, flow="a") for i in range(10)]
+    flood = [asyncio.create_task(adm.admit(RequestId(f"a-wait{i}"), 10, pool, flow="a")) for i in range(3)]
+    await until(lambda: _true(adm.queue_length == 3), "a's backlog queued")
+    assert not adm._queue.over_share("a", 0)
+    with pytest.raises(CapacityError):
+        await adm.admit(RequestId("a-refused"), 10, pool, flow="a")
+    await adm.release(held.pop())
+    await adm.release(held.pop())  # 20 blocks free: the headroom, which a may not book
+    await asyncio.sleep(0.05)
+    assert not any(t.done() for t in flood)
+    b = await adm.admit(RequestId("b1"), 10, pool, flow="b")  # joining the full queue, it pushed a's last out
+    with pytest.raises(CapacityError):
+        await flood.pop()
+    assert adm.queue_length == 2
+    await _release_all(adm, [*held, b], flood)
