@@ -92,6 +92,12 @@ async def test_outputs_registration_and_errors(spawn_worker: SpawnWorker, redis_
                 pass
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "max_tokens" in (err.value.details() or "")
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a packed prompt that is not whole uint32 ids
+            async for _ in stub.Generate(worker_pb2.WorkerGenerateRequest(
+                    request_id="torn", prompt_token_bytes=b"\x01\x01", sampling=sampling_to_pb(GREEDY))):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "packed token ids are 4 bytes each: got 2 bytes" in (err.value.details() or "")
         again, _ = await collect(stub, "again", PROMPTS[0])
         assert again == expected[0]
 

@@ -21,6 +21,7 @@ from pdrouter.cli.local_cluster import ManagedProcess
 from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.torch_engine import TorchEngine
 from pdrouter.state.prefix_index import PrefixIndex
@@ -220,6 +221,7 @@ async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
                 pass
         return await code_of(drain())
 
+    d_free = (await pd.free(pd.decode_info))[0]
     assert await stream_code(worker_pb2.DecodeRequest(request_id="ghost", first_token_id=1)) == \
         grpc.StatusCode.NOT_FOUND
     # Over the model's 1024-token context window.
@@ -244,8 +246,32 @@ async def test_bad_requests_get_clear_statuses(pd: Stubs) -> None:
     bad_target.compat_hash = "deadbeef"
     assert await code_of(pd.prefill_call("wrongkv", [257, 1, 2], bad_target)) == grpc.StatusCode.FAILED_PRECONDITION
     await pd.decode.Release(worker_pb2.ReleaseRequest(request_id="wrongkv"))
-    # Still serving.
+
+    # A packed prompt that is not whole uint32 ids, or a prompt sent both ways: refused, saying which.
+    async def refusal(call: object) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.RpcError) as err:
+            await call  # type: ignore[misc]
+        return err.value.code(), err.value.details() or ""
+
+    async def serve(**prompt: object) -> None:
+        async for _ in pd.decode.Serve(worker_pb2.ServeRequest(
+                request_id="packed", sampling=sampling_to_pb(GREEDY), model_compat_hash=pd.compat, **prompt)):
+            pass
+
+    torn, both = b"\x01\x01\x00", {"prompt_token_ids": [257], "prompt_token_bytes": pack_token_ids([257])}
+    assert await refusal(serve(prompt_token_bytes=torn)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "packed token ids are 4 bytes each: got 3 bytes")
+    code, details = await refusal(serve(**both))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "both as prompt_token_ids and as prompt_token_bytes" in details
+    alloc = await pd.allocate("torn", [257, 1, 2])
+    code, details = await refusal(pd.prefill.Prefill(worker_pb2.PrefillRequest(
+        request_id="torn", prompt_token_bytes=torn, sampling=sampling_to_pb(GREEDY), target=alloc.target,
+        model_compat_hash=pd.compat)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "4 bytes each" in details
+    await pd.decode.Release(worker_pb2.ReleaseRequest(request_id="torn"))
+    # Still serving, and no block is left held.
     assert len(await pd.generate("ok", PROMPTS[0])) == GREEDY.max_tokens
+    assert await pd.settle(pd.decode_info, d_free) == (d_free, 0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
