@@ -157,17 +157,19 @@ class BatchEngine:
 
     # -- requests in ---------------------------------------------------------------------------
     def add_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams, *, cache_salt: bytes = b"") -> None:
+                    sampling: SamplingParams, *, cache_salt: bytes = b"", priority: int = 0) -> None:
         """Queue a request to prefill and decode here. ``cache_salt`` (every method taking one): its
         blocks are hashed under it (``pdrouter.core.hashing``), so it shares prefix blocks only with
-        requests of the same salt."""
-        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.GENERATE, cache_salt))
+        requests of the same salt. ``priority`` (every method taking one): lower first, as the
+        scheduler orders prompts (``pdrouter.engine.scheduler``); equal for all, first come first served."""
+        self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.GENERATE, cache_salt,
+                                        priority))
 
     def add_prefill_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                            sampling: SamplingParams, *, cache_salt: bytes = b"") -> None:
+                            sampling: SamplingParams, *, cache_salt: bytes = b"", priority: int = 0) -> None:
         """Queue a prefill-only request; its one output carries a :class:`PrefillResult`."""
         self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.PREFILL_ONLY,
-                                        cache_salt))
+                                        cache_salt, priority))
 
     def reserve_remote(self, request_id: RequestId, prompt_token_ids: Sequence[int],
                        sampling: SamplingParams, *, cache_salt: bytes = b"") -> KvReservation:
@@ -379,7 +381,7 @@ class BatchEngine:
 
     # -- internals ---------------------------------------------------------------------------
     def _new_request(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                     kind: RequestKind, cache_salt: bytes = b"") -> Request:
+                     kind: RequestKind, cache_salt: bytes = b"", priority: int = 0) -> Request:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         ids = validate_request(prompt, sampling, self.spec, num_blocks=self.kv_layout.num_blocks,
@@ -390,8 +392,10 @@ class BatchEngine:
         state = RequestState.AWAITING_KV if kind is RequestKind.REMOTE_KV else RequestState.WAITING
         if not isinstance(cache_salt, bytes):
             raise InvalidRequestError(f"cache_salt must be bytes, got {type(cache_salt).__name__}")
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -2**31 <= priority < 2**31:
+            raise InvalidRequestError(f"priority must be a 32-bit integer, got {priority!r}")
         return Request(request_id, ids, sampling, kind, frozenset(stop), self.spec.max_context, state=state,
-                       root=self.hasher.salted_root(cache_salt))
+                       root=self.hasher.salted_root(cache_salt), priority=priority)
 
     def _check_new_id(self, request_id: RequestId) -> None:
         if request_id in self._requests:

@@ -86,6 +86,8 @@ class Request:
     root: BlockHash | None = None
     """The parent of its first block: its cache salt's root (``BlockHasher.salted_root``), None
     when it has no salt (the hasher's own root)."""
+    priority: int = 0
+    """Scheduling priority, lower first (``pdrouter.engine.scheduler``); 0 for all: first come first served."""
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

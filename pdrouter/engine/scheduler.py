@@ -3,16 +3,21 @@
 Every step starts from the requests' state, so requests join and leave between any two steps.
 
 1. Running requests that need one token (decodes) go first, then running requests in the middle
-   of their prompt (chunked prefill), in admission order, each taking at most what is left of
-   the step's token budget (``max_num_batched_tokens``).
-2. A running request that needs a new block and finds the pool empty preempts the most recently
-   admitted running request (possibly itself): its blocks are freed and it goes back to the head
-   of the waiting queue, to be recomputed later (its full blocks usually survive as prefix-cache
-   hits). Nothing crashes for lack of blocks.
-3. If nothing was preempted, waiting requests are admitted first come first served while the
-   budget, ``max_num_seqs`` and the pool allow; each reuses its longest cached prefix (at most
-   ``len - 1`` tokens, since the last token must be computed to sample from) and gets blocks only
-   for the chunk it computes now.
+   of their prompt (chunked prefill), by priority and then in admission order, each taking at most
+   what is left of the step's token budget (``max_num_batched_tokens``).
+2. A running request that needs a new block and finds the pool empty preempts the running request
+   of the lowest priority (the highest value) admitted last (possibly itself): its blocks are freed
+   and it goes back to the waiting queue, ahead of the waiting requests of its priority, to be
+   recomputed later (its full blocks usually survive as prefix-cache hits). Nothing crashes for
+   lack of blocks.
+3. If nothing was preempted, waiting requests are admitted by priority, first come first served
+   within one, while the budget, ``max_num_seqs`` and the pool allow; each reuses its longest
+   cached prefix (at most ``len - 1`` tokens, since the last token must be computed to sample from)
+   and gets blocks only for the chunk it computes now. A waiting request of a higher priority (a
+   lower value, vLLM's convention) than a running prompt is admitted before that prompt's next
+   chunk: a prompt computed in chunks yields the step to it at the next step, instead of making it
+   wait for the whole of its own prompt. With every priority equal (0 by default) this is first
+   come first served, as before priorities.
 
 The scheduler only decides and does the block bookkeeping; the engine runs the model.
 """
@@ -25,6 +30,10 @@ from dataclasses import dataclass
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.engine.block_manager import BlockManager
 from pdrouter.engine.request import Request, RequestState
+
+
+def _priority(request: Request) -> int:
+    return request.priority
 
 
 @dataclass(frozen=True)
@@ -78,15 +87,19 @@ class Scheduler:
         scheduled: dict[Request, int] = {}
         preempted = False
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        prefills = sorted((r for r in self.running if r.num_uncomputed_tokens > 1), key=_priority)  # stable
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue
+            if req.num_uncomputed_tokens > 1 and not preempted and self.waiting:
+                budget = self._admit(budget, scheduled, below=req.priority)  # waiting prompts ahead of it
+                if budget == 0:
+                    break
             n = min(req.num_uncomputed_tokens, budget)
             while not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
-                victim = self.running[-1]
+                victim = self._victim()
                 budget += scheduled.pop(victim, 0)
                 self._preempt(victim)
                 preempted = True
@@ -100,10 +113,18 @@ class Scheduler:
         return [ScheduledWork(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.all_token_ids))
                 for r, n in scheduled.items()]
 
-    def _admit(self, budget: int, scheduled: dict[Request, int]) -> int:
+    def _victim(self) -> Request:
+        """The running request to preempt: the lowest priority (highest value), admitted last."""
+        running = self.running
+        return running[max(range(len(running)), key=lambda i: (running[i].priority, i))]
+
+    def _admit(self, budget: int, scheduled: dict[Request, int], below: int | None = None) -> int:
+        """Admit waiting requests (of a priority value under ``below``, when given), best first."""
         bs = self.blocks.block_size
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            req = min(self.waiting, key=_priority)  # the first of the lowest value: FIFO within a priority
+            if below is not None and req.priority >= below:
+                break
             total = len(req.all_token_ids)
             hashes = req.hashes(self.hasher)
             hits = len(self.blocks.match_prefix(hashes[:(total - 1) // bs]))
@@ -112,7 +133,7 @@ class Scheduler:
             alloc = self.blocks.allocate(hashes[:hits], cached + n)
             if alloc is None:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(req)
             req.block_ids = alloc.block_ids
             req.num_computed_tokens = cached
             req.num_committed_blocks = alloc.num_cached_blocks

@@ -114,3 +114,54 @@ def test_a_request_that_cannot_grow_preempts_itself() -> None:
     assert a.state is RequestState.WAITING and s.blocks.num_free_blocks == 1
     s.blocks.free(held.block_ids)
     assert plan(s.schedule()) == [("a", 4, 1, True)]  # its own full block survived as a cache hit
+
+
+def prioritized(name: str, prompt_len: int, priority: int, base: int = 0, max_tokens: int = 4) -> Request:
+    req = request(name, prompt_len, max_tokens=max_tokens, base=base)
+    req.priority = priority
+    return req
+
+
+def test_a_waiting_prompt_of_a_lower_value_takes_the_next_step_from_a_chunked_one() -> None:
+    s = make(num_blocks=32, budget=8)
+    s.add_waiting(prioritized("flood", 24, 1))
+    s.add_waiting(prioritized("flood2", 24, 1, base=100))
+    assert plan(s.schedule()) == [("flood", 0, 8, False)]
+    s.running[0].num_computed_tokens = 8  # the step ran
+    s.add_waiting(prioritized("fair", 6, 0, base=200))
+    # The fair prompt arrives behind two of the flood's: it is computed in the very next step, ahead
+    # of the flood's next chunk, which takes what is left of the budget; the second flood prompt waits.
+    assert plan(s.schedule()) == [("fair", 0, 6, True), ("flood", 8, 2, False)]
+    assert [r.request_id for r in s.waiting] == ["flood2"]
+
+
+def test_waiting_prompts_are_admitted_by_priority_then_in_arrival_order() -> None:
+    s = make(budget=64)
+    for name, prio in (("b1", 2), ("a1", 0), ("b2", 2), ("a2", 0), ("c", -1)):
+        s.add_waiting(prioritized(name, 2, prio, base=ord(name[0]) * 10 + len(s.waiting)))
+    assert [w.request.request_id for w in s.schedule()] == ["c", "a1", "a2", "b1", "b2"]
+
+
+def test_equal_priorities_keep_first_come_first_served() -> None:
+    s = make(num_blocks=32, budget=8)
+    for i, name in enumerate("abc"):
+        s.add_waiting(prioritized(name, 12, 5, base=i * 100))
+    seen = []
+    for _ in range(5):
+        work = s.schedule()
+        seen += [(w.request.request_id, w.num_tokens) for w in work if not w.samples or w.start < 12]
+        finish_step(s, work)
+    # b's second chunk shares its step with a's first decode; c comes only after b, as before priorities
+    assert seen[:5] == [("a", 8), ("a", 4), ("b", 4), ("b", 7), ("b", 1)]
+
+
+def test_the_lowest_priority_running_request_is_preempted_first() -> None:
+    s = make(num_blocks=4, budget=64)
+    low, high = prioritized("low", 8, 3, max_tokens=10), prioritized("high", 8, 0, max_tokens=10, base=50)
+    s.add_waiting(low)
+    s.add_waiting(high)
+    finish_step(s, s.schedule())  # both admitted (high first), pool full
+    assert s.blocks.num_free_blocks == 0
+    work = s.schedule()  # high needs a block: low goes, though it was admitted first
+    assert plan(work) == [("high", 8, 1, True)]
+    assert low.state is RequestState.WAITING and s.running == [high]
