@@ -46,8 +46,9 @@ arrivals over a window of a minute vary by some 10 % around their weight's share
 FIFO for contrast.
 
 ``--fair-headroom``, ``--fair-headroom-requests`` and ``--fair-burst`` are passed to the ``fair`` router.
+``--skip fifo,backlog`` leaves those phases out (the targets' ratios need only the others).
 
-    python benchmarks/tenant_fairness.py [--quick] [--json] [--time-scale S] [--phase-s T]
+    python benchmarks/tenant_fairness.py [--quick] [--json] [--time-scale S] [--phase-s T] [--skip PHASES]
 """
 
 from __future__ import annotations
@@ -457,13 +458,16 @@ async def run(args: object, report: Report) -> None:
         flooding = ("a", a.flood * capacity, False, 1)  # type: ignore[attr-defined]
         burst = ("p", a.burst_rate, True, a.burst)  # type: ignore[attr-defined]
         fair = await phase("fair", p.fair, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
-        fifo = await phase("fifo", p.fifo, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
-        backlog = await phase("backlog", p.fair, [(t, capacity, False, 1) for t in WEIGHTS])
+        skip = set(a.skip)  # type: ignore[attr-defined]
+        fifo = None if "fifo" in skip else \
+            await phase("fifo", p.fifo, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
+        backlog = None if "backlog" in skip else \
+            await phase("backlog", p.fair, [(t, capacity, False, 1) for t in WEIGHTS])
 
     def ttfts(ph: Phase, tenant: str) -> list[float]:
         return [o.ttft for o in ph.measured(tenant) if o.status == 200 and o.ttft]
 
-    for ph in (*solo.values(), share_phase, fair, fifo, backlog):
+    for ph in (*solo.values(), share_phase, fair, *(x for x in (fifo, backlog) if x is not None)):
         for tenant in ("a", "b", "c", "p"):
             mine = ph.measured(tenant)
             if not mine:
@@ -533,10 +537,11 @@ async def run(args: object, report: Report) -> None:
                    "× beside a at its share (≤ 1.5)")
         solo_p99 = pct(ttfts(solo[t], t), 0.99)
         report.add(f"ratio_ttft_p99_{t}", round(pct(ttfts(fair, t), 0.99) / solo_p99, 2), "× solo (≤ 1.5)")
-        served = ttfts(fifo, t)
-        report.add(f"fifo_ratio_ttft_p99_{t}", round(pct(served, 0.99) / solo_p99, 2) if served else "none served",
-                   "× solo")
-    for ph in (fair, fifo):
+        if fifo is not None:
+            served = ttfts(fifo, t)
+            report.add(f"fifo_ratio_ttft_p99_{t}", round(pct(served, 0.99) / solo_p99, 2) if served else "none served",
+                       "× solo")
+    for ph in (fair, *(() if fifo is None else (fifo,))):
         p_ttft, b_ttft = ttfts(ph, "p"), ttfts(ph, "b")
         report.add(f"{'' if ph is fair else 'fifo_'}priority_ttft_p99_over_b",
                    round(pct(p_ttft, 0.99) / pct(b_ttft, 0.99), 2) if p_ttft and b_ttft else "none served",
@@ -561,11 +566,15 @@ def main() -> None:
     parser.add_argument("--fair-headroom-requests", type=float, default=0.0,
                         help="the fair router's --fair-headroom-requests")
     parser.add_argument("--fair-burst", type=float, default=8.0, help="the fair router's --fair-burst")
+    parser.add_argument("--skip", type=lambda v: [x for x in v.split(",") if x], default=[],
+                        help="phases to leave out, comma-separated: fifo, backlog (the others give the ratios)")
     parser.add_argument("--decode-utilization", type=float, default=0.5,
                         help="the decode workers' share of an H100 (sizes their KV pools: ~90 requests at 0.5)")
     parser.add_argument("--concurrency", type=int, default=0,
                         help="the capacity phase's closed loop (0: the decode pools' requests at once, and 20 %% more)")
     args = parser.parse_args()
+    if set(args.skip) - {"fifo", "backlog"}:
+        parser.error(f"--skip takes fifo and backlog, got {','.join(args.skip)}")
     if args.quick:  # a smoke run: every phase, too short for steady state
         args.time_scale, args.phase_s, args.warmup, args.prefill, args.prompt, args.output = 3.0, 2.0, 0.5, 2, 512, 16
         args.decode_utilization = 0.25

@@ -68,6 +68,8 @@ class ServeOrder:
     chunk at the end."""
     cache_salt: bytes = b""
     """The prompt's cache salt (``pdrouter.core.hashing.cache_salt_key``; empty: none)."""
+    priority: int = 0
+    """The engines' scheduling priority, lower first (``ServeRequest.priority``)."""
 
 
 @dataclass(slots=True)

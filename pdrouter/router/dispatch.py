@@ -39,9 +39,12 @@ prefill report), so its cost here does not grow with its output.
 
 A request's ``cache_salt`` salts the hashes its prefix is looked up under and goes to its workers,
 whose engines hash its blocks the same way. Its tenant places it in the admission queue (priority
-class, fair-share weight). A traced request (``RouterRequest.trace``: the router traces) gets spans
-for its admission wait, its placement, the worker call (whose trace context goes with it) and its
-first token, all under the request's span; an untraced one pays an ``is None`` test per step.
+class, fair-share weight), and on the workers' engines (``engine_priority``: a prompt of a higher
+class, or of a tenant within its share, is computed before those of a tenant past its share, which
+otherwise fill the prefill workers' queues whenever KV room comes back). A traced request
+(``RouterRequest.trace``: the router traces) gets spans for its admission wait, its placement, the
+worker call (whose trace context goes with it) and its first token, all under the request's span;
+an untraced one pays an ``is None`` test per step.
 """
 from __future__ import annotations
 
@@ -77,6 +80,14 @@ from pdrouter.state.reservations import DecodeCapacity, Reservation
 from pdrouter.wire.worker_client import TokenStream
 
 log = logging.getLogger(__name__)
+
+
+def engine_priority(priority_class: int, past_share: bool) -> int:
+    """The engines' scheduling priority of a request (lower first, vLLM's convention): two values per
+    priority class, a higher class lower (``interactive`` −2, ``standard`` 0, ``batch`` 2), and one
+    more for a request of a tenant past its fair share by more than its credit (``Admission.past_share``).
+    Without tenants every request is 0: first come, first served, as before."""
+    return -2 * priority_class + (1 if past_share else 0)
 
 
 DEFAULT_DEADLINE_S = 600.0
@@ -348,7 +359,7 @@ class PoolDispatcher:
     async def _colocated(self, request: RouterRequest) -> AsyncIterator[TokenDelta]:
         tried: set[WorkerId] = set()
         while True:
-            handle, reservation = await self._admit(request, WorkerRole.COLOCATED, tried)
+            handle, reservation, engine_priority = await self._admit(request, WorkerRole.COLOCATED, tried)
             handle.inflight += 1
             handle.breaker.on_attempt()
             call: TokenStream | None = None
@@ -356,7 +367,8 @@ class PoolDispatcher:
             try:
                 call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                               timeout=self._timeout(request), whole=request.whole,
-                                              cache_salt=request.cache_salt, metadata=self._call_metadata(request))
+                                              cache_salt=request.cache_salt, metadata=self._call_metadata(request),
+                                              priority=engine_priority)
                 async for delta in call:
                     if not answered and request.trace is not None:
                         self._first_token(request)
@@ -382,8 +394,9 @@ class PoolDispatcher:
 
     # -- disaggregated ------------------------------------------------------------------------
     async def _admit(self, request: RouterRequest, role: WorkerRole,
-                     tried: Collection[WorkerId] = ()) -> tuple[WorkerHandle, Reservation | None]:
+                     tried: Collection[WorkerId] = ()) -> tuple[WorkerHandle, Reservation | None, int]:
         """Pick the decode (or colocated) worker, not one of ``tried``; with admission, book its KV first.
+        Also returns the request's ``engine_priority``.
 
         A colocated worker computes the prompt too, so its prefix cache counts: with the cache-aware
         policy, the worker prefill placement would pick (``_holder``) is booked whenever it has room."""
@@ -394,8 +407,8 @@ class PoolDispatcher:
         prefer = await self._holder(request, candidates) if role is WorkerRole.COLOCATED else None
         if self.admission is None:
             if prefer is not None and prefer.load.free_blocks >= blocks:
-                return prefer, None
-            return self.policy.pick_decode(request, candidates, blocks), None
+                return prefer, None, engine_priority(request.priority, False)
+            return self.policy.pick_decode(request, candidates, blocks), None, engine_priority(request.priority, False)
         if not candidates:
             raise UnavailableError(f"no {role.value} worker is available (none registered, or all failing)")
         by_id = {h.worker_id: h for h in candidates}
@@ -411,7 +424,8 @@ class PoolDispatcher:
         except (RedisError, OSError) as exc:
             if span is not None:
                 span.end()
-            return self._without_admission(request, candidates, blocks, exc), None
+            return (self._without_admission(request, candidates, blocks, exc), None,
+                    engine_priority(request.priority, False))
         except BaseException as exc:
             if span is not None:
                 self._failed(span, exc)
@@ -426,7 +440,8 @@ class PoolDispatcher:
         self.admission_ok = True
         if self.metrics is not None:
             self.metrics.observe_queue_time(waited, None if tenant is None else tenant.name)
-        return by_id[reservation.worker_id], reservation
+        past = tenant is not None and self.admission.past_share(tenant.name, request.priority)
+        return by_id[reservation.worker_id], reservation, engine_priority(request.priority, past)
 
     async def _holder(self, request: RouterRequest, candidates: Sequence[WorkerHandle]) -> WorkerHandle | None:
         """The colocated worker to prefer for ``request``: the cache-aware policy's pick among those
@@ -495,7 +510,7 @@ class PoolDispatcher:
         """Decide where ``request`` goes: admit it on a decode worker (not one of ``tried``), then (the
         first time; a placement on another decode worker keeps them) rank the prefill workers by the
         prefix ``lookup``'s answer and write the order. Nothing is sent."""
-        decode, reservation = await self._admit(request, WorkerRole.DECODE, tried)
+        decode, reservation, priority = await self._admit(request, WorkerRole.DECODE, tried)
         decode.inflight += 1  # from its admission on: the sender takes it off when the call ends
         if before is not None:
             return Placement(decode, reservation, before.prefill, before.order)
@@ -518,7 +533,7 @@ class PoolDispatcher:
                                  lane_address=h.record.lane_address if h.lane is not None else "",
                                  cached_tokens=cached)
                     for h, cached in ranked],
-            whole=request.whole, cache_salt=request.cache_salt)
+            whole=request.whole, cache_salt=request.cache_salt, priority=priority)
         if placing is not None:
             self._placed(placing, decode, ranked)
         return Placement(decode, reservation, ranked, order)

@@ -89,7 +89,8 @@ class PrefillLinks:
 
     async def prefill(self, route: RouteAddress, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: SamplingParams, target: TransferTarget, decode_worker_id: str,
-                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"") -> PrefillOutcome:
+                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"",
+                      priority: int = 0) -> PrefillOutcome:
         """Have ``route``'s worker compute the prompt and push its KV to ``target`` (on ``decode_worker_id``).
 
         Raises the ``pdrouter.core.errors`` type of the call's status (``UnavailableError`` when the
@@ -98,7 +99,8 @@ class PrefillLinks:
         msg = worker_pb2.PrefillRequest(request_id=request_id, prompt_token_bytes=pack_token_ids(prompt_token_ids),
                                         sampling=sampling_to_pb(sampling),
                                         target=target_to_pb(target, decode_worker_id),
-                                        model_compat_hash=model_compat_hash, cache_salt=cache_salt)
+                                        model_compat_hash=model_compat_hash, cache_salt=cache_salt,
+                                        priority=priority)
         tracing, span = self.tracing, None
         if tracing is None:
             call = self.stub(route).Prefill(msg, timeout=timeout)

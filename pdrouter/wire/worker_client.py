@@ -62,7 +62,7 @@ def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
                                          cached_tokens=r.cached_tokens) for r in order.routes],
-        whole=order.whole, cache_salt=order.cache_salt)
+        whole=order.whole, cache_salt=order.cache_salt, priority=order.priority)
 
 
 def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
@@ -71,7 +71,7 @@ def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
         request_id=msg.request_id, prompt_token_ids=prompt_from_pb(msg), sampling=sampling_from_pb(msg.sampling),
         model_compat_hash=msg.model_compat_hash, backend=msg.backend, local_prefill_tokens=msg.local_prefill_tokens,
         routes=tuple([PrefillRoute(r.worker_id, r.address, r.lane_address, r.cached_tokens) for r in msg.prefill]),
-        whole=msg.whole, cache_salt=msg.cache_salt)
+        whole=msg.whole, cache_salt=msg.cache_salt, priority=msg.priority)
 
 
 def _at_once(step: Any) -> tuple[bool, Any]:
@@ -231,13 +231,13 @@ class WorkerClient:
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None, whole: bool = False, cache_salt: bytes = b"",
-                 metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
+                 metadata: Sequence[tuple[str, str]] | None = None, priority: int = 0) -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
         (``whole``: every token in one chunk at the end)."""
         msg = worker_pb2.WorkerGenerateRequest(request_id=request_id,
                                                prompt_token_bytes=pack_token_ids(prompt_token_ids),
                                                sampling=sampling_to_pb(sampling), whole=whole,
-                                               cache_salt=cache_salt)
+                                               cache_salt=cache_salt, priority=priority)
         try:
             call = self._colocated.Generate(msg, timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:

@@ -152,24 +152,24 @@ class EngineDriver:
                 self.engine.abort(request_id)
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0
                  ) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode here; outputs until the finished one. Validation errors raise now.
         (``trace_headers`` are for engines that trace themselves; this one does not.)"""
         queue = self._open(request_id)
         try:
-            self.engine.add_request(request_id, prompt, sampling, cache_salt=cache_salt)
+            self.engine.add_request(request_id, prompt, sampling, cache_salt=cache_salt, priority=priority)
         except PdRouterError:
             self._queues.pop(request_id, None)
             raise
         return self._stream(request_id, queue)
 
     async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                      cache_salt: bytes = b"") -> PrefillResult:
+                      cache_salt: bytes = b"", priority: int = 0) -> PrefillResult:
         """Run the prompt; the blocks stay held until ``release`` / ``abort``."""
         queue = self._open(request_id)
         try:
-            self.engine.add_prefill_request(request_id, prompt, sampling, cache_salt=cache_salt)
+            self.engine.add_prefill_request(request_id, prompt, sampling, cache_salt=cache_salt, priority=priority)
         except PdRouterError:
             self._queues.pop(request_id, None)
             raise

@@ -58,7 +58,7 @@ class ServingEngine(Protocol):
     def identity(self) -> EngineIdentity: ...
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0
                  ) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode; one output per step with new tokens, the last one ``finished``.
 
@@ -94,7 +94,7 @@ class DisaggregatedEngine(ServingEngine, Protocol):
     """An engine whose KV can move to or from another worker's (prefill and decode workers)."""
 
     async def prefill(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                      cache_salt: bytes = b"") -> PrefillResult:
+                      cache_salt: bytes = b"", priority: int = 0) -> PrefillResult:
         """Compute the prompt and its first token; its blocks stay held until ``release`` / ``abort``."""
         ...
 

@@ -77,7 +77,8 @@ class FakeDriver:
         return self._stream("decode", request_id, [first_token + 1, first_token + 2])
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: object = None) -> AsyncGenerator[RequestOutput, None]:
+                 cache_salt: bytes = b"", trace_headers: object = None,
+                 priority: int = 0) -> AsyncGenerator[RequestOutput, None]:
         return self._stream("generate", request_id, [1, 2, 3])
 
 
@@ -115,7 +116,8 @@ class FakeLinks(PrefillLinks):
 
     async def prefill(self, route: RouteAddress, request_id: str, prompt_token_ids: Sequence[int],
                       sampling: SamplingParams, target: TransferTarget, decode_worker_id: str,
-                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"") -> PrefillOutcome:
+                      model_compat_hash: str, timeout: float | None, cache_salt: bytes = b"",
+                      priority: int = 0) -> PrefillOutcome:
         assert (target, decode_worker_id, sampling) == (TARGET, "decode-0", SAMPLING)
         self.calls.append((route.worker_id, timeout))
         answer = self.answers[route.worker_id]

@@ -32,7 +32,7 @@ class FakeDriver:
         self.ended: list[tuple[str, RequestId]] = []
 
     async def prefill(self, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                      cache_salt: bytes = b"") -> PrefillResult:
+                      cache_salt: bytes = b"", priority: int = 0) -> PrefillResult:
         return PrefillResult(rid, tuple(prompt), (1, 2, 3), (), 7, 0, None)
 
     def release(self, rid: RequestId) -> None:

@@ -111,3 +111,46 @@ async def test_simulated_decode_worker_registers_the_real_geometry(redis_url: st
             assert alloc.num_blocks == 63
             assert (await info_stub.GetLoad(worker_pb2.GetLoadRequest())).free_blocks == blocks - 63
             assert (await decode.Release(worker_pb2.ReleaseRequest(request_id="r"))).released
+
+
+async def _finish_order(address: str, priorities: list[int], name: str) -> list[str]:
+    """Send 2,048-token prompts of these priorities one after another (each call started before the
+    next is sent) to a colocated worker (prompts of their own, so that none hits the prefix cache); the
+    request ids (``<name><i>-p<priority>``) in the order their one token came back."""
+    import asyncio
+
+    done: list[str] = []
+    params = sampling_to_pb(SamplingParams(max_tokens=1, ignore_eos=True))
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = worker_pb2_grpc.ColocatedWorkerStub(channel)
+
+        async def one(i: int, priority: int) -> None:
+            rid = f"{name}{i}-p{priority}"
+            first = (len(name) * 4 + i) * 3001
+            call = stub.Generate(worker_pb2.WorkerGenerateRequest(
+                request_id=rid, prompt_token_ids=[(first + t) % 100_000 + 1 for t in range(2048)],
+                sampling=params, priority=priority))
+            async for _ in call:
+                pass
+            done.append(rid)
+
+        tasks = []
+        for i, priority in enumerate(priorities):
+            tasks.append(asyncio.create_task(one(i, priority)))
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*tasks)
+    return done
+
+
+async def test_a_prompt_of_a_lower_priority_value_overtakes_the_queued_prompts(redis_url: str) -> None:
+    """Priority is a scheduling order, end to end over gRPC: a prompt sent last, at priority 0, behind
+    three of priority 1 computed in chunks of 512 tokens, is answered before the two still queued
+    (with every priority equal it is answered last: first come, first served)."""
+    with ManagedProcess("sim-colocated", ["worker", "--backend", "sim", "--model-preset", "llama-3-8b", "--gpu",
+                                          "h100", "--time-scale", "10", "--port", "0", "--redis", redis_url,
+                                          "--worker-id", "sim-colocated", "--log-level", "WARNING"]) as worker:
+        address = worker.wait_ready()
+        ordered = await _finish_order(address, [1, 1, 1, 0], "first")
+        assert ordered.index("first3-p0") < min(ordered.index("first1-p1"), ordered.index("first2-p1")), ordered
+        fifo = await _finish_order(address, [0, 0, 0, 0], "fifo")
+        assert fifo == ["fifo0-p0", "fifo1-p0", "fifo2-p0", "fifo3-p0"]

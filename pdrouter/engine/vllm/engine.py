@@ -91,6 +91,10 @@ class VllmEngine:
         self._closed = False
         self._sampling_module = import_vllm("vllm.sampling_params")
         self._tokens_input = import_vllm("vllm.inputs").tokens_input
+        scheduler = getattr(getattr(llm, "vllm_config", None), "scheduler_config", None)
+        self._by_priority = getattr(scheduler, "policy", "fcfs") == "priority"
+        """vLLM orders its waiting requests by priority (``--scheduling-policy priority``); otherwise a
+        request's priority is not passed on (first come, first served, vLLM's default)."""
         self._watch = asyncio.get_running_loop().create_task(self._watch_engine(), name="vllm-engine-watch")
 
     # -- start ----------------------------------------------------------------------------------
@@ -168,7 +172,8 @@ class VllmEngine:
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                  extra_args: Mapping[str, Any] | None = None,
                  on_final: Callable[[Any], None] | None = None, *, cache_salt: bytes = b"",
-                 trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                 trace_headers: Mapping[str, str] | None = None, priority: int = 0
+                 ) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode in vLLM; an output per step with new tokens, the last one finished.
 
         Checked here first, as the project's engine checks (``InvalidRequestError`` and kin, nothing
@@ -178,7 +183,8 @@ class VllmEngine:
         is called with vLLM's own finished ``RequestOutput`` before the finished output is yielded.
         ``cache_salt``: vLLM's own ``cache_salt`` (its hex), so vLLM's prefix cache keeps the salt's
         blocks apart; ``trace_headers``: W3C trace context vLLM's own spans join (when vLLM traces,
-        ``--otlp-traces-endpoint``)."""
+        ``--otlp-traces-endpoint``); ``priority``: vLLM's own (lower first), passed on when vLLM
+        schedules by priority."""
         self._check()
         ids = validate_request(prompt, sampling, self._spec, num_blocks=self._layout.num_blocks,
                                block_size=self._layout.block_size)
@@ -187,7 +193,8 @@ class VllmEngine:
         params = self._vllm_sampling(sampling, extra_args)
         aborted = asyncio.Event()
         self._live[request_id] = aborted
-        return self._stream(request_id, list(ids), params, aborted, on_final, cache_salt, trace_headers)
+        return self._stream(request_id, list(ids), params, aborted, on_final, cache_salt, trace_headers,
+                            priority if self._by_priority else 0)
 
     def _vllm_sampling(self, sampling: SamplingParams, extra_args: Mapping[str, Any] | None) -> Any:
         sp = self._sampling_module
@@ -205,10 +212,12 @@ class VllmEngine:
 
     async def _stream(self, request_id: RequestId, prompt: list[int], params: Any, aborted: asyncio.Event,
                       on_final: Callable[[Any], None] | None, cache_salt: bytes = b"",
-                      trace_headers: Mapping[str, str] | None = None) -> AsyncGenerator[RequestOutput, None]:
+                      trace_headers: Mapping[str, str] | None = None, priority: int = 0
+                      ) -> AsyncGenerator[RequestOutput, None]:
         # A rendered token input (vLLM's TokensPrompt, already tokenized): no tokenizer, no preprocessing task.
         tokens = self._tokens_input(prompt, cache_salt=cache_salt.hex()) if cache_salt else self._tokens_input(prompt)
-        outputs = self.llm.generate(tokens, params, request_id, trace_headers=trace_headers or None)
+        outputs = self.llm.generate(tokens, params, request_id, trace_headers=trace_headers or None,
+                                    priority=priority)
         produced = 0
         try:
             while True:

@@ -215,8 +215,20 @@ class Admission:
         """Whether ``flow``'s requests of class ``priority`` book without the headroom now (see the
         module docstring): only for another tenant of the same class, which alone may take it."""
         cfg = self.config
-        if flow is None or (cfg.fair_headroom <= 0 and cfg.fair_headroom_requests <= 0) \
-                or self._queue.waiting(flow) < 2:
+        if cfg.fair_headroom <= 0 and cfg.fair_headroom_requests <= 0:
+            return False
+        return self._past_share(flow, priority)
+
+    def past_share(self, flow: str | None, priority: int) -> bool:
+        """Whether ``flow``, one of whose requests of class ``priority`` was just admitted (and has
+        left the queue), is past its fair share by more than its credit while another tenant of its
+        class is active: the test the headroom is held back by, whatever the headroom. The
+        dispatcher gives such a request a lower priority on the workers (``engine_priority``)."""
+        return self._past_share(flow, priority, admitted=1)
+
+    def _past_share(self, flow: str | None, priority: int, admitted: int = 0) -> bool:
+        cfg = self.config
+        if flow is None or self._queue.waiting(flow) + admitted < 2:
             return False
         since = time.monotonic() - cfg.fair_window_s
         if not self._queue.over_share(flow, priority) and self._refused.get((priority, flow), since) <= since:

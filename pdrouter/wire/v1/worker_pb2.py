@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdrouter.wire.v1 import common_pb2 as pdrouter_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdrouter/v1/worker.proto\x12\x0bpdrouter.v1\x1a\x18pdrouter/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\x10\n\x0eGetLoadRequest\"\xe5\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12+\n\x06target\x18\x04 \x01(\x0b\x32\x1b.pdrouter.v1.TransferTarget\x12\x19\n\x11model_compat_hash\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\x07 \x01(\x0c\"\x8e\x01\n\x0cPrefillStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x13\n\x0b\x62locks_sent\x18\x06 \x01(\r\"g\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12(\n\x05stats\x18\x03 \x01(\x0b\x32\x19.pdrouter.v1.PrefillStats\"\xa0\x02\n\x0cServeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x19\n\x11model_compat_hash\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x1c\n\x14local_prefill_tokens\x18\x06 \x01(\r\x12*\n\x07prefill\x18\x07 \x03(\x0b\x32\x19.pdrouter.v1.PrefillRoute\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\n \x01(\x0c\"_\n\x0cPrefillRoute\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clane_address\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xd4\x01\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x19\n\x11model_compat_hash\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\"j\n\x10\x41llocateResponse\x12+\n\x06target\x18\x01 \x01(\x0b\x32\x1b.pdrouter.v1.TransferTarget\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x11\n\x0f_first_token_id\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x14\n\x0c\x66reed_blocks\x18\x02 \x01(\r\"\xb3\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\r\n\x05whole\x18\x04 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\x06 \x01(\x0c\x32\x95\x01\n\x11WorkerInfoService\x12?\n\x07GetInfo\x12\x1b.pdrouter.v1.GetInfoRequest\x1a\x17.pdrouter.v1.WorkerInfo\x12?\n\x07GetLoad\x12\x1b.pdrouter.v1.GetLoadRequest\x1a\x17.pdrouter.v1.WorkerLoad2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1b.pdrouter.v1.PrefillRequest\x1a\x1c.pdrouter.v1.PrefillResponse2\x9f\x02\n\x0c\x44\x65\x63odeWorker\x12G\n\x08\x41llocate\x12\x1c.pdrouter.v1.AllocateRequest\x1a\x1d.pdrouter.v1.AllocateResponse\x12\x41\n\x08Generate\x12\x1a.pdrouter.v1.DecodeRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x12\x44\n\x07Release\x12\x1b.pdrouter.v1.ReleaseRequest\x1a\x1c.pdrouter.v1.ReleaseResponse\x12=\n\x05Serve\x12\x19.pdrouter.v1.ServeRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x32\\\n\x0f\x43olocatedWorker\x12I\n\x08Generate\x12\".pdrouter.v1.WorkerGenerateRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdrouter/v1/worker.proto\x12\x0bpdrouter.v1\x1a\x18pdrouter/v1/common.proto\"\x10\n\x0eGetInfoRequest\"\x10\n\x0eGetLoadRequest\"\xf7\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12+\n\x06target\x18\x04 \x01(\x0b\x32\x1b.pdrouter.v1.TransferTarget\x12\x19\n\x11model_compat_hash\x18\x05 \x01(\t\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\x07 \x01(\x0c\x12\x10\n\x08priority\x18\x08 \x01(\x11\"\x8e\x01\n\x0cPrefillStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\r\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x04 \x01(\x01\x12\x12\n\nbytes_sent\x18\x05 \x01(\x04\x12\x13\n\x0b\x62locks_sent\x18\x06 \x01(\r\"g\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x02 \x01(\r\x12(\n\x05stats\x18\x03 \x01(\x0b\x32\x19.pdrouter.v1.PrefillStats\"\xb2\x02\n\x0cServeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x19\n\x11model_compat_hash\x18\x04 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x05 \x01(\t\x12\x1c\n\x14local_prefill_tokens\x18\x06 \x01(\r\x12*\n\x07prefill\x18\x07 \x03(\x0b\x32\x19.pdrouter.v1.PrefillRoute\x12\r\n\x05whole\x18\x08 \x01(\x08\x12\x12\n\ncache_salt\x18\t \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\n \x01(\x0c\x12\x10\n\x08priority\x18\x0b \x01(\x11\"_\n\x0cPrefillRoute\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x14\n\x0clane_address\x18\x03 \x01(\t\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xd4\x01\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12\x19\n\x11model_compat_hash\x18\x04 \x01(\t\x12\x10\n\x08lease_ms\x18\x05 \x01(\r\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\x12-\n\x08sampling\x18\x07 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x08 \x01(\x0c\"j\n\x10\x41llocateResponse\x12+\n\x06target\x18\x01 \x01(\x0b\x32\x1b.pdrouter.v1.TransferTarget\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\x1b\n\x0e\x66irst_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x15\n\rlocal_prefill\x18\x04 \x01(\x08\x12\x18\n\x10prompt_token_ids\x18\x05 \x03(\r\x12\x12\n\ncache_salt\x18\x06 \x01(\x0c\x42\x11\n\x0f_first_token_id\"4\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"9\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\x12\x14\n\x0c\x66reed_blocks\x18\x02 \x01(\r\"\xc5\x01\n\x15WorkerGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.pdrouter.v1.SamplingParams\x12\r\n\x05whole\x18\x04 \x01(\x08\x12\x12\n\ncache_salt\x18\x05 \x01(\x0c\x12\x1a\n\x12prompt_token_bytes\x18\x06 \x01(\x0c\x12\x10\n\x08priority\x18\x07 \x01(\x11\x32\x95\x01\n\x11WorkerInfoService\x12?\n\x07GetInfo\x12\x1b.pdrouter.v1.GetInfoRequest\x1a\x17.pdrouter.v1.WorkerInfo\x12?\n\x07GetLoad\x12\x1b.pdrouter.v1.GetLoadRequest\x1a\x17.pdrouter.v1.WorkerLoad2U\n\rPrefillWorker\x12\x44\n\x07Prefill\x12\x1b.pdrouter.v1.PrefillRequest\x1a\x1c.pdrouter.v1.PrefillResponse2\x9f\x02\n\x0c\x44\x65\x63odeWorker\x12G\n\x08\x41llocate\x12\x1c.pdrouter.v1.AllocateRequest\x1a\x1d.pdrouter.v1.AllocateResponse\x12\x41\n\x08Generate\x12\x1a.pdrouter.v1.DecodeRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x12\x44\n\x07Release\x12\x1b.pdrouter.v1.ReleaseRequest\x1a\x1c.pdrouter.v1.ReleaseResponse\x12=\n\x05Serve\x12\x19.pdrouter.v1.ServeRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x32\\\n\x0f\x43olocatedWorker\x12I\n\x08Generate\x12\".pdrouter.v1.WorkerGenerateRequest\x1a\x17.pdrouter.v1.TokenChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,33 +37,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETLOADREQUEST']._serialized_start=85
   _globals['_GETLOADREQUEST']._serialized_end=101
   _globals['_PREFILLREQUEST']._serialized_start=104
-  _globals['_PREFILLREQUEST']._serialized_end=333
-  _globals['_PREFILLSTATS']._serialized_start=336
-  _globals['_PREFILLSTATS']._serialized_end=478
-  _globals['_PREFILLRESPONSE']._serialized_start=480
-  _globals['_PREFILLRESPONSE']._serialized_end=583
-  _globals['_SERVEREQUEST']._serialized_start=586
-  _globals['_SERVEREQUEST']._serialized_end=874
-  _globals['_PREFILLROUTE']._serialized_start=876
-  _globals['_PREFILLROUTE']._serialized_end=971
-  _globals['_ALLOCATEREQUEST']._serialized_start=974
-  _globals['_ALLOCATEREQUEST']._serialized_end=1186
-  _globals['_ALLOCATERESPONSE']._serialized_start=1188
-  _globals['_ALLOCATERESPONSE']._serialized_end=1294
-  _globals['_DECODEREQUEST']._serialized_start=1297
-  _globals['_DECODEREQUEST']._serialized_end=1496
-  _globals['_RELEASEREQUEST']._serialized_start=1498
-  _globals['_RELEASEREQUEST']._serialized_end=1550
-  _globals['_RELEASERESPONSE']._serialized_start=1552
-  _globals['_RELEASERESPONSE']._serialized_end=1609
-  _globals['_WORKERGENERATEREQUEST']._serialized_start=1612
-  _globals['_WORKERGENERATEREQUEST']._serialized_end=1791
-  _globals['_WORKERINFOSERVICE']._serialized_start=1794
-  _globals['_WORKERINFOSERVICE']._serialized_end=1943
-  _globals['_PREFILLWORKER']._serialized_start=1945
-  _globals['_PREFILLWORKER']._serialized_end=2030
-  _globals['_DECODEWORKER']._serialized_start=2033
-  _globals['_DECODEWORKER']._serialized_end=2320
-  _globals['_COLOCATEDWORKER']._serialized_start=2322
-  _globals['_COLOCATEDWORKER']._serialized_end=2414
+  _globals['_PREFILLREQUEST']._serialized_end=351
+  _globals['_PREFILLSTATS']._serialized_start=354
+  _globals['_PREFILLSTATS']._serialized_end=496
+  _globals['_PREFILLRESPONSE']._serialized_start=498
+  _globals['_PREFILLRESPONSE']._serialized_end=601
+  _globals['_SERVEREQUEST']._serialized_start=604
+  _globals['_SERVEREQUEST']._serialized_end=910
+  _globals['_PREFILLROUTE']._serialized_start=912
+  _globals['_PREFILLROUTE']._serialized_end=1007
+  _globals['_ALLOCATEREQUEST']._serialized_start=1010
+  _globals['_ALLOCATEREQUEST']._serialized_end=1222
+  _globals['_ALLOCATERESPONSE']._serialized_start=1224
+  _globals['_ALLOCATERESPONSE']._serialized_end=1330
+  _globals['_DECODEREQUEST']._serialized_start=1333
+  _globals['_DECODEREQUEST']._serialized_end=1532
+  _globals['_RELEASEREQUEST']._serialized_start=1534
+  _globals['_RELEASEREQUEST']._serialized_end=1586
+  _globals['_RELEASERESPONSE']._serialized_start=1588
+  _globals['_RELEASERESPONSE']._serialized_end=1645
+  _globals['_WORKERGENERATEREQUEST']._serialized_start=1648
+  _globals['_WORKERGENERATEREQUEST']._serialized_end=1845
+  _globals['_WORKERINFOSERVICE']._serialized_start=1848
+  _globals['_WORKERINFOSERVICE']._serialized_end=1997
+  _globals['_PREFILLWORKER']._serialized_start=1999
+  _globals['_PREFILLWORKER']._serialized_end=2084
+  _globals['_DECODEWORKER']._serialized_start=2087
+  _globals['_DECODEWORKER']._serialized_end=2374
+  _globals['_COLOCATEDWORKER']._serialized_start=2376
+  _globals['_COLOCATEDWORKER']._serialized_end=2468
 # @@protoc_insertion_point(module_scope)

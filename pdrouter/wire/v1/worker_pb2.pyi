@@ -16,7 +16,7 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash", "cache_salt", "prompt_token_bytes")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "model_compat_hash", "cache_salt", "prompt_token_bytes", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +24,7 @@ class PrefillRequest(_message.Message):
     MODEL_COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -31,7 +32,8 @@ class PrefillRequest(_message.Message):
     model_compat_hash: str
     cache_salt: bytes
     prompt_token_bytes: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.TransferTarget, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillStats(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "compute_ms", "transfer_ms", "bytes_sent", "blocks_sent")
@@ -60,7 +62,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token_id: _Optional[int] = ..., stats: _Optional[_Union[PrefillStats, _Mapping]] = ...) -> None: ...
 
 class ServeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole", "cache_salt", "prompt_token_bytes")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "model_compat_hash", "backend", "local_prefill_tokens", "prefill", "whole", "cache_salt", "prompt_token_bytes", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,7 @@ class ServeRequest(_message.Message):
     WHOLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
@@ -81,7 +84,8 @@ class ServeRequest(_message.Message):
     whole: bool
     cache_salt: bytes
     prompt_token_bytes: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model_compat_hash: _Optional[str] = ..., backend: _Optional[str] = ..., local_prefill_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[PrefillRoute, _Mapping]]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class PrefillRoute(_message.Message):
     __slots__ = ("worker_id", "address", "lane_address", "cached_tokens")
@@ -158,17 +162,19 @@ class ReleaseResponse(_message.Message):
     def __init__(self, released: _Optional[bool] = ..., freed_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole", "cache_salt", "prompt_token_bytes")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "whole", "cache_salt", "prompt_token_bytes", "priority")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     WHOLE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
     whole: bool
     cache_salt: bytes
     prompt_token_bytes: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ...) -> None: ...
+    priority: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., whole: _Optional[bool] = ..., cache_salt: _Optional[bytes] = ..., prompt_token_bytes: _Optional[bytes] = ..., priority: _Optional[int] = ...) -> None: ...

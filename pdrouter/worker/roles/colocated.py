@@ -43,7 +43,8 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
         trace = self.tracing.headers() if self.tracing is not None else None
         async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling,
-                                                 cache_salt=request.cache_salt, trace_headers=trace)) as outputs:
+                                                 cache_salt=request.cache_salt, trace_headers=trace,
+                                                 priority=request.priority)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 

@@ -124,7 +124,8 @@ class ConnectorDecodeServe(ServeSetup):
             with self.host.receive(rid) as link:
                 outputs = EngineOutputs(self.engine.generate(RequestId(rid), order.prompt_token_ids, order.sampling,
                                                              extra_args={"kv_transfer_params": receive.params()},
-                                                             cache_salt=order.cache_salt))
+                                                             cache_salt=order.cache_salt,
+                                                             priority=order.priority))
                 try:
                     event = await self._place(order, link, routes, outputs, timeout)
                     async with shaped(outputs.stream(), order.whole, first_alone=True) as stream:
@@ -188,7 +189,7 @@ class ConnectorDecodeServe(ServeSetup):
         try:
             outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling, placement.targets[0],
                                                self.worker_id, order.model_compat_hash, timeout,
-                                               cache_salt=order.cache_salt)
+                                               cache_salt=order.cache_salt, priority=order.priority)
             landed = await link.landed(self.kv_wait_s)
             outcome.bytes_sent = landed.nbytes  # what this engine received
             self.tally.received(landed.nbytes, landed.seconds)

@@ -210,7 +210,8 @@ class DecodeServe(ServeSetup):
                 self.driver.abort(RequestId(rid))
                 report = prefill_report(len(prompt), decode_cached, failures, local=True)
                 async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling,
-                                                         cache_salt=order.cache_salt)) as outputs, \
+                                                         cache_salt=order.cache_salt,
+                                                         priority=order.priority)) as outputs, \
                         shaped(outputs, order.whole, first_alone=True) as stream:
                     yield EngineStream(stream, report=report)
                 return
@@ -242,7 +243,8 @@ class DecodeServe(ServeSetup):
             try:
                 outcome = await self.links.prefill(route, rid, order.prompt_token_ids, order.sampling,
                                                    incoming.target, self.worker_id, order.model_compat_hash,
-                                                   timeout, cache_salt=order.cache_salt)
+                                                   timeout, cache_salt=order.cache_salt,
+                                                   priority=order.priority)
             except PdRouterError as err:
                 failure = self.failed(route, rid, err, "prefill on {} failed")
                 if not err.retryable:

@@ -74,7 +74,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         rid, target, sampling, prompt = await checked_request(request, self.model_compat_hash, self.targets,
                                                               self.layout.block_size)
         start = time.perf_counter()
-        result = await self.driver.prefill(RequestId(rid), prompt, sampling, cache_salt=request.cache_salt)
+        result = await self.driver.prefill(RequestId(rid), prompt, sampling, cache_salt=request.cache_salt,
+                                           priority=request.priority)
         computed = time.perf_counter()
         outgoing: OutgoingTransfer | None = None
         done = False
@@ -201,7 +202,7 @@ class ConnectorPrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                       context: grpc.aio.ServicerContext) -> worker_pb2.PrefillResponse:
         rid, target, _, prompt = await checked_request(request, self.model_compat_hash, self.targets,
                                                        self.block_size)
-        done = await self.prefill.run(rid, prompt, target, cache_salt=request.cache_salt)
+        done = await self.prefill.run(rid, prompt, target, cache_salt=request.cache_salt, priority=request.priority)
         stats = worker_pb2.PrefillStats(
             prompt_tokens=len(prompt), cached_tokens=done.cached_tokens, compute_ms=done.compute_s * 1e3,
             transfer_ms=done.transfer_s * 1e3, bytes_sent=done.bytes_sent,

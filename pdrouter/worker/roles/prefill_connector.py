@@ -42,7 +42,7 @@ class KvParamsEngine(Protocol):
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                  extra_args: Mapping[str, Any] | None = None, *,
-                 cache_salt: bytes = b"") -> AsyncGenerator[RequestOutput, None]: ...
+                 cache_salt: bytes = b"", priority: int = 0) -> AsyncGenerator[RequestOutput, None]: ...
 
 
 def connector_engine(engine: object) -> KvParamsEngine:
@@ -75,9 +75,10 @@ class ConnectorPrefill:
         self.tally = tally if tally is not None else TransferTally()
 
     async def run(self, request_id: str, prompt: Sequence[int], target: TransferTarget,
-                  cache_salt: bytes = b"") -> PrefillDone:
-        """Compute ``prompt`` (under its tenant's ``cache_salt``: vLLM's prefix cache keeps salts apart)
-        with the KV pushed to ``target``; the first token once the decode side confirmed."""
+                  cache_salt: bytes = b"", priority: int = 0) -> PrefillDone:
+        """Compute ``prompt`` (under its tenant's ``cache_salt``: vLLM's prefix cache keeps salts apart,
+        at its ``priority`` where vLLM schedules by priority) with the KV pushed to ``target``; the
+        first token once the decode side confirmed."""
         key = target.transfer_id
         order = SendOrder(key, (target,), self.hold_s)
         first: int | None = None
@@ -86,7 +87,7 @@ class ConnectorPrefill:
             start = time.perf_counter()
             generated = self.engine.generate(RequestId(request_id), prompt, ONE_TOKEN,
                                              extra_args={"kv_transfer_params": order.params()},
-                                             cache_salt=cache_salt)
+                                             cache_salt=cache_salt, priority=priority)
             async with aclosing(generated) as outputs:
                 async for out in outputs:
                     if first is None and out.new_token_ids:

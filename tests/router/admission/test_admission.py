@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from pdrouter.core.errors import CapacityError, RequestTooLargeError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
 from pdrouter.router.admission import Admission, AdmissionConfig
+from pdrouter.router.dispatch import engine_priority
 from pdrouter.state.reservations import DecodeCapacity, KvReservations, Reservation
 
 from .conftest import until
@@ -311,6 +312,23 @@ async def test_a_flooding_tenant_leaves_headroom_that_another_tenant_books_on_ar
     for res in [*held[1:], *(t.result() for t in waiting)]:
         await adm.release(res)
     assert adm.queue_length == 0 and adm.active == 0
+
+
+async def test_a_flood_past_its_share_gets_a_lower_engine_priority_whatever_the_headroom(
+        client: aioredis.Redis) -> None:
+    """What the dispatcher asks after an admission: a tenant with a backlog past its credit, beside
+    another tenant active in the window, is past its share (its prompts go after the others' on the
+    workers), with no headroom configured too; the other tenant, and a request without a tenant, are
+    not. Alone, the same backlog is not: one tenant alone keeps first come, first served."""
+    adm, _, held, flood = await _flooded_past_its_credit(client, AdmissionConfig(fair_headroom=0.0), other_blocks=10)
+    assert adm.past_share("a", 0) and not adm.past_share("b", 0) and not adm.past_share(None, 0)
+    assert not adm.past_share("a", 1)  # a has nothing waiting in another class
+    assert [engine_priority(0, True), engine_priority(0, False), engine_priority(1, False),
+            engine_priority(-1, True)] == [1, 0, -2, 3]
+    await _release_all(adm, held, flood)
+    alone, _, held, flood = await _flooded_past_its_credit(client, AdmissionConfig(fair_headroom=0.0))
+    assert not alone.past_share("a", 0)
+    await _release_all(alone, held, flood)
 
 
 async def test_a_tenant_waiting_within_its_credit_books_the_headroom_the_flood_may_not(
