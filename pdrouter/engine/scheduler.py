@@ -88,13 +88,17 @@ class Scheduler:
         preempted = False
         decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
         prefills = sorted((r for r in self.running if r.num_uncomputed_tokens > 1), key=_priority)  # stable
+        # The lowest value waiting: one pass per step (and per admission ahead of a prompt), so that
+        # equal priorities, the usual case, cost no scan of the waiting queue per running prompt.
+        lowest = min(map(_priority, self.waiting), default=None)
         for req in decodes + prefills:
             if budget == 0:
                 break
             if req.state is not RequestState.RUNNING:
                 continue
-            if req.num_uncomputed_tokens > 1 and not preempted and self.waiting:
+            if lowest is not None and lowest < req.priority and not preempted and req.num_uncomputed_tokens > 1:
                 budget = self._admit(budget, scheduled, below=req.priority)  # waiting prompts ahead of it
+                lowest = min(map(_priority, self.waiting), default=None)
                 if budget == 0:
                     break
             n = min(req.num_uncomputed_tokens, budget)
