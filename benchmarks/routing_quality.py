@@ -50,7 +50,9 @@ class SimWorker:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    inflight_prefill_by_priority: dict[int, int] = field(default_factory=dict)
     assigned_tokens: int = 0
+    schedules_by_priority: bool = False
     backlog: float = 0.0
     computed: int = 0
     published: int = 0

@@ -492,6 +492,12 @@ async def run(args: object, report: Report) -> None:
                 at = [ph.occupancy_at(o.sent) for o in ok if o.ttft]
                 report.add(f"{ph.name}_{tenant}_pool_booked_on_arrival", round(statistics.fmean(at), 3),
                            "of the decode pools (mean)")
+                if ph is fair and tenant in ("b", "c"):
+                    for i, o in enumerate(sorted((o for o in ok if o.ttft), key=lambda o: -o.ttft)[:3], 1):
+                        booked = [v for when, v in ph.occupancy if o.sent <= when <= o.sent + o.ttft]
+                        report.add(f"{ph.name}_{tenant}_slowest_{i}", f"{o.ttft * 1e3:.0f} ms, sent at "
+                                   f"{o.sent - ph.window[0]:+.1f} s, the decode pools booked at most "
+                                   f"{max(booked, default=float('nan')):.3f} until its first token")
         waits = ph.delta("pdrouter_queue_time_seconds_count")
         if waits:
             report.add(f"{ph.name}_queue_wait_mean_ms",

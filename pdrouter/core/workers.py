@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
@@ -35,6 +35,10 @@ class WorkerLoad:
     running: int = 0
     waiting: int = 0
     queued_prefill_tokens: int = 0
+    queued_prefill_by_priority: tuple[tuple[int, int], ...] = ()
+    """``queued_prefill_tokens`` split by engine priority: (priority, tokens) pairs, lowest value first,
+    from a worker whose scheduler computes prompts by priority (the project's engines). Empty from
+    one that does not (vLLM): there the whole backlog is ahead of every prompt."""
     free_blocks: int = 0
     total_blocks: int = 0
     allocated_blocks: int = 0
@@ -62,6 +66,30 @@ class WorkerLoad:
     def kv_usage(self) -> float:
         """Fraction of the pool's blocks held by requests (0 when the pool size is unknown)."""
         return self.allocated_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    def prefill_tokens_ahead(self, priority: int) -> int:
+        """Of the prefill backlog, the tokens a prompt of engine ``priority`` waits for: those queued at
+        that priority or a lower value; the whole backlog when the worker does not split it."""
+        if not self.queued_prefill_by_priority:
+            return self.queued_prefill_tokens
+        return sum(tokens for p, tokens in self.queued_prefill_by_priority if p <= priority)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> WorkerLoad:
+        """The load a heartbeat carries; fields this version does not know (a newer worker's) are
+        left out, so workers can be upgraded before routers."""
+        data = json.loads(raw or "{}")
+        known = {k: v for k, v in data.items() if k in _LOAD_FIELDS}
+        pairs = known.get("queued_prefill_by_priority")
+        if pairs is not None:
+            known["queued_prefill_by_priority"] = tuple((int(p), int(t)) for p, t in pairs)
+        return cls(**known)
+
+
+_LOAD_FIELDS = frozenset(f.name for f in fields(WorkerLoad))
 
 
 @dataclass(frozen=True)
@@ -91,6 +119,12 @@ class WorkerRecord:
     @property
     def capacity_tokens(self) -> int:
         return self.capacity_blocks * self.block_size
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        """Whether the engine computes waiting prompts by engine priority: the project's engines do;
+        vLLM does only under its priority policy, which its record does not say, so it counts as not."""
+        return self.engine in ("torch", "sim")
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -351,10 +351,22 @@ class BatchEngine:
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens admitted or waiting but not yet computed (the prefill backlog)."""
+        return sum(tokens for _, tokens in self.queued_prefill_by_priority())
+
+    def queued_prefill_by_priority(self) -> tuple[tuple[int, int], ...]:
+        """The prefill backlog by scheduling priority: (priority, tokens) pairs, lowest priority value
+        first, one per priority present. The scheduler computes a prompt of a lower value before
+        those of higher values, so a prompt of priority p waits for the pairs at or below p only
+        (and at most one step of the others)."""
+        by: dict[int, int] = {}
         with self._lock:
             s = self.scheduler
-            return sum(r.num_uncomputed_tokens for r in s.waiting) + sum(
-                r.num_uncomputed_tokens for r in s.running if r.num_uncomputed_tokens > 1)
+            for r in s.waiting:
+                by[r.priority] = by.get(r.priority, 0) + r.num_uncomputed_tokens
+            for r in s.running:
+                if r.num_uncomputed_tokens > 1:
+                    by[r.priority] = by.get(r.priority, 0) + r.num_uncomputed_tokens
+        return tuple(sorted(by.items()))
 
     def cached_prefix_tokens(self, prompt_token_ids: Sequence[int], cache_salt: bytes = b"") -> int:
         """Tokens of this prompt's longest prefix whose KV is cached here under ``cache_salt`` (a pure query)."""

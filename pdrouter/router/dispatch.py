@@ -130,7 +130,7 @@ class _ServeCall:
     """One ``Serve`` call of a placement: what its prefill report settles (the best prefill worker
     is charged with the prompt until the report arrives), and how a failure reads."""
 
-    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "ok", "request", "span")
+    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "ok", "priority", "request", "span")
 
     def __init__(self, dispatcher: PoolDispatcher, request: RouterRequest, placement: Placement) -> None:
         self.dispatcher = dispatcher
@@ -142,17 +142,18 @@ class _ServeCall:
         self.span: Any = None
         """The call's span, when traced."""
         self.charged: WorkerHandle | None = None
+        self.priority = placement.order.priority
         if placement.prefill:
             tokens = len(request.prompt_token_ids)
             self.charged, cached = placement.prefill[0]
             dispatcher.stats.placed(self.charged.worker_id, tokens, cached)
-            self.charged.charge_prefill(tokens, cached)
+            self.charged.charge_prefill(tokens, cached, self.priority)
             for handle, _ in placement.prefill:
                 handle.breaker.on_attempt()
 
     def settle(self) -> None:
         if self.charged is not None:
-            self.charged.settle_prefill(len(self.request.prompt_token_ids))
+            self.charged.settle_prefill(len(self.request.prompt_token_ids), self.priority)
             self.charged = None
 
     def on_report(self, report: PrefillReport) -> None:
@@ -476,9 +477,10 @@ class PoolDispatcher:
             raise UnavailableError("KV admission is unavailable: the router cannot reach Redis now; retry later")
         return self.policy.pick_decode(request, candidates, blocks)
 
-    def _prefill_routes(self, request: RouterRequest,
-                        cached_tokens: dict[WorkerId, int]) -> list[tuple[WorkerHandle, int]]:
-        """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens."""
+    def _prefill_routes(self, request: RouterRequest, cached_tokens: dict[WorkerId, int],
+                        priority: int) -> list[tuple[WorkerHandle, int]]:
+        """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens;
+        ``priority``: the prompt's engine priority (a worker's backlog counts what it would wait for)."""
         candidates = list(self.pool.available(WorkerRole.PREFILL))
         if len(candidates) == 1:
             return [(candidates[0], cached_tokens.get(candidates[0].worker_id, 0))]
@@ -486,7 +488,7 @@ class PoolDispatcher:
         while candidates and len(ranked) < self.config.max_prefill_attempts:
             # A policy picks the one candidate left (it mutates nothing): no need to ask it.
             handle = candidates[0] if len(candidates) == 1 else \
-                self.policy.pick_prefill(request, candidates, cached_tokens)
+                self.policy.pick_prefill(request, candidates, cached_tokens, priority)
             candidates.remove(handle)
             ranked.append((handle, cached_tokens.get(handle.worker_id, 0)))
         return ranked
@@ -519,7 +521,7 @@ class PoolDispatcher:
             ranked: list[tuple[WorkerHandle, int]] = []
             if may_prefill_remotely(len(request.prompt_token_ids), self.config.local_prefill_tokens):
                 cached_tokens = await lookup.cached_tokens() if lookup is not None else {}
-                ranked = self._prefill_routes(request, cached_tokens)
+                ranked = self._prefill_routes(request, cached_tokens, priority)
         except BaseException:
             decode.inflight -= 1
             if reservation is not None and self.admission is not None:

@@ -8,9 +8,6 @@ keep itself or its old state counted.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict
-
 from pdrouter.core.errors import StaleEpochError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.workers import LiveWorker, WorkerLoad, WorkerRecord, WorkerRole
@@ -84,7 +81,7 @@ class WorkerRegistry:
         """Refresh liveness and load; StaleEpochError when ``epoch`` is not the registered one."""
         res = int(await self._heartbeat(
             keys=[self.keys.workers, self.keys.heartbeat(worker_id)],
-            args=[worker_id, epoch, json.dumps(asdict(load), separators=(",", ":")),
+            args=[worker_id, epoch, load.to_json(),
                   self.heartbeat_ttl_ms]))
         if res == -1:
             raise StaleEpochError(f"worker {worker_id} is not registered (Redis restarted?): register again")
@@ -115,7 +112,7 @@ class WorkerRegistry:
             epoch_s, _, load_json = (beat.decode() if isinstance(beat, bytes) else beat).partition(" ")
             if int(epoch_s) != record.epoch:
                 continue
-            load = WorkerLoad(**json.loads(load_json or "{}"))
+            load = WorkerLoad.from_json(load_json)
             live.append(LiveWorker(record, load))
         live.sort(key=lambda w: w.record.worker_id)
         return live

@@ -55,7 +55,8 @@ def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
                          queued_prefill_tokens=load.queued_prefill_tokens, free_blocks=load.free_blocks,
                          total_blocks=load.total_blocks, allocated_blocks=load.allocated_blocks,
                          engine_failed=load.engine_failed,
-                         prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits)
+                         prefix_cache_queries=load.prefix_cache_queries, prefix_cache_hits=load.prefix_cache_hits,
+                         queued_prefill_tokens_by_priority=dict(load.queued_prefill_by_priority))
 
 
 def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
@@ -63,7 +64,8 @@ def load_from_pb(msg: pb.WorkerLoad) -> WorkerLoad:
                       queued_prefill_tokens=msg.queued_prefill_tokens, free_blocks=msg.free_blocks,
                       total_blocks=msg.total_blocks, allocated_blocks=msg.allocated_blocks,
                       engine_failed=msg.engine_failed,
-                      prefix_cache_queries=msg.prefix_cache_queries, prefix_cache_hits=msg.prefix_cache_hits)
+                      prefix_cache_queries=msg.prefix_cache_queries, prefix_cache_hits=msg.prefix_cache_hits,
+                      queued_prefill_by_priority=tuple(sorted(msg.queued_prefill_tokens_by_priority.items())))
 
 
 def record_to_pb(record: WorkerRecord) -> pb.WorkerInfo:

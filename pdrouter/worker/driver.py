@@ -230,8 +230,10 @@ class EngineDriver:
         sim_stats = getattr(self.engine, "sim_stats", None)  # a simulated GPU reports how well it kept time
         sim = sim_stats() if sim_stats is not None else None
         modeled, late = (sim.busy_s, sim.late_s) if sim is not None else (0.0, 0.0)
+        backlog = self.engine.queued_prefill_by_priority()
         return WorkerLoad(running=s.num_running + s.num_held + s.num_awaiting_kv, waiting=s.num_waiting,
-                          queued_prefill_tokens=self.engine.queued_prefill_tokens(),
+                          queued_prefill_tokens=sum(tokens for _, tokens in backlog),
+                          queued_prefill_by_priority=backlog,
                           free_blocks=s.num_free_blocks, total_blocks=s.num_blocks,
                           allocated_blocks=s.num_blocks - s.num_free_blocks,
                           sim_modeled_s=modeled, sim_late_s=late, engine_failed=self._error is not None,

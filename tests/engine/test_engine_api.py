@@ -288,6 +288,20 @@ def test_wait_for_work_and_backlog(make_any_engine: AnyEngineFactory) -> None:
     assert engine.queued_prefill_tokens() == 0
 
 
+def test_the_backlog_by_priority(make_any_engine: AnyEngineFactory) -> None:
+    engine = make_any_engine(num_blocks=4, max_num_batched_tokens=16)
+    held = prefill(engine, list(range(60)))  # holds all 4 blocks: what follows waits
+    assert engine.queued_prefill_by_priority() == ()
+    engine.add_request(rid(), [1, 2, 3], GREEDY, priority=1)
+    engine.add_request(rid(), [4, 5], GREEDY, priority=-2)
+    engine.add_request(rid(), [6, 7, 8, 9], GREEDY, priority=1)
+    assert engine.queued_prefill_by_priority() == ((-2, 2), (1, 7))
+    assert engine.queued_prefill_tokens() == 9
+    engine.release(held.request_id)
+    drain(engine)
+    assert engine.queued_prefill_by_priority() == ()
+
+
 def test_a_failed_model_step_can_be_retried(make_any_engine: AnyEngineFactory,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_any_engine()

@@ -45,6 +45,28 @@ async def test_register_heartbeat_and_list(registry: WorkerRegistry) -> None:
     assert {w.record.worker_id for w in await registry.live_workers()} == {"decode-0", "prefill-0"}
 
 
+async def test_the_backlog_by_priority_travels_and_a_newer_workers_fields_are_left_out(
+        registry: WorkerRegistry, redis_url: str) -> None:
+    epoch = await registry.new_epoch()
+    await registry.register(make_record("prefill-0", epoch, WorkerRole.PREFILL))
+    load = WorkerLoad(queued_prefill_tokens=700, queued_prefill_by_priority=((-2, 100), (0, 200), (1, 400)))
+    await registry.heartbeat(WorkerId("prefill-0"), epoch, load)
+    (live,) = await registry.live_workers(WorkerRole.PREFILL)
+    assert live.load == load
+    assert [live.load.prefill_tokens_ahead(p) for p in (-3, -2, 0, 1, 5)] == [0, 100, 300, 700, 700]
+    # A worker of a later version heartbeats a field this one does not know: the load still reads.
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        key = registry.keys.heartbeat(WorkerId("prefill-0"))
+        await client.set(key, f'{epoch} {{"running":2,"queued_prefill_tokens":5,"a_later_field":[1]}}', px=5000)
+    finally:
+        await client.aclose()
+    (live,) = await registry.live_workers(WorkerRole.PREFILL)
+    assert live.load == WorkerLoad(running=2, queued_prefill_tokens=5)
+    # Without the split (vLLM), the whole backlog is ahead of every prompt.
+    assert live.load.prefill_tokens_ahead(-4) == 5
+
+
 async def test_lapsed_heartbeat_stops_counting(registry: WorkerRegistry) -> None:
     await registry.register(make_record("decode-0", 1))
     assert len(await registry.live_workers()) == 1

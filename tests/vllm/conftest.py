@@ -204,7 +204,7 @@ def live_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
                 continue
             epoch, _, load = beat.decode().partition(" ")
             if int(epoch) == int(record["epoch"]):  # a load of {} until the first heartbeat: the defaults
-                out[worker_id.decode()] = {"record": record, "load": asdict(WorkerLoad(**json.loads(load or "{}")))}
+                out[worker_id.decode()] = {"record": record, "load": asdict(WorkerLoad.from_json(load))}
         return out
     finally:
         client.close()

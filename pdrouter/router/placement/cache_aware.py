@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import WorkerId
 from pdrouter.router.placement.least_loaded import LeastLoaded
-from pdrouter.router.placement.policy import C, backlog_tokens, require
+from pdrouter.router.placement.policy import C, backlog_tokens, displaced, require
 from pdrouter.router.request import RouterRequest
 
 
@@ -55,13 +55,18 @@ class CacheAware(LeastLoaded):
         return (prompt_tokens - credit) + c.backlog_weight * backlog + c.running_weight_tokens * running
 
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
-                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
+                     cached_tokens: Mapping[WorkerId, int] | None = None, priority: int | None = None) -> C:
+        """The backlog in the score and the guard is what the prompt waits for (``backlog_tokens`` at
+        its ``priority``); equal scores go to the worker where it pushes back least (``displaced``:
+        nothing when every priority is the same, and then nothing changes)."""
         require(candidates, "prefill")
         cached_tokens = cached_tokens or {}
-        backlogs = {h.worker_id: backlog_tokens(h) for h in candidates}
+        backlogs = {h.worker_id: backlog_tokens(h, priority) for h in candidates}
         mean = sum(backlogs.values()) / len(candidates)
         bound = self.config.balance_factor * mean + self.config.balance_slack_tokens
         eligible = [h for h in candidates if backlogs[h.worker_id] <= bound] or list(candidates)
         n = len(request.prompt_token_ids)
+        behind = displaced(eligible, priority)
         return min(eligible, key=lambda h: (self.score(n, cached_tokens.get(h.worker_id, 0), backlogs[h.worker_id],
-                                                       h.load.running + h.inflight), h.assigned_tokens, h.worker_id))
+                                                       h.load.running + h.inflight),
+                                            behind.get(h.worker_id, ()), h.assigned_tokens, h.worker_id))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pdrouter.core.ids import WorkerId
-from pdrouter.router.placement.policy import C, Candidate, backlog_tokens, require
+from pdrouter.router.placement.policy import C, Candidate, backlog_tokens, displaced, require
 from pdrouter.router.request import RouterRequest
 
 
@@ -16,9 +16,13 @@ class LeastLoaded:
     name = "least_loaded"
 
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
-                     cached_tokens: Mapping[WorkerId, int] | None = None) -> C:
+                     cached_tokens: Mapping[WorkerId, int] | None = None, priority: int | None = None) -> C:
+        """Fewest prefill tokens ahead of the prompt (``backlog_tokens`` at its ``priority``), then the
+        least it would push back (``displaced``: none when every priority is the same)."""
         require(candidates, "prefill")
-        return min(candidates, key=lambda h: (backlog_tokens(h), h.load.running + h.inflight, h.assigned_tokens,
+        behind = displaced(candidates, priority)
+        return min(candidates, key=lambda h: (backlog_tokens(h, priority), behind.get(h.worker_id, ()),
+                                              backlog_tokens(h), h.load.running + h.inflight, h.assigned_tokens,
                                               h.worker_id))
 
     def pick_decode(self, request: RouterRequest, candidates: Sequence[C],

@@ -45,18 +45,33 @@ class WorkerHandle:
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    inflight_prefill_by_priority: dict[int, int] = field(default_factory=dict)
+    """``inflight_prefill_tokens`` by the prompts' engine priorities."""
     assigned_tokens: int = 0
 
-    def charge_prefill(self, prompt_tokens: int, cached_tokens: int) -> None:
-        """This router placed a prompt's prefill here: it counts as queued on the worker until settled."""
+    @property
+    def schedules_by_priority(self) -> bool:
+        return self.record.schedules_by_priority
+
+    def charge_prefill(self, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> None:
+        """This router placed a prompt's prefill here, at engine ``priority``: it counts as queued on
+        the worker until settled."""
         self.inflight += 1
         self.inflight_prefill_tokens += prompt_tokens
+        by = self.inflight_prefill_by_priority
+        by[priority] = by.get(priority, 0) + prompt_tokens
         self.assigned_tokens += prompt_tokens - cached_tokens
 
-    def settle_prefill(self, prompt_tokens: int) -> None:
+    def settle_prefill(self, prompt_tokens: int, priority: int = 0) -> None:
         """The prefill charged by ``charge_prefill`` is over (its report came, or the request ended)."""
         self.inflight -= 1
         self.inflight_prefill_tokens -= prompt_tokens
+        by = self.inflight_prefill_by_priority
+        left = by.get(priority, 0) - prompt_tokens
+        if left > 0:
+            by[priority] = left
+        else:
+            by.pop(priority, None)
 
     @property
     def lane(self) -> LaneChannel | None:

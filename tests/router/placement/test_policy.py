@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import pytest
 
 from pdrouter.core.errors import ConfigError
-from pdrouter.core.ids import RequestId, WorkerId
+from pdrouter.core.ids import Epoch, RequestId, WorkerId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.workers import WorkerLoad
+from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.router.placement.cache_aware import CacheAware, CacheAwareConfig
 from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.placement.policies import POLICIES, make_policy
+from pdrouter.router.placement.policy import backlog_tokens
+from pdrouter.router.placement.worker_pool import WorkerHandle
 from pdrouter.router.request import RouterRequest
 
 
@@ -22,7 +26,9 @@ class Cand:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
+    inflight_prefill_by_priority: dict[int, int] = field(default_factory=dict)
     assigned_tokens: int = 0
+    schedules_by_priority: bool = True
 
 
 def make_request(tokens: int = 1000) -> RouterRequest:
@@ -91,3 +97,74 @@ def test_policies_are_made_by_name() -> None:
     with pytest.raises(ConfigError) as raised:
         make_policy("round_robin")
     assert str(raised.value) == "unknown placement policy 'round_robin': use one of least_loaded, cache_aware"
+
+
+def test_a_prompt_is_placed_by_the_backlog_it_would_wait_for() -> None:
+    # w0: 4,000 tokens queued, all of a flood past its share (priority 1); w1: 1,000 at priority 0.
+    c = [Cand(WorkerId("w0"), WorkerLoad(queued_prefill_tokens=4000, queued_prefill_by_priority=((1, 4000),))),
+         Cand(WorkerId("w1"), WorkerLoad(queued_prefill_tokens=1000, queued_prefill_by_priority=((0, 1000),)))]
+    for policy in (LeastLoaded(), CacheAware()):
+        # A standard prompt (0) waits for none of w0's queue, all of w1's.
+        assert policy.pick_prefill(make_request(), c, {}, priority=0).worker_id == "w0"
+        # One of the flood's (1) waits for both queues: the smaller wins; so without a priority.
+        assert policy.pick_prefill(make_request(), c, {}, priority=1).worker_id == "w1"
+        assert policy.pick_prefill(make_request(), c, {}).worker_id == "w1"
+    # What this router sent since the last report counts the same way.
+    c[1].load = WorkerLoad()
+    c[1].inflight_prefill_tokens = 500
+    c[1].inflight_prefill_by_priority = {0: 500}
+    assert LeastLoaded().pick_prefill(make_request(), c, {}, priority=0).worker_id == "w0"
+    c[1].inflight_prefill_by_priority = {2: 500}
+    assert LeastLoaded().pick_prefill(make_request(), c, {}, priority=0).worker_id == "w1"  # both 0 ahead; less behind
+    # A worker whose engine does not schedule by priority (vLLM first come, first served): all of it is ahead.
+    c[0].schedules_by_priority = False
+    c[1].inflight_prefill_by_priority = {0: 500}
+    assert LeastLoaded().pick_prefill(make_request(), c, {}, priority=0).worker_id == "w1"
+
+
+def test_a_prompt_pushes_back_the_least_important_work() -> None:
+    # An interactive prompt (-2) waits for neither queue; w0's holds a standard prompt (0), w1's a
+    # flood's past-share prompts (1), twice as many tokens: w1's are the ones to push back.
+    c = [Cand(WorkerId("w0"), WorkerLoad(queued_prefill_tokens=2048, queued_prefill_by_priority=((0, 2048),))),
+         Cand(WorkerId("w1"), WorkerLoad(queued_prefill_tokens=4096, queued_prefill_by_priority=((1, 4096),)))]
+    for policy in (LeastLoaded(), CacheAware()):
+        assert policy.pick_prefill(make_request(), c, {}, priority=-2).worker_id == "w1"
+        assert policy.pick_prefill(make_request(), c, {}, priority=0).worker_id == "w1"  # w0's is ahead of it
+        assert policy.pick_prefill(make_request(), c, {}).worker_id == "w0"  # by the whole backlog
+    # A worker with nothing queued behind beats both.
+    c.append(Cand(WorkerId("w2"), WorkerLoad()))
+    assert LeastLoaded().pick_prefill(make_request(), c, {}, priority=-2).worker_id == "w2"
+
+
+def test_equal_priorities_place_as_before() -> None:
+    c = cands(500, 100, 300)
+    for cand, queued in zip(c, (500, 100, 300), strict=True):
+        cand.load = WorkerLoad(queued_prefill_tokens=queued, queued_prefill_by_priority=((0, queued),))
+    c[2].assigned_tokens = -1
+    for policy in (LeastLoaded(), CacheAware()):
+        assert policy.pick_prefill(make_request(), c, {}, priority=0) is policy.pick_prefill(make_request(), c, {})
+        assert policy.pick_prefill(make_request(), c, {WorkerId("w0"): 960}, priority=0) is \
+            policy.pick_prefill(make_request(), c, {WorkerId("w0"): 960})
+
+
+def test_a_handle_counts_what_it_sent_by_priority_until_settled() -> None:
+    record = WorkerRecord(worker_id=WorkerId("p0"), role=WorkerRole.PREFILL, address="127.0.0.1:1", epoch=Epoch(1),
+                          model="m", model_compat_hash="m", kv_compat_hash="k", block_size=16, capacity_blocks=8,
+                          engine="sim")
+    handle = WorkerHandle(record, WorkerLoad(), cast(Any, None))
+    assert handle.schedules_by_priority
+    handle.charge_prefill(300, 0, priority=1)
+    handle.charge_prefill(200, 100, priority=0)
+    handle.charge_prefill(100, 0, priority=1)
+    assert (handle.inflight, handle.inflight_prefill_tokens, handle.assigned_tokens) == (3, 600, 500)
+    assert handle.inflight_prefill_by_priority == {1: 400, 0: 200}
+    assert [backlog_tokens(handle, p) for p in (-1, 0, 1, None)] == [0, 200, 600, 600]
+    handle.settle_prefill(300, priority=1)
+    handle.settle_prefill(200, priority=0)
+    assert handle.inflight_prefill_by_priority == {1: 100}
+    handle.settle_prefill(100, priority=1)
+    assert (handle.inflight, handle.inflight_prefill_tokens, handle.inflight_prefill_by_priority) == (0, 0, {})
+    # vLLM's record does not say it schedules by priority: everything sent is ahead of every prompt.
+    vllm = WorkerHandle(dataclasses.replace(record, engine="vllm"), WorkerLoad(), cast(Any, None))
+    vllm.charge_prefill(300, 0, priority=1)
+    assert not vllm.schedules_by_priority and backlog_tokens(vllm, -2) == 300
