@@ -482,6 +482,10 @@ async def run(args: object, report: Report) -> None:
                 report.add(f"{ph.name}_{tenant}_ttft_p99_ms", round(pct(t, 0.99) * 1e3, 1), "ms")
                 report.add(f"{ph.name}_{tenant}_ttft_mean_ms", round(statistics.fmean(t) * 1e3, 1), "ms")
             waits = ph.delta(f"pdrouter_tenant_queue_wait_seconds_count{{tenant={tenant}}}")
+            if waits and tenant != "a":
+                report.add(f"{ph.name}_{tenant}_past_share", round(ph.delta(
+                    f"pdrouter_tenant_past_share_total{{tenant={tenant}}}") / waits, 3),
+                    "of its admissions (past its fair share: a lower engine priority)")
             if waits:
                 wait_s = ph.delta(f"pdrouter_tenant_queue_wait_seconds_sum{{tenant={tenant}}}") / waits
                 report.add(f"{ph.name}_{tenant}_queue_wait_mean_ms", round(wait_s * 1e3, 1), "ms")

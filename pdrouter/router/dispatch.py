@@ -439,9 +439,9 @@ class PoolDispatcher:
         if not self.admission_ok:
             log.info("KV admission available again")
         self.admission_ok = True
-        if self.metrics is not None:
-            self.metrics.observe_queue_time(waited, None if tenant is None else tenant.name)
         past = tenant is not None and self.admission.past_share(tenant.name, request.priority)
+        if self.metrics is not None:
+            self.metrics.observe_queue_time(waited, None if tenant is None else tenant.name, past)
         return by_id[reservation.worker_id], reservation, engine_priority(request.priority, past)
 
     async def _holder(self, request: RouterRequest, candidates: Sequence[WorkerHandle]) -> WorkerHandle | None:

@@ -170,13 +170,16 @@ class TenantFamilies:
         self.tenant_queue_wait_seconds = Histogram(
             "pdrouter_tenant_queue_wait_seconds", "Time a tenant's requests waited for KV admission.",
             ["tenant"], buckets=_QUEUE_BUCKETS, registry=r)
+        self.tenant_past_share_total = Counter(
+            "pdrouter_tenant_past_share_total", "Requests admitted while their tenant was past its fair share by "
+            "more than its credit: they run at a lower engine priority on the workers.", ["tenant"], registry=r)
 
 
 class TenantCounts:
     """The children of one tenant's metrics, resolved once (no label lookups per request)."""
 
     __slots__ = ("_outcomes", "_rejections", "_rejections_family", "_tenant", "generation_tokens", "in_flight",
-                 "prompt_tokens", "queue_wait")
+                 "past_share", "prompt_tokens", "queue_wait")
 
     def __init__(self, metrics: TenantFamilies, tenant: str) -> None:
         self._outcomes = {o: _unlocked(metrics.tenant_requests_total.labels(tenant, o)) for o in OUTCOMES}
@@ -186,6 +189,7 @@ class TenantCounts:
         self.generation_tokens = _unlocked(metrics.tenant_generation_tokens_total.labels(tenant))
         self.in_flight = _unlocked(metrics.tenant_requests_in_flight.labels(tenant))
         self.queue_wait = _FastHistogram(_unlocked(metrics.tenant_queue_wait_seconds.labels(tenant)))
+        self.past_share = _unlocked(metrics.tenant_past_share_total.labels(tenant))
         self._tenant = tenant
 
     def finished(self, exc: BaseException | None, prompt_tokens: int, generation_tokens: int) -> None:
@@ -330,11 +334,15 @@ class RouterMetrics:
 
     # -- recorded by the dispatcher ---------------------------------------------------------
 
-    def observe_queue_time(self, seconds: float, tenant: str | None = None) -> None:
-        """A request's wait for KV admission (``tenant``: also on its tenant's histogram)."""
+    def observe_queue_time(self, seconds: float, tenant: str | None = None, past_share: bool = False) -> None:
+        """A request's wait for KV admission (``tenant``: also on its tenant's histogram, and counted
+        when it was admitted ``past_share``)."""
         self._queue_time.observe(seconds)
         if tenant is not None and tenant in self._tenants:
-            self._tenants[tenant].queue_wait.observe(seconds)
+            counts = self._tenants[tenant]
+            counts.queue_wait.observe(seconds)
+            if past_share:
+                counts.past_share.inc()
 
     def set_worker_load(self, worker: str, role: str, *, running: int, queued_prefill_tokens: int,
                         free_blocks: int, device: str = "", sim_modeled_s: float = 0.0,

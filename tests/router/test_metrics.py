@@ -156,3 +156,17 @@ def test_the_hot_path_metrics_expose_what_stock_prometheus_metrics_would() -> No
              "pdrouter_queue_time_seconds", "pdrouter_kv_transfer_duration_seconds")
     assert lines(metrics.registry, names) == lines(reference, names)
     assert any('le="+Inf"' in line for line in lines(reference, names))
+
+
+def test_a_tenants_admissions_past_its_share_are_counted() -> None:
+    metrics = RouterMetrics()
+    metrics.enable_tenants(["a", "b"])
+    metrics.observe_queue_time(0.5, "a", past_share=True)
+    metrics.observe_queue_time(0.1, "a")
+    metrics.observe_queue_time(0.2, "b")
+    metrics.observe_queue_time(0.3)  # no tenant
+    value = metrics.registry.get_sample_value
+    assert value("pdrouter_tenant_past_share_total", {"tenant": "a"}) == 1
+    assert value("pdrouter_tenant_past_share_total", {"tenant": "b"}) == 0
+    assert value("pdrouter_tenant_queue_wait_seconds_count", {"tenant": "a"}) == 2
+    assert value("pdrouter_queue_time_seconds_count") == 4
