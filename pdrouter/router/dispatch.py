@@ -478,7 +478,7 @@ class PoolDispatcher:
         return self.policy.pick_decode(request, candidates, blocks)
 
     def _prefill_routes(self, request: RouterRequest, cached_tokens: dict[WorkerId, int],
-                        priority: int) -> list[tuple[WorkerHandle, int]]:
+                        priority: int | None) -> list[tuple[WorkerHandle, int]]:
         """Prefill workers to try, best first (up to ``max_prefill_attempts``), with their cached tokens;
         ``priority``: the prompt's engine priority (a worker's backlog counts what it would wait for)."""
         candidates = list(self.pool.available(WorkerRole.PREFILL))
@@ -521,7 +521,8 @@ class PoolDispatcher:
             ranked: list[tuple[WorkerHandle, int]] = []
             if may_prefill_remotely(len(request.prompt_token_ids), self.config.local_prefill_tokens):
                 cached_tokens = await lookup.cached_tokens() if lookup is not None else {}
-                ranked = self._prefill_routes(request, cached_tokens, priority)
+                # Without tenants every priority is 0: placement by the whole backlog, at no extra cost.
+                ranked = self._prefill_routes(request, cached_tokens, None if request.tenant is None else priority)
         except BaseException:
             decode.inflight -= 1
             if reservation is not None and self.admission is not None:
