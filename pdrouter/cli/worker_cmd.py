@@ -478,11 +478,13 @@ def fleet_ready_lines(fleet: Fleet) -> str:
 
 def run_fleet(args: argparse.Namespace) -> int:
     """``--count N``: N simulated workers in this process until SIGINT / SIGTERM."""
+    from pdrouter.core.tracing import tracing_from_env
     from pdrouter.worker.fleet import Fleet, fleet_executor_threads
     from pdrouter.worker.roles import build_role
 
     configs = fleet_from_args(args)
-    fleet = Fleet(configs, build_role, executor_threads=fleet_executor_threads(len(configs)))
+    fleet = Fleet(configs, build_role, executor_threads=fleet_executor_threads(len(configs)),
+                  tracing=tracing_from_env(f"pdrouter-{configs[0].role.value}"))
     serve_until_signal(fleet, lambda: fleet_ready_lines(fleet))
     return 0
 

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from pdrouter.core.errors import ConfigError
+from pdrouter.core.tracing import Tracing
 from pdrouter.state.client import RedisClient
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.presence import WORKER_REDIS_CONNECTIONS, connect_redis
@@ -106,12 +107,14 @@ class Fleet:
     fleet opens one Redis client for all of them (``redis_connections``, default
     :func:`fleet_redis_connections`) and closes it after the last worker stopped.
     ``executor_threads``: when given, ``start`` gives the running loop a default executor of that
-    many threads (the CLI does; an embedding caller may keep its own).
+    many threads (the CLI does; an embedding caller may keep its own). ``tracing``: the process's
+    tracer (``pdrouter.core.tracing``; None: off), shared by every worker and shut down (flushed)
+    by ``stop`` after the last of them.
     """
 
     def __init__(self, configs: Sequence[WorkerConfig], build_role: RoleFactory, *,
                  redis_connections: int | None = None, executor_threads: int | None = None,
-                 start_concurrency: int = START_CONCURRENCY) -> None:
+                 start_concurrency: int = START_CONCURRENCY, tracing: Tracing | None = None) -> None:
         if not configs:
             raise ConfigError("a fleet needs at least one worker")
         urls = {c.redis_url for c in configs}
@@ -126,6 +129,7 @@ class Fleet:
         self.redis_connections = redis_connections or fleet_redis_connections(len(configs))
         self.executor_threads = executor_threads
         self.start_concurrency = max(1, start_concurrency)
+        self.tracing = tracing
         self.redis: RedisClient | None = None
         self.workers: list[WorkerProcess] = []
         self._stopping: dict[str, asyncio.Future[None]] = {}
@@ -154,8 +158,8 @@ class Fleet:
         if self.redis_url:
             self.redis = await connect_redis(self.redis_url, max_connections=self.redis_connections)
         n = len(self.configs)  # the workers take turns sweeping the index: about one sweep a second
-        self.workers = [WorkerProcess(c, self.build_role, redis=self.redis, sweep_turn=(i, n))
-                        for i, c in enumerate(self.configs)]
+        self.workers = [WorkerProcess(c, self.build_role, redis=self.redis, sweep_turn=(i, n), tracing=self.tracing,
+                                      shared_tracing=True) for i, c in enumerate(self.configs)]
         gate = asyncio.Semaphore(self.start_concurrency)
 
         async def start_one(worker: WorkerProcess) -> None:
@@ -200,4 +204,7 @@ class Fleet:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
             self.redis = None
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)  # the spans still buffered go out
+            self.tracing = None
         self._stopped.set()

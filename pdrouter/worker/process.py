@@ -69,13 +69,16 @@ class WorkerProcess:
     picks it from ``config.role``). ``redis``: a client of ``config.redis_url`` shared with other
     workers of this process; it is used instead of connecting one, and left open by ``stop`` (its
     owner closes it). Without ``config.redis_url`` it is ignored. ``tracing``: the process's tracer
-    (``pdrouter.core.tracing``; None: off), handed to the role and shut down (flushed) by ``stop``.
+    (``pdrouter.core.tracing``; None: off), handed to the role and shut down (flushed) by ``stop``
+    unless ``shared_tracing`` (the workers of a fleet share one; the fleet shuts it down).
     """
 
     def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None,
-                 sweep_turn: tuple[int, int] = (0, 1), tracing: Tracing | None = None) -> None:
+                 sweep_turn: tuple[int, int] = (0, 1), tracing: Tracing | None = None,
+                 shared_tracing: bool = False) -> None:
         self.config = config
         self.tracing = tracing
+        self._shared_tracing = shared_tracing
         self.build_role = build_role
         self._shared_redis = redis
         self._sweep_turn = sweep_turn
@@ -248,7 +251,7 @@ class WorkerProcess:
         if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()
-        if self.tracing is not None:
+        if self.tracing is not None and not self._shared_tracing:
             await asyncio.to_thread(self.tracing.shutdown)  # the spans still buffered go out
         self._stopped.set()
 

@@ -32,16 +32,21 @@ def sink() -> Iterator[OtlpSink]:
         yield running
 
 
-def _start(cluster: Cluster, sink: OtlpSink, transport: str) -> ManagedProcess:
-    """A prefill worker exporting over OTLP/gRPC, a decode worker and a router over OTLP/HTTP."""
+def _start(cluster: Cluster, sink: OtlpSink, transport: str, prefill_fleet: int = 0) -> ManagedProcess:
+    """A prefill worker exporting over OTLP/gRPC (``prefill_fleet``: that many, one fleet process), a
+    decode worker and a router over OTLP/HTTP."""
     token = {INTERNAL_TOKEN_ENV: cluster.internal_token}
     for role, protocol in (("prefill", "grpc"), ("decode", "http/protobuf")):
+        fleet = prefill_fleet if role == "prefill" else 0
         proc = ManagedProcess(role, worker_args(role, cluster.model, redis_url=cluster.redis_url, num_blocks=256,
-                                                sim=["--gpu", "h100", "--time-scale", "0"],
-                                                extra=("--worker-id", f"{role}-0")),
+                                                sim=["--gpu", "h100", "--time-scale", "0"], count=fleet or None,
+                                                extra=("--worker-id", role if fleet else f"{role}-0")),
                               env={**token, **sink.environment(protocol)})
         cluster.procs.append(proc)
-        proc.wait_ready()
+        if fleet:
+            proc.wait_ready_all(fleet)
+        else:
+            proc.wait_ready()
     router = ManagedProcess("router", [
         "router", "--model", str(cluster.model), "--redis", cluster.redis_url, "--http-port", "0", "--grpc-port", "0",
         "--local-prefill-tokens", "0", "--worker-transport", transport, "--log-level", "WARNING"],
@@ -113,6 +118,27 @@ async def test_a_disaggregated_request_is_one_trace_across_three_processes(clust
     for span in spans:
         assert span.parent_id == parent_id or span.parent_id in by_id, span
         assert span.status_code != 2, span
+
+
+async def test_the_workers_of_a_fleet_join_the_trace(cluster: Cluster, sink: OtlpSink) -> None:
+    """Simulated prefill workers run as one fleet process (``--count``) export their spans too, each
+    naming its worker: the fleet shares one tracer among its workers."""
+    router = _start(cluster, sink, "lane", prefill_fleet=2)
+    async with httpx.AsyncClient(timeout=30) as http:
+        for i in range(200):
+            trace_id = secrets.token_hex(16)
+            body = {"model": "tiny", "prompt": list(range(100 + i, 180 + i)), "max_tokens": 2, "ignore_eos": True}
+            resp = await http.post(f"http://{router.address}/v1/completions", json=body,
+                                   headers={"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"})
+            if resp.status_code == 200 and resp.json()["usage"]["prompt_tokens_details"] is not None:
+                break
+            await asyncio.sleep(0.1)
+    assert resp.status_code == 200, resp.text
+    spans = await _wait_for_trace(sink, trace_id, {"pdrouter-router", "pdrouter-prefill", "pdrouter-decode"})
+    call = _one(spans, "pdrouter-decode", "pdrouter.v1.PrefillWorker/Prefill", CLIENT)
+    prefill = _one(spans, "pdrouter-prefill", "pdrouter.v1.PrefillWorker/Prefill", SERVER)
+    assert prefill.parent_id == call.span_id
+    assert call.attributes["pdrouter.prefill_worker"] in ("prefill-0", "prefill-1")
 
 
 async def test_the_grpc_door_continues_the_calls_trace_and_errors_mark_the_span(cluster: Cluster,
