@@ -10,9 +10,10 @@ requests are admitted by priority class, then by their tenants' weighted fair sh
 blocks, then in arrival order (``queue``); a request of one tenant alone waits in arrival order.
 
 **Headroom.** While a tenant has a backlog here past its fair share by more than its burst credit
-(two or more requests waiting, the last of them starting more than ``fair_burst`` of its requests
-after the queue's virtual time) and another tenant of its priority class has been active in the
-last ``fair_window_s``, the backlogged tenant books against each worker's pool less
+(more than ``fair_burst`` of its requests waiting, the last of them starting more than
+``fair_burst`` of its requests after the queue's virtual time; or two or more waiting and one
+turned away by a full queue in the last ``fair_window_s``) and another tenant of its priority
+class has been active in the last ``fair_window_s``, the backlogged tenant books against each worker's pool less
 ``fair_headroom`` of it, or less room for ``fair_headroom_requests`` of the other active tenants'
 requests where that is more (what keeps a tenant at its share from waiting is room for its next
 requests: a number of requests, whatever the pool's size). The room it leaves goes to the tenants
@@ -201,8 +202,7 @@ class Admission:
                             self.stats.rejections["too_large"] += 1
                             raise
                 left = give_up - time.monotonic()
-                if left <= 0:
-                    self._refuse(flow, priority)
+                if left <= 0:  # not a sign of a flood by itself (``_refuse``)
                     self.stats.rejections["timeout"] += 1
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
                                 cfg.retry_after_s, "timeout")
@@ -231,12 +231,17 @@ class Admission:
         if flow is None or self._queue.waiting(flow) + admitted < 2:
             return False
         since = time.monotonic() - cfg.fair_window_s
-        if not self._queue.over_share(flow, priority) and self._refused.get((priority, flow), since) <= since:
+        if not self._queue.over_share(flow, priority, admitted) and self._refused.get((priority, flow), since) <= since:
             return False
         return any(other != flow and cls == priority and seen > since
                    for (cls, other), (seen, _) in self._seen.items())
 
     def _refuse(self, flow: str | None, priority: int) -> None:
+        """``flow`` was turned away by a full queue: it asks for more than the queue holds, so it is
+        past its share whatever its queued tags say (``_past_share``), for ``fair_window_s``. A
+        request that timed out is not counted: a tenant at its share times out too when a burst
+        of a higher class or a moment's surge takes the room for longer than the queue's timeout,
+        and a flood that times out has a backlog past its credit anyway."""
         if flow is not None:
             self._refused[(priority, flow)] = time.monotonic()
 

@@ -103,15 +103,24 @@ class WaitQueue:
         waiters = self._flows.get(flow)
         return 0 if waiters is None else len(waiters)
 
-    def over_share(self, flow: Hashable, priority: int) -> bool:
-        """Whether ``flow``'s last waiter of class ``priority`` starts more than ``burst`` of its
-        requests after the class's virtual time: the flow has more queued past its share than its
-        credit. (Credit is how far a flow's arrivals may run ahead of its share; the same margin the
-        other way tells a flow that sends at its share, whose Poisson arrivals queue a few past it at
-        times, from one that asks for more and keeps a backlog.)"""
+    def over_share(self, flow: Hashable, priority: int, admitted: int = 0) -> bool:
+        """Whether ``flow`` has a backlog of class ``priority`` past its share by more than its credit:
+        more than ``burst`` of its requests queued (``admitted``: and that many just served, gone
+        from the queue), the last of them starting more than ``burst`` of its requests after the
+        class's virtual time. (Credit is how far a flow's arrivals may run ahead of its share; the
+        same margin the other way tells a flow that sends at its share, whose Poisson arrivals queue
+        a few past it at times, from one that asks for more and keeps a backlog.)
+
+        Both, because the tags alone remember: a flow sending at its share is a random walk about
+        it, and over a long overload its tags drift ahead of the virtual time by the square root of
+        its count of requests (more than the credit within minutes), so a cluster of a few of its
+        arrivals would read as a flood. What it has queued now is what tells the two apart."""
         cls = -priority
-        last = next((w for w in reversed(self._flows.get(flow, ())) if w.priority == cls), None)
-        return last is not None and last.tag > self._vtime.get(cls, 0.0) + self.burst * last.charge
+        mine = [w for w in self._flows.get(flow, ()) if w.priority == cls]
+        if not mine or len(mine) + admitted <= self.burst:
+            return False
+        last = mine[-1]
+        return last.tag > self._vtime.get(cls, 0.0) + self.burst * last.charge
 
     @property
     def head(self) -> Waiter | None:

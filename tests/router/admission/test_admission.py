@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 import random
 
@@ -428,3 +429,21 @@ async def test_a_tenant_refused_for_want_of_room_is_held_back_whatever_its_queue
         await flood.pop()
     assert adm.queue_length == 2
     await _release_all(adm, [*held, b], flood)
+
+
+async def test_a_tenant_whose_requests_timed_out_is_not_taken_for_a_flood(client: aioredis.Redis) -> None:
+    """Tenant b's two requests time out in a full pool (a moment's surge took the room), and its next
+    two wait within its credit: b is not past its share (a timeout is no sign of a flood, a full queue
+    turning it away is), so it books the headroom when room comes back, and the flood keeps waiting."""
+    adm, pool, held, flood = await _flooded_past_its_credit(client, AdmissionConfig(fair_headroom=0.2))
+    for i in range(2):
+        with pytest.raises(CapacityError, match="within"):
+            await adm.admit(RequestId(f"b-late{i}"), 10, pool, flow="b", deadline=time.monotonic() + 0.05)
+    b = [asyncio.create_task(adm.admit(RequestId(f"b{i}"), 10, pool, flow="b")) for i in range(2)]
+    await until(lambda: _true(adm.queue_length == 9), "b's two wait")
+    assert adm.past_share("a", 0) and not adm.past_share("b", 0)
+    await adm.release(held.pop())
+    await adm.release(held.pop())  # 20 blocks free: the headroom
+    await until(lambda: _true(all(t.done() for t in b)), "both of b's admitted into the headroom")
+    assert not any(t.done() for t in flood) and adm.queue_length == 7
+    await _release_all(adm, [*held, *(t.result() for t in b)], flood)

@@ -182,3 +182,20 @@ def test_a_flood_pushing_out_waiters_does_not_cost_the_others_their_shares() -> 
     total = sum(served.values())
     for flow, w in weights.items():
         assert abs(served[flow] / total - w / 4) / (w / 4) < 0.03, served
+
+
+def test_over_its_share_takes_a_backlog_past_the_credit_not_one_large_request() -> None:
+    """Tenant b, served once, waits with one large request and one small one: its small one's tag starts the
+    large one's cost past the virtual time, far past its credit in small requests, yet two requests
+    are no backlog past a credit of two. A flood's three past the credit are."""
+    queue = WaitQueue(limit=100, burst=2)
+    flood = [_joined(queue, 0, "flood", 1.0, 4) for _ in range(6)]
+    _drain(queue, 1)
+    first = _joined(queue, 0, "b", 1.0, 4)
+    assert _drain(queue, 1) == [first]  # within its credit: served at once
+    _joined(queue, 0, "b", 1.0, 40)
+    small = _joined(queue, 0, "b", 1.0, 1)
+    assert small.tag > queue._vtime[0] + 2 * small.charge  # by its tags alone it would be past its credit
+    assert not queue.over_share("b", 0)
+    assert queue.over_share("b", 0, admitted=1)  # a third just admitted: three past a credit of two
+    assert queue.over_share("flood", 0) and len(flood) - 1 > queue.burst
