@@ -67,6 +67,7 @@ from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from _report import Report, base_parser
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,6 +103,8 @@ class Outcome:
     sent: float
     status: int
     ttft: float = 0.0
+    trace_id: str = ""
+    """With ``--trace``, a streamed request's W3C trace id (sampled: the router and workers record it)."""
 
 
 @dataclass
@@ -150,19 +153,24 @@ class Phase:
 class Client:
     """Raw HTTP/1.1 requests (one connection each), cheap enough to flood the router from this process."""
 
-    def __init__(self, host: str, port: int, prompt_tokens: int, output: int, rng: random.Random) -> None:
+    def __init__(self, host: str, port: int, prompt_tokens: int, output: int, rng: random.Random,
+                 trace: bool = False) -> None:
         self.host, self.port = host, port
         self.rng = rng
+        self.trace = trace
+        """Send a sampled ``traceparent`` with each streamed request (the flood's go untraced)."""
         # Text of the byte tokenizer: one token a character, with the BOS ``prompt_tokens`` in all.
         self._tail = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz ") for _ in range(prompt_tokens - 9))
         self._output = output
 
-    def _request(self, tenant: str, stream: bool) -> bytes:
+    def _request(self, tenant: str, stream: bool, trace_id: str = "") -> bytes:
         # A fresh start: no prompt shares a prefix block with another.
         prompt = f"{self.rng.getrandbits(32):08x}{self._tail}"
         body = (f'{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":{self._output},"ignore_eos":true,'
                 f'"stream":{"true" if stream else "false"}}}').encode()
+        traced = f"traceparent: 00-{trace_id}-{secrets.token_hex(8)}-01\r\n" if trace_id else ""
         return (f"POST /v1/completions HTTP/1.1\r\nhost: {self.host}\r\nauthorization: Bearer {KEYS[tenant]}\r\n"
+                f"{traced}"
                 f"content-type: application/json\r\nconnection: close\r\ncontent-length: {len(body)}\r\n\r\n"
                 ).encode() + body
 
@@ -190,7 +198,7 @@ class Client:
     async def send(self, tenant: str, stream: bool, phase: Phase) -> None:
         """One request; one that has no answer within ``REQUEST_TIMEOUT_S`` is given up (status -1),
         so that no phase waits forever on a connection."""
-        outcome = Outcome(tenant, time.monotonic(), 0)
+        outcome = Outcome(tenant, time.monotonic(), 0, trace_id=secrets.token_hex(16) if self.trace and stream else "")
         phase.outcomes.append(outcome)
         try:
             await asyncio.wait_for(self._exchange(outcome, stream), REQUEST_TIMEOUT_S)
@@ -206,7 +214,7 @@ class Client:
             outcome.status = -1
             return
         try:
-            writer.write(self._request(tenant, stream))
+            writer.write(self._request(tenant, stream, outcome.trace_id))
             head = await reader.readuntil(b"\r\n\r\n")
             outcome.status = int(head.split(b" ", 2)[1])
             if outcome.status != 200:
@@ -309,6 +317,22 @@ def fair_allocation(demand: dict[str, int], weights: dict[str, float], capacity:
     return owed
 
 
+def spans_line(sink: Any, trace_id: str) -> str:
+    """One trace's spans in the order they began: each one's name (its service's), its start after
+    the first span's, its duration, and its worker attributes."""
+    spans = sorted((s for s in sink.spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
+    if not spans:
+        return "no spans received"
+    t0 = spans[0].start_ns
+    parts = []
+    for s in spans:
+        where = ",".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in sorted(s.attributes.items())
+                         if "worker" in k or "priority" in k)
+        parts.append(f"{s.name}[{s.service.removeprefix('pdrouter-')}] +{(s.start_ns - t0) / 1e6:.0f}"
+                     f"/{(s.end_ns - s.start_ns) / 1e6:.0f}ms{f' {where}' if where else ''}")
+    return "; ".join(parts)
+
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -325,7 +349,9 @@ class Pool:
 
 
 @contextlib.contextmanager
-def pool(args: object, tmp: Path) -> Iterator[Pool]:
+def pool(args: object, tmp: Path, sink: Any = None) -> Iterator[Pool]:
+    """The workers, both routers and Redis; with ``sink`` (an ``OtlpSink``), the workers and the fair
+    router export the spans of the sampled requests to it (and none of the others')."""
     a = args
     model = write_config_folder(get_model_preset(MODEL), tmp / MODEL)
     (tmp / "tenants.yaml").write_text(TENANTS)
@@ -333,18 +359,20 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
     (tmp / "keys-fifo").write_text("".join(f"{key}\n" for key in KEYS.values()))
     token = {INTERNAL_TOKEN_ENV: secrets.token_hex(16), "PDROUTER_KV_TOKEN": secrets.token_hex(16),
              "PDROUTER_KV_TOKEN_FILE": ""}
+    traced = {} if sink is None else {**sink.environment(), "OTEL_BSP_SCHEDULE_DELAY": "500",
+                                      "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"}
     procs: list[ManagedProcess] = []
     with EmbeddedRedis() as redis:
         try:
             sim = ["--gpu", "h100", "--time-scale", str(a.time_scale)]  # type: ignore[attr-defined]
             prefill = ManagedProcess("prefill", worker_args(
                 "prefill", model, redis_url=redis.url, sim=[*sim, "--utilization", "0.5"], count=a.prefill,  # type: ignore[attr-defined]
-                extra=("--worker-id", "prefill")), env=token)
+                extra=("--worker-id", "prefill")), env={**token, **traced})
             procs.append(prefill)
             for i in range(a.decode):  # type: ignore[attr-defined]
                 procs.append(ManagedProcess(f"decode-{i}", worker_args(
                     "decode", model, redis_url=redis.url, sim=[*sim, "--utilization", str(a.decode_utilization)],  # type: ignore[attr-defined]
-                    extra=("--worker-id", f"decode-{i}")), env=token))
+                    extra=("--worker-id", f"decode-{i}")), env={**token, **traced}))
             prefill.wait_ready_all(a.prefill, 120.0)  # type: ignore[attr-defined]
             for proc in procs[1:]:
                 proc.wait_ready(120.0)
@@ -357,7 +385,7 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
                     "router", "--model", str(model), "--redis", redis.url, "--http-port", "0", "--grpc-port", "0",
                     "--api-key-file", str(tmp / f"keys-{name}"), "--local-prefill-tokens", "0",
                     "--queue-timeout-s", "10", "--queue-limit", str(a.queue_limit),  # type: ignore[attr-defined]
-                    "--log-level", "ERROR", *extra], env=token)
+                    "--log-level", "ERROR", *extra], env={**token, **(traced if name == "fair" else {})})
                 procs.append(router)
                 routers.append(router)
             for router in routers:
@@ -366,7 +394,8 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
             for router in routers:
                 assert router.address is not None
                 host, port = router.address.rsplit(":", 1)
-                clients.append(Client(host, int(port), a.prompt, a.output, random.Random(7)))  # type: ignore[attr-defined]
+                clients.append(Client(host, int(port), a.prompt, a.output, random.Random(7),  # type: ignore[attr-defined]
+                                      trace=sink is not None))
             time.sleep(1.5)  # every router's pool has every worker
             yield Pool(procs, clients[0], clients[1], redis.url)
         finally:
@@ -376,10 +405,23 @@ def pool(args: object, tmp: Path) -> Iterator[Pool]:
 
 async def run(args: object, report: Report) -> None:
     a = args
+    flooder = Flooder(a.prompt, a.output)  # type: ignore[attr-defined]
+    sink = None
+    if a.trace:  # type: ignore[attr-defined]
+        from pdrouter.testing.otlp import OtlpSink
+
+        sink = OtlpSink()
+    with contextlib.ExitStack() as stack:
+        if sink is not None:
+            stack.enter_context(sink)
+        await _run(args, report, flooder, sink)
+
+
+async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> None:
+    a = args
     phase_s: float = a.phase_s  # type: ignore[attr-defined]
     warmup: float = a.warmup  # type: ignore[attr-defined]
-    flooder = Flooder(a.prompt, a.output)  # type: ignore[attr-defined]
-    with tempfile.TemporaryDirectory() as tmp, pool(args, Path(tmp)) as p, contextlib.closing(flooder):
+    with tempfile.TemporaryDirectory() as tmp, pool(args, Path(tmp), sink) as p, contextlib.closing(flooder):
         redis = Redis.from_url(p.redis_url)
         # 1. the pool's capacity: completions per second of a closed loop that keeps it full
         cap_phase = Phase("capacity")
@@ -502,6 +544,8 @@ async def run(args: object, report: Report) -> None:
                         report.add(f"{ph.name}_{tenant}_slowest_{i}", f"{o.ttft * 1e3:.0f} ms, sent at "
                                    f"{o.sent - ph.window[0]:+.1f} s, the decode pools booked at most "
                                    f"{max(booked, default=float('nan')):.3f} until its first token")
+                        if sink is not None and o.trace_id:
+                            report.add(f"{ph.name}_{tenant}_slowest_{i}_spans", spans_line(sink, o.trace_id))
         waits = ph.delta("pdrouter_queue_time_seconds_count")
         if waits:
             report.add(f"{ph.name}_queue_wait_mean_ms",
@@ -576,6 +620,9 @@ def main() -> None:
     parser.add_argument("--fair-headroom-requests", type=float, default=0.0,
                         help="the fair router's --fair-headroom-requests")
     parser.add_argument("--fair-burst", type=float, default=8.0, help="the fair router's --fair-burst")
+    parser.add_argument("--trace", action="store_true",
+                        help="trace b's, c's and p's requests (OTLP, to a receiver in this process) and print "
+                             "the spans of b's and c's slowest beside the flood (needs the otel extra)")
     parser.add_argument("--skip", type=lambda v: [x for x in v.split(",") if x], default=[],
                         help="phases to leave out, comma-separated: fifo, backlog (the others give the ratios)")
     parser.add_argument("--decode-utilization", type=float, default=0.5,
