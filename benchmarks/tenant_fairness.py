@@ -14,15 +14,18 @@ Two routers on the same workers and Redis: ``fair``, with a tenants file (tenant
 1. ``capacity``: a closed loop of the decode pools' requests at once (and 20 % more) through ``fifo``:
    completions per second;
 2. ``solo_b``, ``solo_c``: ``b`` alone, then ``c`` alone, Poisson arrivals at their fair share
-   (weight ÷ Σ weights of ``a``, ``b``, ``c``, times what their class is left: the capacity less
-   ``p``'s bursts, which the interactive class has admitted first), through ``fair``;
+   (weight ÷ Σ weights of ``a``, ``b``, ``c``, times the capacity), through ``fair``;
 3. ``share``: the same ``b`` and ``c`` beside ``a`` at its share of the pool (a closed loop of its
    weight's share of the decode pools' requests), through ``fair``: the pool as busy as beside the
    flood, with nobody over its share;
-4. ``fair``: the same ``b`` and ``c`` while ``a`` floods at ``--flood`` × the capacity, and ``p``
-   sends bursts of ``--burst`` requests at once, through ``fair``;
-5. ``fifo``: the same load through ``fifo`` (``p``'s bursts with no priority there);
-6. ``backlog``: ``a``, ``b`` and ``c`` all flooding (each at the whole capacity), through ``fair``.
+4. ``fair``: the same ``b`` and ``c`` while ``a`` floods at ``--flood`` × the capacity, through
+   ``fair``: the three tenants of the fairness targets;
+5. ``priority``: the same, and ``p`` sends bursts of ``--burst`` requests at once in the interactive
+   class, through ``fair``. ``p`` is admitted, and its prompts computed, before any of the others:
+   here ``b`` and ``c`` are owed their share of what ``p`` leaves, and send more than that, so
+   their figures in this phase show what a higher class costs them, not the flood;
+6. ``fifo``: the load of ``priority`` through ``fifo`` (``p``'s bursts with no priority there);
+7. ``backlog``: ``a``, ``b`` and ``c`` all flooding (each at the whole capacity), through ``fair``.
 
 Each tenant's arrivals are the same sequence in every phase (a seed per tenant). Per phase and
 tenant: requests sent, answered 200, refused (429), TTFT p50 / p99 / mean of those answered (``b``,
@@ -42,11 +45,13 @@ full shared pool is owed: ``share`` is the reference fair queuing can be held to
 the weighted max-min fair share of what each tenant asked: its weight's share when all ask for more
 (``backlog``), and all it asked when it asked less (``b`` and ``c`` beside the flood, whose Poisson
 arrivals over a window of a minute vary by some 10 % around their weight's share); then
-``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests) and the same ratios under
-FIFO for contrast.
+``priority_ttft_p99_over_b`` (``p``'s bursts beside ``b``'s single requests, in ``priority``) and the
+same ratios under FIFO for contrast.
 
 ``--fair-headroom``, ``--fair-headroom-requests`` and ``--fair-burst`` are passed to the ``fair`` router.
-``--skip fifo,backlog`` leaves those phases out (the targets' ratios need only the others).
+``--skip fifo,backlog`` leaves those phases out (the targets' ratios need only the others; ``priority``
+may be skipped too). ``--prefill-chunk`` is the prefill workers' token budget a step: a prompt
+waits for at most one step of work of a lower priority already running on its worker.
 
     python benchmarks/tenant_fairness.py [--quick] [--json] [--time-scale S] [--phase-s T] [--skip PHASES]
 """
@@ -367,7 +372,8 @@ def pool(args: object, tmp: Path, sink: Any = None) -> Iterator[Pool]:
             sim = ["--gpu", "h100", "--time-scale", str(a.time_scale)]  # type: ignore[attr-defined]
             prefill = ManagedProcess("prefill", worker_args(
                 "prefill", model, redis_url=redis.url, sim=[*sim, "--utilization", "0.5"], count=a.prefill,  # type: ignore[attr-defined]
-                extra=("--worker-id", "prefill")), env={**token, **traced})
+                extra=("--worker-id", "prefill", "--max-batched-tokens", str(a.prefill_chunk))),  # type: ignore[attr-defined]
+                env={**token, **traced})
             procs.append(prefill)
             for i in range(a.decode):  # type: ignore[attr-defined]
                 procs.append(ManagedProcess(f"decode-{i}", worker_args(
@@ -434,14 +440,14 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
             raise SystemExit(f"no request completed in the capacity phase's {phase_s - warmup:g} s: raise --phase-s")
         report.add("fairness_capacity_rps", round(capacity, 2), "requests/s")
         share = {t: w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
-        # b's and c's fair share is of what their class is left: p's bursts (the interactive class)
-        # are admitted before any of theirs.
+        # p's bursts (the interactive class, in ``priority`` only) are admitted before any other request.
         standard = capacity - a.burst_rate * a.burst  # type: ignore[attr-defined]
         if standard <= 0.2 * capacity:
             raise SystemExit(f"p's bursts ask for {capacity - standard:.2f} of the {capacity:.2f} requests/s: "
                              f"lower --burst-rate")
-        report.add("fairness_standard_class_rps", round(standard, 2), "requests/s (the capacity less p's bursts)")
-        rates = {t: standard * share[t] for t in ("b", "c")}
+        report.add("fairness_standard_class_rps", round(standard, 2),
+                   "requests/s (the capacity less p's bursts, in priority)")
+        rates = {t: capacity * share[t] for t in ("b", "c")}
 
         async def phase(name: str, client: Client, loads: list[tuple[str, float, bool, int]],
                         closed: tuple[str, int] | None = None) -> Phase:
@@ -499,8 +505,10 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
                                   closed=("a", max(1, round(a.pool_requests * share["a"]))))  # type: ignore[attr-defined]
         flooding = ("a", a.flood * capacity, False, 1)  # type: ignore[attr-defined]
         burst = ("p", a.burst_rate, True, a.burst)  # type: ignore[attr-defined]
-        fair = await phase("fair", p.fair, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
+        fair = await phase("fair", p.fair, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1)])
         skip = set(a.skip)  # type: ignore[attr-defined]
+        prio = None if "priority" in skip else \
+            await phase("priority", p.fair, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
         fifo = None if "fifo" in skip else \
             await phase("fifo", p.fifo, [flooding, ("b", rates["b"], True, 1), ("c", rates["c"], True, 1), burst])
         backlog = None if "backlog" in skip else \
@@ -509,7 +517,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
     def ttfts(ph: Phase, tenant: str) -> list[float]:
         return [o.ttft for o in ph.measured(tenant) if o.status == 200 and o.ttft]
 
-    for ph in (*solo.values(), share_phase, fair, *(x for x in (fifo, backlog) if x is not None)):
+    for ph in (*solo.values(), share_phase, fair, *(x for x in (prio, fifo, backlog) if x is not None)):
         for tenant in ("a", "b", "c", "p"):
             mine = ph.measured(tenant)
             if not mine:
@@ -567,7 +575,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
         admitted = {t: sum(o.status == 200 for o in ph.measured(t)) for t in WEIGHTS}
         total = sum(admitted.values())
         span = ph.window[1] - ph.window[0]
-        if ph.name in ("fair", "fifo", "backlog") and total:
+        if ph.name in ("fair", "priority", "fifo", "backlog") and total:
             served = sum(o.status == 200 for o in ph.outcomes if ph.window[0] <= o.sent < ph.window[1])
             report.add(f"{ph.name}_served_rps", round(served / span, 2),
                        "requests/s (all tenants' answered requests sent in the window)")
@@ -576,7 +584,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
                 # for more than any fair order owes it, and its wait has no bound.
                 report.add(f"{ph.name}_{t}_load", round(len(ph.measured(t)) / (share[t] * total), 2),
                            "× its weight's share of its class's admissions")
-        if ph.name in ("fair", "fifo", "backlog") and total:
+        if ph.name in ("fair", "priority", "fifo", "backlog") and total:
             # What each is owed: its weight's share of what was admitted, or what it asked when it
             # asked less (weighted max-min fairness over the requests each sent in the window).
             owed = fair_allocation({t: len(ph.measured(t)) for t in WEIGHTS}, WEIGHTS, total)
@@ -584,7 +592,8 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
                 report.add(f"{ph.name}_{t}_share", round(admitted[t] / total, 3))
                 report.add(f"{ph.name}_{t}_fair_share", round(owed[t] / total, 3), f"(weight share {share[t]:g})")
                 report.add(f"{ph.name}_{t}_share_error", round(abs(admitted[t] - owed[t]) / owed[t], 3),
-                           "of its fair share (≤ 0.10)")
+                           "of its fair share (≤ 0.10)" if ph is not prio else
+                           "of its fair share (b and c ask for more than their class's share here; no target)")
     for t in ("b", "c"):
         share_p99 = pct(ttfts(share_phase, t), 0.99)
         report.add(f"ratio_ttft_p99_{t}_vs_share", round(pct(ttfts(fair, t), 0.99) / share_p99, 2),
@@ -595,9 +604,9 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
             served = ttfts(fifo, t)
             report.add(f"fifo_ratio_ttft_p99_{t}", round(pct(served, 0.99) / solo_p99, 2) if served else "none served",
                        "× solo")
-    for ph in (fair, *(() if fifo is None else (fifo,))):
+    for ph in (x for x in (prio, fifo) if x is not None):
         p_ttft, b_ttft = ttfts(ph, "p"), ttfts(ph, "b")
-        report.add(f"{'' if ph is fair else 'fifo_'}priority_ttft_p99_over_b",
+        report.add(f"{'' if ph is prio else 'fifo_'}priority_ttft_p99_over_b",
                    round(pct(p_ttft, 0.99) / pct(b_ttft, 0.99), 2) if p_ttft and b_ttft else "none served",
                    f"(bursts of {a.burst} beside single requests)")  # type: ignore[attr-defined]
 
@@ -611,6 +620,9 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers")
     parser.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--output", type=int, default=64, help="output tokens")
+    parser.add_argument("--prefill-chunk", type=int, default=512,
+                        help="the prefill workers' token budget a step (--max-batched-tokens): a prompt waits "
+                             "at most one step of lower-priority work")
     parser.add_argument("--flood", type=float, default=10.0, help="tenant a's rate, × the capacity")
     parser.add_argument("--burst", type=int, default=6, help="requests of each of p's bursts")
     parser.add_argument("--burst-rate", type=float, default=0.2, help="p's bursts per second")
@@ -624,14 +636,14 @@ def main() -> None:
                         help="trace b's, c's and p's requests (OTLP, to a receiver in this process) and print "
                              "the spans of b's and c's slowest beside the flood (needs the otel extra)")
     parser.add_argument("--skip", type=lambda v: [x for x in v.split(",") if x], default=[],
-                        help="phases to leave out, comma-separated: fifo, backlog (the others give the ratios)")
+                        help="phases to leave out, comma-separated: priority, fifo, backlog (the rest give the ratios)")
     parser.add_argument("--decode-utilization", type=float, default=0.5,
                         help="the decode workers' share of an H100 (sizes their KV pools: ~90 requests at 0.5)")
     parser.add_argument("--concurrency", type=int, default=0,
                         help="the capacity phase's closed loop (0: the decode pools' requests at once, and 20 %% more)")
     args = parser.parse_args()
-    if set(args.skip) - {"fifo", "backlog"}:
-        parser.error(f"--skip takes fifo and backlog, got {','.join(args.skip)}")
+    if set(args.skip) - {"priority", "fifo", "backlog"}:
+        parser.error(f"--skip takes priority, fifo and backlog, got {','.join(args.skip)}")
     if args.quick:  # a smoke run: every phase, too short for steady state
         args.time_scale, args.phase_s, args.warmup, args.prefill, args.prompt, args.output = 3.0, 2.0, 0.5, 2, 512, 16
         args.decode_utilization = 0.25
