@@ -30,9 +30,9 @@ class AdmissionConfig:
     """After another router asked for room, this router books no credit for this long."""
     fair_headroom: float = 0.05
     """With tenants: the fraction of each decode worker's pool that a tenant with a backlog past its
-    share by more than its burst credit (more than ``fair_burst`` of its requests waiting here,
-    or refused in the window) may not book while another
-    tenant has been active in the last ``fair_window_s``. So a tenant sending at its fair share
+    share by more than its burst credit (more than ``fair_burst`` of its requests waiting here, or
+    one turned away by a full queue in the window) may not book while another tenant has been
+    active in the last ``fair_window_s``. So a tenant sending at its fair share
     beside a flood finds room at once, not at the next request's end (0: no headroom). A tenant
     alone books the whole pool."""
     fair_headroom_requests: float = 0.0

@@ -111,10 +111,11 @@ class WaitQueue:
         same margin the other way tells a flow that sends at its share, whose Poisson arrivals queue
         a few past it at times, from one that asks for more and keeps a backlog.)
 
-        Both, because the tags alone remember: a flow sending at its share is a random walk about
-        it, and over a long overload its tags drift ahead of the virtual time by the square root of
-        its count of requests (more than the credit within minutes), so a cluster of a few of its
-        arrivals would read as a flood. What it has queued now is what tells the two apart."""
+        Both, because requests differ in size: with one large request of a flow queued, its next
+        small one starts the large one's cost past the virtual time, far past a credit counted in
+        small requests, though two requests are no backlog. (With one size, a last tag past the
+        credit already means more than ``burst`` waiting: a flow's first waiter starts at most one
+        request past the virtual time, the largest tag served.)"""
         cls = -priority
         mine = [w for w in self._flows.get(flow, ()) if w.priority == cls]
         if not mine or len(mine) + admitted <= self.burst:
