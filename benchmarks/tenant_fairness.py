@@ -65,6 +65,7 @@ import multiprocessing
 import random
 import secrets
 import statistics
+import sys
 import tempfile
 import time
 import zlib
@@ -322,6 +323,11 @@ def fair_allocation(demand: dict[str, int], weights: dict[str, float], capacity:
     return owed
 
 
+def progress(message: str) -> None:
+    """A line on stderr, so that a run of many minutes shows where it is (the report is on stdout)."""
+    print(f"{time.strftime('%H:%M:%S')} {message}", file=sys.stderr, flush=True)
+
+
 def spans_line(sink: Any, trace_id: str) -> str:
     """One trace's spans in the order they began: each one's name (its service's), its start after
     the first span's, its duration, and its worker attributes."""
@@ -433,6 +439,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
         cap_phase = Phase("capacity")
         until = time.monotonic() + phase_s
         cap_phase.window = (time.monotonic() + warmup, until)
+        progress(f"phase capacity: {phase_s:g} s")
         await closed_loop(p.fifo, "a", a.concurrency, until, cap_phase)  # type: ignore[attr-defined]
         done = [o for o in cap_phase.measured("a") if o.status == 200]
         capacity = len(done) / (until - cap_phase.window[0])
@@ -455,6 +462,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
             concurrency), a closed loop beside them."""
             ph = Phase(name)
             start = time.monotonic()
+            progress(f"phase {name}: {phase_s:g} s")
             until = start + phase_s
             ph.window = (start + warmup, until)
             tasks: set[asyncio.Task[None]] = set()
@@ -472,6 +480,7 @@ async def _run(args: object, report: Report, flooder: Flooder, sink: Any) -> Non
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
+            progress(f"phase {name}: every request answered or given up; reading the router's metrics")
             ph.metrics = (ph.metrics[0], await client.metrics())
             return ph
 
