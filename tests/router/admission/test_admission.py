@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
 import dataclasses
 import random
+import time
 
 import pytest
 import redis.asyncio as aioredis
