@@ -651,6 +651,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=0,
                         help="the capacity phase's closed loop (0: the decode pools' requests at once, and 20 %% more)")
     args = parser.parse_args()
+    if args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be >= 1 token, got {args.prefill_chunk}")
     if set(args.skip) - {"priority", "fifo", "backlog"}:
         parser.error(f"--skip takes priority, fifo and backlog, got {','.join(args.skip)}")
     if args.quick:  # a smoke run: every phase, too short for steady state
