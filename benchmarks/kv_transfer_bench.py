@@ -25,6 +25,13 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
   byte moved (all their threads, user and system): what each variant costs, whatever else the
   machine is doing (the throughputs depend on free cores; these much less).
 
+``--vs REV`` also moves the block with commit ``REV``'s transport, in the same processes and in
+turn with this tree's and the raw socket's, so that the machine's drift hits all three alike (its
+``pdrouter`` package exported with ``git archive`` under another name, ``pdrouter_vs``):
+``vs_tcp_one_block_latency_ms``, ``vs_tcp_one_block_vs_raw_ratio`` and
+``tcp_one_block_vs_other_ratio`` (this tree ÷ ``REV``, the median of the rounds' ratios, with its
+10th and 90th percentiles).
+
 The unkeyed xxh3 checksum the transport used before frame MACs is gone (wire version 2), so there
 is no checksum figure any more; ``raw_socket_gbps`` is the bound either way.
 
@@ -38,11 +45,15 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import json
 import multiprocessing as mp
+import re
 import secrets
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -146,13 +157,50 @@ def _raw_sink(listener: socket.socket, memory: memoryview, nbytes: int, mac: boo
             conn.sendall(b"k")
 
 
-def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str) -> None:
+REPO = Path(__file__).resolve().parent.parent
+VS_PACKAGE = "pdrouter_vs"
+
+
+def export_renamed(rev: str, into: Path) -> None:
+    """Commit ``rev``'s ``pdrouter`` package as ``VS_PACKAGE`` in ``into``, its imports renamed, so
+    that both trees' transports load in one process."""
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "pdrouter"], check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    (into / "pdrouter").rename(into / VS_PACKAGE)
+    imports = re.compile(r"^(\s*)(from|import) pdrouter(?=[ .])", re.MULTILINE)
+    for path in (into / VS_PACKAGE).rglob("*.py"):
+        path.write_text(imports.sub(rf"\1\2 {VS_PACKAGE}", path.read_text()))
+
+
+def vs_transfer(folder: str | None) -> Any:
+    """The other tree's ``transfer`` package (``--vs``), or None."""
+    if folder is None:
+        return None
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module(f"{VS_PACKAGE}.transfer")
+
+
+def vs_layout(plan: Plan) -> Any:
+    module = importlib.import_module(f"{VS_PACKAGE}.core.kv_layout")
+    return module.KvLayout(**{f: getattr(plan.layout(), f) for f in (
+        "num_layers", "num_kv_heads", "head_dim", "block_size", "num_blocks", "dtype")})
+
+
+def vs_config(transfer: Any, token: str) -> Any:
+    return transfer.TransferConfig(auth_token=token, epoch=transfer.new_epoch(), socket_buffer_bytes=SOCKET_BUFFER)
+
+
+def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_folder: str | None = None) -> None:
     import threading
 
     layout = plan.layout()
     pool = torch.zeros(layout.shape, dtype=torch.bfloat16)
     pool.view(torch.uint8).view(-1).fill_(1)  # fault the pages in before timing anything
     receivers = {v: KvReceiver(pool, layout, variant_config(v, tls, token)) for v in VARIANTS}
+    if (other := vs_transfer(vs_folder)) is not None:
+        receivers["vs"] = other.KvReceiver(pool, vs_layout(plan), vs_config(other, token))
     handles: dict[str, Any] = {}
     try:
         while True:
@@ -186,16 +234,20 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str) -> No
 # -- sending process ----------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, plan: Plan, pki: Pki) -> None:
+    def __init__(self, plan: Plan, pki: Pki, vs_folder: str | None = None) -> None:
         self.plan = plan
         self.layout = plan.layout()
         self.pool = torch.empty(self.layout.shape, dtype=torch.bfloat16)
         self.pool.view(torch.int16).random_()
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_main, args=(child, plan, pki.receiver, TOKEN), daemon=True)
+        self.child = ctx.Process(target=receiver_main, args=(child, plan, pki.receiver, TOKEN, vs_folder),
+                                 daemon=True)
         self.child.start()
-        self.senders = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN)) for v in VARIANTS}
+        self.senders: dict[str, Any] = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN))
+                                        for v in VARIANTS}
+        if (other := vs_transfer(vs_folder)) is not None:
+            self.senders["vs"] = other.KvSender(self.pool, vs_layout(plan), vs_config(other, TOKEN))
         self.blocks = list(range(plan.blocks))
         self._seq = 0
         self.raw = self._raw_link(plan.transfer_bytes(), mac=False)
@@ -265,9 +317,37 @@ class Bench:
         self.child.join(30)
 
 
-def run(plan: Plan) -> dict[str, float]:
+def vs_rounds(bench: Bench, reps: int) -> dict[str, float]:
+    """One block with this tree's transport, ``--vs``'s and the raw socket, in turn (the order rotated
+    each round): the other tree's latency and the rounds' median ratios."""
+    one_block = [bench.blocks[0]]
+    runs: dict[str, Callable[[], float]] = {
+        "raw": functools.partial(bench.raw_round, one_block=True),
+        "mac": functools.partial(bench.transfer, "mac", one_block, layerwise=False),
+        "vs": functools.partial(bench.transfer, "vs", one_block, layerwise=False)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for _ in range(reps):
+        order = order[1:] + order[:1]
+        for name in order:
+            times[name].append(runs[name]())
+    ours = sorted(m / v for m, v in zip(times["mac"], times["vs"], strict=True))
+    return {"vs_tcp_one_block_latency_ms": statistics.median(times["vs"]) * 1e3,
+            "vs_tcp_one_block_vs_raw_ratio": statistics.median(
+                v / r for v, r in zip(times["vs"], times["raw"], strict=True)),
+            "tcp_one_block_vs_other_ratio": statistics.median(ours),
+            "tcp_one_block_vs_other_ratio_p10": ours[len(ours) // 10],
+            "tcp_one_block_vs_other_ratio_p90": ours[len(ours) * 9 // 10]}
+
+
+def run(plan: Plan, vs: str | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="kvbench-pki-") as folder:
-        bench = Bench(plan, Pki.create(Path(folder)))
+        vs_folder = None
+        if vs is not None:
+            vs_folder = str(Path(folder) / "vs")
+            Path(vs_folder).mkdir()
+            export_renamed(vs, Path(vs_folder))
+        bench = Bench(plan, Pki.create(Path(folder)), vs_folder)
         try:
             nbytes = plan.transfer_bytes()
             times: dict[str, list[float]] = {name: [] for name in ("raw", "raw_gmac", *VARIANTS)}
@@ -309,6 +389,7 @@ def run(plan: Plan) -> dict[str, float]:
             latency["pair_median"] = statistics.median(pairs)
             latency["pair_p10"] = pairs[len(pairs) // 10]
             latency["pair_p90"] = pairs[len(pairs) * 9 // 10]
+            other = vs_rounds(bench, plan.latency_reps * 5) if vs is not None else {}
         finally:
             bench.close()
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
@@ -341,6 +422,7 @@ def run(plan: Plan) -> dict[str, float]:
         "tcp_one_block_vs_raw_ratio": latency["pair_median"],
         "tcp_one_block_vs_raw_ratio_p10": latency["pair_p10"],
         "tcp_one_block_vs_raw_ratio_p90": latency["pair_p90"],
+        **other,
     }
 
 
@@ -351,10 +433,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB and fewer repetitions (< 30 s)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
+    parser.add_argument("--vs", default=None, metavar="REV",
+                        help="also move one block with commit REV's transport, in turn with this tree's")
     args = parser.parse_args(argv)
     plan = Plan(tokens=1024, reps=3, latency_reps=20) if args.quick else Plan(tokens=4096, reps=5,
                                                                                latency_reps=50)
-    figures = run(plan)
+    if args.vs is not None:
+        probe = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.vs}^{{commit}}"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            parser.error(f"--vs {args.vs}: not a commit of this repository")
+    figures = run(plan, args.vs)
     if args.json:
         print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
     else:

@@ -9,14 +9,14 @@ straight in the receiver's destination blocks.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 from pdrouter.transfer import frames
 from pdrouter.transfer.errors import ProtocolError
 from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
-from pdrouter.transfer.framed_socket import FramedSocket
+from pdrouter.transfer.framed_socket import Buffer, FramedSocket
 from pdrouter.transfer.integrity import MacFeed, MacHelper, PayloadMac
 from pdrouter.transfer.pool_bytes import PoolBytes
 
@@ -30,6 +30,9 @@ each is hashed right after the kernel copied it, while it is still in the CPU ca
 RECV_BATCH_BYTES = 1 << 20
 """The receiver reads up to this much per system call (one scatter-read straight into the blocks,
 waiting for all of it), then hashes it while it is still in cache."""
+RECV_TAIL_BYTES = 256 << 10
+"""A payload's last ``RECV_BATCH_BYTES`` are read in batches this small: the hash of the last batch
+is the one part of the receiver's work that no arriving byte hides, and it delays the answer."""
 MAC_BATCH_BYTES = 1 << 20
 """Pieces go to the MAC helper thread in batches of this much (fewer hand-overs)."""
 MAC_OFFLOAD_MIN_BYTES = 4 << 20
@@ -45,8 +48,11 @@ class DataPlane(Protocol):
     can_interrupt: bool
     """Whether closing the socket stops a payload midway (else it runs to its end or to a timeout)."""
 
-    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
-        """Write the DATA header on the socket and move the payload read from ``frame.src``."""
+    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame, *, before: Sequence[bytes] = (),
+                   after: Sequence[bytes] = ()) -> None:
+        """Write the DATA header on the socket and move the payload read from ``frame.src``; the
+        control messages ``before`` go ahead of the header and ``after`` behind the payload, with no
+        other message between them."""
         ...
 
     def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
@@ -75,7 +81,8 @@ class SocketPlane:
         self._macs = macs
         self._helper = MacHelper(f"kvt-mac-{fs.peer}") if offload else None
 
-    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
+    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame, *, before: Sequence[bytes] = (),
+                   after: Sequence[bytes] = ()) -> None:
         flags = frames.Flag.MAC_TRAILER if self._macs else frames.Flag.NO_CHECKSUM
         header = frames.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
                                   payload_checksum=0)
@@ -83,13 +90,19 @@ class SocketPlane:
         # gathered, one system call per SEND_CHUNK_BYTES rather than one per range.
         batches = _batches(self._view.chunks(frame.src, SEND_CHUNK_BYTES), SEND_CHUNK_BYTES, _MAX_BUFFERS)
         if frame.nbytes <= SEND_CHUNK_BYTES:
-            self._send_small(header, list(batches))
+            self._send_small(header, list(batches), before, after)
             return
         with self._fs.exclusive():
-            sealed = self._fs.write_header(header)
+            # The messages ahead (a BEGIN) leave with the header, those behind (an END) with the
+            # MAC: one system call each rather than one per message.
+            parts = self._seal_all(before)
+            header_parts, sealed = self._fs.seal(header)
+            self._fs.write_parts(parts + header_parts)
             if not self._macs:
                 for batch in batches:
                     self._fs.write_parts(batch)
+                if after:
+                    self._fs.write_parts(self._seal_all(after))
                 return
             feed = self._feed(self._fs.send_payload_mac(sealed), frame.nbytes)
             try:
@@ -100,14 +113,17 @@ class SocketPlane:
             except BaseException:
                 feed.settle()
                 raise
-            self._fs.write_all(tag)
+            self._fs.write_parts([tag, *self._seal_all(after)])
 
-    def _send_small(self, header: bytes, batches: list[list[memoryview]]) -> None:
+    def _send_small(self, header: bytes, batches: list[list[memoryview]], before: Sequence[bytes],
+                    after: Sequence[bytes]) -> None:
         """A payload of at most one write: hashed first, then the header, the payload and its MAC leave
-        in one system call (several for more pieces than one call takes)."""
+        in one system call (several for more pieces than one call takes), with ``before`` and ``after``."""
         pieces = [piece for batch in batches for piece in batch]
         with self._fs.exclusive():
-            parts, sealed = self._fs.seal(header)
+            parts = self._seal_all(before)
+            header_parts, sealed = self._fs.seal(header)
+            parts += header_parts
             if self._macs:
                 feed = self._feed(self._fs.send_payload_mac(sealed), sum(len(p) for p in pieces))
                 try:
@@ -118,7 +134,14 @@ class SocketPlane:
                     raise
             else:
                 parts += pieces
-            self._fs.write_parts(parts)
+            self._fs.write_parts(parts + self._seal_all(after))
+
+    def _seal_all(self, messages: Sequence[bytes]) -> list[Buffer]:
+        """The parts of ``messages`` sealed in order (inside ``exclusive``)."""
+        parts: list[Buffer] = []
+        for message in messages:
+            parts += self._fs.seal(message)[0]
+        return parts
 
     def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
@@ -130,9 +153,13 @@ class SocketPlane:
                 self._fs.discard(header.payload_len + trailer)  # nothing uses the bytes: no need to hash them
                 return None
             feed = self._feed(self._fs.recv_payload_mac(header), header.payload_len) if trailer else None
+            raw = bytearray(trailer)
             try:
-                for batch in _batches(self._view.chunks(span, RECV_BATCH_BYTES), RECV_BATCH_BYTES, _MAX_BUFFERS):
-                    self._fs.read_exact_into(batch)
+                batches = list(_tail_batches(self._view.chunks(span, RECV_TAIL_BYTES), header.payload_len))
+                last = len(batches) - 1
+                for i, batch in enumerate(batches):
+                    # the MAC trailer comes in the same read as the last batch
+                    self._fs.read_exact_into([*batch, memoryview(raw)] if i == last and trailer else batch)
                     if feed is not None:
                         feed.add_all(batch)  # just landed, still in cache
                 expected = feed.finish() if feed is not None else b""
@@ -142,8 +169,6 @@ class SocketPlane:
                 raise
         if not trailer:
             return None
-        raw = bytearray(trailer)
-        self._fs.read_exact_into([memoryview(raw)])
         return hmac.compare_digest(expected, bytes(raw))
 
     def close(self) -> None:
@@ -154,6 +179,24 @@ class SocketPlane:
     def _feed(self, mac: PayloadMac, nbytes: int) -> MacFeed:
         helper = self._helper if nbytes >= MAC_OFFLOAD_MIN_BYTES else None
         return MacFeed(mac, helper, MAC_BATCH_BYTES)
+
+
+def _tail_batches(pieces: list[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
+    """``pieces`` (at most ``RECV_TAIL_BYTES`` each, ``nbytes`` in all) grouped for reading: batches of
+    ``RECV_BATCH_BYTES``, then ``RECV_TAIL_BYTES`` for the last ``RECV_BATCH_BYTES``."""
+    batch: list[memoryview] = []
+    size = 0
+    left = nbytes
+    for piece in pieces:
+        limit = RECV_BATCH_BYTES if left > RECV_BATCH_BYTES else RECV_TAIL_BYTES
+        if batch and (size + len(piece) > limit or len(batch) == _MAX_BUFFERS):
+            yield batch
+            left -= size
+            batch, size = [], 0
+        batch.append(piece)
+        size += len(piece)
+    if batch:
+        yield batch
 
 
 def _batches(buffers: list[memoryview], max_bytes: int, max_count: int) -> Iterator[list[memoryview]]:

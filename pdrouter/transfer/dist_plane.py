@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -88,14 +89,17 @@ class DistPlane:
         self._timeout = datetime.timedelta(seconds=timeout_s)
         self._scratch: torch.Tensor | None = None
 
-    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame) -> None:
+    def send_frame(self, transfer_id: str, seq: int, frame: PlannedFrame, *, before: Sequence[bytes] = (),
+                   after: Sequence[bytes] = ()) -> None:
         flags = frames.Flag.OUT_OF_BAND | (frames.Flag.NONE if self._hash else frames.Flag.NO_CHECKSUM)
         digest = self._view.checksum(frame.src) if self._hash else 0
-        self._fs.send(frames.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
-                                       payload_checksum=digest))  # the header's MAC covers the digest
-        tensors = self._view.tensors(frame.src)
+        self._fs.send_many([*before, frames.encode_data(transfer_id, seq, frame.dst, flags=flags,
+                                                        payload_len=frame.nbytes, payload_checksum=digest)])
+        tensors = self._view.tensors(frame.src)  # the header's MAC covers the digest
         works = [self._group.send([t], self._peer, tag) for tag, t in enumerate(tensors)]
         self._wait(works, "send")
+        if after:
+            self._fs.send_many(after)
 
     def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
         with guard() as ok:

@@ -191,9 +191,9 @@ class ReceiverConnection:
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
             done = frames.encode_control(frames.Done(data.transfer_id))
-            if self._unacked and not self.fs.has_data():  # going idle: the credit goes with DONE, in one write
-                ack, self._unacked = frames.encode_ack(self._unacked), 0
-                self._send_many([ack, done])
+            if self._unacked:  # the credit goes right behind DONE, in one write: the sender reads both
+                ack, self._unacked = frames.encode_ack(self._unacked), 0  # at once, not a late ACK
+                self._send_many([done, ack])
             else:
                 self._send(done)
 

@@ -40,6 +40,8 @@ class SenderConnection:
         self._urgent: deque[bytes] = deque()
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._inflight = 0
+        self._credit_waiter = False
+        """Whether the writer waits for credit (an ACK wakes it only then)."""
         self._dead: PdRouterError | None = None
         self._writer = threading.Thread(target=self._write_loop, name=f"kvt-send-{fs.peer}", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name=f"kvt-acks-{fs.peer}", daemon=True)
@@ -102,8 +104,10 @@ class SenderConnection:
                 thread.join(timeout=self._config.progress_timeout_s + 1)
 
     # -- threads ----------------------------------------------------------------------------------
-    def _next(self) -> bytes | OutItem | None:
-        """The next message to write, round-robin across transfers; None once the connection died."""
+    def _next(self) -> bytes | list[OutItem] | None:
+        """The next message to write, round-robin across transfers, or the next few of one transfer
+        that go out together (a BEGIN with the DATA behind it, a DATA with the END behind it); None
+        once the connection died."""
         with self._cv:
             while True:
                 if self._dead is not None:
@@ -112,39 +116,56 @@ class SenderConnection:
                     return self._urgent.popleft()
                 if self._queues:
                     tid, queue = next(iter(self._queues.items()))
-                    item = queue.popleft()
-                    if isinstance(item, DataItem) and queue:
-                        item = _coalesce(item, queue, self._config.max_frame_bytes)
-                    if queue:
-                        self._queues.move_to_end(tid)
-                    else:
-                        del self._queues[tid]
-                    return item
+                    return self._pop(tid, queue)
                 self._cv.wait()
+
+    def _pop(self, tid: str, queue: deque[OutItem]) -> list[OutItem]:
+        """The next messages of one transfer to go out together (under the lock)."""
+        items = _group(queue, self._config.max_frame_bytes)
+        if queue:
+            self._queues.move_to_end(tid)
+        else:
+            del self._queues[tid]
+        return items
 
     def _write_loop(self) -> None:
         try:
             while (item := self._next()) is not None:
                 if isinstance(item, bytes):
                     self.fs.send(item)
-                elif isinstance(item, DataItem):
-                    self._send_data(item)
-                elif item.transfer.state.terminal:
-                    continue
-                elif isinstance(item, BeginItem):
-                    self.fs.send(frames.encode_control(_begin(item.transfer, self._compat)))
-                elif isinstance(item, EndItem):
-                    self.fs.send(frames.encode_control(frames.End(item.transfer.transfer_id, item.frames,
-                                                              item.nbytes)))
+                elif not item[0].transfer.state.terminal:
+                    self._write_items(item)
         except PdRouterError as exc:
             self._die(exc)
 
-    def _send_data(self, item: DataItem) -> None:
+    def _write_items(self, items: list[OutItem]) -> None:
+        """One transfer's messages, in order: its DATA (at most one) carries the others with it."""
+        before: list[bytes] = []
+        after: list[bytes] = []
+        data: DataItem | None = None
+        for item in items:
+            if isinstance(item, DataItem):
+                data = item
+            elif isinstance(item, BeginItem):
+                (after if data else before).append(frames.encode_control(_begin(item.transfer, self._compat)))
+            else:
+                (after if data else before).append(frames.encode_control(
+                    frames.End(item.transfer.transfer_id, item.frames, item.nbytes)))
+        if data is not None:
+            self._send_data(data, before, after)
+        else:
+            self.fs.send_many(before)
+
+    def _send_data(self, item: DataItem, before: list[bytes], after: list[bytes]) -> None:
         nbytes = item.frame.nbytes
         limit = self._config.max_inflight_bytes or float("inf")
         with self._cv:
-            fits = self._cv.wait_for(lambda: self._dead is not None or self._inflight == 0
-                                     or self._inflight + nbytes <= limit, self._config.progress_timeout_s)
+            self._credit_waiter = True
+            try:
+                fits = self._cv.wait_for(lambda: self._dead is not None or self._inflight == 0
+                                         or self._inflight + nbytes <= limit, self._config.progress_timeout_s)
+            finally:
+                self._credit_waiter = False
             if not fits:
                 raise PeerLostError(f"receiver at {self.peer.address} acknowledged nothing for "
                                     f"{self._config.progress_timeout_s}s")
@@ -152,7 +173,7 @@ class SenderConnection:
                 return
             if self._config.max_inflight_bytes:
                 self._inflight += nbytes
-        self._plane.send_frame(item.transfer.transfer_id, item.seq, item.frame)
+        self._plane.send_frame(item.transfer.transfer_id, item.seq, item.frame, before=before, after=after)
 
     def _read_loop(self) -> None:
         try:
@@ -161,7 +182,8 @@ class SenderConnection:
                 if header.kind is frames.Kind.ACK:
                     with self._cv:
                         self._inflight -= frames.decode_ack(header)
-                        self._cv.notify_all()
+                        if self._credit_waiter:  # else the writer has nothing to wake for
+                            self._cv.notify_all()
                     continue
                 msg = frames.decode_control(header)
                 if isinstance(msg, frames.Done):
@@ -201,6 +223,21 @@ class SenderConnection:
                 f"transfer {transfer.transfer_id}: {exc.message}")
             transfer.fail(err, tell_peer=False)
         self._on_dead(self)
+
+
+def _group(queue: deque[OutItem], max_frame_bytes: int) -> list[OutItem]:
+    """The messages at the head of one transfer's ``queue`` that go out in one go, taken off it: a
+    BEGIN with the DATA right behind it, a DATA (merged with the next layers, ``_coalesce``) with the
+    END right behind it. The receiver reads them in one wake-up instead of one each."""
+    items = [queue.popleft()]
+    if isinstance(items[0], BeginItem) and queue and isinstance(queue[0], DataItem):
+        items.append(queue.popleft())
+    if isinstance(items[-1], DataItem):
+        if queue:
+            items[-1] = _coalesce(items[-1], queue, max_frame_bytes)
+        if queue and isinstance(queue[0], EndItem):
+            items.append(queue.popleft())
+    return items
 
 
 def _coalesce(item: DataItem, queue: deque[OutItem], max_bytes: int) -> DataItem:
