@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 from pdrouter.transfer import frames
 from pdrouter.transfer.errors import PeerLostError, ProtocolError
@@ -26,6 +27,7 @@ _DISCARD_CHUNK = 1 << 20
 _TLS_READ_BYTES = 256 << 10
 _QUANTUM_S = 0.25
 Buffer = bytes | memoryview
+"""What is written: bytes, or a flat memoryview of bytes (format ``B``)."""
 
 
 @dataclass(frozen=True)
@@ -265,7 +267,9 @@ class FramedSocket:
         self._send_raw([tls.encrypt(p) for p in parts if len(p)])
 
     def _send_raw(self, parts: Sequence[Buffer]) -> None:
-        bufs = [memoryview(p).cast("B") for p in parts if len(p)]
+        # Every part is bytes or a flat view of bytes (messages, MACs, ``PoolBytes`` ranges), so
+        # len() counts bytes and the parts go to the kernel as they are.
+        bufs = [p for p in parts if len(p)]
         try:
             i = 0
             while i < len(bufs):
@@ -462,7 +466,10 @@ class FramedSocket:
 _HANDSHAKE_KINDS = frozenset(int(k) for k in frames.HANDSHAKE_KINDS)
 
 
-def _advance(bufs: list[memoryview], i: int, nbytes: int) -> int:
+_B = TypeVar("_B", bound=Buffer)
+
+
+def _advance(bufs: list[_B], i: int, nbytes: int) -> int:
     """Consume ``nbytes`` from ``bufs[i:]`` in place; the index of the first unfinished buffer."""
     while nbytes > 0:
         length = len(bufs[i])
@@ -470,6 +477,6 @@ def _advance(bufs: list[memoryview], i: int, nbytes: int) -> int:
             nbytes -= length
             i += 1
         else:
-            bufs[i] = bufs[i][nbytes:]
+            bufs[i] = bufs[i][nbytes:]  # type: ignore[assignment]  # a slice is of the same type
             nbytes = 0
     return i

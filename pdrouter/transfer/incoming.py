@@ -173,8 +173,10 @@ class IncomingTransfer:
             raise ProtocolError(f"transfer {self.transfer_id}: a frame names a block twice")
         return positions
 
-    def mark_landed(self, layer_start: int, layer_end: int, positions: np.ndarray, nbytes: int) -> None:
-        """Record verified blocks; the transfer is DONE when every block of every layer landed."""
+    def mark_landed(self, layer_start: int, layer_end: int, positions: np.ndarray, nbytes: int, *,
+                    on_done: Callable[[], None] | None = None) -> None:
+        """Record verified blocks; the transfer is DONE when every block of every layer landed.
+        ``on_done`` runs as it becomes DONE, before its waiters are woken (it tells the sender)."""
         rows = slice(layer_start - self.target.layer_start, layer_end - self.target.layer_start)
         with self._life.cond:
             if self.state is not TransferState.TRANSFERRING:
@@ -183,10 +185,16 @@ class IncomingTransfer:
             self._missing[rows] -= len(positions)
             self.bytes_landed += nbytes
             complete = not self._missing.any()
-        if complete and self._life.advance(TransferState.DONE):
-            self._on_finished(self)
-        else:
+        if not complete:
             self._life.notify()
+            return
+
+        def settled() -> None:  # the receiver's books first, then the sender hears it, then waiters wake
+            self._on_finished(self)
+            if on_done is not None:
+                on_done()
+
+        self._life.advance(TransferState.DONE, before_wake=settled)
 
     def end_of_stream(self) -> None:
         """The sender says it sent everything: fail if anything is missing."""

@@ -72,8 +72,13 @@ class Lifecycle:
     def error(self) -> PdRouterError | None:
         return self._error
 
-    def advance(self, to: TransferState, error: PdRouterError | None = None) -> bool:
-        """Move to ``to``; False (and no change) when already terminal. FAILED needs an error."""
+    def advance(self, to: TransferState, error: PdRouterError | None = None, *,
+                before_wake: Callable[[], None] | None = None) -> bool:
+        """Move to ``to``; False (and no change) when already terminal. FAILED needs an error.
+
+        ``before_wake`` runs once the state has moved, before waiters are woken (outside the lock):
+        what the peer must hear first, ahead of this side's own bookkeeping.
+        """
         if (to is TransferState.FAILED) != (error is not None):
             raise IllegalTransitionError(f"FAILED needs an error and only FAILED takes one ({to}, {error!r})")
         with self.cond:
@@ -83,7 +88,12 @@ class Lifecycle:
                 raise IllegalTransitionError(f"transfer cannot go from {self._state.name} to {to.name}")
             self._state = to
             self._error = None if error is None else error.with_traceback(None)
-            self.cond.notify_all()
+            if before_wake is None:
+                self.cond.notify_all()
+        if before_wake is not None:
+            before_wake()
+            with self.cond:
+                self.cond.notify_all()
         self._call_listeners()
         return True
 

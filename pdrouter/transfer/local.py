@@ -153,6 +153,9 @@ class _LocalLink:
         if error is not None:
             self.refuse(transfer.transfer_id, error)
 
+    def write_now(self, transfer: OutgoingTransfer) -> None:
+        return None  # items run as they are submitted
+
     def refuse(self, transfer_id: str, error: PdRouterError) -> None:
         incoming = self._receiver.book.lookup(transfer_id)
         if incoming is not None and incoming.target.sender_epoch in (0, self._sender_epoch):

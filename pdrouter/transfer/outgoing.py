@@ -47,6 +47,10 @@ class FrameSink(Protocol):
         """Drop the transfer's queued items; tell the receiver ``error`` unless it is None."""
         ...
 
+    def write_now(self, transfer: OutgoingTransfer) -> None:
+        """Send the transfer's queued items from the calling thread where that is quick, else leave them."""
+        ...
+
 
 class OutgoingTransfer:
     """One transfer being sent: ``send_layers`` as layers are computed, then ``finish``.
@@ -121,6 +125,8 @@ class OutgoingTransfer:
     def finish(self, timeout: float | None = None) -> None:
         """Declare the transfer complete and wait for the receiver's confirmation."""
         timeout = self._end(timeout)
+        if not self.state.terminal:
+            self._sink.write_now(self)  # this thread waits next: it may as well write
         if not self._life.wait_for(lambda: self.state.terminal, timeout):
             self._expired(timeout)
         self._raise_if_failed()

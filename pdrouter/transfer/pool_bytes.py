@@ -56,6 +56,8 @@ class PoolBytes:
         self.layout = layout
         self.half_block_bytes = layout.block_elems * layout.dtype_bytes
         self.is_cuda = is_cuda
+        if memory is not None and (memory.format != "B" or memory.ndim != 1):
+            memory = memory.cast("B")  # flat bytes: the socket writes the views it hands out as they are
         self._memory = memory
 
     @classmethod
@@ -97,7 +99,16 @@ class PoolBytes:
 
     def chunks(self, span: FrameSpan, limit: int) -> list[memoryview]:
         """``buffers`` with each range cut into pieces of at most ``limit`` bytes."""
-        return [buf[start:start + limit] for buf in self.buffers(span) for start in range(0, len(buf), limit)]
+        if self._memory is None:
+            raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
+        mem = self._memory
+        out: list[memoryview] = []
+        for off, n in self.pieces(span):
+            if n <= limit:  # the usual case (a block's layer is tens of KiB): one slice, no loop
+                out.append(mem[off:off + n])
+            else:
+                out.extend(mem[start:min(start + limit, off + n)] for start in range(off, off + n, limit))
+        return out
 
     def checksum(self, span: FrameSpan) -> int:
         """xxh3-64 of the span's payload (CPU pools only)."""

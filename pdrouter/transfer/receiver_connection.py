@@ -187,15 +187,20 @@ class ReceiverConnection:
         if verified is False:
             incoming.checksum_failed(data.seq)
             return
-        incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len)
+        incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len,
+                             on_done=lambda: self._send_done(data.transfer_id))
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
-            done = frames.encode_control(frames.Done(data.transfer_id))
-            if self._unacked:  # the credit goes right behind DONE, in one write: the sender reads both
-                ack, self._unacked = frames.encode_ack(self._unacked), 0  # at once, not a late ACK
-                self._send_many([done, ack])
-            else:
-                self._send(done)
+
+    def _send_done(self, transfer_id: str) -> None:
+        """DONE, with the credit still owed ahead of it in the same write (the sender reads both at
+        once); sent before the transfer's own waiters here are woken."""
+        done = frames.encode_control(frames.Done(transfer_id))
+        if self._unacked:
+            ack, self._unacked = frames.encode_ack(self._unacked), 0
+            self._send_many([ack, done])
+        else:
+            self._send(done)
 
     def _on_sender_error(self, msg: frames.ErrorMsg) -> None:
         assert self._peer is not None

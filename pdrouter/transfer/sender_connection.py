@@ -41,6 +41,8 @@ class SenderConnection:
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._inflight = 0
         self._credit_waiter = False
+        self._writing = False
+        """Whether a thread (the writer, or a caller in ``write_now``) is writing on the socket."""
         """Whether the writer waits for credit (an ACK wakes it only then)."""
         self._dead: PdRouterError | None = None
         self._writer = threading.Thread(target=self._write_loop, name=f"kvt-send-{fs.peer}", daemon=True)
@@ -75,6 +77,36 @@ class SenderConnection:
                 return  # the transfer already failed (the caller learns it from the handle)
             self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
             self._cv.notify_all()
+
+    def write_now(self, transfer: OutgoingTransfer) -> None:
+        """Write ``transfer``'s queued messages from the calling thread, when the connection has
+        nothing else to do: no other transfer queued, nothing being written, nothing unacknowledged,
+        and the bytes fit in the socket buffers (so no write waits for the receiver). A thread about
+        to wait for the transfer's confirmation then needs no hand-off to the writer thread.
+        Otherwise the writer thread sends them."""
+        budget = self._config.socket_buffer_bytes // 2
+        if not self._config.max_inflight_bytes:
+            return  # nothing is counted in flight: whether the receiver keeps up is not known
+        while True:
+            with self._cv:
+                queue = self._queues.get(transfer.transfer_id)
+                if (self._dead is not None or self._writing or self._urgent or self._inflight or not queue
+                        or len(self._queues) > 1
+                        or sum(item.frame.nbytes for item in queue if isinstance(item, DataItem)) > budget):
+                    return
+                items = self._pop(transfer.transfer_id, queue)
+                self._writing = True
+            try:
+                if not transfer.state.terminal:
+                    self._write_items(items)
+            except PdRouterError as exc:
+                self._die(exc)
+                return
+            finally:
+                with self._cv:
+                    self._writing = False
+                    if self._queues or self._urgent:
+                        self._cv.notify_all()
 
     def cancel(self, transfer: OutgoingTransfer, error: PdRouterError | None) -> None:
         with self._cv:
@@ -112,10 +144,15 @@ class SenderConnection:
             while True:
                 if self._dead is not None:
                     return None
+                if self._writing:  # a caller writes its own transfer (write_now)
+                    self._cv.wait()
+                    continue
                 if self._urgent:
+                    self._writing = True
                     return self._urgent.popleft()
                 if self._queues:
                     tid, queue = next(iter(self._queues.items()))
+                    self._writing = True
                     return self._pop(tid, queue)
                 self._cv.wait()
 
@@ -131,10 +168,14 @@ class SenderConnection:
     def _write_loop(self) -> None:
         try:
             while (item := self._next()) is not None:
-                if isinstance(item, bytes):
-                    self.fs.send(item)
-                elif not item[0].transfer.state.terminal:
-                    self._write_items(item)
+                try:
+                    if isinstance(item, bytes):
+                        self.fs.send(item)
+                    elif not item[0].transfer.state.terminal:
+                        self._write_items(item)
+                finally:
+                    with self._cv:
+                        self._writing = False
         except PdRouterError as exc:
             self._die(exc)
 

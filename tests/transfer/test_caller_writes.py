@@ -1,0 +1,66 @@
+"""A thread that waits for its transfer's confirmation (``finish``) writes the transfer itself when
+the connection is idle, and leaves it to the writer thread otherwise (real sockets, one process)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from pdrouter.transfer import TransferState
+from pdrouter.transfer.sender_connection import SenderConnection
+
+from .factories import Pair, blocks_equal
+
+
+@pytest.fixture
+def writers(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The name of the thread that wrote each group of messages."""
+    seen: list[str] = []
+    write = SenderConnection._write_items
+
+    def spy(self: SenderConnection, items: Any) -> None:
+        seen.append(threading.current_thread().name)
+        write(self, items)
+
+    monkeypatch.setattr(SenderConnection, "_write_items", spy)
+    return seen
+
+
+def test_an_idle_connection_is_written_by_the_waiting_caller(make_pair: Callable[..., Pair],
+                                                            writers: list[str]) -> None:
+    pair = make_pair()
+    pair.sender.connect(pair.receiver.address)
+    for i in range(5):
+        handle = pair.receiver.expect(f"t-{i}", [3, 4], timeout_s=30)
+        transfer = pair.sender.open_transfer(handle.target)
+        transfer.send_layers([1, 2])
+        # the writer thread may wake for the BEGIN before this thread gets here; what is left
+        # (the DATA and END at least) is written by the caller
+        transfer.finish(30)
+        handle.wait_all(30)
+        assert transfer.state is TransferState.DONE
+        assert blocks_equal(pair.src, [1, 2], pair.dst, [3, 4])
+    assert threading.current_thread().name in writers
+    pair.assert_released()
+
+
+def test_beside_another_transfer_the_writer_thread_writes(make_pair: Callable[..., Pair],
+                                                          writers: list[str]) -> None:
+    pair = make_pair()
+    pair.sender.connect(pair.receiver.address)
+    first = pair.receiver.expect("first", [3], timeout_s=30)
+    second = pair.receiver.expect("second", [4], timeout_s=30)
+    a = pair.sender.open_transfer(first.target)
+    b = pair.sender.open_transfer(second.target)  # queued behind a's BEGIN: the connection is shared
+    a.send_layers([1])
+    b.send_layers([2])
+    b.finish(30)  # a's messages are queued too: b waits its turn with the writer thread
+    assert writers and all(name.startswith("kvt-send") for name in writers)
+    a.finish(30)
+    first.wait_all(30)
+    second.wait_all(30)
+    assert blocks_equal(pair.src, [1, 2], pair.dst, [3, 4])
+    pair.assert_released()
