@@ -1,8 +1,10 @@
 """One sender-side connection to a receiver: a fair send queue, bounded bytes in flight, and a reader.
 
 Transfers to the same receiver share the connection. The writer thread takes one message at a
-time, round-robin across transfers (a one-block request does not wait behind a 512 MiB one), and
-keeps at most ``max_inflight_bytes`` of payload unacknowledged. The reader thread turns ACK,
+time (a BEGIN or END goes with the DATA beside it), round-robin across transfers (a one-block
+request does not wait behind a 512 MiB one), and keeps at most ``max_inflight_bytes`` of payload
+unacknowledged. A caller about to wait in ``finish`` writes its own transfer instead when nothing
+else is queued or unacknowledged (``write_now``). The reader thread turns ACK,
 DONE and ERROR messages into credit and transfer outcomes. Any connection failure fails every
 transfer on it with ``PeerLostError`` (or the error that broke it) and closes the socket.
 """
