@@ -70,6 +70,9 @@ class ServeOrder:
     """The prompt's cache salt (``pdrouter.core.hashing.cache_salt_key``; empty: none)."""
     priority: int = 0
     """The engines' scheduling priority, lower first (``ServeRequest.priority``)."""
+    prompt_token_bytes: bytes = b""
+    """``prompt_token_ids`` packed (``pdrouter.core.tokens.pack_token_ids``) when the sender has them
+    already; empty: packed when the order is sent."""
 
 
 @dataclass(slots=True)

@@ -91,12 +91,16 @@ class BlockHasher:
         n_blocks = len(tokens) // self.block_size
         if n_blocks == 0:
             return []
-        data = pack_token_ids(tokens[: n_blocks * self.block_size])
+        return self.hash_packed(pack_token_ids(tokens[: n_blocks * self.block_size]), parent)
+
+    def hash_packed(self, data: bytes, parent: BlockHash | None = None) -> list[BlockHash]:
+        """``hash_blocks`` of a prompt already packed by ``pack_token_ids`` (4 bytes an id), such as
+        the one a request sends its workers: the prompt is packed once for both."""
         step = self.block_size * 4
         prev: bytes = self._root if parent is None else parent
         out: list[bytes] = []
         append, h = out.append, _hash128
-        for off in range(0, n_blocks * step, step):
+        for off in range(0, len(data) // step * step, step):
             prev = h(prev + data[off : off + step])
             append(prev)
         return out  # type: ignore[return-value]  # bytes are BlockHash values; no per-item wrap

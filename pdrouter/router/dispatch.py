@@ -307,7 +307,7 @@ class PoolDispatcher:
         if not candidates:
             return None
         start = time.perf_counter()
-        hashes = self.hasher.hash_blocks(request.prompt_token_ids, self.hasher.salted_root(request.cache_salt))
+        hashes = self.hasher.hash_packed(request.prompt_token_bytes, self.hasher.salted_root(request.cache_salt))
         workers = [(h.worker_id, h.record.epoch) for h in candidates]
         return _Lookup(self, self.prefix_index.lookup_soon(hashes), workers, start)
 
@@ -369,7 +369,7 @@ class PoolDispatcher:
                 call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                               timeout=self._timeout(request), whole=request.whole,
                                               cache_salt=request.cache_salt, metadata=self._call_metadata(request),
-                                              priority=engine_priority)
+                                              priority=engine_priority, prompt_token_bytes=request.prompt_token_bytes)
                 async for delta in call:
                     if not answered and request.trace is not None:
                         self._first_token(request)
@@ -536,7 +536,8 @@ class PoolDispatcher:
                                  lane_address=h.record.lane_address if h.lane is not None else "",
                                  cached_tokens=cached)
                     for h, cached in ranked],
-            whole=request.whole, cache_salt=request.cache_salt, priority=priority)
+            whole=request.whole, cache_salt=request.cache_salt, priority=priority,
+            prompt_token_bytes=request.prompt_token_bytes)
         if placing is not None:
             self._placed(placing, decode, ranked)
         return Placement(decode, reservation, ranked, order)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Protocol
 
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant
-from pdrouter.core.tokens import FinishReason, TokenDelta, Usage
+from pdrouter.core.tokens import FinishReason, TokenDelta, Usage, pack_token_ids
 
 __all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage"]
 
@@ -47,6 +48,11 @@ class RouterRequest:
     tenant's part and its own ``cache_salt``); empty: none."""
     trace: Any = None
     """The request's span (``pdrouter.core.tracing``), when the router traces; None otherwise."""
+
+    @cached_property
+    def prompt_token_bytes(self) -> bytes:
+        """The prompt packed as the worker protocol and the block hashes take it, once per request."""
+        return pack_token_ids(self.prompt_token_ids)
 
 
 @dataclass(frozen=True)

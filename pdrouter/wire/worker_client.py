@@ -57,7 +57,8 @@ def report_to_pb(report: PrefillReport) -> common_pb2.PrefillReport:
 
 def serve_order_to_pb(order: ServeOrder) -> worker_pb2.ServeRequest:
     return worker_pb2.ServeRequest(
-        request_id=order.request_id, prompt_token_bytes=pack_token_ids(order.prompt_token_ids),
+        request_id=order.request_id,
+        prompt_token_bytes=order.prompt_token_bytes or pack_token_ids(order.prompt_token_ids),
         sampling=sampling_to_pb(order.sampling), model_compat_hash=order.model_compat_hash,
         backend=order.backend, local_prefill_tokens=order.local_prefill_tokens,
         prefill=[worker_pb2.PrefillRoute(worker_id=r.worker_id, address=r.address, lane_address=r.lane_address,
@@ -231,11 +232,13 @@ class WorkerClient:
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None, whole: bool = False, cache_salt: bytes = b"",
-                 metadata: Sequence[tuple[str, str]] | None = None, priority: int = 0) -> TokenStream:
+                 metadata: Sequence[tuple[str, str]] | None = None, priority: int = 0,
+                 prompt_token_bytes: bytes = b"") -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
-        (``whole``: every token in one chunk at the end)."""
-        msg = worker_pb2.WorkerGenerateRequest(request_id=request_id,
-                                               prompt_token_bytes=pack_token_ids(prompt_token_ids),
+        (``whole``: every token in one chunk at the end; ``prompt_token_bytes``: the prompt already
+        packed, if the caller has it)."""
+        packed = prompt_token_bytes or pack_token_ids(prompt_token_ids)
+        msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_bytes=packed,
                                                sampling=sampling_to_pb(sampling), whole=whole,
                                                cache_salt=cache_salt, priority=priority)
         try:

@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdrouter.core.hashing import BlockHasher, hash_blocks, root_hash
+from pdrouter.core.tokens import pack_token_ids
 
 TOKENS = list(range(1000, 1000 + 100))
 
@@ -93,3 +94,12 @@ def test_a_request_salt_never_reproduces_a_tenants_part() -> None:
     for forged in ("team-a", "\x06\x00\x00\x00\x00\x00\x00\x00team-a", "a", ""):
         assert cache_salt_key(None, forged or None) != cache_salt_key("team-a", None)
         assert cache_salt_key("team-b", forged or None) != cache_salt_key("team-a", None)
+
+
+def test_a_packed_prompt_hashes_as_its_ids() -> None:
+    hasher = BlockHasher(16, seed=3)
+    parent = hasher.salted_root(b"tenant")
+    for tokens in (TOKENS, TOKENS[:96], TOKENS[:15], []):
+        packed = pack_token_ids(tokens)
+        assert hasher.hash_packed(packed) == hasher.hash_blocks(tokens)
+        assert hasher.hash_packed(packed, parent) == hasher.hash_blocks(tokens, parent)

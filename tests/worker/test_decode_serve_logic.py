@@ -18,6 +18,7 @@ from pdrouter.core.disaggregation import PrefillFailure, PrefillOutcome, Prefill
 from pdrouter.core.errors import InvalidRequestError, PdRouterError, TransferError, UnavailableError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.engine.outputs import FinishReason, KvReservation, RequestOutput
 from pdrouter.transfer.target import TransferTarget
 from pdrouter.wire.convert import prompt_from_pb, sampling_from_pb, sampling_to_pb
@@ -256,6 +257,10 @@ def test_serve_order_and_report_convert_both_ways() -> None:
                    backend="tcp", local_prefill_tokens=32,
                    routes=(A, PrefillRoute("p", "h:1", "h:2", cached_tokens=16)))
     assert serve_order_from_pb(serve_order_to_pb(o)) == o
+    packed = ServeOrder(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, model_compat_hash="m",
+                        backend="tcp", local_prefill_tokens=32, prompt_token_bytes=pack_token_ids([1, 2, 3]))
+    assert serve_order_to_pb(packed).prompt_token_bytes == pack_token_ids([1, 2, 3])  # sent as it came
+    assert list(serve_order_from_pb(serve_order_to_pb(packed)).prompt_token_ids) == [1, 2, 3]
     msg = common_pb2.PrefillReport(prompt_tokens=40, decode_cached_tokens=16)
     msg.failures.add(worker_id="a", code="UNAVAILABLE", message="gone")
     msg.worker_id, msg.cached_tokens, msg.compute_ms, msg.transfer_ms, msg.bytes_sent = "b", 32, 1.25, 0.5, 4096
