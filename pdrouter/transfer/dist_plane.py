@@ -93,9 +93,10 @@ class DistPlane:
                    after: Sequence[bytes] = ()) -> None:
         flags = frames.Flag.OUT_OF_BAND | (frames.Flag.NONE if self._hash else frames.Flag.NO_CHECKSUM)
         digest = self._view.checksum(frame.src) if self._hash else 0
-        self._fs.send_many([*before, frames.encode_data(transfer_id, seq, frame.dst, flags=flags,
-                                                        payload_len=frame.nbytes, payload_checksum=digest)])
-        tensors = self._view.tensors(frame.src)  # the header's MAC covers the digest
+        header = frames.encode_data(transfer_id, seq, frame.dst, flags=flags, payload_len=frame.nbytes,
+                                    payload_checksum=digest)  # the header's MAC covers the digest
+        self._fs.send_many([*before, header])
+        tensors = self._view.tensors(frame.src)
         works = [self._group.send([t], self._peer, tag) for tag, t in enumerate(tensors)]
         self._wait(works, "send")
         if after:

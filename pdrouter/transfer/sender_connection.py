@@ -43,9 +43,9 @@ class SenderConnection:
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._inflight = 0
         self._credit_waiter = False
+        """Whether the writer waits for credit (an ACK wakes it only then)."""
         self._writing = False
         """Whether a thread (the writer, or a caller in ``write_now``) is writing on the socket."""
-        """Whether the writer waits for credit (an ACK wakes it only then)."""
         self._dead: PdRouterError | None = None
         self._writer = threading.Thread(target=self._write_loop, name=f"kvt-send-{fs.peer}", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name=f"kvt-acks-{fs.peer}", daemon=True)
