@@ -14,6 +14,8 @@ set -eu
 project=${1:?usage: compose-wait.sh PROJECT [TIMEOUT_S]}
 timeout_s=${2:-300}
 docker=${DOCKER:-docker}
+# Whole seconds: past the deadline means at least timeout_s have gone by, whatever the fraction of a
+# second it started in.
 deadline=$(( $(date +%s) + timeout_s ))
 
 states() {
@@ -27,7 +29,7 @@ states() {
 while :; do
   if ! out=$(states); then
     # A container removed between ps and inspect, or no daemon: try again until the deadline.
-    if [ "$(date +%s)" -ge "$deadline" ]; then
+    if [ "$(date +%s)" -gt "$deadline" ]; then
       echo "compose-wait: $project not ready: cannot list its containers ($docker ps / inspect failed)" >&2
       exit 1
     fi
@@ -59,7 +61,7 @@ EOF
   if [ "$verdict" = ready ]; then
     exit 0
   fi
-  if [ "$verdict" = failed ] || [ "$(date +%s)" -ge "$deadline" ]; then
+  if [ "$verdict" = failed ] || [ "$(date +%s)" -gt "$deadline" ]; then
     [ "$verdict" = failed ] || problem="timed out after ${timeout_s} s: $problem"
     echo "compose-wait: $project not ready: $problem" >&2
     printf '%s\n' "$out" | sed 's/^\//  /' >&2
