@@ -96,7 +96,12 @@ BOUNDS = {"mfu": (1e-4, 1.0), "mbu": (1e-3, 1.0), "kv_mbu": (1e-4, 1.0), "step_o
           "decode_step_overhead_s": (0.0, 0.2), "per_seq_overhead_s": (0.0, 0.02)}
 SHORT_CONTEXT, LONG_CONTEXT = 32, 768
 """The decode probes' prompt lengths."""
-DECODE_TOKENS = 32
+DECODE_TOKENS = 48
+"""The decode probes' output: the default workload's median, so that a probe's TPOT spreads what a
+request's first decode steps cost beyond the rest (vLLM's are uneven) over as many tokens as the
+sweep's requests do."""
+DECODE_SAMPLES = 6
+"""At least this many TPOTs per decode probe: a burst of one request gives one."""
 P50_TARGET, P90_TARGET = 15.0, 20.0
 """The acceptance bounds, in percent of the real engine's figure."""
 
@@ -314,15 +319,19 @@ async def sample(url: str, model: str, probe: Probe, prompts: Prompts, workers: 
 
 async def measure(url: str, model: str, plan: Sequence[Probe], prompts: Prompts, reps: int, workers: int = 1,
                   limits: Limits = LIMITS) -> dict[str, float]:
-    """Each probe's median over ``reps`` prefills or ``reps // 3`` decode bursts, taken in rounds of
-    the whole plan: a spell of other load on the machine then lands on every shape alike, instead of
-    on all the samples of one shape (where it could double that shape's median against the others)."""
-    bursts = max(1, reps // 3)
-    decode_rounds = {i * reps // bursts for i in range(bursts)}
+    """Each probe's median over ``reps`` prefills, or over ``reps // 3`` decode bursts (more for small
+    bursts, for ``DECODE_SAMPLES`` TPOTs at least), taken in rounds of the whole plan: a spell of other
+    load on the machine then lands on every shape alike, instead of on all the samples of one shape
+    (where it could double that shape's median against the others)."""
+    rounds: dict[str, set[int]] = {}
+    for p in plan:
+        bursts = reps if p.kind == "prefill" else \
+            min(reps, max(1, reps // 3, math.ceil(DECODE_SAMPLES / (p.size * workers))))
+        rounds[p.name] = {i * reps // bursts for i in range(bursts)}
     samples: dict[str, list[float]] = {p.name: [] for p in plan}
     for i in range(reps):
         for p in plan:
-            if p.kind == "prefill" or i in decode_rounds:
+            if i in rounds[p.name]:
                 samples[p.name] += await sample(url, model, p, prompts, workers, limits)
     return {name: statistics.median(values) for name, values in samples.items()}
 
@@ -413,7 +422,80 @@ def write_calibration(cal: Calibration, path: Path, header: str) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+# -- mixed steps ---------------------------------------------------------------------------------------
+MIXED_PREFILLS = (64, 256, 768)
+MIXED_BATCHES = (0, 4, 16)
+MIXED_DECODE_TOKENS = 300
+"""The running requests' output: long enough to outlast the prefills sent beside them."""
+
+
+async def mixed_ttft(url: str, model: str, prompts: Prompts, size: int, running: int, reps: int = 3) -> float:
+    """The median TTFT of a prompt of ``size`` tokens (one output token) sent while ``running``
+    requests decode: on vLLM and on the simulator alike its prefill shares steps with their decodes.
+    Sent one at a time, after the running requests' prompts are computed."""
+    background = None
+    if running:
+        specs = prompts.take(running, LengthDist("fixed", SHORT_CONTEXT), LengthDist("fixed", MIXED_DECODE_TOKENS))
+        background = asyncio.create_task(run(RunConfig(base_url=url, model=model, concurrency=running), specs))
+        await asyncio.sleep(1.5)
+    ttfts: list[float] = []
+    try:
+        for _ in range(reps):
+            specs = prompts.take(1, LengthDist("fixed", size), LengthDist("fixed", 1))
+            result = await run(RunConfig(base_url=url, model=model, concurrency=1), specs)
+            _records_ok(result.records, f"mixed_p{size}_b{running}")
+            ttfts += [r.ttft_s for r in result.records if r.ttft_s is not None]
+            await asyncio.sleep(0.3)
+        if background is not None:
+            _records_ok((await background).records, f"mixed_p{size}_b{running} (running)")
+    finally:
+        if background is not None and not background.done():
+            background.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await background
+    return statistics.median(ttfts) if ttfts else math.nan
+
+
+async def mixed_steps(real_url: str, sim_url: str, model: str, prompts: Prompts) -> dict[str, tuple[float, float]]:
+    """Per (prompt size, running decodes), the TTFT on the real engine and on the simulator."""
+    out: dict[str, tuple[float, float]] = {}
+    for size in MIXED_PREFILLS:
+        for running in MIXED_BATCHES:
+            real = await mixed_ttft(real_url, model, prompts, size, running)
+            sim = await mixed_ttft(sim_url, model, prompts, size, running)
+            out[f"mixed_p{size}_b{running}"] = (real, sim)
+            print(f"sim_dynamics: a {size}-token prompt beside {running} decodes: TTFT {real * 1e3:.1f} ms real, "
+                  f"{sim * 1e3:.1f} ms simulated", file=sys.stderr, flush=True)
+    return out
+
+
+def report_mixed(report: Report, mixed: dict[str, tuple[float, float]]) -> None:
+    for key, (real, sim) in mixed.items():
+        report.add(f"{key}_ttft_real", real * 1e3, "ms")
+        report.add(f"{key}_ttft_sim", sim * 1e3, "ms")
+        report.add(f"{key}_ttft_error", error_percent(real, sim), "%")
+
+
 # -- the comparison --------------------------------------------------------------------------------
+
+
+def cpu_jiffies() -> dict[int, tuple[int, int]]:
+    """Per CPU, (busy, total) jiffies since boot, from ``/proc/stat`` (empty where there is none)."""
+    out: dict[int, tuple[int, int]] = {}
+    with contextlib.suppress(OSError), open("/proc/stat") as f:
+        for line in f:
+            name, *fields = line.split()
+            if name.startswith("cpu") and name[3:].isdigit():
+                ticks = [int(x) for x in fields[:8]]
+                idle = ticks[3] + ticks[4]  # idle + iowait
+                out[int(name[3:])] = (sum(ticks) - idle, sum(ticks))
+    return out
+
+
+def busy_shares(before: dict[int, tuple[int, int]], after: dict[int, tuple[int, int]]) -> dict[int, float]:
+    """Per CPU, the share of the time between the two readings it was busy (0–1)."""
+    return {cpu: (after[cpu][0] - b[0]) / (after[cpu][1] - b[1])
+            for cpu, b in before.items() if cpu in after and after[cpu][1] > b[1]}
 
 
 @dataclass
@@ -426,19 +508,24 @@ class Point:
     saturated: bool
     steady: bool
     failed: int
+    busy: dict[int, float] = field(default_factory=dict)
+    """Per CPU, the share of the point's run it was busy (with ``--pin``, CPU 0 is the harness's, CPU 1
+    the real engine's): a harness core near 1 queues the requests before and after the engine."""
 
     def figure(self, metric: str, q: str) -> float:
         return float(getattr(getattr(self.summary, metric), q))
 
 
 async def run_point(url: str, model: str, specs: list[RequestSpec], rate: float, seed: int) -> Point:
+    before = cpu_jiffies()
     result = await run(RunConfig(base_url=url, model=model, rate=rate, seed=seed, timeout_s=300.0), specs)
+    busy = busy_shares(before, cpu_jiffies())
     records = result.records
     window = measure_window(records)
     steady = window_summary(records, window)
     offered = offered_rate(records, window)
     return Point(rate, steady, offered, saturated(steady, offered), window.steady,
-                 sum(not r.ok for r in records))
+                 sum(not r.ok for r in records), busy)
 
 
 def saturation_rate(points: Sequence[Point]) -> float | None:
@@ -500,7 +587,8 @@ async def sweep(real_url: str, sim_url: str, model: str, rates: Sequence[float],
                 print(f"sim_dynamics: {name} @ {rate:g} req/s: {n} requests in {time.monotonic() - started:.0f} s, "
                       f"TTFT p50 {point.figure('ttft', 'p50') * 1e3:.1f} ms, TPOT p50 "
                       f"{point.figure('tpot', 'p50') * 1e3:.1f} ms, served {point.summary.request_rate:.3g} of "
-                      f"{point.offered:.3g} req/s{' (saturated)' if point.saturated else ''}",
+                      f"{point.offered:.3g} req/s{' (saturated)' if point.saturated else ''}, CPUs busy "
+                      f"{', '.join(f'{100 * b:.0f}%' for _, b in sorted(point.busy.items()))}",
                       file=sys.stderr, flush=True)
     return real, sim
 
@@ -527,6 +615,9 @@ def report_layout(report: Report, layout: str, rates: Sequence[float], real: dic
         report.add(f"{key}_steady_sim", int(s.steady))
         report.add(f"{key}_failed_real", r.failed, "requests")
         report.add(f"{key}_failed_sim", s.failed, "requests")
+        for name, point in (("real", r), ("sim", s)):
+            for cpu, share in sorted(point.busy.items()):
+                report.add(f"{key}_cpu{cpu}_busy_{name}", 100.0 * share, "%")
     v = verdict(rates, real, sim)
     report.add(f"{layout}_saturation_rate_real", v.saturation_real if v.saturation_real else math.nan, "req/s")
     report.add(f"{layout}_saturation_rate_sim", v.saturation_sim if v.saturation_sim else math.nan, "req/s")
@@ -601,6 +692,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="the model folder's parent (default: temporary)")
     parser.add_argument("--pin", action="store_true",
                         help=f"the real engine's compute on CPU {ENGINE_CPU}, everything else on CPU 0 (two CPUs)")
+    parser.add_argument("--mixed", action="store_true",
+                        help=f"before the sweep, prompts of {', '.join(map(str, MIXED_PREFILLS))} tokens beside "
+                             f"{', '.join(map(str, MIXED_BATCHES))} running decodes on both engines (colocated)")
     args = parser.parse_args()
     if args.pin and not {0, ENGINE_CPU} <= os.sched_getaffinity(0):
         parser.error(f"--pin needs CPUs 0 and {ENGINE_CPU} (this process may run on {sorted(os.sched_getaffinity(0))})")
@@ -623,6 +717,8 @@ def main() -> None:
                 pin([real, sim], args.backend)
             asyncio.run(wait_serving(real.url, folder.name))
             asyncio.run(wait_serving(sim.url, folder.name))
+            if layout.name == "colocated" and args.mixed:
+                report_mixed(report, asyncio.run(mixed_steps(real.url, sim.url, folder.name, prompts)))
             real_points, sim_points = asyncio.run(sweep(real.url, sim.url, folder.name, rates, workload, duration,
                                                         20 if args.quick else 60, prompts))
         report_layout(report, layout.name, rates, real_points, sim_points)

@@ -69,7 +69,14 @@ def test_a_cpu_preset_fitted_to_vllm_drives_simulated_workers_through_the_same_w
     with sd.cluster(vllm_model, layout, sd.sim_engine(path, 1.0), limits=limits, num_blocks=POOL_BLOCKS) as sim:
         run(sd.wait_serving(sim.url, MODEL))
         real, simulated = run(sd.sweep(url, sim.url, MODEL, [1.0, 2.0], workload, 10.0, 16, prompts))
+        # A prompt beside running decodes, on both: every request answered, a TTFT each.
+        mixed = {name: run(sd.mixed_ttft(u, MODEL, prompts, 64, 4, reps=2)) for name, u in (("real", url),
+                                                                                              ("sim", sim.url))}
     verdict = sd.verdict([1.0, 2.0], real, simulated)
+    assert all(0 < t < 30 for t in mixed.values()), mixed
+    for points in (real, simulated):
+        for point in points.values():  # every CPU's busy share of the point's run, where /proc/stat says
+            assert all(0.0 <= b <= 1.0 for b in point.busy.values()), point.busy
     for rate in (1.0, 2.0):
         r, s = real[rate], simulated[rate]
         assert r.failed == s.failed == 0 and r.summary.completed == s.summary.completed > 0
@@ -78,5 +85,6 @@ def test_a_cpu_preset_fitted_to_vllm_drives_simulated_workers_through_the_same_w
             for q in ("p50", "p90")) + " (real / simulated)")
     print("probes (ms, engine / model): " + ", ".join(
         f"{p.name} {engine[p.name] * 1e3:.1f} / {sd.modeled(spec, cal, p, limits) * 1e3:.1f}" for p in plan))
+    print(f"a 64-token prompt beside 4 decodes: TTFT {mixed['real'] * 1e3:.1f} / {mixed['sim'] * 1e3:.1f} ms")
     print(f"rates within the bounds: {verdict.rates_within} of {verdict.rates_below}; saturation "
           f"{verdict.saturation_real} / {verdict.saturation_sim}")
