@@ -1,7 +1,7 @@
 """The simulator's dynamics against a real engine on this machine: one workload, one harness, both engines.
 
     python benchmarks/sim_dynamics.py [--quick] [--json] [--backend vllm|torch] [--layouts colocated,1p1d]
-        [--rates 1,1.5,2,3] [--calibration FILE] [--write-calibration FILE] [--pin]
+        [--rates 1,1.5,2,3] [--calibration FILE] [--write-calibration FILE] [--pin] [--mixed]
 
 1. **Calibrate a CPU device preset** (unless ``--calibration`` gives one). One real worker behind the
    router answers probes: single prompts of several lengths with one output token (prefill against
@@ -19,8 +19,9 @@
    same requests (fresh prompts every rate, the same arrival times) through one, then the other.
    Each point is scored over its measured window (``pdrouter.bench.window``, as ``pdrouter bench``
    does): TTFT, TPOT and E2E at p50 and p90, the output throughput, and whether it saturated (served
-   under 90% of what its window was offered). The first saturated rate of each is its saturation
-   rate.
+   under 90% of what its window was offered), and every CPU's busy share over its run. The first
+   saturated rate of each is its saturation rate. With ``--mixed``, before the sweep, prompts of
+   several sizes are sent while requests decode, through both engines (``mixed_p<size>_b<running>``).
 
 The acceptance of the comparison: within 15% on TTFT and TPOT p50 and 20% on their p90 at three rates
 below saturation, and the same saturation rate within one step of the sweep. Printed as ``name: value
