@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -15,13 +15,9 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "sim_dynamics.py"
 
 @pytest.fixture(scope="module")
 def sd() -> ModuleType:
+    """The benchmark as a module (it puts its own folder on the path for its helpers)."""
     sys.path.insert(0, str(BENCH.parent))
-    spec = importlib.util.spec_from_file_location("sim_dynamics", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sim_dynamics"] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(BENCH.stem)
 
 
 def test_busy_shares_are_each_cpus_busy_ticks_over_its_ticks(sd: ModuleType) -> None:
