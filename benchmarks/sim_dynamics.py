@@ -442,10 +442,7 @@ async def mixed_ttft(url: str, model: str, prompts: Prompts, size: int, running:
     ttfts: list[float] = []
     try:
         for _ in range(reps):
-            specs = prompts.take(1, LengthDist("fixed", size), LengthDist("fixed", 1))
-            result = await run(RunConfig(base_url=url, model=model, concurrency=1), specs)
-            _records_ok(result.records, f"mixed_p{size}_b{running}")
-            ttfts += [r.ttft_s for r in result.records if r.ttft_s is not None]
+            ttfts += await sample(url, model, Probe("prefill", size), prompts)  # one prompt, its TTFT
             await asyncio.sleep(0.3)
         if background is not None:
             _records_ok((await background).records, f"mixed_p{size}_b{running} (running)")
