@@ -30,7 +30,8 @@ too, as ``round_<i>_<figure>_<tool>``); then ``agreement_within_5pct`` (1 when a
 5%). Rounds that alternate the order spread a machine's changing load over both tools.
 The definitions, and which GuideLLM figure is set beside which of ours:
 
-* TTFT: both from the request's start to the first chunk with text, but the starts differ. Ours
+* TTFT: both from the request's start to the first token's chunk (here every chunk has text: the
+  simulated workers stream printable characters), but the starts differ. Ours
   is taken before the HTTP client gets a connection (``vllm bench serve``'s way); GuideLLM's when
   the request headers start being written (an ``httpx`` trace hook), after any TCP connect.
   Our client reads each stream to the end of its body and reuses its pooled connections;

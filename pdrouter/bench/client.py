@@ -5,9 +5,13 @@ ids, ``max_tokens`` with ``ignore_eos`` fixes the output length, ``stream_option
 asks for the server's token counts. Times, from the moment the request is written (its JSON body
 is encoded before the clock starts):
 
-* TTFT: the first streamed chunk that carries text;
-* ITL: the gap between successive chunks that carry text (one per token on servers that stream
-  token by token; a chunk of several tokens counts once, as in ``vllm bench serve``);
+* TTFT: the first streamed chunk with a choice, whether or not its text is empty (a token that
+  completes no character, a special token), as ``vllm bench serve`` times it: counting only chunks
+  with text would put the first token one or more steps late whenever a model's first token is an
+  incomplete character;
+* ITL: the gap between successive such chunks (one per token on servers that stream token by
+  token, as vLLM's and this router's do; a chunk of several tokens counts once, as in
+  ``vllm bench serve``);
 * E2E: the end of the stream (``data: [DONE]``).
 
 Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``…).
@@ -112,8 +116,10 @@ class CompletionsClient:
                         details = usage.get("prompt_tokens_details") or {}
                         if details.get("cached_tokens") is not None:
                             record.cached_tokens = int(details["cached_tokens"])
-                    choices = event.get("choices") or []
-                    if not choices or not choices[0].get("text"):
+                    # A chunk with a choice is a token step, its text empty or not (an incomplete
+                    # character, a special token): time to first token and the gaps count it, as
+                    # vLLM's benchmark does.
+                    if not event.get("choices"):
                         continue
                     chunks += 1
                     if last is None:

@@ -418,7 +418,7 @@ class _Generation:
                         self._complete = True
                         await send({"type": "http.response.body", "more_body": False,
                                     "body": writer.final(piece.text, piece.finish_reason, _usage(piece))})
-                    elif piece.text:
+                    else:  # one chunk per token delta, its text empty while a character is incomplete (as vLLM's)
                         await send({"type": "http.response.body", "body": writer.text(piece.text),
                                     "more_body": True})
         except Exception as exc:

@@ -194,6 +194,20 @@ def test_streamed_completion(http_stack: HttpStack) -> None:
     assert len({c.id for c in chunks}) == 1
 
 
+def test_a_token_that_completes_no_character_streams_an_empty_chunk(http_stack: HttpStack) -> None:
+    """One chunk per token, as vLLM's server streams: the first byte of "é" is a chunk with empty
+    text, so a client's time to first token is the first token's, not the first character's."""
+    chunks = list(client(http_stack).completions.create(model="echo", prompt="é✓a", max_tokens=30, stream=True))
+    texts = [c.choices[0].text for c in chunks]
+    assert texts[:6] == ["", "é", "", "", "✓", "a"]
+    assert len(texts) == len("é✓a".encode()) + 1  # every byte, then the finish (<eos>) chunk
+    events = sse_events(httpx.post(f"{http_stack.base_url}/v1/chat/completions", json={
+        "model": "echo", "messages": [{"role": "user", "content": "é"}], "stream": True}).text)
+    first = json.loads(events[0])["choices"][0]["delta"]
+    assert first == {"role": "assistant", "content": ""}
+    assert json.loads(events[1])["choices"][0]["delta"]["content"] == "é"
+
+
 def test_streamed_chat_with_usage(http_stack: HttpStack) -> None:
     stream = client(http_stack).chat.completions.create(
         model="echo", messages=[{"role": "user", "content": "hey"}], stream=True,
