@@ -16,7 +16,8 @@ synthetic prompts; nothing is downloaded): ids 32–126 are the printable ASCII 
 ``pdrouter bench`` draws its prompts from), 9 and 10 are tab and newline, every other id of the
 128,256 is a word such as `` t4711``. The model keeps its vocabulary (and so its timing), and every
 id decodes to non-empty text, so every simulated output token (drawn from the whole vocabulary)
-is one streamed chunk with text. Both tools count only chunks with text, and both take the output
+is one streamed chunk with text. Ours counts every chunk with a choice (``vllm bench serve``'s
+rule), GuideLLM's the chunks with text: the same chunks here. Both take the output
 length from the server's ``usage`` (``text_chunks_*`` and ``output_tokens_*``: 64 and 64). The
 folder's ``config.json`` has no ``bos_token_id`` (the tokenizer has none), so GuideLLM's 256-token
 text prompts are 256 tokens at the router, as our 256 token ids are (``prompt_tokens_*``). The
@@ -30,8 +31,8 @@ too, as ``round_<i>_<figure>_<tool>``); then ``agreement_within_5pct`` (1 when a
 5%). Rounds that alternate the order spread a machine's changing load over both tools.
 The definitions, and which GuideLLM figure is set beside which of ours:
 
-* TTFT: both from the request's start to the first token's chunk (here every chunk has text: the
-  simulated workers stream printable characters), but the starts differ. Ours
+* TTFT: both from the request's start to the first token's chunk (every one has text here), but
+  the starts differ. Ours
   is taken before the HTTP client gets a connection (``vllm bench serve``'s way); GuideLLM's when
   the request headers start being written (an ``httpx`` trace hook), after any TCP connect.
   Our client reads each stream to the end of its body and reuses its pooled connections;
@@ -48,7 +49,7 @@ The definitions, and which GuideLLM figure is set beside which of ours:
   inter-token latency. GuideLLM's "time per output token" is printed as
   ``tpot_incl_ttft_mean_guidellm``, beside ours computed by its definition from our per-request
   records (``tpot_incl_ttft_mean_ours``; ``tpot_incl_ttft_diff_percent``).
-* ITL: ours is the mean of every gap between chunks with text; GuideLLM's is the per-request
+* ITL: ours is the mean of every gap between token chunks; GuideLLM's is the per-request
   ``(last − first) / (output tokens − 1)`` averaged with weights ``output tokens − 1``: the same
   number when every chunk is one token, as here. (Not otherwise: GuideLLM divides by tokens from
   ``usage``, we count gaps between chunks; and its percentiles are of per-request means.)

@@ -30,7 +30,9 @@ and rate every figure of both engines and the error, the saturation rates and th
 Timings are compared within one run only; the machine's load average is printed at the start and end.
 ``--pin`` puts the real engine's compute (vLLM's engine-core process; the torch engine's worker) on
 CPU 1 and every other process of the run on CPU 0, so that the engine steps while the harness
-streams, as a GPU does, instead of taking turns with it; it wants a machine with no other work.
+streams, as a GPU does, instead of taking turns with it (in ``1p1d``, the decode engine on CPU 2
+where the machine has it, else on CPU 0 beside the harness: two engines on one CPU would take
+turns); it wants a machine with no other work.
 ``--quick`` runs few probes, two rates and short points (the machinery, not the figures; a vLLM
 engine alone takes 40–150 s to start here).
 """
@@ -156,6 +158,8 @@ class Cluster:
 
 ENGINE_CPU = 1
 """With ``--pin``: the CPU a real engine's compute runs on; everything else runs on CPU 0."""
+DECODE_CPU = 2
+"""With ``--pin``, in ``1p1d``: the CPU the real decode engine runs on, where the machine has it."""
 
 
 def _descendants(pid: int) -> list[int]:
@@ -193,15 +197,22 @@ def _is_engine(pid: int, backend_process: bool) -> bool:
 def pin(clusters: Sequence[Cluster], backend: str) -> None:
     """The real engines' compute on ``ENGINE_CPU``, everything else (router, Redis, the workers' serving,
     simulated workers, this process) on CPU 0: the engine then steps while the harness streams, as on
-    a GPU, instead of taking turns with it on the same cores."""
+    a GPU, instead of taking turns with it on the same cores.
+
+    A 1P1D cluster's prefill engine runs on ``ENGINE_CPU`` and its decode engine on ``DECODE_CPU``
+    where this process may use it, else on CPU 0 beside the harness: two engines on one CPU would take
+    turns, where the simulated pair are two devices."""
     for pid in _descendants(os.getpid()):  # this process, Redis and every cluster's processes
         _pin_process(pid, 0)
     for c in clusters:
         for proc in c.procs if c.real else ():
             if proc.name != "router":
+                cpu = ENGINE_CPU
+                if proc.name.startswith("decode"):
+                    cpu = DECODE_CPU if DECODE_CPU in os.sched_getaffinity(0) else 0
                 for pid in _descendants(proc.proc.pid):
                     if _is_engine(pid, backend == "torch" and pid == proc.proc.pid):
-                        _pin_process(pid, ENGINE_CPU)
+                        _pin_process(pid, cpu)
 
 
 @contextlib.contextmanager
@@ -689,7 +700,8 @@ def main() -> None:
                         help="where the fitted preset goes (default: a temporary folder)")
     parser.add_argument("--out", type=Path, default=None, help="the model folder's parent (default: temporary)")
     parser.add_argument("--pin", action="store_true",
-                        help=f"the real engine's compute on CPU {ENGINE_CPU}, everything else on CPU 0 (two CPUs)")
+                        help=f"the real engine's compute on CPU {ENGINE_CPU} (1p1d: the prefill engine's), everything "
+                             "else on CPU 0 (two CPUs)")
     parser.add_argument("--mixed", action="store_true",
                         help=f"before the sweep, prompts of {', '.join(map(str, MIXED_PREFILLS))} tokens beside "
                              f"{', '.join(map(str, MIXED_BATCHES))} running decodes on both engines (colocated)")
