@@ -79,16 +79,32 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
              v_cache: torch.Tensor, seg: PrefillSegment, scale: float) -> torch.Tensor:
+    # Four-dimensional ([1, heads, tokens, dim]) operands: the fused CUDA kernels (FlashAttention,
+    # memory-efficient) take nothing else, and three-dimensional ones fall back to the float32 math
+    # path, 10x slower at 8k tokens on an H200 (docs/simulation.md, "On a real GPU").
     end = seg.start + seg.num_tokens
-    qs = q[seg.start:end].transpose(0, 1)
+    qs = q[seg.start:end].transpose(0, 1).unsqueeze(0)
     if seg.block_ids is None:
-        ks, vs = k[seg.start:end].transpose(0, 1), v[seg.start:end].transpose(0, 1)
+        ks, vs = k[seg.start:end].transpose(0, 1).unsqueeze(0), v[seg.start:end].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        ks = _gather(k_cache, seg.block_ids, seg.context_len).transpose(0, 1)
-        vs = _gather(v_cache, seg.block_ids, seg.context_len).transpose(0, 1)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+        ks = _gather(k_cache, seg.block_ids, seg.context_len).transpose(0, 1).unsqueeze(0)
+        vs = _gather(v_cache, seg.block_ids, seg.context_len).transpose(0, 1).unsqueeze(0)
+        out = masked_attention(qs, ks, vs, seg.mask, scale, expand_heads=qs.is_cuda)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                     scale: float, expand_heads: bool) -> torch.Tensor:
+    """``[batch, heads, tokens, dim]`` attention of ``q`` over grouped ``k``/``v`` (``[batch, kv_heads, ...]``)
+    under a boolean ``mask``. ``expand_heads`` repeats each KV head for its query heads first: the fused
+    CUDA kernel that takes a mask (memory-efficient attention) has no grouped-query mode, and without
+    it the call falls back to the float32 math path."""
+    if expand_heads and q.shape[1] != k.shape[1]:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
@@ -96,13 +112,16 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch
     num_heads, head_dim = q.shape[-2:]
     kv_heads = k_cache.shape[-2]
     size, width = batch.size, batch.mask.shape[-1]
+    # One KV head's group of query heads is that head's queries: [size, kv_heads, group, dim] against
+    # keys [size, kv_heads, width, dim] is plain multi-head attention, which the fused masked kernel
+    # runs on the gathered blocks as they lie (a strided view, no copy, no grouped-query mode needed).
+    # Laying the keys out width-last for a hand-written product instead cost a transposing copy that
+    # took 4x as long as the rest of a batch-128 decode's attention on an H200.
     qs = q[batch.start:batch.start + batch.size].view(size, kv_heads, num_heads // kv_heads, head_dim)
-    keys = k_cache[batch.block_table].view(size, width, kv_heads, head_dim).permute(0, 2, 3, 1)
+    keys = k_cache[batch.block_table].view(size, width, kv_heads, head_dim).transpose(1, 2)
     values = v_cache[batch.block_table].view(size, width, kv_heads, head_dim).transpose(1, 2)
-    scores = torch.matmul(qs, keys).float() * scale
-    scores = scores.masked_fill(~batch.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).reshape(size, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(qs, keys, values, attn_mask=batch.mask, scale=scale)
+    return out.reshape(size, num_heads, head_dim)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -35,13 +35,19 @@ class ModelRunner:
         self.device = kv_cache.tensor.device
 
     def run(self, items: Sequence[WorkItem]) -> torch.Tensor:
-        """``[n_sample, vocab]`` float32 logits, one row per item with ``sample``, in item order."""
+        """``[n_sample, vocab]`` float32 logits, one row per item with ``sample``, in item order.
+
+        Every integer input of the step (token ids, positions, pool slots, block tables, the sampled
+        rows) is packed into one host tensor and copied to the device once: each separate copy from
+        pageable host memory waits for the device, and the six a decode step used to make cost more
+        than its whole GPU work on an H200 host (docs/simulation.md, "On a real GPU").
+        """
         order = [i for i, it in enumerate(items) if len(it.token_ids) > 1]
         order += [i for i, it in enumerate(items) if len(it.token_ids) == 1]
         ids: list[int] = []
-        prefills: list[PrefillSegment] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        segments: list[tuple[int, int, int, list[int] | None]] = []  # start, tokens, context, blocks
         last_index: dict[int, int] = {}
         bs = self.block_size
         n_prefill = len(items) - sum(1 for it in items if len(it.token_ids) == 1)
@@ -49,44 +55,53 @@ class ModelRunner:
             it = items[i]
             n, start = len(it.token_ids), len(ids)
             context = it.start + n
-            pos = torch.arange(it.start, context)
-            blocks = torch.tensor(list(it.block_ids[:blocks_for_tokens(context, bs)]), dtype=torch.long)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
-            positions.append(pos)
+            blocks = list(it.block_ids[:blocks_for_tokens(context, bs)])
+            positions.extend(range(it.start, context))
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(it.start, context))
             ids.extend(it.token_ids)
-            if it.start == 0:
-                prefills.append(PrefillSegment(start, n, context, None, None))
-            else:
-                prefills.append(PrefillSegment(start, n, context, blocks.to(self.device),
-                                               causal_prefix_mask(n, context, self.device)))
+            segments.append((start, n, context, blocks if it.start else None))
             last_index[i] = len(ids) - 1
-        decode = None
         decode_items = order[n_prefill:]
+        table: list[int] = []
+        lengths: list[int] = []
+        width = 0
+        dec_start = len(ids)
         if decode_items:
-            start = len(ids)
-            dec_pos, dec_slots, table, lengths = [], [], [], []
+            rows = []
             for i in decode_items:
                 it = items[i]
                 p = it.start
-                dec_pos.append(p)
-                dec_slots.append(it.block_ids[p // bs] * bs + p % bs)
-                table.append(list(it.block_ids[:p // bs + 1]))
+                positions.append(p)
+                slots.append(it.block_ids[p // bs] * bs + p % bs)
+                rows.append(list(it.block_ids[:p // bs + 1]))
                 lengths.append(p + 1)
                 ids.append(it.token_ids[0])
                 last_index[i] = len(ids) - 1
-            width = max(len(row) for row in table)
+            width = max(len(row) for row in rows)
             # Padded with the row's own last block: a masked slot still enters the sum as 0 × value,
             # so it must hold nothing but this request's (finite) KV; another request's could be NaN.
-            padded = torch.tensor([row + row[-1:] * (width - len(row)) for row in table], dtype=torch.long)
-            mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
-            decode = DecodeBatch(start, len(decode_items), padded.to(self.device),
-                                 mask.view(len(decode_items), 1, 1, width * bs).to(self.device))
-            positions.append(torch.tensor(dec_pos, dtype=torch.long))
-            slots.append(torch.tensor(dec_slots, dtype=torch.long))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slots).to(self.device), prefills=tuple(prefills),
-                                 decode=decode)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
-        hidden = self.model(input_ids, torch.cat(positions).to(self.device), meta, self.kv_cache.tensor)
-        rows = [last_index[i] for i, it in enumerate(items) if it.sample]
-        index = torch.tensor(rows, dtype=torch.long).to(self.device)
+            for row in rows:
+                table.extend(row + row[-1:] * (width - len(row)))
+        sampled = [last_index[i] for i, it in enumerate(items) if it.sample]
+        parts = [ids, positions, slots, table, lengths, sampled]
+        parts += [blocks for *_, blocks in segments if blocks is not None]
+        packed = torch.tensor([x for part in parts for x in part], dtype=torch.long).to(self.device)
+        views = []
+        offset = 0
+        for part in parts:
+            views.append(packed[offset:offset + len(part)])
+            offset += len(part)
+        input_ids, pos_t, slot_t, table_t, len_t, index = views[:6]
+        block_views = iter(views[6:])
+        prefills = tuple(
+            PrefillSegment(start, n, context, None, None) if blocks is None else
+            PrefillSegment(start, n, context, next(block_views), causal_prefix_mask(n, context, self.device))
+            for start, n, context, blocks in segments)
+        decode = None
+        if decode_items:
+            size = len(decode_items)
+            mask = torch.arange(width * bs, device=self.device).unsqueeze(0) < len_t.unsqueeze(1)
+            decode = DecodeBatch(dec_start, size, table_t.view(size, width), mask.view(size, 1, 1, width * bs))
+        meta = AttentionMetadata(slot_mapping=slot_t, prefills=prefills, decode=decode)
+        hidden = self.model(input_ids, pos_t, meta, self.kv_cache.tensor)
         return self.model.logits(hidden.index_select(0, index))

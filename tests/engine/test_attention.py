@@ -10,6 +10,7 @@ from pdrouter.engine.attention import (
     DecodeBatch,
     PrefillSegment,
     causal_prefix_mask,
+    masked_attention,
     paged_attention,
 )
 
@@ -92,3 +93,15 @@ def test_writes_land_in_the_named_slots_only() -> None:
     assert torch.equal(k_cache[4, 1], k[0]) and torch.equal(v_cache[7, 0], v[1])
     assert torch.equal(k_cache[7, 3], k[2])
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
+
+
+def test_a_masked_chunk_attends_the_same_with_its_kv_heads_repeated_as_with_grouped_heads() -> None:
+    """The path a CUDA device takes (KV heads repeated for the fused masked kernel) is the grouped one."""
+    q, k, v = qkv(23, 4)
+    ctx_k, ctx_v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    qs = q[-7:].transpose(0, 1).unsqueeze(0)
+    mask = causal_prefix_mask(7, 23, torch.device("cpu"))
+    grouped = masked_attention(qs, ctx_k, ctx_v, mask, SCALE, expand_heads=False)
+    repeated = masked_attention(qs, ctx_k, ctx_v, mask, SCALE, expand_heads=True)
+    torch.testing.assert_close(repeated, grouped)
+    torch.testing.assert_close(grouped.squeeze(0).transpose(0, 1), dense(q, k, v)[-7:])
