@@ -37,7 +37,7 @@ from typing import Any
 from pdrouter.core.errors import ConfigError
 
 _FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu", "expert_efficiency")
-_UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads", "legacy_expert_kernels")
+_UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads", "legacy_expert_kernels", "host_overlap")
 _POSITIVE = ("fp8_speedup",)
 _INTEGERS = ("graph_max_batch",)
 PRESET_KEY = "preset"
@@ -120,6 +120,11 @@ class Calibration:
     graph_max_batch: int = 512
     """Decode-only steps of up to this many sequences are replayed from captured graphs
     (``decode_*`` costs); larger ones and every other step are not. 0: the engine captures none."""
+    host_overlap: float = 0.0
+    """How much of the step's fixed and per-sequence costs (the host's work) runs while the GPU runs the
+    step's kernels: 0, added to them (an engine that prepares and launches between GPU steps); 1, the step
+    takes the longer of the two (an eager engine whose kernels queue on the GPU while its host goes on
+    launching the rest of the step). The step is ``gpu + host − host_overlap·min(gpu, host)``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -258,9 +263,15 @@ CALIBRATION_PRESETS: dict[str, Calibration] = {
     # costs, and weight-only int8 matmuls that Inductor generates as Triton kernels converting each weight
     # with a conversion instruction.
     "torch-compile": dataclasses.replace(_VLLM, dequant_convert_ops=1.0),
-    "torch-eager": Calibration(kv_mbu=0.3, activation_traffic=2.0, step_overhead_s=2e-3, decode_step_overhead_s=2e-3,
-                               layer_overhead_s=1.5e-4, decode_layer_overhead_s=1.5e-4, allreduce_latency_s=0.0,
-                               graph_max_batch=0),
+    # The project's torch engine: fitted by benchmarks/gpu_calibration.py --fit to its own run on an H200
+    # (benchmarks/data/gpu_calibration_h200.json: Llama-3-8B geometry, 16 shapes). The efficiencies come from
+    # the profiled kernel times (unfused eager kernels, a decode attention over gathered blocks); the host
+    # costs from the whole steps: ~64 launches a layer at ~10 us each on that machine's host, which runs
+    # while the queued kernels run (host_overlap 1). No graphs, no fused all-reduce.
+    "torch-eager": Calibration(mfu=0.64, mbu=0.44, kv_mbu=0.23, attention_mfu=0.43, activation_traffic=1.1,
+                               step_overhead_s=0.0, decode_step_overhead_s=0.0, layer_overhead_s=7.1e-4,
+                               decode_layer_overhead_s=7.1e-4, per_seq_overhead_s=4.1e-5, allreduce_latency_s=0.0,
+                               graph_max_batch=0, host_overlap=1.0),
 }
 """Per-engine presets: ``benchmarks/sim_fidelity.py --fit`` fits their ``FITTED`` fields (rounded here to
 two digits) to the calibration rows of its table; the other fields are profiled or estimated values

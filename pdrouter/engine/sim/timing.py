@@ -13,7 +13,8 @@ sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` v
     fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
                any other step:             step_overhead + L·(layer_overhead [+ fp8_layer_overhead])
                a mixture of experts, every step: + L·expert_layer_overhead
-    seconds    = t_mm + t_att + t_el + t_cc + fixed + per_seq_overhead·B
+    host       fixed + per_seq_overhead·B
+    seconds    = gpu + host − host_overlap·min(gpu, host),  gpu = t_mm + t_att + t_el + t_cc
 
 * ``P_act`` are the non-embedding parameters a token computes with (all of them for a dense model;
   the attention, norms, router and ``k`` routed experts for a mixture of experts). ``W`` are the
@@ -88,7 +89,7 @@ class SeqWork:
 class StepCost:
     """The modeled cost of one step; FLOPs and bytes are per GPU (TP rank), times in seconds.
 
-    ``seconds = matmul_s + attention_s + elementwise_s + comm_s + overhead_s``. ``compute_s`` and
+    ``seconds = matmul_s + attention_s + elementwise_s + comm_s + overhead_s − hidden_s``. ``compute_s`` and
     ``memory_s`` are the step's FLOP and byte times at the calibrated efficiencies (before overlap).
     """
 
@@ -102,6 +103,8 @@ class StepCost:
     matmul_s: float = 0.0
     attention_s: float = 0.0
     elementwise_s: float = 0.0
+    hidden_s: float = 0.0
+    """The host's share (``overhead_s``) that ran while the GPU ran the kernels (``host_overlap``)."""
     graph: bool = False
     """Replayed from a captured graph (a decode-only step within ``graph_max_batch``)."""
     measured: bool = False
@@ -300,8 +303,10 @@ class TimingModel:
         overhead_s = (self._graph_fixed if graph else self._eager_fixed) + cal.per_seq_overhead_s * seqs
         overhead_s += self._moe_fixed
         nbytes = weight_bytes + act_bytes + (kv_tokens + tokens) * self.kv_bytes_per_token
+        gpu_s = matmul_s + attention_s + elementwise_s + comm_s
+        hidden_s = cal.host_overlap * min(gpu_s, overhead_s)
         return StepCost(
-            seconds=matmul_s + attention_s + elementwise_s + comm_s + overhead_s,
+            seconds=gpu_s + overhead_s - hidden_s, hidden_s=hidden_s,
             flops=mm_flops + attn_flops, bytes=nbytes,
             compute_s=(mm_flops - expert_flops) / self._mm_rate + expert_flops / self._expert_rate + convert_s + attn_c,
             memory_s=weight_bytes / self._bytes_rate + attn_m + write_s + act_bytes / self._bytes_rate,

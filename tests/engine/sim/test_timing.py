@@ -226,6 +226,22 @@ def test_overheads_are_per_step_per_layer_and_per_sequence_and_graphs_pay_less()
     assert model.step([]).seconds == 0.0 and model.decode_step(0, 100).seconds == 0.0
 
 
+def test_an_eager_host_that_launches_while_the_gpu_runs_costs_the_longer_of_the_two() -> None:
+    host_bound = dataclasses.replace(IDEAL, step_overhead_s=0.0, layer_overhead_s=7e-4, graph_max_batch=0)
+    added = TimingModel(L8, H100, calibration=host_bound)
+    overlapped = TimingModel(L8, H100, calibration=dataclasses.replace(host_bound, host_overlap=1.0))
+    half = TimingModel(L8, H100, calibration=dataclasses.replace(host_bound, host_overlap=0.5))
+    for step in ([SeqWork(1, 1024)], [SeqWork(8192, 0)]):  # host-bound, then GPU-bound
+        a, o, h = added.step(step), overlapped.step(step), half.step(step)
+        gpu = a.seconds - a.overhead_s
+        assert a.hidden_s == 0.0 and a.seconds == pytest.approx(gpu + 32 * 7e-4)
+        assert o.seconds == pytest.approx(max(gpu, 32 * 7e-4)) and o.hidden_s == pytest.approx(min(gpu, 32 * 7e-4))
+        assert h.seconds == pytest.approx((a.seconds + o.seconds) / 2)
+    assert overlapped.decode_step(1, 1024).seconds == pytest.approx(32 * 7e-4)  # 22.4 ms of launches
+    with pytest.raises(ConfigError, match="host_overlap"):
+        dataclasses.replace(IDEAL, host_overlap=1.5)
+
+
 def test_fp8_pays_its_quantization_kernels_per_layer_in_eager_steps() -> None:
     cal = dataclasses.replace(IDEAL, layer_overhead_s=2e-5, fp8_layer_overhead_s=3e-5)
     fp8, bf16 = TimingModel(L8.with_dtype("fp8"), H100, calibration=cal), TimingModel(L8, H100, calibration=cal)
