@@ -273,7 +273,7 @@ def fit(measured: dict[str, dict[str, float]], todo: list[Case], spec: ModelSpec
     to the profiled kernel times where the file has them, then the host's costs to the whole steps. The
     fitted fields start from the ``vllm`` preset's values whatever ``start`` holds, so that the same
     figures give the same fit."""
-    from sim_fidelity import PRIOR_WEIGHT, PRIORS, _golden
+    from sim_fidelity import PRIOR_WEIGHT, PRIORS, coordinate_descent
 
     def pulled(cal: Calibration, target: str, fields: list[str]) -> float:
         """The loss, plus ``sim_fidelity.py``'s priors on the kernels' efficiencies: a few compute-bound
@@ -283,27 +283,13 @@ def fit(measured: dict[str, dict[str, float]], todo: list[Case], spec: ModelSpec
                     for f in fields if target == "gpu" and PRIORS.get(f, 0) > 0 and getattr(cal, f) > 0)
         return loss(measured, todo, spec, gpu, cal, target) + prior
 
-    start = start.with_overrides(**{name: getattr(Calibration(), name) for name in FIT_FIELDS})
+    cal = start.with_overrides(**{name: getattr(Calibration(), name) for name in FIT_FIELDS})
     has_gpu = any("gpu" in m for m in measured.values())
     stages = [("gpu", [f for f in FIT_FIELDS if f not in HOST_FIELDS]), ("step", list(HOST_FIELDS))] if has_gpu \
         else [("step", list(FIT_FIELDS))]
-    cal = start
     for target, fields in stages:
-        score = pulled(cal, target, fields)
-        for _ in range(sweeps):
-            before = score
-            for name in fields:
-                lo, hi = FIT_BOUNDS[name]
-
-                def at(x: float, name: str = name, base: Calibration = cal, target: str = target,
-                       fields: list[str] = fields) -> float:
-                    return pulled(base.with_overrides(**{name: x}), target, fields)
-
-                best = _golden(at, lo, hi)
-                if at(best) < score:
-                    cal, score = cal.with_overrides(**{name: best}), at(best)
-            if before - score < 1e-9:
-                break
+        cal = coordinate_descent(cal, fields, FIT_BOUNDS,
+                                 lambda c, target=target, fields=fields: pulled(c, target, fields), sweeps)
     return cal
 
 

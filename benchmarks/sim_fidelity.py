@@ -313,15 +313,23 @@ def fit(engine: str, rows: Sequence[Measurement] = MEASUREMENTS, sweeps: int = 1
     """The preset ``engine`` with its ``FITTED`` fields fitted to its calibration rows (coordinate descent,
     a golden-section search per field, from ``start``: by default the preset's current values)."""
     mine = fit_rows(engine, rows)
-    cal = start if start is not None else CALIBRATION_PRESETS[engine]
-    score = objective(engine, cal, mine)
+    return coordinate_descent(start if start is not None else CALIBRATION_PRESETS[engine], FITTED[engine], BOUNDS,
+                              lambda cal: objective(engine, cal, mine), sweeps)
+
+
+def coordinate_descent(cal: Calibration, fields: Iterable[str], bounds: dict[str, tuple[float, float]],
+                       loss: Callable[[Calibration], float], sweeps: int = 12) -> Calibration:
+    """``cal`` with ``fields`` moved, one at a time by a golden-section search within ``bounds``, to lower
+    ``loss``; sweeps over the fields until a sweep gains nothing."""
+    fields = list(fields)
+    score = loss(cal)
     for _ in range(sweeps):
         before = score
-        for name in FITTED[engine]:
-            lo, hi = BOUNDS[name]
+        for name in fields:
+            lo, hi = bounds[name]
 
             def at(x: float, name: str = name, base: Calibration = cal) -> float:
-                return objective(engine, base.with_overrides(**{name: x}), mine)
+                return loss(base.with_overrides(**{name: x}))
 
             best = _golden(at, lo, hi)
             if at(best) < score:
