@@ -11,17 +11,28 @@ code the workers run) on these shapes:
 
 Beside each figure it prints what ``pdrouter.engine.sim.timing.TimingModel`` predicts for the GPU
 preset ``--gpu`` (default h200) with the calibration ``--calibration`` (default ``torch-eager``, the
-preset for this engine): ``<case>_measured_ms``, ``<case>_sim_ms``, ``<case>_error`` (sim ÷ measured
-− 1), and ``<case>_host_ms``, the time the host took to hand the step to the GPU (a step whose host
-time is near its whole time is bound by launches, not by the GPU). It also measures the device's own
-ceilings in the same run: ``copy_tb_per_s`` (a device-to-device copy, bytes read and written) and
-``gemm_tflops`` (an 8192³ bf16 product).
+preset for this engine). Per shape:
+
+* ``<case>_measured_ms``: the whole step, synchronized (median of the repetitions);
+* ``<case>_host_ms``: until ``run`` returned, the host handing the step over (near the whole step: the
+  step is bound by its launches, not by the GPU);
+* ``<case>_gpu_ms``: the kernels' own time, their durations summed by the CUDA profiler (gaps left out);
+* ``<case>_ops``: the torch operators the step dispatched (each costs the host a dispatch);
+* ``<case>_sim_ms`` / ``<case>_error``: the modeled step and sim ÷ measured − 1;
+  ``<case>_kernels_error``: the modeled kernels (the step less its host costs) against ``_gpu_ms``.
+
+Every step is timed before any is counted or profiled. The device's own ceilings, in the same run:
+``copy_tb_per_s`` (a device-to-device copy, bytes read and written), ``gemm_tflops`` (an 8192³ bf16
+product), ``launch_us`` (one small kernel launched from a Python loop), ``h2d_small_copy_us`` (a small
+host-to-device copy from pageable memory) and ``idle_sync_us``.
 
 ``--save FILE`` writes the measured seconds as JSON; ``--measured FILE`` reads such a file instead of
 measuring (no GPU needed), so the comparison and the fit can be redone anywhere. ``--fit`` fits the
-calibration's step, layer and sequence costs and its efficiencies to the measured steps (the same
-robust log-error loss and coordinate descent as ``sim_fidelity.py --fit``) and prints the fitted
-fields and the errors after the fit. ``benchmarks/data/gpu_calibration_h200.json`` holds one H200 run.
+kernels' efficiencies to the kernel times, then the host's step, layer and sequence costs to the whole
+steps (the robust log-error loss, priors and coordinate descent of ``sim_fidelity.py --fit``), and
+prints the fitted fields and the errors after the fit. ``benchmarks/data/gpu_calibration_h200.json``
+holds the H200 run the ``torch-eager`` preset is fitted to; ``..._before.json`` the engine before its
+attention and input-copy changes (``docs/simulation.md``, "On a real GPU").
 
 Without CUDA (and without ``--measured``) it prints ``cuda_available: 0`` and exits 0 (the test suite
 never needs a GPU); ``--device cpu --model-preset tiny`` runs the measuring code itself on a CPU.
