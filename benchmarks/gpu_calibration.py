@@ -344,8 +344,11 @@ def main() -> None:
     spec = get_model_preset(args.model_preset)
     todo = [c for c in cases(args.quick) if max(n + c for n, c in c.seqs) <= spec.max_context]
     if args.measured:
-        data = json.loads(Path(args.measured).read_text())
-        measured = data["cases"]
+        try:
+            data = json.loads(Path(args.measured).read_text())
+            measured = data["cases"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            parser.error(f"--measured {args.measured}: not a file this script saved with --save ({exc!r})")
         report.add("device", data.get("device", "?"))
         ceilings = data.get("ceilings", {})
     else:

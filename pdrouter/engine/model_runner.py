@@ -38,9 +38,9 @@ class ModelRunner:
         """``[n_sample, vocab]`` float32 logits, one row per item with ``sample``, in item order.
 
         Every integer input of the step (token ids, positions, pool slots, block tables, the sampled
-        rows) is packed into one host tensor and copied to the device once: each separate copy from
-        pageable host memory waits for the device, and the six a decode step used to make cost more
-        than its whole GPU work on an H200 host (docs/simulation.md, "On a real GPU").
+        rows) is packed into one host tensor and copied to the device once: each copy from pageable
+        host memory waits for the device, so the six separate copies a step used to make held the host
+        until the GPU had run the work queued before them (docs/simulation.md, "On a real GPU").
         """
         order = [i for i, it in enumerate(items) if len(it.token_ids) > 1]
         order += [i for i, it in enumerate(items) if len(it.token_ids) == 1]

@@ -60,3 +60,13 @@ def test_without_cuda_it_says_so_and_exits_cleanly() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     assert _run()["cuda_available"] == 0
+
+
+def test_a_file_it_did_not_save_is_refused_with_a_message(tmp_path: Path) -> None:
+    bad = tmp_path / "other.json"
+    bad.write_text('{"rows": []}')
+    for path in (bad, tmp_path / "missing.json"):
+        out = subprocess.run([sys.executable, str(SCRIPT), "--measured", str(path)], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 2 and "not a file this script saved with --save" in out.stderr
+        assert "Traceback" not in out.stderr
