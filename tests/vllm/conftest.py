@@ -190,6 +190,18 @@ def vllm_pool(vllm_model: Path, vllm_redis: str) -> Iterator[VllmPool]:
         pool.stop()
 
 
+def registered_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
+    """The pool's registered worker records, heartbeat current or not: id → record."""
+    import redis
+
+    client = redis.Redis.from_url(pool.redis_url)
+    try:
+        return {worker_id.decode(): json.loads(raw)
+                for worker_id, raw in client.hgetall(f"pdr:{{{MODEL}}}:workers").items()}
+    finally:
+        client.close()
+
+
 def live_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
     """The pool's registered workers with a current heartbeat: id → {"record": …, "load": …}."""
     import redis

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from .conftest import MAX_LEN, MODEL, Stream, VllmPool, booked_blocks, live_workers, poll, run
+from .conftest import MAX_LEN, MODEL, Stream, VllmPool, booked_blocks, live_workers, poll, registered_workers, run
 
 PROMPT_TOKENS = 24
 
@@ -37,8 +37,9 @@ def vllm_usage(pool: VllmPool) -> dict[str, tuple[int, int]]:
 async def _scenario(pool: VllmPool) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=pool.http, timeout=httpx.Timeout(120.0)) as client, \
-            Stream(client, long_request()), Stream(client, long_request()):
-        capacity = {w: int(v["record"]["capacity_blocks"]) for w, v in live_workers(pool).items()}
+            Stream(client, long_request()) as first, Stream(client, long_request()) as second:
+        # The pool each worker registered (its record, which a late heartbeat does not hide).
+        capacity = {w: int(record["capacity_blocks"]) for w, record in registered_workers(pool).items()}
         seen["capacity"] = capacity
         seen["booked"] = await asyncio.to_thread(booked_blocks, pool)
         # Both workers must be in the reading: a heartbeat can lapse for a moment on a loaded machine.
@@ -48,6 +49,8 @@ async def _scenario(pool: VllmPool) -> dict[str, Any]:
             "vLLM reporting both requests' blocks")
         third = await client.post("/v1/completions", json=long_request())
         seen["third"] = (third.status_code, third.headers.get("retry-after"), third.json())
+        # The refusal only means something while both long requests still held their blocks.
+        seen["ended_before_third"] = [s.ended.is_set() for s in (first, second)]
         seen["booked_after_refusal"] = await asyncio.to_thread(booked_blocks, pool)
     return seen
 
@@ -62,6 +65,7 @@ def test_bookings_stay_within_vllms_pool_and_the_next_request_gets_429(vllm_pool
         held, total = usage[worker]
         assert total == pool_blocks and 0 < held <= booked[worker], (worker, usage, booked)
     status, retry_after, body = seen["third"]
+    assert seen["ended_before_third"] == [False, False], "a long request ended before the third was answered"
     assert status == 429 and retry_after is not None, body
     assert body["error"]["type"] == "rate_limit_error"
     assert all(seen["booked_after_refusal"][w] <= capacity[w] for w in capacity)
