@@ -39,6 +39,13 @@ Each throughput figure is the median of several repetitions, run interleaved (ra
 inline, tls, ..., raw, ...) after one warm-up each, so that noise from other work on the machine
 hits them alike. The receiving side runs in a separate process; both pools are CPU tensors; the
 last transfer is checked bit for bit. ``--quick`` moves 128 MiB instead of 512.
+
+``--pin`` keeps the sending process (and every thread it starts) on one core and the receiving one
+on another (``pinned`` says whether it did: it needs two cores). Unpinned, the scheduler may put
+both ends of the raw socket on one core, where its copies take turns: on a 2-core machine one
+block's raw time is then about 0.85 ms instead of about 0.35, and moves between the two from one
+minute to the next. Pinned, the raw socket gets its physical best; the transport, whose threads
+on each side then share one core, does not.
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import functools
 import importlib
 import json
 import multiprocessing as mp
+import os
 import re
 import secrets
 import socket
@@ -192,8 +200,24 @@ def vs_config(transfer: Any, token: str) -> Any:
     return transfer.TransferConfig(auth_token=token, epoch=transfer.new_epoch(), socket_buffer_bytes=SOCKET_BUFFER)
 
 
-def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_folder: str | None = None) -> None:
+def pin_to(cpu: int | None) -> None:
+    """Keep the calling thread, and every thread it starts from now on, on ``cpu`` (None: anywhere)."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+
+def placement(pin: bool) -> tuple[int | None, int | None]:
+    """(sending process's core, receiving process's core): two different ones when ``pin`` and this
+    process may run on two or more, else (None, None)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return (cpus[0], cpus[1]) if pin and len(cpus) >= 2 else (None, None)
+
+
+def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_folder: str | None = None,
+                  cpu: int | None = None) -> None:
     import threading
+
+    pin_to(cpu)
 
     layout = plan.layout()
     pool = torch.zeros(layout.shape, dtype=torch.bfloat16)
@@ -234,16 +258,18 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_fo
 # -- sending process ----------------------------------------------------------------------------
 
 class Bench:
-    def __init__(self, plan: Plan, pki: Pki, vs_folder: str | None = None) -> None:
+    def __init__(self, plan: Plan, pki: Pki, vs_folder: str | None = None,
+                 cpus: tuple[int | None, int | None] = (None, None)) -> None:
         self.plan = plan
         self.layout = plan.layout()
         self.pool = torch.empty(self.layout.shape, dtype=torch.bfloat16)
         self.pool.view(torch.int16).random_()
         ctx = mp.get_context("spawn")
         self.pipe, child = ctx.Pipe()
-        self.child = ctx.Process(target=receiver_main, args=(child, plan, pki.receiver, TOKEN, vs_folder),
+        self.child = ctx.Process(target=receiver_main, args=(child, plan, pki.receiver, TOKEN, vs_folder, cpus[1]),
                                  daemon=True)
         self.child.start()
+        pin_to(cpus[0])  # before the senders: their connections' threads start on this core
         self.senders: dict[str, Any] = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN))
                                         for v in VARIANTS}
         if (other := vs_transfer(vs_folder)) is not None:
@@ -340,14 +366,15 @@ def vs_rounds(bench: Bench, reps: int) -> dict[str, float]:
             "tcp_one_block_vs_other_ratio_p90": ours[len(ours) * 9 // 10]}
 
 
-def run(plan: Plan, vs: str | None = None) -> dict[str, float]:
+def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="kvbench-pki-") as folder:
         vs_folder = None
         if vs is not None:
             vs_folder = str(Path(folder) / "vs")
             Path(vs_folder).mkdir()
             export_renamed(vs, Path(vs_folder))
-        bench = Bench(plan, Pki.create(Path(folder)), vs_folder)
+        cpus = placement(pin)
+        bench = Bench(plan, Pki.create(Path(folder)), vs_folder, cpus)
         try:
             nbytes = plan.transfer_bytes()
             times: dict[str, list[float]] = {name: [] for name in ("raw", "raw_gmac", *VARIANTS)}
@@ -395,6 +422,7 @@ def run(plan: Plan, vs: str | None = None) -> dict[str, float]:
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     cpu_ns = {name: spent / (nbytes * plan.reps) * 1e9 for name, spent in cpu.items()}
     return {
+        "pinned": float(cpus[0] is not None),
         "transfer_mib": nbytes / (1 << 20),
         "raw_socket_gbps": gbps["raw"],
         "tcp_mac_gbps": gbps["mac"],
@@ -426,7 +454,7 @@ def run(plan: Plan, vs: str | None = None) -> dict[str, float]:
     }
 
 
-UNITS = {"transfer_mib": "MiB"}
+UNITS = {"transfer_mib": "MiB", "pinned": "bool"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     parser.add_argument("--vs", default=None, metavar="REV",
                         help="also move one block with commit REV's transport, in turn with this tree's")
+    parser.add_argument("--pin", action="store_true",
+                        help="keep the sending process on one core and the receiving one on another")
     args = parser.parse_args(argv)
     plan = Plan(tokens=1024, reps=3, latency_reps=20) if args.quick else Plan(tokens=4096, reps=5,
                                                                                latency_reps=50)
@@ -443,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                                capture_output=True, text=True)
         if probe.returncode != 0:
             parser.error(f"--vs {args.vs}: not a commit of this repository")
-    figures = run(plan, args.vs)
+    figures = run(plan, args.vs, pin=args.pin)
     if args.json:
         print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
     else:
