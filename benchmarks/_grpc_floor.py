@@ -2,7 +2,9 @@
 
 Each call answers the request's ``max_tokens`` token ids in one message, without reading the prompt,
 admitting, placing or reaching a worker: what grpcio's asyncio server itself costs per server-streaming
-call, next to which the router's gRPC door is measured (``benchmarks/router_overhead.py``).
+call, next to which the router's gRPC door is measured (``benchmarks/router_overhead.py``). It runs on
+the event loop the router runs on (``pdrouter.cli.serve.event_loop_factory``: uvloop when installed),
+so that the two differ by the router's work only.
 
     python benchmarks/_grpc_floor.py --port N
 """
@@ -16,6 +18,7 @@ import signal
 
 import grpc
 
+from pdrouter.cli.serve import event_loop_factory
 from pdrouter.wire.v1 import router_pb2, router_pb2_grpc
 
 
@@ -42,8 +45,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port))
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+        runner.run(serve(args.port))
 
 
 if __name__ == "__main__":
