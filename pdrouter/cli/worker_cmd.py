@@ -159,6 +159,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            help="without --redis: the decode workers' KV receiver addresses this worker may send "
                                 "KV to (with --redis: the decode workers registered in the pool; with neither: "
                                 "none)")
+        p.add_argument("--heartbeat-interval-s", type=float, default=1.0,
+                       help="how often the worker writes its heartbeat and load to Redis (default 1.0)")
+        p.add_argument("--heartbeat-ttl-ms", type=int, default=3000,
+                       help="a worker whose last heartbeat is older than this is not live: routers stop "
+                            "placing on it (default 3000). Raise it where the worker's host can stall for "
+                            "seconds (CPU engines sharing cores, a tight CPU limit); it is also how long a "
+                            "crashed worker stays listed")
         add_tls_flags(p, server_help="the gRPC port, the lane and the KV receiver ask for client certificates "
                       "it signed (mutual TLS), and calls to other workers verify theirs")
         add_lane_limit_flags(p)
@@ -310,6 +317,7 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
         kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
         max_lease_ms=getattr(args, "max_lease_ms", 120_000),
+        heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
         decode_kv_addresses=tuple(a.strip() for a in getattr(args, "decode_kv_addresses", "").split(",")
                                   if a.strip()),
         lane_port=None if args.lane_port == -1 else args.lane_port,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdrouter.core.errors import ConfigError
@@ -76,8 +77,12 @@ class WorkerConfig:
         for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):
             if not 0 <= port < 65536:
                 raise ConfigError(f"the {name} must be in [0, 65535], got {port}")
+        if not (math.isfinite(self.heartbeat_interval_s) and self.heartbeat_interval_s > 0):
+            raise ConfigError(f"--heartbeat-interval-s must be > 0, got {self.heartbeat_interval_s}")
         if self.heartbeat_interval_s * 1000 >= self.heartbeat_ttl_ms:
-            raise ConfigError("the heartbeat interval must be shorter than the heartbeat TTL")
+            raise ConfigError(f"the heartbeat interval ({self.heartbeat_interval_s} s) must be shorter than the "
+                              f"heartbeat TTL ({self.heartbeat_ttl_ms} ms): a TTL of 2-3 times the interval "
+                              f"rides out a late heartbeat")
         if self.lease_ms <= 0 or self.kv_wait_s <= 0:
             raise ConfigError("lease_ms and kv_wait_s must be > 0")
         if self.lease_ms > self.max_lease_ms:

