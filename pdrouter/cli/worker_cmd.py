@@ -40,7 +40,7 @@ from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.model_spec import normalize_dtype
 from pdrouter.core.net import is_loopback
 from pdrouter.core.tls import TlsFiles
-from pdrouter.core.workers import WorkerRole
+from pdrouter.core.workers import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_MS, WorkerRole
 from pdrouter.engine.faults import ENGINE_FAULT_ENV, EngineFault
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.security import INTERNAL_TOKEN_ENV
@@ -159,13 +159,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                            help="without --redis: the decode workers' KV receiver addresses this worker may send "
                                 "KV to (with --redis: the decode workers registered in the pool; with neither: "
                                 "none)")
-        p.add_argument("--heartbeat-interval-s", type=float, default=1.0,
-                       help="how often the worker writes its heartbeat and load to Redis (default 1.0)")
-        p.add_argument("--heartbeat-ttl-ms", type=int, default=3000,
-                       help="a worker whose last heartbeat is older than this is not live: routers stop "
-                            "placing on it (default 3000). Raise it where the worker's host can stall for "
-                            "seconds (CPU engines sharing cores, a tight CPU limit); it is also how long a "
-                            "crashed worker stays listed")
+        p.add_argument("--heartbeat-interval-s", type=float, default=DEFAULT_HEARTBEAT_INTERVAL_S,
+                       help=f"how often the worker writes its heartbeat and load to Redis "
+                            f"(default {DEFAULT_HEARTBEAT_INTERVAL_S})")
+        p.add_argument("--heartbeat-ttl-ms", type=int, default=DEFAULT_HEARTBEAT_TTL_MS,
+                       help=f"a worker whose last heartbeat is older than this is not live: routers stop "
+                            f"placing on it (default {DEFAULT_HEARTBEAT_TTL_MS}). Raise it where the worker's "
+                            f"host can stall for seconds (CPU engines sharing cores, a tight CPU limit); it is "
+                            f"also how long a crashed worker stays listed")
         add_tls_flags(p, server_help="the gRPC port, the lane and the KV receiver ask for client certificates "
                       "it signed (mutual TLS), and calls to other workers verify theirs")
         add_lane_limit_flags(p)

@@ -9,6 +9,12 @@ from dataclasses import asdict, dataclass, field, fields
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
 
+DEFAULT_HEARTBEAT_TTL_MS = 3000
+"""A worker whose last heartbeat is older than this is not live (``--heartbeat-ttl-ms``)."""
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+"""How often a worker heartbeats (``--heartbeat-interval-s``): a third of the TTL, so one late beat
+does not end its liveness."""
+
 
 class WorkerRole(enum.Enum):
     PREFILL = "prefill"

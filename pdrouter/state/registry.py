@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from pdrouter.core.errors import StaleEpochError
 from pdrouter.core.ids import Epoch, WorkerId
-from pdrouter.core.workers import LiveWorker, WorkerLoad, WorkerRecord, WorkerRole
+from pdrouter.core.workers import DEFAULT_HEARTBEAT_TTL_MS, LiveWorker, WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
-
-DEFAULT_HEARTBEAT_TTL_MS = 3000
 
 # KEYS: workers hash, heartbeat key. ARGV: worker_id, epoch, load JSON, ttl ms.
 # Refreshes the heartbeat only when the registered record has this epoch.

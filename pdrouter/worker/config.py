@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.tls import TlsFiles
-from pdrouter.core.workers import WorkerRole
+from pdrouter.core.workers import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_HEARTBEAT_TTL_MS, WorkerRole
 from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.faults import EngineFault
 from pdrouter.engine.sim.config import SimEngineConfig
@@ -41,8 +41,8 @@ class WorkerConfig:
     kv_backend: str = "tcp"
     kv_port: int = 0
     kv_auth_token: str = field(default="", repr=False)
-    heartbeat_interval_s: float = 1.0
-    heartbeat_ttl_ms: int = 3000
+    heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
+    heartbeat_ttl_ms: int = DEFAULT_HEARTBEAT_TTL_MS
     lease_ms: int = 30_000
     """An allocation nobody follows up within this long is freed (decode workers)."""
     max_lease_ms: int = 120_000

@@ -16,7 +16,7 @@ from redis.exceptions import RedisError
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.errors import StaleEpochError, UnavailableError
 from pdrouter.core.redact import redact_url
-from pdrouter.core.workers import WorkerLoad, WorkerRecord
+from pdrouter.core.workers import DEFAULT_HEARTBEAT_INTERVAL_S, WorkerLoad, WorkerRecord
 from pdrouter.state.client import RedisClient, redis_client
 from pdrouter.state.registry import WorkerRegistry
 
@@ -35,7 +35,7 @@ class Presence:
     """Keeps one worker record live in Redis while the worker runs."""
 
     def __init__(self, registry: WorkerRegistry, record: WorkerRecord, load: Callable[[], WorkerLoad],
-                 interval_s: float = 1.0,
+                 interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S,
                  on_beat: Callable[[bool], Awaitable[None]] | None = None) -> None:
         """``on_beat(reregistered)`` runs after each successful heartbeat (e.g. refresh index TTLs)."""
         if interval_s * 1000 >= registry.heartbeat_ttl_ms:
