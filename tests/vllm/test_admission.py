@@ -61,8 +61,17 @@ async def _scenario(pool: VllmPool) -> dict[str, Any]:
     return seen
 
 
+ATTEMPTS = 3
+"""A long request can end before the third is answered (its 1,000 tokens take a few seconds here, and
+more or less as the machine's other work lets): that attempt shows nothing, so the scenario runs again."""
+
+
 def test_bookings_stay_within_vllms_pool_and_the_next_request_gets_429(vllm_pool: VllmPool) -> None:
-    seen = run(_scenario(vllm_pool))
+    for _ in range(ATTEMPTS):
+        seen = run(_scenario(vllm_pool))
+        if seen["ended_before_third"] == [False, False]:
+            break
+        poll(lambda: booked_blocks(vllm_pool), lambda b: all(v == 0 for v in b.values()), "every booking released")
     capacity, booked, usage = seen["capacity"], seen["booked"], seen["usage"]
     assert set(capacity) == set(booked) == {"vllm-a", "vllm-b"}
     for worker, pool_blocks in capacity.items():
@@ -71,7 +80,8 @@ def test_bookings_stay_within_vllms_pool_and_the_next_request_gets_429(vllm_pool
         held, total = usage[worker]
         assert total == pool_blocks and 0 < held <= booked[worker], (worker, usage, booked)
     status, retry_after, body = seen["third"]
-    assert seen["ended_before_third"] == [False, False], "a long request ended before the third was answered"
+    assert seen["ended_before_third"] == [False, False], \
+        f"a long request ended before the third was answered, {ATTEMPTS} times"
     assert status == 429 and retry_after is not None, body
     assert body["error"]["type"] == "rate_limit_error"
     assert all(seen["booked_after_refusal"][w] <= capacity[w] for w in capacity)

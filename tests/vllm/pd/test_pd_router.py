@@ -62,14 +62,22 @@ RELAY_HOST = "127.0.0.2"
 
 
 def free_port() -> int:
-    """A port free on both loopback addresses a moment ago."""
+    """A port free on both loopback addresses a moment ago, below the kernel's ephemeral range.
+
+    The decode worker binds it only once its engine is up, tens of seconds later; meanwhile vLLM's
+    processes bind ports of their own (ZMQ sockets) and every connection takes a source port, all
+    from the ephemeral range, and one of them once took a port picked from there first."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    picker = random.Random()
     while True:
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = int(first.getsockname()[1])
-            with contextlib.suppress(OSError):
-                second.bind((RELAY_HOST, port))
-                return port
+        port = picker.randrange(10_000, max(low, 10_001))
+        with socket.socket() as first, socket.socket() as second, contextlib.suppress(OSError):
+            first.bind(("127.0.0.1", port))
+            second.bind((RELAY_HOST, port))
+            return port
 
 
 def vllm_worker(role: str, model: Path, name: str, redis_url: str | None) -> list[str]:
