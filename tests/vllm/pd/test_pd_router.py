@@ -45,6 +45,7 @@ from pdrouter.wire.security import INTERNAL_TOKEN_ENV
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 from pdrouter.worker.presence import connect_redis
 
+from ..conftest import HEARTBEAT_TTL_MS
 from .relay import Fault, WorkerRelay
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
@@ -83,7 +84,7 @@ def free_port() -> int:
 def vllm_worker(role: str, model: Path, name: str, redis_url: str | None) -> list[str]:
     argv = [role, "--backend", "vllm", "--model", str(model), "--worker-id", name,
             "--block-size", str(BLOCK), "--dtype", DTYPE, "--vllm-arg", "max_model_len=2048",
-            "--torch-threads", "1", "--log-level", "INFO"]
+            "--torch-threads", "1", "--log-level", "INFO", "--heartbeat-ttl-ms", str(HEARTBEAT_TTL_MS)]
     return argv + (["--redis", redis_url] if redis_url else [])
 
 
