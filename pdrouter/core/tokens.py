@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdrouter.core.errors import InvalidRequestError
@@ -20,10 +20,30 @@ if array("I").itemsize != 4:  # pragma: no cover - every platform CPython suppor
 _SWAP = sys.byteorder != "little"
 
 
+class PackedTokenIds(tuple[int, ...]):
+    """Token ids unpacked from ``pack_token_ids`` bytes (``unpack_token_ids``): a tuple of plain ints
+    in [0, 2^32) by construction, which also keeps the bytes it came from (``packed``) and its largest
+    id (``largest``, -1 when empty). A worker checks a prompt against its vocabulary, hashes its
+    blocks and sends it on from these, with no pass over the ids in Python."""
+
+    packed: bytes
+    largest: int
+
+    @classmethod
+    def of(cls, ids: Iterable[int], packed: bytes, largest: int) -> PackedTokenIds:
+        """``ids`` with the bytes ``pack_token_ids`` makes of them and their largest id (the caller's word)."""
+        out = cls(ids)
+        out.packed = packed
+        out.largest = largest
+        return out
+
+
 def pack_token_ids(ids: Sequence[int]) -> bytes:
     """``ids`` as little-endian uint32s, 4 bytes each: how the worker protocol's ``prompt_token_bytes``
     and the chained block hashes take a prompt. InvalidRequestError when an id is not an integer in
     [0, 2^32)."""
+    if type(ids) is PackedTokenIds:
+        return ids.packed
     try:
         packed = array("I", ids)
     except (OverflowError, TypeError) as exc:
@@ -31,17 +51,6 @@ def pack_token_ids(ids: Sequence[int]) -> bytes:
     if _SWAP:  # pragma: no cover - big-endian hosts
         packed.byteswap()
     return packed.tobytes()
-
-
-def unpack_token_ids(data: bytes) -> list[int]:
-    """The ids ``pack_token_ids`` packed; InvalidRequestError when ``data`` is not whole uint32s."""
-    if len(data) % 4:
-        raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
-    ids = array("I")
-    ids.frombytes(data)
-    if _SWAP:  # pragma: no cover - big-endian hosts
-        ids.byteswap()
-    return ids.tolist()
 
 
 class FinishReason(enum.Enum):

@@ -21,6 +21,7 @@ from enum import Enum
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import BlockHash, RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import PackedTokenIds
 from pdrouter.engine.outputs import FinishReason
 
 
@@ -129,7 +130,11 @@ class Request:
         if want > have:
             bs = hasher.block_size
             parent = self.block_hashes[-1] if have else self.root
-            self.block_hashes.extend(hasher.hash_blocks(self.all_token_ids[have * bs:want * bs], parent))
+            prompt = self.prompt_token_ids
+            if type(prompt) is PackedTokenIds and want * bs <= len(prompt):  # the prompt's own bytes
+                self.block_hashes.extend(hasher.hash_packed(prompt.packed[have * bs * 4:want * bs * 4], parent))
+            else:
+                self.block_hashes.extend(hasher.hash_blocks(self.all_token_ids[have * bs:want * bs], parent))
         return self.block_hashes[:want]
 
     def append_token(self, token: int) -> FinishReason | None:

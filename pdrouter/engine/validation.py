@@ -9,10 +9,13 @@ from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import InvalidRequestError, PromptTooLongError, RequestTooLargeError
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import PackedTokenIds
 
 
 def token_ids(values: object, vocab_size: int, what: str = "prompt") -> tuple[int, ...]:
     """A tuple of ints in ``[0, vocab_size)``; InvalidRequestError naming the first bad one."""
+    if type(values) is PackedTokenIds and values.largest < vocab_size:
+        return values  # plain ints >= 0 by construction, the largest known
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise InvalidRequestError(f"{what} must be a sequence of token ids, got {type(values).__name__}")
     ids = tuple(values)

@@ -5,10 +5,12 @@ The only place that knows both sides; servicers and clients of every package cal
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import unpack_token_ids
+from pdrouter.core.tokens import PackedTokenIds
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.wire.v1 import common_pb2 as pb
 from pdrouter.wire.v1 import worker_pb2
@@ -39,7 +41,7 @@ def sampling_from_pb(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def prompt_from_pb(msg: worker_pb2.ServeRequest | worker_pb2.PrefillRequest | worker_pb2.WorkerGenerateRequest,
-                   ) -> list[int]:
+                   ) -> Sequence[int]:
     """A request's prompt, sent packed (``prompt_token_bytes``, as this release's senders do) or as the
     repeated ``prompt_token_ids`` of earlier ones; InvalidRequestError when it came both ways."""
     packed = msg.prompt_token_bytes
@@ -48,6 +50,17 @@ def prompt_from_pb(msg: worker_pb2.ServeRequest | worker_pb2.PrefillRequest | wo
     if msg.prompt_token_ids:
         raise InvalidRequestError("the prompt came both as prompt_token_ids and as prompt_token_bytes: send one")
     return unpack_token_ids(packed)
+
+
+def unpack_token_ids(data: bytes) -> PackedTokenIds:
+    """The ids ``pack_token_ids`` packed, with those bytes and the largest id (for the engine's
+    vocabulary check); InvalidRequestError when ``data`` is not whole uint32s."""
+    if len(data) % 4:
+        raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
+    import numpy as np  # here: only workers unpack prompts, and a router need not load numpy
+
+    values = np.frombuffer(data, dtype="<u4")
+    return PackedTokenIds.of(values.tolist(), bytes(data), int(values.max()) if len(values) else -1)
 
 
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:

@@ -9,8 +9,9 @@ import pytest
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
-from pdrouter.core.tokens import pack_token_ids
+from pdrouter.core.tokens import PackedTokenIds, pack_token_ids
 from pdrouter.core.workers import WorkerRecord, WorkerRole
+from pdrouter.engine.validation import token_ids
 from pdrouter.wire.convert import prompt_from_pb, record_from_pb, record_to_pb
 from pdrouter.wire.v1 import worker_pb2
 
@@ -34,9 +35,23 @@ PROMPT = [0, 1, 255, 256, 65_535, 128_000, 2**32 - 1]
 def test_a_prompt_is_read_packed_or_repeated_alike(message: type) -> None:
     packed = message(prompt_token_bytes=pack_token_ids(PROMPT))
     assert len(packed.prompt_token_bytes) == 4 * len(PROMPT) and not packed.prompt_token_ids
-    assert prompt_from_pb(message.FromString(packed.SerializeToString())) == PROMPT
-    assert prompt_from_pb(message(prompt_token_ids=PROMPT)) == PROMPT  # an earlier release's sender
-    assert prompt_from_pb(message()) == []
+    assert list(prompt_from_pb(message.FromString(packed.SerializeToString()))) == PROMPT
+    assert list(prompt_from_pb(message(prompt_token_ids=PROMPT))) == PROMPT  # an earlier release's sender
+    assert list(prompt_from_pb(message())) == []
+
+
+def test_a_packed_prompt_keeps_its_bytes_and_largest_id_and_passes_the_engine_check_as_it_is() -> None:
+    read = prompt_from_pb(worker_pb2.ServeRequest(prompt_token_bytes=pack_token_ids(PROMPT)))
+    assert isinstance(read, PackedTokenIds) and all(type(i) is int for i in read)
+    assert read.packed == pack_token_ids(PROMPT) and read.largest == 2**32 - 1
+    assert pack_token_ids(read) is read.packed  # sent on (to a prefill worker) without packing again
+    within = PackedTokenIds.of(PROMPT[:-1], pack_token_ids(PROMPT[:-1]), 128_000)
+    assert token_ids(within, 128_001) is within
+    # The largest id decides at once; the error still names the first id outside the vocabulary.
+    with pytest.raises(InvalidRequestError, match=r"prompt\[4\] = 65535 is outside the vocabulary \[0, 1000\)"):
+        token_ids(read, 1000)
+    empty = prompt_from_pb(worker_pb2.PrefillRequest(prompt_token_bytes=b""))
+    assert list(empty) == []
 
 
 def test_a_prompt_sent_both_ways_or_in_torn_ids_is_refused() -> None:

@@ -253,10 +253,10 @@ async def test_a_route_without_an_address_is_the_callers_error() -> None:
 
 
 def test_serve_order_and_report_convert_both_ways() -> None:
-    o = ServeOrder(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, model_compat_hash="m",
+    o = ServeOrder(request_id="r", prompt_token_ids=(1, 2, 3), sampling=SAMPLING, model_compat_hash="m",
                    backend="tcp", local_prefill_tokens=32,
                    routes=(A, PrefillRoute("p", "h:1", "h:2", cached_tokens=16)))
-    assert serve_order_from_pb(serve_order_to_pb(o)) == o
+    assert serve_order_from_pb(serve_order_to_pb(o)) == o  # the prompt read back as a tuple
     packed = ServeOrder(request_id="r", prompt_token_ids=[1, 2, 3], sampling=SAMPLING, model_compat_hash="m",
                         backend="tcp", local_prefill_tokens=32, prompt_token_bytes=pack_token_ids([1, 2, 3]))
     assert serve_order_to_pb(packed).prompt_token_bytes == pack_token_ids([1, 2, 3])  # sent as it came
@@ -309,7 +309,7 @@ async def test_prefill_builds_the_request_and_answers_an_outcome(monkeypatch: py
     [(request, timeout)] = stub.requests
     # The prompt goes packed, 4 little-endian bytes an id.
     assert request.prompt_token_bytes == bytes([1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0]) and not request.prompt_token_ids
-    assert timeout == 4.0 and prompt_from_pb(request) == [1, 2, 3] and request.model_compat_hash == "m"
+    assert timeout == 4.0 and list(prompt_from_pb(request)) == [1, 2, 3] and request.model_compat_hash == "m"
     assert (request.target.worker_id, request.target.transfer_id, request.target.skip_blocks) == ("decode-0", "t-1", 1)
     # The sampling the prefill worker reads is what the caller sent, top_p 0 (unset) included.
     sent = sampling_to_pb(SAMPLING)

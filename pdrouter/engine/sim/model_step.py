@@ -22,12 +22,12 @@ import secrets
 import struct
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
+from pdrouter.core.tokens import pack_token_ids
 from pdrouter.engine.batch_engine import StepWork
 from pdrouter.engine.request import Request
 from pdrouter.engine.sim.timing import SeqWork, StepCost, TimingModel
@@ -60,7 +60,7 @@ def stream_key(request: Request) -> int:
     """The key of a request's token stream (see the module docstring)."""
     if not request.sampling.greedy and request.sampling.seed is None:
         return secrets.randbits(64)
-    digest = xxhash.xxh3_64(array("q", request.prompt_token_ids).tobytes())
+    digest = xxhash.xxh3_64(pack_token_ids(request.prompt_token_ids))  # a packed prompt's own bytes
     if request.sampling.seed is not None:
         digest.update(request.sampling.seed.to_bytes(8, "little"))
     return digest.intdigest()

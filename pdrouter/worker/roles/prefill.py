@@ -162,7 +162,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
 
 async def checked_request(request: worker_pb2.PrefillRequest, model_compat_hash: str, targets: DecodeTargets,
-                          block_size: int) -> tuple[str, TransferTarget, SamplingParams, list[int]]:
+                          block_size: int) -> tuple[str, TransferTarget, SamplingParams, Sequence[int]]:
     """The request's id, KV target, sampling and prompt, once they passed every check (the target
     first: it must name a registered decode worker's receiver, and the prompt's blocks)."""
     rid = request.request_id
