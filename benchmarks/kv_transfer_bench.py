@@ -40,6 +40,11 @@ inline, tls, ..., raw, ...) after one warm-up each, so that noise from other wor
 hits them alike. The receiving side runs in a separate process; both pools are CPU tensors; the
 last transfer is checked bit for bit. ``--quick`` moves 128 MiB instead of 512.
 
+``--tcp-congestion ALG`` sets every socket's TCP congestion control, the raw ones and the transport's
+(``TransferConfig.tcp_congestion``) alike; ``tcp_congestion`` names the one in effect (the host's
+default unless set). Where the host's default is BBR, its pacing moves every figure here
+(``docs/benchmarks.md``).
+
 ``--pin`` keeps the sending process (and every thread it starts) on one core and the receiving one
 on another (``pinned`` says whether it did: it needs two cores). Unpinned, the scheduler may put
 both ends of the raw socket on one core, where its copies take turns: on a 2-core machine one
@@ -51,6 +56,7 @@ on each side then share one core, does not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib
 import json
@@ -73,10 +79,12 @@ from typing import Any
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from pdrouter.core.errors import ConfigError
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.tls import TlsFiles
 from pdrouter.testing.pki import TestCa
 from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch
+from pdrouter.transfer.config import check_tcp_congestion
 from pdrouter.transfer.pool_view import checksum
 
 TOKEN = secrets.token_hex(16)
@@ -92,6 +100,8 @@ class Plan:
     tokens: int
     reps: int
     latency_reps: int
+    tcp_congestion: str | None = None
+    """Every socket's TCP congestion control, raw and transport alike (None: the host's default)."""
 
     @property
     def blocks(self) -> int:
@@ -118,7 +128,7 @@ class Pki:
         return cls(ca.issue("receiver"), ca.issue("sender", "prefill.bench"))
 
 
-def variant_config(variant: str, tls: TlsFiles, token: str) -> TransferConfig:
+def variant_config(variant: str, tls: TlsFiles, token: str, congestion: str | None = None) -> TransferConfig:
     options: dict[str, dict[str, Any]] = {
         "mac": {},
         "mac_offload": {"mac_offload": True},
@@ -127,12 +137,15 @@ def variant_config(variant: str, tls: TlsFiles, token: str) -> TransferConfig:
         "tls": {"tls": tls, "payload_macs": False},
         "gloo": {"backend": Backend.GLOO},
     }
-    return TransferConfig(auth_token=token, epoch=new_epoch(), socket_buffer_bytes=SOCKET_BUFFER, **options[variant])
+    return TransferConfig(auth_token=token, epoch=new_epoch(), socket_buffer_bytes=SOCKET_BUFFER,
+                          tcp_congestion=congestion, **options[variant])
 
 
 # -- receiving process --------------------------------------------------------------------------
 
-def _tune(sock: socket.socket) -> None:
+def _tune(sock: socket.socket, congestion: str | None) -> None:
+    if congestion:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
@@ -143,10 +156,11 @@ def _gmac() -> Any:
     return Cipher(algorithms.AES(bytes(32)), modes.GCM(bytes(12))).encryptor()
 
 
-def _raw_sink(listener: socket.socket, memory: memoryview, nbytes: int, mac: bool = False) -> None:
+def _raw_sink(listener: socket.socket, memory: memoryview, congestion: str | None, nbytes: int,
+              mac: bool = False) -> None:
     conn, _ = listener.accept()
     listener.close()
-    _tune(conn)
+    _tune(conn, congestion)
     with conn:
         while True:
             ctx = _gmac() if mac else None
@@ -222,7 +236,7 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_fo
     layout = plan.layout()
     pool = torch.zeros(layout.shape, dtype=torch.bfloat16)
     pool.view(torch.uint8).view(-1).fill_(1)  # fault the pages in before timing anything
-    receivers = {v: KvReceiver(pool, layout, variant_config(v, tls, token)) for v in VARIANTS}
+    receivers = {v: KvReceiver(pool, layout, variant_config(v, tls, token, plan.tcp_congestion)) for v in VARIANTS}
     if (other := vs_transfer(vs_folder)) is not None:
         receivers["vs"] = other.KvReceiver(pool, vs_layout(plan), vs_config(other, token))
     handles: dict[str, Any] = {}
@@ -232,7 +246,8 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_fo
             if cmd == "raw":
                 listener = socket.create_server(("127.0.0.1", 0))
                 memory = pool.view(-1).view(torch.uint8).numpy().data
-                threading.Thread(target=_raw_sink, args=(listener, memory, *args), daemon=True).start()
+                threading.Thread(target=_raw_sink, args=(listener, memory, plan.tcp_congestion, *args),
+                                 daemon=True).start()
                 pipe.send(listener.getsockname()[1])
             elif cmd == "expect":
                 variant, tid, blocks = args
@@ -270,8 +285,9 @@ class Bench:
                                  daemon=True)
         self.child.start()
         pin_to(cpus[0])  # before the senders: their connections' threads start on this core
-        self.senders: dict[str, Any] = {v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN))
-                                        for v in VARIANTS}
+        self.senders: dict[str, Any] = {
+            v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN, plan.tcp_congestion))
+            for v in VARIANTS}
         if (other := vs_transfer(vs_folder)) is not None:
             self.senders["vs"] = other.KvSender(self.pool, vs_layout(plan), vs_config(other, TOKEN))
         self.blocks = list(range(plan.blocks))
@@ -282,7 +298,7 @@ class Bench:
 
     def _raw_link(self, nbytes: int, *, mac: bool) -> socket.socket:
         sock = socket.create_connection(("127.0.0.1", self.call("raw", nbytes, mac)))
-        _tune(sock)
+        _tune(sock, self.plan.tcp_congestion)
         return sock
 
     def call(self, *msg: Any) -> Any:
@@ -457,6 +473,14 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
 UNITS = {"transfer_mib": "MiB", "pinned": "bool"}
 
 
+def host_congestion() -> str:
+    """This host's default TCP congestion control (what a socket gets unless told otherwise)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB and fewer repetitions (< 30 s)")
@@ -465,9 +489,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="also move one block with commit REV's transport, in turn with this tree's")
     parser.add_argument("--pin", action="store_true",
                         help="keep the sending process on one core and the receiving one on another")
+    parser.add_argument("--tcp-congestion", default=None, metavar="ALGORITHM",
+                        help="TCP congestion control of every socket, raw and transport alike (default: the host's)")
     args = parser.parse_args(argv)
+    if args.tcp_congestion is not None:
+        if args.vs is not None:
+            parser.error("--tcp-congestion sets this tree's transport only: not with --vs")
+        try:
+            check_tcp_congestion(args.tcp_congestion)
+        except ConfigError as exc:
+            parser.error(f"--tcp-congestion: {exc}")
     plan = Plan(tokens=1024, reps=3, latency_reps=20) if args.quick else Plan(tokens=4096, reps=5,
                                                                                latency_reps=50)
+    plan = dataclasses.replace(plan, tcp_congestion=args.tcp_congestion)
+    congestion = args.tcp_congestion or host_congestion()
     if args.vs is not None:
         probe = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.vs}^{{commit}}"],
                                capture_output=True, text=True)
@@ -475,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--vs {args.vs}: not a commit of this repository")
     figures = run(plan, args.vs, pin=args.pin)
     if args.json:
-        print(json.dumps({k: round(v, 4) for k, v in figures.items()}))
+        print(json.dumps({"tcp_congestion": congestion, **{k: round(v, 4) for k, v in figures.items()}}))
     else:
+        print(f"tcp_congestion: {congestion}")
         for name, value in figures.items():
             unit = UNITS.get(name) or ("GB/s" if name.endswith("gbps") else "ns/B" if name.endswith("per_byte")
                                        else "x" if "_ratio" in name else "ms")

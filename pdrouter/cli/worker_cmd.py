@@ -151,6 +151,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         if name != "worker":
             p.add_argument("--kv-backend", default="tcp", choices=["tcp", "gloo", "nccl"])
             p.add_argument("--kv-port", type=int, default=0, help="KV receiver port (decode; 0: any free)")
+            p.add_argument("--kv-tcp-congestion", default=None, metavar="ALGORITHM",
+                           help="TCP congestion control of the KV connections (cubic, reno, dctcp, ...; default: "
+                                "the host's). On a host whose default is bbr, a loss-based one moves KV faster over "
+                                "short links (docs/benchmarks.md)")
             p.add_argument("--lease-ms", type=int, default=30_000, help="allocation lease (decode)")
             p.add_argument("--max-lease-ms", type=int, default=120_000,
                            help="longest allocation lease a caller may ask for (decode); a longer one is refused")
@@ -316,7 +320,8 @@ def build_config(args: argparse.Namespace) -> WorkerConfig:
         engine=engine, host=args.host, port=args.port, advertise_host=args.advertise_host,
         redis_url=redis_url(args.redis), model_name=args.served_model_name,
         kv_backend=getattr(args, "kv_backend", "tcp"), kv_port=getattr(args, "kv_port", 0),
-        kv_auth_token=token, lease_ms=getattr(args, "lease_ms", 30_000),
+        kv_auth_token=token, kv_tcp_congestion=getattr(args, "kv_tcp_congestion", None),
+        lease_ms=getattr(args, "lease_ms", 30_000),
         max_lease_ms=getattr(args, "max_lease_ms", 120_000),
         heartbeat_interval_s=args.heartbeat_interval_s, heartbeat_ttl_ms=args.heartbeat_ttl_ms,
         decode_kv_addresses=tuple(a.strip() for a in getattr(args, "decode_kv_addresses", "").split(",")

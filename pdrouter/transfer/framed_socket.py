@@ -57,8 +57,10 @@ class FramedSocket:
     """
 
     def __init__(self, sock: socket.socket, progress_timeout: float, buffer_bytes: int = 0, *,
-                 message_timeout: float = 10.0, min_bytes_per_s: float = 1e6) -> None:
+                 message_timeout: float = 10.0, min_bytes_per_s: float = 1e6, congestion: str | None = None) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if congestion:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
         if buffer_bytes:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer_bytes)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffer_bytes)
@@ -90,13 +92,13 @@ class FramedSocket:
 
     @classmethod
     def connect(cls, host: str, port: int, connect_timeout: float, progress_timeout: float,
-                buffer_bytes: int = 0, **limits: float) -> FramedSocket:
+                buffer_bytes: int = 0, congestion: str | None = None, **limits: float) -> FramedSocket:
         try:
             sock = socket.create_connection((host, port), timeout=connect_timeout)
         except OSError as exc:
             raise PeerLostError(f"cannot connect to {host}:{port}: {exc}") from exc
         try:
-            return cls(sock, progress_timeout, buffer_bytes, **limits)
+            return cls(sock, progress_timeout, buffer_bytes, congestion=congestion, **limits)
         except OSError as exc:
             sock.close()
             raise PeerLostError(f"connection to {host}:{port} failed: {exc}") from exc
@@ -104,6 +106,12 @@ class FramedSocket:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def congestion_control(self) -> str:
+        """The connection's TCP congestion control, as the kernel reports it."""
+        name = self._sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        return name.split(b"\0", 1)[0].decode()
 
     @property
     def authenticated(self) -> bool:

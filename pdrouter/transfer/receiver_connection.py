@@ -57,7 +57,7 @@ class ReceiverConnection:
         (both on the connection's thread)."""
         self.fs = FramedSocket(sock, config.progress_timeout_s, config.socket_buffer_bytes,
                                message_timeout=config.message_timeout_s,
-                               min_bytes_per_s=config.message_min_bytes_per_s)
+                               min_bytes_per_s=config.message_min_bytes_per_s, congestion=config.tcp_congestion)
         self._tls = tls
         self._view = view
         self._config = config

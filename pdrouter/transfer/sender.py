@@ -148,7 +148,7 @@ class KvSender:
         cfg = self._config
         host, _, port = peer.rpartition(":")
         fs = FramedSocket.connect(host, int(port), cfg.connect_timeout_s, cfg.progress_timeout_s,
-                                  cfg.socket_buffer_bytes, message_timeout=cfg.message_timeout_s,
+                                  cfg.socket_buffer_bytes, cfg.tcp_congestion, message_timeout=cfg.message_timeout_s,
                                   min_bytes_per_s=cfg.message_min_bytes_per_s)
         try:
             fs.set_deadline(cfg.connect_timeout_s, f"the handshake with {peer}")

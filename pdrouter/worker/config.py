@@ -12,6 +12,7 @@ from pdrouter.engine.config import EngineConfig
 from pdrouter.engine.faults import EngineFault
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.vllm.config import VllmEngineConfig
+from pdrouter.transfer.config import check_tcp_congestion
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.lane.limits import LaneLimits
 from pdrouter.wire.security import PeerSecurity
@@ -41,6 +42,8 @@ class WorkerConfig:
     kv_backend: str = "tcp"
     kv_port: int = 0
     kv_auth_token: str = field(default="", repr=False)
+    kv_tcp_congestion: str | None = None
+    """The TCP congestion control of the KV connections (``TransferConfig.tcp_congestion``); None: the host's."""
     heartbeat_interval_s: float = DEFAULT_HEARTBEAT_INTERVAL_S
     heartbeat_ttl_ms: int = DEFAULT_HEARTBEAT_TTL_MS
     lease_ms: int = 30_000
@@ -74,6 +77,8 @@ class WorkerConfig:
                               f"got {self.worker_id!r}")
         if self.kv_backend not in KV_BACKENDS:
             raise ConfigError(f"kv backend must be one of {KV_BACKENDS}, got {self.kv_backend!r}")
+        if self.kv_tcp_congestion is not None:
+            check_tcp_congestion(self.kv_tcp_congestion)
         for name, port in (("port", self.port), ("kv port", self.kv_port), ("lane port", self.lane_port or 0)):
             if not 0 <= port < 65536:
                 raise ConfigError(f"the {name} must be in [0, 65535], got {port}")

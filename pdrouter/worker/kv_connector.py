@@ -40,7 +40,7 @@ async def start_connector(config: WorkerConfig, epoch: Epoch) -> ConnectorHost |
         raise ConfigError(f"a vLLM {config.role.value} worker moves its KV with --tp 1 (a prefill call carries one "
                           f"KV target); got --tp {engine.tensor_parallel_size}")
     transfer = TransferConfig(auth_token=config.kv_auth_token, epoch=epoch, backend=Backend(config.kv_backend),
-                              tls=config.tls)
+                              tls=config.tls, tcp_congestion=config.kv_tcp_congestion)
     host = ConnectorHost(transfer, KV_ROLES[config.role], kv_host=config.host, kv_advertise_host=config.public_host,
                          kv_port=config.kv_port)
     await host.start()

@@ -69,7 +69,7 @@ class RoleContext:
         """
         cfg = self.config
         return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend),
-                              tls=cfg.tls)
+                              tls=cfg.tls, tcp_congestion=cfg.kv_tcp_congestion)
 
 
 @dataclass(frozen=True)

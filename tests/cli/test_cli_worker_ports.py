@@ -101,3 +101,16 @@ def test_heartbeat_flags_default_set_and_refused(model: Path, capsys: pytest.Cap
         assert main(["prefill", "--model", str(model), "--heartbeat-interval-s", bad]) == 2
         assert capsys.readouterr().err.strip() == (
             f"pdrouter prefill: error: --heartbeat-interval-s must be > 0, got {float(bad)}")
+
+
+def test_the_kv_tcp_congestion_flag(model: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from pdrouter.cli.main import main
+
+    assert build_config(parse("decode", "--model", str(model))).kv_tcp_congestion is None  # the host's
+    chosen = build_config(parse("prefill", "--model", str(model), "--kv-tcp-congestion", "reno"))
+    assert chosen.kv_tcp_congestion == "reno" and chosen.engine is not None
+    assert main(["decode", "--model", str(model), "--kv-tcp-congestion", "no-such-cc"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("pdrouter decode: error: the kernel refused TCP congestion control 'no-such-cc'")
+    assert "\n" not in err and "available here:" in err
+

@@ -64,6 +64,8 @@ class Welcome:
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    tcp_congestion: str | None = None
+    """The KV connections' TCP congestion control (None: the host's default)."""
 
 
 @dataclass(frozen=True)

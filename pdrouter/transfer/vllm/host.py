@@ -350,7 +350,7 @@ class ConnectorHost:
             await write_message(writer, Welcome(
                 self.transfer.auth_token, self.transfer.epoch, self.transfer.backend.value, self.kv_host,
                 self.kv_advertise_host, self.kv_port, tls.ca if tls else None, tls.cert if tls else None,
-                tls.key if tls else None))
+                tls.key if tls else None, self.transfer.tcp_congestion))
             ready = await read_message(reader)
             if not isinstance(ready, Ready):
                 raise ChannelError(f"expected ready, got {ready.type}")

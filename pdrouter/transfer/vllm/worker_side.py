@@ -112,7 +112,7 @@ class WorkerSide:
             raise ChannelError(f"expected a welcome, got {welcome.type}")
         tls = TlsFiles.from_flags(welcome.tls_ca, welcome.tls_cert, welcome.tls_key)
         transfer = TransferConfig(auth_token=welcome.auth_token, epoch=welcome.epoch, backend=Backend(welcome.backend),
-                                  tls=tls)
+                                  tls=tls, tcp_congestion=welcome.tcp_congestion)
         assert self._io is not None
         post = self._post
         if cfg.kv_role in RECEIVING_ROLES:
