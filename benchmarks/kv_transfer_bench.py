@@ -84,7 +84,7 @@ from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.tls import TlsFiles
 from pdrouter.testing.pki import TestCa
 from pdrouter.transfer import Backend, KvReceiver, KvSender, TransferConfig, TransferTarget, new_epoch
-from pdrouter.transfer.config import check_tcp_congestion
+from pdrouter.transfer.config import check_tcp_congestion, host_tcp_congestion
 from pdrouter.transfer.pool_view import checksum
 
 TOKEN = secrets.token_hex(16)
@@ -473,14 +473,6 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
 UNITS = {"transfer_mib": "MiB", "pinned": "bool"}
 
 
-def host_congestion() -> str:
-    """This host's default TCP congestion control (what a socket gets unless told otherwise)."""
-    try:
-        return Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="128 MiB and fewer repetitions (< 30 s)")
@@ -502,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(tokens=1024, reps=3, latency_reps=20) if args.quick else Plan(tokens=4096, reps=5,
                                                                                latency_reps=50)
     plan = dataclasses.replace(plan, tcp_congestion=args.tcp_congestion)
-    congestion = args.tcp_congestion or host_congestion()
+    congestion = args.tcp_congestion or host_tcp_congestion()
     if args.vs is not None:
         probe = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", f"{args.vs}^{{commit}}"],
                                capture_output=True, text=True)

@@ -49,6 +49,20 @@ def _proc_list(name: str) -> str:
         return "unknown"
 
 
+def host_tcp_congestion() -> str:
+    """This host's default TCP congestion control (``net.ipv4.tcp_congestion_control``; "unknown"
+    where it cannot be read): what a KV connection gets without ``tcp_congestion``."""
+    return _proc_list("tcp_congestion_control")
+
+
+def describe_tcp_congestion(name: str | None) -> str:
+    """What a worker logs at start: the KV connections' TCP congestion control, and where it came from."""
+    if name is not None:
+        return f"KV connections: TCP congestion control {name}"
+    return (f"KV connections: TCP congestion control {host_tcp_congestion()}, the host's default "
+            f"(--kv-tcp-congestion chooses another; BBR's pacing can slow KV transfers over short links)")
+
+
 def check_tcp_congestion(name: str) -> str:
     """``name`` when this host's kernel lets this process set it as a socket's TCP congestion control
     (``TCP_CONGESTION``); ConfigError naming what is available, and what is allowed without

@@ -13,14 +13,17 @@ their own.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch
 from pdrouter.core.workers import WorkerRole
 from pdrouter.engine.vllm.config import VllmEngineConfig
-from pdrouter.transfer.config import Backend, TransferConfig
+from pdrouter.transfer.config import Backend, TransferConfig, describe_tcp_congestion
 from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
 
 READY_S = 60.0
 """How long the connector's ranks may take to report once vLLM started (they dial while it starts)."""
@@ -41,6 +44,7 @@ async def start_connector(config: WorkerConfig, epoch: Epoch) -> ConnectorHost |
                           f"KV target); got --tp {engine.tensor_parallel_size}")
     transfer = TransferConfig(auth_token=config.kv_auth_token, epoch=epoch, backend=Backend(config.kv_backend),
                               tls=config.tls, tcp_congestion=config.kv_tcp_congestion)
+    log.info("%s", describe_tcp_congestion(config.kv_tcp_congestion))
     host = ConnectorHost(transfer, KV_ROLES[config.role], kv_host=config.host, kv_advertise_host=config.public_host,
                          kv_port=config.kv_port)
     await host.start()

@@ -10,6 +10,7 @@ and ``close``. The process knows nothing else of a role, and a role nothing of t
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -18,7 +19,7 @@ from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch
 from pdrouter.core.tracing import Tracing
 from pdrouter.state.registry import WorkerRegistry
-from pdrouter.transfer.config import Backend, TransferConfig
+from pdrouter.transfer.config import Backend, TransferConfig, describe_tcp_congestion
 from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.transfer.vllm.host import ConnectorHost
 from pdrouter.worker.backend import TransferPacing, kv_pool
@@ -26,6 +27,8 @@ from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.driver import EngineDriver
 from pdrouter.worker.engine_contract import DisaggregatedEngine, ServingEngine
 from pdrouter.worker.transfer_tally import TransferTally
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -68,8 +71,10 @@ class RoleContext:
         Raises ``ConfigError`` without a token; only roles that move KV ask for it.
         """
         cfg = self.config
-        return TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend),
-                              tls=cfg.tls, tcp_congestion=cfg.kv_tcp_congestion)
+        config = TransferConfig(auth_token=cfg.kv_auth_token, epoch=self.epoch, backend=Backend(cfg.kv_backend),
+                                tls=cfg.tls, tcp_congestion=cfg.kv_tcp_congestion)
+        log.info("%s", describe_tcp_congestion(cfg.kv_tcp_congestion))
+        return config
 
 
 @dataclass(frozen=True)

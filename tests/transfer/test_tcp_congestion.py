@@ -9,6 +9,7 @@ import pytest
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.transfer import Backend, TransferState
+from pdrouter.transfer.config import describe_tcp_congestion
 
 from .factories import Pair, blocks_equal, make_config, make_layout
 
@@ -55,3 +56,11 @@ def test_a_name_the_kernel_refuses_is_a_clear_config_error() -> None:
     for bad in ("", "two words", "x" * 16):
         with pytest.raises(ConfigError, match="must be an algorithm's name"):
             make_config(tcp_congestion=bad)
+
+
+def test_what_a_worker_logs_at_start() -> None:
+    assert describe_tcp_congestion("reno") == "KV connections: TCP congestion control reno"
+    default = describe_tcp_congestion(None)
+    assert default.startswith(f"KV connections: TCP congestion control {host_default()}, the host's default")
+    assert "--kv-tcp-congestion" in default
+
