@@ -40,10 +40,11 @@ inline, tls, ..., raw, ...) after one warm-up each, so that noise from other wor
 hits them alike. The receiving side runs in a separate process; both pools are CPU tensors; the
 last transfer is checked bit for bit. ``--quick`` moves 128 MiB instead of 512.
 
-``--tcp-congestion ALG`` sets every socket's TCP congestion control, the raw ones and the transport's
-(``TransferConfig.tcp_congestion``) alike; ``tcp_congestion`` names the one in effect (the host's
-default unless set). Where the host's default is BBR, its pacing moves every figure here
-(``docs/benchmarks.md``).
+``--tcp-congestion ALG`` sets every socket's TCP congestion control, the raw ones, the transport's
+(``TransferConfig.tcp_congestion``) and ``--vs``'s alike; ``tcp_congestion`` names the one in effect
+(the host's default unless set). Where the host's default is BBR, its pacing moves every figure here,
+and by how much depends on each connection's own bandwidth estimate: compare trees with
+``--vs REV --tcp-congestion reno`` (``docs/benchmarks.md``).
 
 ``--pin`` keeps the sending process (and every thread it starts) on one core and the receiving one
 on another (``pinned`` says whether it did: it needs two cores). Unpinned, the scheduler may put
@@ -195,13 +196,25 @@ def export_renamed(rev: str, into: Path) -> None:
         path.write_text(imports.sub(rf"\1\2 {VS_PACKAGE}", path.read_text()))
 
 
-def vs_transfer(folder: str | None) -> Any:
-    """The other tree's ``transfer`` package (``--vs``), or None."""
+def vs_transfer(folder: str | None, congestion: str | None = None) -> Any:
+    """The other tree's ``transfer`` package (``--vs``), or None. With ``congestion``, its sockets get
+    that TCP congestion control as they are wrapped (a tree before ``tcp_congestion`` cannot be told)."""
     if folder is None:
         return None
     if folder not in sys.path:
         sys.path.insert(0, folder)
-    return importlib.import_module(f"{VS_PACKAGE}.transfer")
+    package = importlib.import_module(f"{VS_PACKAGE}.transfer")
+    if congestion:
+        framed = importlib.import_module(f"{VS_PACKAGE}.transfer.framed_socket").FramedSocket
+        wrap = framed.__init__
+        if not getattr(wrap, "sets_congestion", False):
+            def init(self: Any, sock: socket.socket, *args: Any, **kwargs: Any) -> None:
+                _tune(sock, congestion)
+                wrap(self, sock, *args, **kwargs)
+
+            init.sets_congestion = True  # type: ignore[attr-defined]
+            framed.__init__ = init
+    return package
 
 
 def vs_layout(plan: Plan) -> Any:
@@ -237,7 +250,7 @@ def receiver_main(pipe: Connection, plan: Plan, tls: TlsFiles, token: str, vs_fo
     pool = torch.zeros(layout.shape, dtype=torch.bfloat16)
     pool.view(torch.uint8).view(-1).fill_(1)  # fault the pages in before timing anything
     receivers = {v: KvReceiver(pool, layout, variant_config(v, tls, token, plan.tcp_congestion)) for v in VARIANTS}
-    if (other := vs_transfer(vs_folder)) is not None:
+    if (other := vs_transfer(vs_folder, plan.tcp_congestion)) is not None:
         receivers["vs"] = other.KvReceiver(pool, vs_layout(plan), vs_config(other, token))
     handles: dict[str, Any] = {}
     try:
@@ -288,7 +301,7 @@ class Bench:
         self.senders: dict[str, Any] = {
             v: KvSender(self.pool, self.layout, variant_config(v, pki.sender, TOKEN, plan.tcp_congestion))
             for v in VARIANTS}
-        if (other := vs_transfer(vs_folder)) is not None:
+        if (other := vs_transfer(vs_folder, plan.tcp_congestion)) is not None:
             self.senders["vs"] = other.KvSender(self.pool, vs_layout(plan), vs_config(other, TOKEN))
         self.blocks = list(range(plan.blocks))
         self._seq = 0
@@ -485,8 +498,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="TCP congestion control of every socket, raw and transport alike (default: the host's)")
     args = parser.parse_args(argv)
     if args.tcp_congestion is not None:
-        if args.vs is not None:
-            parser.error("--tcp-congestion sets this tree's transport only: not with --vs")
         try:
             check_tcp_congestion(args.tcp_congestion)
         except ConfigError as exc:
