@@ -151,9 +151,9 @@ class TransferConfig:
     tcp_congestion: str | None = None
     """The TCP congestion control of the KV connections (``TCP_CONGESTION``: ``cubic``, ``reno``,
     ``dctcp``, ...); None keeps the host's default (``net.ipv4.tcp_congestion_control``). BBR paces a
-    connection at the bandwidth it has measured, and a KV transfer's bursts after idle gaps keep that
-    estimate far below what a short link carries (``docs/benchmarks.md``: loss-based control moved a
-    whole transfer 1.8x faster on a host whose default is BBR). Both ends set it on their sockets."""
+    connection at the bandwidth it has measured, and a KV transfer's bursts after idle gaps can keep
+    that estimate far below what a short link carries (measured in ``docs/benchmarks.md``, "TCP
+    congestion control"). Both ends set it on their sockets."""
     payload_macs: bool = True
     """Every payload on the socket carries a MAC (AES-GMAC under the connection's key). Off only
     with ``tls``, which then authenticates the payload bytes itself; headers and control messages
