@@ -59,8 +59,10 @@ def describe_tcp_congestion(name: str | None) -> str:
     """What a worker logs at start: the KV connections' TCP congestion control, and where it came from."""
     if name is not None:
         return f"KV connections: TCP congestion control {name}"
-    return (f"KV connections: TCP congestion control {host_tcp_congestion()}, the host's default "
-            f"(--kv-tcp-congestion chooses another; BBR's pacing can slow KV transfers over short links)")
+    host = host_tcp_congestion()
+    hint = "; BBR's pacing can slow KV transfers over short links" if host == "bbr" else ""
+    return (f"KV connections: TCP congestion control {host}, the host's default "
+            f"(--kv-tcp-congestion chooses another{hint})")
 
 
 def check_tcp_congestion(name: str) -> str:
