@@ -93,21 +93,24 @@ class SocketPlane:
             self._send_small(header, list(batches), before, after)
             return
         with self._fs.exclusive():
-            # The messages ahead (a BEGIN) leave with the header, those behind (an END) with the
-            # MAC: one system call each rather than one per message.
-            parts = self._seal_all(before)
+            # The messages ahead (a BEGIN) and the header leave with the first piece of the payload,
+            # those behind (an END) with the MAC: no system call (and no wake-up of the receiver)
+            # for a message alone.
+            lead = self._seal_all(before)
             header_parts, sealed = self._fs.seal(header)
-            self._fs.write_parts(parts + header_parts)
+            lead += header_parts
             if not self._macs:
                 for batch in batches:
-                    self._fs.write_parts(batch)
+                    self._fs.write_parts([*lead, *batch] if lead else batch)
+                    lead = []
                 if after:
                     self._fs.write_parts(self._seal_all(after))
                 return
             feed = self._feed(self._fs.send_payload_mac(sealed), frame.nbytes)
             try:
                 for batch in batches:
-                    self._fs.write_parts(batch)
+                    self._fs.write_parts([*lead, *batch] if lead else batch)
+                    lead = []
                     feed.add_all(batch)  # the kernel's copy just pulled the pieces into cache
                 tag = feed.finish()
             except BaseException:
@@ -184,6 +187,17 @@ class SocketPlane:
 def _tail_batches(pieces: list[memoryview], nbytes: int) -> Iterator[list[memoryview]]:
     """``pieces`` (at most ``RECV_TAIL_BYTES`` each, ``nbytes`` in all) grouped for reading: batches of
     ``RECV_BATCH_BYTES``, then ``RECV_TAIL_BYTES`` for the last ``RECV_BATCH_BYTES``."""
+    size = _uniform(pieces)
+    if size:  # pieces of one size (a tensor pool's frame): the same batches, counted, not summed
+        big = max(1, min(_MAX_BUFFERS, RECV_BATCH_BYTES // size))
+        small = max(1, min(_MAX_BUFFERS, RECV_TAIL_BYTES // size))
+        i, left = 0, nbytes
+        while i < len(pieces):
+            per = big if left > RECV_BATCH_BYTES else small
+            yield pieces[i:i + per]
+            i += per
+            left -= per * size
+        return
     batch: list[memoryview] = []
     size = 0
     left = nbytes
@@ -201,6 +215,12 @@ def _tail_batches(pieces: list[memoryview], nbytes: int) -> Iterator[list[memory
 
 def _batches(buffers: list[memoryview], max_bytes: int, max_count: int) -> Iterator[list[memoryview]]:
     """Consecutive groups of ``buffers`` holding at most ``max_bytes`` and ``max_count`` each."""
+    size = _uniform(buffers)
+    if size:
+        per = max(1, min(max_count, max_bytes // size))
+        for i in range(0, len(buffers), per):
+            yield buffers[i:i + per]
+        return
     batch: list[memoryview] = []
     size = 0
     for buf in buffers:
@@ -211,3 +231,9 @@ def _batches(buffers: list[memoryview], max_bytes: int, max_count: int) -> Itera
         size += len(buf)
     if batch:
         yield batch
+
+
+def _uniform(buffers: list[memoryview]) -> int:
+    """The length every buffer has (0 if they differ, or there are none)."""
+    sizes = set(map(len, buffers))
+    return sizes.pop() if len(sizes) == 1 else 0

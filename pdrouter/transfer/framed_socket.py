@@ -10,8 +10,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -218,11 +217,10 @@ class FramedSocket:
                 parts += self.seal(message)[0]
             self._write(parts)
 
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        """Hold the connection for one message written in several steps (a header, its payload, its MAC)."""
-        with self._send_lock:
-            yield
+    def exclusive(self) -> threading.Lock:
+        """Hold the connection (``with``) for one message written in several steps (a header, its
+        payload, its MAC): the send lock itself."""
+        return self._send_lock
 
     def write_header(self, message: bytes) -> Sealed:
         """Seal and write ``message`` (prefix and body); only inside ``exclusive`` (or ``send``)."""
@@ -277,13 +275,15 @@ class FramedSocket:
     def _send_raw(self, parts: Sequence[Buffer]) -> None:
         # Every part is bytes or a flat view of bytes (messages, MACs, ``PoolBytes`` ranges), so
         # len() counts bytes and the parts go to the kernel as they are.
-        bufs = [p for p in parts if len(p)]
+        bufs = list(filter(len, parts))
         try:
             i = 0
             while i < len(bufs):
                 self._arm(socket.SO_SNDTIMEO, message=False)
-                sent = self._sock.sendmsg(bufs[i:i + _IOV_MAX])
-                i = _advance(bufs, i, sent)
+                batch = bufs[i:i + _IOV_MAX]
+                sent = self._sock.sendmsg(batch)
+                # all of it, as a blocking socket's call usually takes: no walk over the buffers
+                i = i + len(batch) if sent == sum(map(len, batch)) else _advance(bufs, i, sent)
         except (TimeoutError, BlockingIOError) as exc:
             raise self._timed_out(exc, "the peer accepted nothing within the timeout", message=False) from exc
         except OSError as exc:
@@ -298,6 +298,12 @@ class FramedSocket:
         deadline is extended to cover a payload that follows on this socket.
         """
         self._msg_deadline = None
+        if self._tls is None:
+            if not self._pending:
+                self._await_message(idle)
+            header = self._header_from_pending()
+            if header is not None:
+                return header
         view = memoryview(self._prefix)
         got = 0
         while got == 0:
@@ -325,7 +331,27 @@ class FramedSocket:
         self._msg_deadline = start + self._deadline_for(frames.PREFIX.size + p.body_len)
         body = bytearray(p.body_len)
         self.recv_into([memoryview(body)])
-        header = self._open(raw, bytes(body))
+        return self._with_payload_deadline(self._open(raw, bytes(body), p), start, p)
+
+    def _header_from_pending(self) -> frames.Header | None:
+        """The next header when its prefix and body are all in the bytes read ahead (the usual case
+        once authenticated: no system call and no copy loop), else None with nothing consumed."""
+        pending = self._pending
+        size = frames.PREFIX.size
+        if len(pending) < size or not self.authenticated:
+            return None
+        raw = bytes(pending[:size])
+        p = frames.parse_prefix(raw)
+        end = size + p.body_len
+        if len(pending) < end:
+            return None
+        start = time.monotonic()
+        header = self._open(raw, bytes(pending[size:end]), p)
+        self._pending = pending[end:]
+        return self._with_payload_deadline(header, start, p)
+
+    def _with_payload_deadline(self, header: frames.Header, start: float, p: frames.Prefix) -> frames.Header:
+        """``header``, once the deadline of its message covers a payload that follows on this socket."""
         if header.kind is frames.Kind.DATA and not header.flags & frames.Flag.OUT_OF_BAND:
             trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
             self._msg_deadline = start + self._deadline_for(frames.PREFIX.size + p.body_len + p.payload_len + trailer)
@@ -333,15 +359,33 @@ class FramedSocket:
             self._msg_deadline = None
         return header
 
+    def _await_message(self, idle: bool) -> None:
+        """Read ahead (plaintext) the first bytes of the next message, waiting as long as the
+        connection may idle (``idle``); end-of-stream is ``PeerLostError``."""
+        while True:
+            try:
+                self._arm(socket.SO_RCVTIMEO, message=False)
+                got = self._sock.recv_into(self._ahead)
+            except (TimeoutError, BlockingIOError) as exc:
+                if idle and not self._closed and self._deadline is None:
+                    continue  # an idle connection; close() wakes this with end-of-stream
+                raise self._timed_out(exc, "no progress within the timeout", message=False) from exc
+            except OSError as exc:
+                raise self._lost("receive failed", exc) from exc
+            if got == 0:
+                raise self._lost("connection closed by peer")
+            self._pending = memoryview(self._ahead)[:got]
+            return
+
     def _deadline_for(self, nbytes: int) -> float:
         return max(self._message_timeout, nbytes / self._min_rate)
 
-    def _open(self, raw: bytes, body: bytes) -> frames.Header:
+    def _open(self, raw: bytes, body: bytes, parsed: frames.Prefix) -> frames.Header:
         key = self._recv_key
         if key is None:
-            return frames.verify(raw, body)
+            return frames.verify(raw, body, parsed=parsed)
         seq = self._recv_seq
-        header = frames.verify(raw, body, lambda data: key.header_tag(seq, data), seq=seq, what="MAC")
+        header = frames.verify(raw, body, lambda data: key.header_tag(seq, data), seq=seq, what="MAC", parsed=parsed)
         self._recv_seq += 1
         return header
 
@@ -354,8 +398,8 @@ class FramedSocket:
     def read_exact_into(self, buffers: list[memoryview]) -> None:
         """Fill ``buffers`` completely with one scatter-read that waits for all of it (the payload
         hot path); falls back to more reads only when the kernel returns early."""
-        total = sum(len(b) for b in buffers)
-        got = self._sys_recv(buffers, waitall=True, message=True)
+        total = sum(map(len, buffers))
+        got = self._sys_recv(buffers, waitall=True, message=True, nbytes=total)
         if got < total:
             if got == 0:
                 raise self._lost("connection closed by peer mid-message (truncated stream)")
@@ -364,7 +408,7 @@ class FramedSocket:
 
     def recv_into(self, buffers: Sequence[memoryview]) -> None:
         """Fill every buffer completely, in order (one scatter-read per batch when possible)."""
-        bufs = [b for b in buffers if len(b)]
+        bufs = list(filter(len, buffers))
         i = 0
         while i < len(bufs):
             received = self._sys_recv(bufs[i:i + _IOV_MAX], waitall=False, message=True)
@@ -372,7 +416,7 @@ class FramedSocket:
                 raise self._lost("connection closed by peer mid-message (truncated stream)")
             i = _advance(bufs, i, received)
 
-    def _sys_recv(self, bufs: list[memoryview], *, waitall: bool, message: bool) -> int:
+    def _sys_recv(self, bufs: list[memoryview], *, waitall: bool, message: bool, nbytes: int = -1) -> int:
         """One read into ``bufs`` (plaintext: decrypted when TLS is on); 0 at end-of-stream.
 
         Plaintext reads of less than ``_READ_AHEAD_BYTES`` go through a buffer that takes whatever the
@@ -386,7 +430,7 @@ class FramedSocket:
             return self._take_pending(bufs)
         try:
             self._arm(socket.SO_RCVTIMEO, message=message)
-            if sum(len(b) for b in bufs) < _READ_AHEAD_BYTES:
+            if (nbytes if nbytes >= 0 else sum(map(len, bufs))) < _READ_AHEAD_BYTES:
                 got = self._sock.recv_into(self._ahead)
                 self._pending = memoryview(self._ahead)[:got]
                 return self._take_pending(bufs) if got else 0

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from enum import IntEnum, IntFlag
 from typing import Any, ClassVar, NamedTuple
 
-import numpy as np
 import xxhash
 
 from pdrouter.core.errors import IncompatibleError
@@ -80,6 +79,11 @@ class Flag(IntFlag):
     """The payload's 16-byte MAC follows it (the sender hashes while it sends)."""
 
 
+_KINDS: dict[int, Kind] = {int(kind): kind for kind in Kind}
+_FLAGS: dict[int, Flag] = {bits: Flag(bits) for bits in range(2 * max(Flag))}
+"""Every value of each field, made once: an enum call per message costs more than the lookup."""
+
+
 class Prefix(NamedTuple):
     kind: int
     flags: int
@@ -89,9 +93,8 @@ class Prefix(NamedTuple):
     tag: bytes
 
 
-@dataclass(frozen=True)
-class Header:
-    """A parsed, verified prefix plus body."""
+class Header(NamedTuple):
+    """A parsed, verified prefix plus body (a named tuple: made once per message)."""
 
     kind: Kind
     flags: Flag
@@ -134,16 +137,21 @@ def parse_prefix(raw: bytes) -> Prefix:
 
 
 def verify(raw_prefix: bytes, body: bytes, tag_fn: TagFn = plain_tag, *, seq: int = -1,
-           what: str = "checksum") -> Header:
-    """Check the tag (``tag_fn``) and the kind; ChecksumError / ProtocolError otherwise."""
-    p = parse_prefix(raw_prefix)
+           what: str = "checksum", parsed: Prefix | None = None) -> Header:
+    """Check the tag (``tag_fn``) and the kind; ChecksumError / ProtocolError otherwise (``parsed``:
+    ``parse_prefix(raw_prefix)`` when the caller has it already)."""
+    p = parse_prefix(raw_prefix) if parsed is None else parsed
     if not hmac.compare_digest(tag_fn(raw_prefix[:TAG_OFFSET] + _ZERO_TAG + body), p.tag):
         raise ChecksumError(f"frame header {what} mismatch: the stream is corrupted"
                             + (" (or a frame was forged, replayed, reordered or dropped)" if seq >= 0 else ""))
+    kind = _KINDS.get(p.kind)
     try:
-        return Header(Kind(p.kind), Flag(p.flags), body, p.payload_len, p.payload_checksum, p.tag, seq)
+        flags = _FLAGS[p.flags] if p.flags in _FLAGS else Flag(p.flags)
     except ValueError:
-        raise ProtocolError(f"unknown message kind {p.kind} or flags {p.flags}") from None
+        flags = None
+    if kind is None or flags is None:
+        raise ProtocolError(f"unknown message kind {p.kind} or flags {p.flags}")
+    return Header(kind, flags, body, p.payload_len, p.payload_checksum, p.tag, seq)
 
 
 # -- JSON control messages --------------------------------------------------------------------
@@ -236,15 +244,26 @@ Control = ClientHello | ServerHello | ClientAuth | ServerAuth | Ready | Begin | 
 _CONTROL: dict[Kind, type[Control]] = {
     cls.KIND: cls for cls in (ClientHello, ServerHello, ClientAuth, ServerAuth, Ready, Begin, End, Done, ErrorMsg)
 }
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "tuple[int, ...]": (list,)}
+
+
+_FIELDS: dict[type[Control], tuple[dataclasses.Field[Any], ...]] = {
+    cls: dataclasses.fields(cls) for cls in _CONTROL.values()}
+_NAMES: dict[type[Control], frozenset[str]] = {
+    cls: frozenset(f.name for f in fields) for cls, fields in _FIELDS.items()}
+_LIST = (list,)
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "tuple[int, ...]": _LIST}
+_SPECS: dict[type[Control], tuple[tuple[str, tuple[type, ...]], ...]] = {
+    cls: tuple((f.name, _FIELD_TYPES[str(f.type)]) for f in fields) for cls, fields in _FIELDS.items()}
+"""Each control message's fields as (name, the JSON types it takes)."""
+_JSON = json.JSONEncoder(separators=(",", ":"))
+"""One encoder for every message: ``json.dumps`` with separators builds a new one per call."""
 
 
 def encode_control(msg: Control) -> bytes:
     # The fields as they are (ints, strings, tuples of ints): ``dataclasses.asdict`` would deep-copy
     # a BEGIN's block ids one by one, the larger part of encoding it.
-    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
-    body = json.dumps(fields, separators=(",", ":")).encode()
-    return encode(msg.KIND, body)
+    fields = {f.name: getattr(msg, f.name) for f in _FIELDS[type(msg)]}
+    return encode(msg.KIND, _JSON.encode(fields).encode())
 
 
 def decode_control(header: Header) -> Control:
@@ -256,45 +275,44 @@ def decode_control(header: Header) -> Control:
         raw: Any = json.loads(header.body)
     except (ValueError, RecursionError):  # bad UTF-8 or JSON, digits beyond the int limit, deep nesting
         raise ProtocolError(f"{header.kind.name} body is not JSON") from None
-    fields = dataclasses.fields(cls)
-    if not isinstance(raw, dict) or set(raw) != {f.name for f in fields}:
+    if not isinstance(raw, dict) or raw.keys() != _NAMES[cls]:
         raise ProtocolError(f"{header.kind.name} body has the wrong fields")
     values: dict[str, Any] = {}
-    for f in fields:
-        value = raw[f.name]
-        if not isinstance(value, _FIELD_TYPES[str(f.type)]) or isinstance(value, bool):
-            raise ProtocolError(f"{header.kind.name}.{f.name} has the wrong type")
+    for name, types in _SPECS[cls]:
+        value = raw[name]
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise ProtocolError(f"{header.kind.name}.{name} has the wrong type")
         if isinstance(value, list):
             if not set(map(type, value)) <= {int}:  # JSON gives no other int subclass than bool
-                raise ProtocolError(f"{header.kind.name}.{f.name} must be a list of ints")
+                raise ProtocolError(f"{header.kind.name}.{name} must be a list of ints")
             value = tuple(value)
-        values[f.name] = value
+        values[name] = value
     return cls(**values)
 
 
 # -- binary DATA and ACK ------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class DataHeader:
+class DataHeader(NamedTuple):
     """Which transfer a DATA frame belongs to and where (receiver's block ids) its payload lands."""
 
     transfer_id: str
     seq: int
     span: FrameSpan
-    runs: np.ndarray
-    """The span's runs as an (n, 2) int64 array: (first block, count)."""
+    """Its runs are (first block, count) pairs of the receiver's block ids."""
 
 
 def encode_data(transfer_id: str, seq: int, span: FrameSpan, *, flags: Flag, payload_len: int,
                 payload_checksum: int) -> bytes:
     tid = transfer_id.encode()
-    runs = np.asarray(span.runs, dtype="<u4").reshape(-1, 2)
-    body = (struct.pack("<H", len(tid)) + tid
-            + _DATA_FIXED.pack(seq, span.layer_start, span.layer_end, len(runs)) + runs.tobytes())
+    flat = [value for run in span.runs for value in run]
+    body = (struct.pack("<H", len(tid)) + tid + _DATA_FIXED.pack(seq, span.layer_start, span.layer_end, len(span.runs))
+            + struct.pack(f"<{len(flat)}I", *flat))
     return encode(Kind.DATA, body, flags=flags, payload_len=payload_len, payload_checksum=payload_checksum)
 
 
 def decode_data(header: Header) -> DataHeader:
+    # struct rather than numpy: a frame names a handful of runs, and this runs once per frame on
+    # the receiver's critical path (a numpy call costs microseconds there, its cache cold).
     body = header.body
     try:
         (tid_len,) = struct.unpack_from("<H", body, 0)
@@ -303,11 +321,11 @@ def decode_data(header: Header) -> DataHeader:
         offset = 2 + tid_len + _DATA_FIXED.size
         if len(body) != offset + 8 * n_runs:
             raise ValueError("runs do not fill the body")
-        runs = np.frombuffer(body, dtype="<u4", count=2 * n_runs, offset=offset).reshape(-1, 2)
+        flat = struct.unpack_from(f"<{2 * n_runs}I", body, offset)
     except (struct.error, ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed DATA header: {exc}") from None
-    span = FrameSpan(layer_start, layer_end, tuple((int(s), int(c)) for s, c in runs.tolist()))
-    return DataHeader(tid, seq, span, runs.astype(np.int64))
+    runs = tuple(zip(flat[0::2], flat[1::2], strict=True))
+    return DataHeader(tid, seq, FrameSpan(layer_start, layer_end, runs))
 
 
 def encode_ack(nbytes: int) -> bytes:

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,12 +14,19 @@ from pdrouter.core.errors import (
     PdRouterError,
     StaleEpochError,
 )
+from pdrouter.transfer import frames
 from pdrouter.transfer.errors import ChecksumError, ProtocolError
+from pdrouter.transfer.frame_plan import Run
 from pdrouter.transfer.frames import Begin
 from pdrouter.transfer.lifecycle import Lifecycle, TransferState
 from pdrouter.transfer.target import TransferTarget
 
 PeerNotifier = Callable[[PdRouterError], object]
+Positions = np.ndarray | list[int]
+"""Indices into a transfer's ``blocks_to_send`` (either indexes the coverage array alike)."""
+_SMALL_FRAME_BLOCKS = 64
+_INDEXED_BLOCKS = 4096
+"""Transfers of at most this many blocks keep a dict of their positions (built with the expectation)."""
 
 
 class IncomingTransfer:
@@ -49,14 +55,22 @@ class IncomingTransfer:
         self._notify_peer: PeerNotifier | None = None
         self._interrupt: Callable[[], None] | None = None
         self._writers = 0
-        blocks = np.asarray(target.blocks_to_send, dtype=np.int64)
-        self._order = np.argsort(blocks, kind="stable")
-        self._sorted = blocks[self._order]
-        self._covered = np.zeros((len(target.layers), len(blocks)), dtype=bool)
-        self._missing = np.full(len(target.layers), len(blocks), dtype=np.int64)
-        self._positions_cache: dict[bytes, np.ndarray] = {}
+        blocks = target.blocks_to_send
+        # Coverage as one bitmask (bit i: position i) and one count of missing blocks per layer:
+        # plain ints, so that a frame of a few blocks is checked and recorded without numpy
+        # (each numpy call costs microseconds here, on the receiver's critical path).
+        self._covered = [0] * len(target.layers)
+        self._missing = [len(blocks)] * len(target.layers)
+        self._sorted_order: tuple[np.ndarray, np.ndarray] | None = None
+        """The block ids sorted, and their positions (made when a frame of many blocks needs them)."""
+        self._positions_cache: dict[tuple[Run, ...], tuple[Positions, int]] = {}
+        self._index = ({int(block): i for i, block in enumerate(blocks)}
+                       if len(blocks) <= _INDEXED_BLOCKS else None)
+        """Block id → position, for resolving small frames without numpy (small transfers only)."""
+        self.done_message = frames.encode_control(frames.Done(self.transfer_id))
+        """The DONE that tells the sender, made ahead of the transfer (a connection seals it)."""
         self.bytes_landed = 0
-        if len(blocks) == 0:
+        if not blocks:
             self._life.advance(TransferState.DONE)
 
     # -- decode-worker API ------------------------------------------------------------------------
@@ -124,67 +138,93 @@ class IncomingTransfer:
         if not self._life.advance(TransferState.TRANSFERRING):
             raise self.error or ProtocolError(f"transfer {self.transfer_id} ended meanwhile")
 
-    @contextmanager
-    def write_guard(self) -> Iterator[bool]:
-        """Yields whether bytes may land in the blocks now; ``fail`` waits for such writes to end."""
+    def write_guard(self) -> _WriteGuard:
+        """A context that yields whether bytes may land in the blocks now; ``fail`` waits for such
+        writes to end."""
+        return _WriteGuard(self)
+
+    def _begin_write(self) -> bool:
         with self._life.cond:
             allowed = self.state is TransferState.TRANSFERRING
             if allowed:
                 self._writers += 1
-        try:
-            yield allowed
-        finally:
-            if allowed:
-                with self._life.cond:
-                    self._writers -= 1
-                    self._life.cond.notify_all()
+        return allowed
 
-    def positions_of(self, layer_start: int, layer_end: int, runs: np.ndarray) -> np.ndarray:
-        """Indices (into ``blocks_to_send``) of a frame's destination blocks; ProtocolError for any
-        block or layer the receiver did not invite, or already received."""
+    def _end_write(self) -> None:
+        with self._life.cond:
+            self._writers -= 1
+            self._life.cond.notify_all()
+
+    def positions_of(self, layer_start: int, layer_end: int, runs: tuple[Run, ...]) -> Positions:
+        """Indices (into ``blocks_to_send``) of a frame's destination blocks (``runs``: (first block,
+        count) pairs); ProtocolError for any block or layer the receiver did not invite, or already
+        received."""
         t = self.target
         if not (t.layer_start <= layer_start < layer_end <= t.layer_end):
             raise ProtocolError(f"transfer {self.transfer_id}: layers [{layer_start}, {layer_end}) outside "
                                 f"the expected [{t.layer_start}, {t.layer_end})")
-        key = runs.tobytes()
-        positions = self._positions_cache.get(key)
-        if positions is None:
+        resolved = self._positions_cache.get(runs)
+        if resolved is None:
             positions = self._resolve(runs)
-            self._positions_cache = {key: positions}  # frames of consecutive layers repeat their runs
-        rows = slice(layer_start - t.layer_start, layer_end - t.layer_start)
+            resolved = (positions, _mask(positions))
+            self._positions_cache = {runs: resolved}  # frames of consecutive layers repeat their runs
+        positions, mask = resolved
+        covered = self._covered
         with self._life.cond:
-            if self._covered[rows, positions].any():
-                raise ProtocolError(f"transfer {self.transfer_id}: a block arrived twice")
+            for row in range(layer_start - t.layer_start, layer_end - t.layer_start):
+                if covered[row] & mask:
+                    raise ProtocolError(f"transfer {self.transfer_id}: a block arrived twice")
         return positions
 
-    def _resolve(self, runs: np.ndarray) -> np.ndarray:
-        counts = runs[:, 1]
-        if len(runs) == 0 or counts.min() <= 0:
+    def _resolve(self, runs: tuple[Run, ...]) -> Positions:
+        if not runs or min(count for _, count in runs) <= 0:
             raise ProtocolError(f"transfer {self.transfer_id}: a frame with an empty run")
-        ids = np.repeat(runs[:, 0] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
-        slots = np.minimum(np.searchsorted(self._sorted, ids), max(len(self._sorted) - 1, 0))
-        if len(self._sorted) == 0 or not np.array_equal(self._sorted[slots], ids):
+        if self._index is not None and sum(count for _, count in runs) <= _SMALL_FRAME_BLOCKS:
+            # A frame of a few blocks (the usual case) in plain Python.
+            index = self._index
+            try:
+                positions: Positions = [index[block] for start, count in runs
+                                        for block in range(start, start + count)]
+            except KeyError:
+                raise ProtocolError(f"transfer {self.transfer_id}: frame names blocks the receiver did not "
+                                    f"invite") from None
+            if len(set(positions)) != len(positions):
+                raise ProtocolError(f"transfer {self.transfer_id}: a frame names a block twice")
+            return positions
+        if self._sorted_order is None:
+            blocks = np.asarray(self.target.blocks_to_send, dtype=np.int64)
+            order = np.argsort(blocks, kind="stable")
+            self._sorted_order = (blocks[order], order)
+        ordered, order = self._sorted_order
+        array = np.asarray(runs, dtype=np.int64).reshape(-1, 2)
+        counts = array[:, 1]
+        ids = np.repeat(array[:, 0] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        slots = np.minimum(np.searchsorted(ordered, ids), max(len(ordered) - 1, 0))
+        if len(ordered) == 0 or not np.array_equal(ordered[slots], ids):
             raise ProtocolError(f"transfer {self.transfer_id}: frame names blocks the receiver did not "
                                 f"invite")
-        positions = self._order[slots]
-        seen = np.zeros(len(self._order), dtype=bool)
-        seen[positions] = True
-        if int(seen.sum()) != len(positions):
+        found = order[slots]
+        if len(np.unique(found)) != len(found):
             raise ProtocolError(f"transfer {self.transfer_id}: a frame names a block twice")
-        return positions
+        return found
 
-    def mark_landed(self, layer_start: int, layer_end: int, positions: np.ndarray, nbytes: int, *,
+    def mark_landed(self, layer_start: int, layer_end: int, positions: Positions, nbytes: int, *,
                     on_done: Callable[[], None] | None = None) -> None:
         """Record verified blocks; the transfer is DONE when every block of every layer landed.
         ``on_done`` runs as it becomes DONE, before its waiters are woken (it tells the sender)."""
-        rows = slice(layer_start - self.target.layer_start, layer_end - self.target.layer_start)
+        cached = next(iter(self._positions_cache.values()), None)
+        mask = cached[1] if cached is not None and cached[0] is positions else _mask(positions)
+        count = len(positions)
+        first = self.target.layer_start
+        covered, missing = self._covered, self._missing
         with self._life.cond:
             if self.state is not TransferState.TRANSFERRING:
                 return
-            self._covered[rows, positions] = True
-            self._missing[rows] -= len(positions)
+            for row in range(layer_start - first, layer_end - first):
+                covered[row] |= mask
+                missing[row] -= count
             self.bytes_landed += nbytes
-            complete = not self._missing.any()
+            complete = not any(missing)
         if not complete:
             self._life.notify()
             return
@@ -199,7 +239,7 @@ class IncomingTransfer:
     def end_of_stream(self) -> None:
         """The sender says it sent everything: fail if anything is missing."""
         with self._life.cond:
-            missing = int(self._missing.sum())
+            missing = sum(self._missing)
         if missing and not self.state.terminal:
             self.fail(ProtocolError(f"transfer {self.transfer_id}: the sender finished with {missing} "
                                     f"block-layers missing"))
@@ -236,7 +276,7 @@ class IncomingTransfer:
         return layer - self.target.layer_start
 
     def _layer_ready(self, index: int) -> bool:
-        return self.state.terminal or bool(self._missing[index] == 0)
+        return self.state.terminal or self._missing[index] == 0
 
     def _finish_wait(self, satisfied: bool, timeout: float | None) -> None:
         if not satisfied:
@@ -244,3 +284,36 @@ class IncomingTransfer:
                                             f"(state {self.state.value})"))
         if self.state is TransferState.FAILED:
             raise self.error or ProtocolError(f"transfer {self.transfer_id} failed")
+
+
+class _WriteGuard:
+    """``IncomingTransfer.write_guard``'s context (a class: a generator-based one costs several
+    times more, once per frame on the receiver's critical path)."""
+
+    __slots__ = ("_allowed", "_transfer")
+
+    def __init__(self, transfer: IncomingTransfer) -> None:
+        self._transfer = transfer
+        self._allowed = False
+
+    def __enter__(self) -> bool:
+        self._allowed = self._transfer._begin_write()
+        return self._allowed
+
+    def __exit__(self, *exc: object) -> None:
+        if self._allowed:
+            self._transfer._end_write()
+
+
+def _mask(positions: Positions) -> int:
+    """The bitmask with bit ``p`` set for each position ``p``."""
+    if isinstance(positions, list):
+        mask = 0
+        for position in positions:
+            mask |= 1 << position
+        return mask
+    if len(positions) == 0:
+        return 0
+    seen = np.zeros(int(positions.max()) + 1, dtype=bool)
+    seen[positions] = True
+    return int.from_bytes(np.packbits(seen, bitorder="little").tobytes(), "little")

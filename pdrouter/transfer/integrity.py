@@ -109,7 +109,10 @@ class MacKey:
         return Cipher(self._aes, modes.GCM(_NONCE.pack(seq, _PAYLOAD))).encryptor()
 
     def _one_shot(self, seq: int, pieces: Sequence[Buffer], nbytes: int) -> bytes:
-        """The tag of ``pieces`` concatenated, in one call (through this key's scratch buffer)."""
+        """The tag of ``pieces`` concatenated, in one call (joined, or for larger payloads, copied into
+        this key's scratch buffer: no allocation of that size each time)."""
+        if nbytes <= _JOIN_BYTES:
+            return self._aead.encrypt(_NONCE.pack(seq, _PAYLOAD), b"", b"".join(pieces))
         if len(self._scratch) < nbytes:
             self._scratch = bytearray(max(nbytes, ONE_SHOT_BYTES + TAG_BYTES))
         scratch = memoryview(self._scratch)
@@ -121,6 +124,7 @@ class MacKey:
         return self._aead.encrypt(_NONCE.pack(seq, _PAYLOAD), b"", scratch[:nbytes])
 
 
+_JOIN_BYTES = 64 << 10
 ONE_SHOT_BYTES = 256 << 10
 """Payloads up to this size are gathered and hashed in one call when their tag is asked for (still in
 the CPU cache): an incremental GCM context costs about ten times a one-shot call to set up, which
@@ -147,6 +151,11 @@ class PayloadMac:
         """``update`` with each piece in turn (one call for a batch: the per-piece Python is the cost)."""
         ctx = self._ctx
         if ctx is None:
+            nbytes = sum(map(len, pieces))
+            if self._pending_bytes + nbytes <= ONE_SHOT_BYTES + TAG_BYTES:
+                self._pending += pieces
+                self._pending_bytes += nbytes
+                return
             for piece in pieces:
                 self.update(piece)
             return

@@ -139,6 +139,10 @@ class Lifecycle:
                 self._listeners.remove(wake)
 
     def _call_listeners(self) -> None:
+        if not self._listeners:
+            # Read without the lock: a listener added concurrently is added before its waiter checks
+            # the predicate under the lock, so that check sees whatever changed before this one.
+            return
         with self.cond:
             listeners = list(self._listeners)
         for listener in listeners:

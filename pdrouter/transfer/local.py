@@ -13,7 +13,6 @@ import itertools
 import threading
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from pdrouter.core.errors import IncompatibleError, PdRouterError, StaleEpochError
@@ -135,7 +134,7 @@ class _LocalLink:
         self._sender_epoch = sender_epoch
         self._sender_compat = sender_compat
 
-    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem]) -> None:
+    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
         incoming = self._receiver.book.lookup(transfer.transfer_id)
         try:
             for item in items:
@@ -170,8 +169,7 @@ class _LocalLink:
                           lambda error: transfer.fail(error, tell_peer=False), lambda: None)
         elif isinstance(item, DataItem):
             src, dst = item.frame.src, item.frame.dst
-            positions = incoming.positions_of(dst.layer_start, dst.layer_end,
-                                              np.asarray(dst.runs, dtype=np.int64).reshape(-1, 2))
+            positions = incoming.positions_of(dst.layer_start, dst.layer_end, dst.runs)
             with incoming.write_guard() as allowed:
                 if allowed:
                     for s, d in zip(self._sender_view.tensors(src), self._receiver.view.tensors(dst),

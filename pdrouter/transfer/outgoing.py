@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,8 +40,10 @@ OutItem = BeginItem | DataItem | EndItem
 class FrameSink(Protocol):
     """Where a transfer's messages go (a connection's send queue, or the in-process fake)."""
 
-    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem]) -> None:
-        """Queue ``items`` behind the transfer's earlier ones; nothing is copied."""
+    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
+        """Queue ``items`` behind the transfer's earlier ones; nothing is copied. With ``write`` the
+        calling thread writes them itself where that is quick (``write_now``), else they are left to
+        the sink's writer."""
         ...
 
     def cancel(self, transfer: OutgoingTransfer, error: PdRouterError | None) -> None:
@@ -120,13 +123,14 @@ class OutgoingTransfer:
             self._bytes += frame.nbytes
         if self.state is TransferState.WAITING:
             self._life.advance(TransferState.TRANSFERRING)
-        self._sink.submit(self, items)
+        # The last layers, queued by a thread that is no event loop: it waits for the transfer next
+        # (or does little else), so it writes them itself when the connection is idle, rather than
+        # wake the writer thread and contend with it for the interpreter lock.
+        self._sink.submit(self, items, write=all(self._sent) and not _in_event_loop())
 
     def finish(self, timeout: float | None = None) -> None:
         """Declare the transfer complete and wait for the receiver's confirmation."""
-        timeout = self._end(timeout)
-        if not self.state.terminal:
-            self._sink.write_now(self)  # this thread waits next: it may as well write
+        timeout = self._end(timeout, write=True)  # this thread waits next: it may as well write
         if not self._life.wait_for(lambda: self.state.terminal, timeout):
             self._expired(timeout)
         self._raise_if_failed()
@@ -181,14 +185,14 @@ class OutgoingTransfer:
         self._segments = pair_segments(ids[skip:], self.target.dst_block_ids[skip:])
         self._src_ids = ids
 
-    def _end(self, timeout: float | None) -> float | None:
+    def _end(self, timeout: float | None, *, write: bool = False) -> float | None:
         if not self._ended and not self.state.terminal:
             missing = [self.target.layer_start + i for i, sent in enumerate(self._sent) if not sent]
             if missing:
                 self.fail(InvalidRequestError(f"transfer {self.transfer_id}: finish before layers "
                                               f"{missing[:8]} were sent"))
             else:
-                self._sink.submit(self, [EndItem(self, self._seq, self._bytes)])
+                self._sink.submit(self, [EndItem(self, self._seq, self._bytes)], write=write)
         self._ended = True
         if self.target.deadline_unix_ms:
             left = self.target.deadline_unix_ms / 1000 - time.time()
@@ -202,3 +206,12 @@ class OutgoingTransfer:
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def _in_event_loop() -> bool:
+    """Whether the calling thread runs an asyncio event loop (which must not block on a socket)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True

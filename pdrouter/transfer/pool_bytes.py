@@ -102,6 +102,16 @@ class PoolBytes:
         if self._memory is None:
             raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
         mem = self._memory
+        half = self.half_block_bytes
+        if type(self).pieces is PoolBytes.pieces and max(count for _, count in span.runs) * half <= limit:
+            # This layout's ranges, each within ``limit`` (the usual case: a block's layer is tens of
+            # KiB): one slice per (layer, K|V, run), made in one comprehension (per-range Python
+            # is the cost here, paid once per frame at each end).
+            stride = self.num_blocks * half
+            runs = [(start * half, (start + count) * half) for start, count in span.runs]
+            return [mem[base + lo:base + hi] for base in range(2 * span.layer_start * stride,
+                                                                2 * span.layer_end * stride, stride)
+                    for lo, hi in runs]
         out: list[memoryview] = []
         for off, n in self.pieces(span):
             if n <= limit:  # the usual case (a block's layer is tens of KiB): one slice, no loop

@@ -176,7 +176,7 @@ class ReceiverConnection:
         positions = None
         if incoming is not None and incoming.state is TransferState.TRANSFERRING:
             try:
-                positions = incoming.positions_of(span.layer_start, span.layer_end, data.runs)
+                positions = incoming.positions_of(span.layer_start, span.layer_end, span.runs)
             except ProtocolError as exc:
                 incoming.fail(exc)
         guard = incoming.write_guard if incoming is not None else _refused
@@ -188,14 +188,13 @@ class ReceiverConnection:
             incoming.checksum_failed(data.seq)
             return
         incoming.mark_landed(span.layer_start, span.layer_end, positions, header.payload_len,
-                             on_done=lambda: self._send_done(data.transfer_id))
+                             on_done=lambda: self._send_done(incoming.done_message))
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
 
-    def _send_done(self, transfer_id: str) -> None:
-        """DONE, with the credit still owed ahead of it in the same write (the sender reads both at
-        once); sent before the transfer's own waiters here are woken."""
-        done = frames.encode_control(frames.Done(transfer_id))
+    def _send_done(self, done: bytes) -> None:
+        """DONE (encoded), with the credit still owed ahead of it in the same write (the sender reads
+        both at once); sent before the transfer's own waiters here are woken."""
         if self._unacked:
             ack, self._unacked = frames.encode_ack(self._unacked), 0
             self._send_many([ack, done])

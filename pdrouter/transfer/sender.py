@@ -98,7 +98,7 @@ class KvSender:
         if transfer.state.terminal:
             return transfer  # nothing to send
         conn.register(transfer)
-        conn.submit(transfer, [transfer.begin_item()])
+        conn.submit(transfer, [transfer.begin_item()], wake=False)  # it leaves with the first DATA
         return transfer
 
     def stats(self) -> SenderStats:

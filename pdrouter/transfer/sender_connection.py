@@ -73,28 +73,40 @@ class SenderConnection:
                 raise InvalidRequestError(f"transfer {transfer.transfer_id} is already being sent")
             self._transfers[transfer.transfer_id] = transfer
 
-    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem]) -> None:
+    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False,
+               wake: bool = True) -> None:
+        """Queue ``items``. With ``write`` the calling thread writes them itself when the connection
+        is idle (``write_now``); whatever is left then goes to the writer thread. Without ``wake``
+        they wait for the transfer's next messages (a BEGIN leaves with the first DATA anyway:
+        waking the writer thread for it alone would only make it contend with the caller for the
+        interpreter lock)."""
         with self._cv:
             if self._dead is not None or transfer.transfer_id not in self._transfers:
                 return  # the transfer already failed (the caller learns it from the handle)
             self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
-            self._cv.notify_all()
+            if wake and not write:
+                self._cv.notify_all()
+        if write:
+            self.write_now(transfer)
+            with self._cv:
+                if transfer.transfer_id in self._queues:
+                    self._cv.notify_all()
 
     def write_now(self, transfer: OutgoingTransfer) -> None:
         """Write ``transfer``'s queued messages from the calling thread, when the connection has
-        nothing else to do: no other transfer queued, nothing being written, nothing unacknowledged,
-        and the bytes fit in the socket buffers (so no write waits for the receiver). A thread about
-        to wait for the transfer's confirmation then needs no hand-off to the writer thread.
-        Otherwise the writer thread sends them."""
+        nothing else to do: no other transfer queued, nothing being written, and the bytes
+        unacknowledged plus these within half a socket buffer (so no write waits for the receiver).
+        A thread about to wait for the transfer's confirmation then needs no hand-off to the writer
+        thread. Otherwise the writer thread sends them."""
         budget = self._config.socket_buffer_bytes // 2
         if not self._config.max_inflight_bytes:
             return  # nothing is counted in flight: whether the receiver keeps up is not known
         while True:
             with self._cv:
                 queue = self._queues.get(transfer.transfer_id)
-                if (self._dead is not None or self._writing or self._urgent or self._inflight or not queue
-                        or len(self._queues) > 1
-                        or sum(item.frame.nbytes for item in queue if isinstance(item, DataItem)) > budget):
+                if (self._dead is not None or self._writing or self._urgent or not queue or len(self._queues) > 1
+                        or self._inflight + sum(item.frame.nbytes for item in queue if isinstance(item, DataItem))
+                        > budget):
                     return
                 items = self._pop(transfer.transfer_id, queue)
                 self._writing = True

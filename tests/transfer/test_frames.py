@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from pdrouter.core.errors import IncompatibleError, StaleEpochError
@@ -42,7 +41,7 @@ def test_data_header_round_trip() -> None:
         frames.Kind.DATA, frames.Flag.MAC_TRAILER, 12345, 99)
     data = frames.decode_data(header)
     assert (data.transfer_id, data.seq, data.span) == ("req-9", 17, span)
-    assert np.array_equal(data.runs, [[7, 3], [40, 1]])
+    assert data.span.runs == ((7, 3), (40, 1))
 
 
 def test_ack_round_trip() -> None:
