@@ -399,6 +399,15 @@ class FramedSocket:
         """Fill ``buffers`` completely with one scatter-read that waits for all of it (the payload
         hot path); falls back to more reads only when the kernel returns early."""
         total = sum(map(len, buffers))
+        if self._pending and self._tls is None:
+            # Bytes read ahead with the header first, then the rest in one read that waits for all
+            # of it (not a read per arrival, each followed by a walk over the buffers).
+            taken = self._take_pending(buffers)
+            if taken == total:
+                return
+            buffers = list(buffers)
+            buffers = buffers[_advance(buffers, 0, taken):]
+            total -= taken
         got = self._sys_recv(buffers, waitall=True, message=True, nbytes=total)
         if got < total:
             if got == 0:
@@ -445,17 +454,19 @@ class FramedSocket:
 
     def _take_pending(self, bufs: list[memoryview]) -> int:
         """Fill ``bufs`` in order from the bytes read ahead, as far as they go; how many were taken."""
-        taken = 0
         pending = self._pending
+        avail = len(pending)
+        taken = 0
         for buf in bufs:
-            n = min(len(buf), len(pending))
             dst = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
-            dst[:n] = pending[:n]
-            pending = pending[n:]
-            taken += n
-            if n < len(buf):
+            n = len(dst)
+            if taken + n >= avail:
+                dst[:avail - taken] = pending[taken:]
+                taken = avail
                 break
-        self._pending = pending
+            dst[:] = pending[taken:taken + n]
+            taken += n
+        self._pending = pending[taken:]
         return taken
 
     def _tls_recv(self, buf: memoryview, *, message: bool) -> int:

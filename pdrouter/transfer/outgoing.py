@@ -111,8 +111,7 @@ class OutgoingTransfer:
         first = span.start - self.target.layer_start
         if any(self._sent[first:first + len(span)]):
             raise InvalidRequestError(f"transfer {self.transfer_id}: a layer of {span} was already sent")
-        for i in range(first, first + len(span)):
-            self._sent[i] = True
+        self._sent[first:first + len(span)] = [True] * len(span)
         if self.state is TransferState.DONE:
             return  # nothing to send: the receiver held every block already
         frames = plan_frames(self._segments, span, self._view.half_block_bytes, self._max_frame, self._max_runs)
@@ -152,8 +151,9 @@ class OutgoingTransfer:
 
     def complete(self) -> None:
         """The receiver confirmed every block."""
-        if self._life.advance(TransferState.DONE):
-            self._on_finished(self)
+        # The books before the waiter wakes: it then finds the interpreter lock free, rather than
+        # wake only to wait for it (two hand-offs between threads instead of one).
+        self._life.advance(TransferState.DONE, before_wake=lambda: self._on_finished(self))
 
     def fail(self, error: PdRouterError, *, tell_peer: bool = True) -> bool:
         if not self._life.advance(TransferState.FAILED, error):
@@ -172,7 +172,7 @@ class OutgoingTransfer:
         return span
 
     def _check_sources(self, src_block_ids: Sequence[int]) -> None:
-        ids = tuple(int(b) for b in src_block_ids)
+        ids = tuple(map(int, src_block_ids))
         if self._src_ids is not None:
             if ids != self._src_ids:
                 raise InvalidRequestError(f"transfer {self.transfer_id}: source blocks changed between layers")
