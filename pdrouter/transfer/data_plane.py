@@ -147,7 +147,7 @@ class SocketPlane:
         return parts
 
     def recv_frame(self, header: frames.Header, span: FrameSpan, land: bool, guard: WriteGuard) -> bool | None:
-        trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
+        trailer = frames.TAG_BYTES if header.flags & frames.MAC_TRAILER else 0
         if self._macs and not trailer:
             raise ProtocolError(f"a DATA frame from {self._fs.peer} without a payload MAC: this receiver "
                                 f"requires them")

@@ -108,7 +108,7 @@ class DistPlane:
             targets = self._view.tensors(span) if landing else self._scratch_pieces(span)
             works = [self._group.recv([t], self._peer, tag) for tag, t in enumerate(targets)]
             self._wait(works, "receive")
-        if not landing or self._view.is_cuda or header.flags & frames.Flag.NO_CHECKSUM:
+        if not landing or self._view.is_cuda or header.flags & frames.NO_CHECKSUM:
             return None
         return self._view.checksum(span) == header.payload_checksum
 

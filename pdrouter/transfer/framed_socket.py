@@ -352,8 +352,8 @@ class FramedSocket:
 
     def _with_payload_deadline(self, header: frames.Header, start: float, p: frames.Prefix) -> frames.Header:
         """``header``, once the deadline of its message covers a payload that follows on this socket."""
-        if header.kind is frames.Kind.DATA and not header.flags & frames.Flag.OUT_OF_BAND:
-            trailer = frames.TAG_BYTES if header.flags & frames.Flag.MAC_TRAILER else 0
+        if header.kind is frames.Kind.DATA and not header.flags & frames.OUT_OF_BAND:
+            trailer = frames.TAG_BYTES if header.flags & frames.MAC_TRAILER else 0
             self._msg_deadline = start + self._deadline_for(frames.PREFIX.size + p.body_len + p.payload_len + trailer)
         else:
             self._msg_deadline = None

@@ -80,8 +80,13 @@ class Flag(IntFlag):
 
 
 _KINDS: dict[int, Kind] = {int(kind): kind for kind in Kind}
-_FLAGS: dict[int, Flag] = {bits: Flag(bits) for bits in range(2 * max(Flag))}
-"""Every value of each field, made once: an enum call per message costs more than the lookup."""
+_FLAGS = frozenset(range(2 * max(Flag)))
+"""Every kind made once, and every combination of the known flags: an enum call per message costs
+more than the lookup."""
+OUT_OF_BAND = int(Flag.OUT_OF_BAND)
+NO_CHECKSUM = int(Flag.NO_CHECKSUM)
+MAC_TRAILER = int(Flag.MAC_TRAILER)
+"""The flags as plain ints, for tests on ``Header.flags`` (``&`` on the enum runs Python code)."""
 
 
 class Prefix(NamedTuple):
@@ -97,7 +102,8 @@ class Header(NamedTuple):
     """A parsed, verified prefix plus body (a named tuple: made once per message)."""
 
     kind: Kind
-    flags: Flag
+    flags: int
+    """``Flag`` bits, as a plain int (test them with ``MAC_TRAILER`` and its kind)."""
     body: bytes
     payload_len: int
     payload_checksum: int
@@ -145,13 +151,16 @@ def verify(raw_prefix: bytes, body: bytes, tag_fn: TagFn = plain_tag, *, seq: in
         raise ChecksumError(f"frame header {what} mismatch: the stream is corrupted"
                             + (" (or a frame was forged, replayed, reordered or dropped)" if seq >= 0 else ""))
     kind = _KINDS.get(p.kind)
-    try:
-        flags = _FLAGS[p.flags] if p.flags in _FLAGS else Flag(p.flags)
-    except ValueError:
-        flags = None
-    if kind is None or flags is None:
+    known = p.flags in _FLAGS
+    if not known:
+        try:
+            Flag(p.flags)
+            known = True
+        except ValueError:
+            pass
+    if kind is None or not known:
         raise ProtocolError(f"unknown message kind {p.kind} or flags {p.flags}")
-    return Header(kind, flags, body, p.payload_len, p.payload_checksum, p.tag, seq)
+    return Header(kind, p.flags, body, p.payload_len, p.payload_checksum, p.tag, seq)
 
 
 # -- JSON control messages --------------------------------------------------------------------

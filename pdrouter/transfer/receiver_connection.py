@@ -170,7 +170,7 @@ class ReceiverConnection:
         if header.payload_len != self._view.nbytes(span):
             raise ProtocolError(f"DATA frame says {header.payload_len} bytes, its runs hold "
                                 f"{self._view.nbytes(span)}")
-        if bool(header.flags & frames.Flag.OUT_OF_BAND) != self._plane.out_of_band:
+        if bool(header.flags & frames.OUT_OF_BAND) != self._plane.out_of_band:
             raise ProtocolError("DATA frame on the wrong data plane")
         incoming = self._bound.get(data.transfer_id)
         positions = None
