@@ -299,6 +299,25 @@ def decode_control(header: Header) -> Control:
     return cls(**values)
 
 
+_DONE_OPEN = b'{"transfer_id":"'
+_DONE_CLOSE = b'"}'
+_PLAIN = bytes(c for c in range(0x20, 0x80) if c not in b'"\\')
+
+
+def decode_done(header: Header) -> str:
+    """The transfer id of a DONE (``decode_control``'s result, without its general machinery in the
+    usual case: an id of plain characters, as ``encode_control`` writes it)."""
+    body = header.body
+    if header.kind is Kind.DONE and body.startswith(_DONE_OPEN) and body.endswith(_DONE_CLOSE):
+        raw = body[len(_DONE_OPEN):-len(_DONE_CLOSE)]
+        if raw and not raw.translate(None, _PLAIN):  # no escape, quote or control character
+            return raw.decode()
+    msg = decode_control(header)
+    if not isinstance(msg, Done):
+        raise ProtocolError(f"{header.kind.name} is not a DONE")
+    return msg.transfer_id
+
+
 # -- binary DATA and ACK ------------------------------------------------------------------------
 
 class DataHeader(NamedTuple):

@@ -240,11 +240,12 @@ class SenderConnection:
                         if self._credit_waiter:  # else the writer has nothing to wake for
                             self._cv.notify_all()
                     continue
-                msg = frames.decode_control(header)
-                if isinstance(msg, frames.Done):
-                    if (transfer := self._transfer(msg.transfer_id)) is not None:
+                if header.kind is frames.Kind.DONE:
+                    if (transfer := self._transfer(frames.decode_done(header))) is not None:
                         transfer.complete()
-                elif isinstance(msg, frames.ErrorMsg) and msg.transfer_id:
+                    continue
+                msg = frames.decode_control(header)
+                if isinstance(msg, frames.ErrorMsg) and msg.transfer_id:
                     if (transfer := self._transfer(msg.transfer_id)) is not None:
                         transfer.fail(error_for_code(msg.code, f"receiver at {self.peer.address}: {msg.message}"),
                                       tell_peer=False)

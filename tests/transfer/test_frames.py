@@ -94,3 +94,15 @@ def test_error_codes_rebuild_the_same_class() -> None:
         rebuilt = error_for_code(code_for_error(exc), exc.message)
         assert type(rebuilt) is type(exc) and rebuilt.message == exc.message
     assert isinstance(error_for_code(999, "?"), ProtocolError)
+
+
+@pytest.mark.parametrize("tid", ["req-1", 'a"b', "é", "x\\y", "tab\there", "\x7f", "{}"])
+def test_a_done_decodes_to_its_id_whatever_the_id_holds(tid: str) -> None:
+    assert frames.decode_done(frames.verify(*split(frames.encode_control(frames.Done(tid))))) == tid
+
+
+@pytest.mark.parametrize("body", [b'{"transfer_id":"a\x01"}', b'{"transfer_id":"a"', b'{"transfer_id":1}',
+                                  b'{"transfer_id":"a","x":1}'])
+def test_a_malformed_done_is_refused(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        frames.decode_done(frames.verify(*split(frames.encode(frames.Kind.DONE, body))))
