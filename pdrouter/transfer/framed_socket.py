@@ -389,6 +389,12 @@ class FramedSocket:
         self._recv_seq += 1
         return header
 
+    def prepare_payload_mac(self, ahead: int) -> None:
+        """Make ahead of time the running MAC context of the payload expected ``ahead`` messages
+        from now (``MacKey.prepare``); only before any is read ahead (the connection idles)."""
+        if self._recv_key is not None and not self._pending:
+            self._recv_key.prepare(self._recv_seq + ahead)
+
     def recv_payload_mac(self, header: frames.Header) -> PayloadMac:
         """The MAC the payload following ``header`` must match."""
         if self._recv_key is None or header.seq < 0:

@@ -27,6 +27,7 @@ from pdrouter.transfer.errors import PeerLostError, ProtocolError, code_for_erro
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo, server_handshake
 from pdrouter.transfer.incoming import IncomingTransfer
+from pdrouter.transfer.integrity import ONE_SHOT_BYTES
 from pdrouter.transfer.lifecycle import TransferState
 from pdrouter.transfer.pool_bytes import PoolBytes
 
@@ -70,6 +71,10 @@ class ReceiverConnection:
         self._unacked = 0
         self._plane: DataPlane | None = None
         self._peer: PeerInfo | None = None
+        self._macs_on_socket = not config.backend.is_distributed and config.payload_macs
+        self._large_payloads = False
+        """Whether the last DATA had a payload large enough for a running MAC context (see ``_serve``)."""
+        self._mid_transfer = False
         self._thread = threading.Thread(target=self._run, name=f"kvt-recv-{self.fs.peer}", daemon=True)
         self._thread.start()
 
@@ -110,6 +115,11 @@ class ReceiverConnection:
         while True:
             if self._unacked and not self.fs.has_data():
                 self._acknowledge(0, flush=True)  # going idle: return all credit now
+            if self._large_payloads:
+                # This sender moves large payloads: the next one's MAC context is made while the
+                # connection waits (right after a DATA the next message may be another DATA; at a
+                # transfer's end, a BEGIN comes first).
+                self.fs.prepare_payload_mac(0 if self._mid_transfer else 1)
             self._handle(self.fs.recv_header())
 
     def _open_plane(self, peer: PeerInfo) -> DataPlane:
@@ -126,8 +136,11 @@ class ReceiverConnection:
 
     def _handle(self, header: frames.Header) -> None:
         if header.kind is frames.Kind.DATA:
+            self._large_payloads = self._macs_on_socket and header.payload_len > ONE_SHOT_BYTES
+            self._mid_transfer = True
             self._on_data(header)
             return
+        self._mid_transfer = header.kind is frames.Kind.BEGIN
         msg = frames.decode_control(header)
         if isinstance(msg, frames.Begin):
             self._on_begin(msg)

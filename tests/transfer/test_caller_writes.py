@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 
 from pdrouter.transfer import TransferState
+from pdrouter.transfer.integrity import MacKey
 from pdrouter.transfer.sender_connection import SenderConnection
 
-from .factories import Pair, blocks_equal
+from .factories import Pair, blocks_equal, make_layout
 
 
 @pytest.fixture
@@ -63,4 +64,29 @@ def test_beside_another_transfer_the_writer_thread_writes(make_pair: Callable[..
     first.wait_all(30)
     second.wait_all(30)
     assert blocks_equal(pair.src, [1, 2], pair.dst, [3, 4])
+    pair.assert_released()
+
+
+def test_the_next_large_payload_finds_its_mac_context_made(make_pair: Callable[..., Pair],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a connection has carried a large payload, the receiver makes the next one's running MAC
+    context while it waits; that transfer then takes it (and still lands bit for bit)."""
+    taken: list[bool] = []
+    context = MacKey._context
+
+    def spy(self: MacKey, seq: int) -> object:
+        taken.append(self._spare is not None and self._spare[0] == seq)
+        return context(self, seq)
+
+    monkeypatch.setattr(MacKey, "_context", spy)
+    pair = make_pair(make_layout(num_layers=8, num_blocks=16, block_size=16, head_dim=64))
+    pair.sender.connect(pair.receiver.address)
+    for i in range(3):
+        handle = pair.receiver.expect(f"t-{i}", [3, 4, 5, 6], timeout_s=30)
+        transfer = pair.sender.open_transfer(handle.target)
+        transfer.send_layers([8, 9, 10, 11])
+        transfer.finish(30)
+        handle.wait_all(30)
+        assert blocks_equal(pair.src, [8, 9, 10, 11], pair.dst, [3, 4, 5, 6])
+    assert True in taken  # the receiver's side of the later transfers
     pair.assert_released()

@@ -87,6 +87,23 @@ def test_small_payloads_hashed_in_one_call_get_the_incremental_tag(size: int) ->
     assert mac.tag() == reference.tag
 
 
+@pytest.mark.parametrize("prepared", [5, 6])
+def test_a_context_made_ahead_gives_the_same_tag_and_only_for_its_message(prepared: int) -> None:
+    """``MacKey.prepare`` makes the running context of one message's payload while the connection
+    idles: that message's tag is unchanged, and another message never uses it."""
+    raw_key, header, data = os.urandom(32), os.urandom(16), os.urandom(3 * ONE_SHOT_BYTES)
+    reference = Cipher(algorithms.AES(raw_key), modes.GCM(struct.pack("<QI", 5, 1))).encryptor()
+    reference.authenticate_additional_data(header + data)
+    reference.finalize()
+    key = MacKey(raw_key)
+    key.prepare(prepared)
+    for _ in range(2):  # the second message 5 makes its own context
+        mac = key.payload_mac(5, header)
+        mac.update_all([memoryview(data)[i:i + ONE_SHOT_BYTES] for i in range(0, len(data), ONE_SHOT_BYTES)])
+        assert mac.tag() == reference.tag
+    assert (key._spare is None) == (prepared == 5)
+
+
 def test_the_payload_mac_binds_header_tag_and_sequence_number() -> None:
     key = MacKey(os.urandom(32))
 
