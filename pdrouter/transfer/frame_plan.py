@@ -11,7 +11,6 @@ Frames come out layer-major, so layer i is complete before layer i + 1 starts.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from pdrouter.transfer.target import BlockSegment
@@ -48,8 +47,7 @@ class FrameSpan(NamedTuple):
                     yield (base + start) * half_block_bytes, count * half_block_bytes
 
 
-@dataclass(frozen=True)
-class PlannedFrame:
+class PlannedFrame(NamedTuple):
     """One frame of a transfer: what the sender reads and where the receiver writes it."""
 
     src: FrameSpan

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdrouter.core.errors import CancelledError, DeadlineExceededError, InvalidRequestError, PdRouterError
 from pdrouter.transfer.frame_plan import PlannedFrame, plan_frames
@@ -15,20 +14,19 @@ from pdrouter.transfer.pool_bytes import PoolBytes
 from pdrouter.transfer.target import BlockSegment, TransferTarget, check_block_ids, pair_segments
 
 
-@dataclass(frozen=True)
-class BeginItem:
+# Named tuples, not frozen dataclasses: a few are made per transfer, on its critical path, and a
+# frozen dataclass's constructor costs several times a tuple's.
+class BeginItem(NamedTuple):
     transfer: OutgoingTransfer
 
 
-@dataclass(frozen=True)
-class DataItem:
+class DataItem(NamedTuple):
     transfer: OutgoingTransfer
     seq: int
     frame: PlannedFrame
 
 
-@dataclass(frozen=True)
-class EndItem:
+class EndItem(NamedTuple):
     transfer: OutgoingTransfer
     frames: int
     nbytes: int

@@ -97,8 +97,7 @@ class KvSender:
                                     max_runs=self._config.max_runs_per_frame, on_finished=conn.forget)
         if transfer.state.terminal:
             return transfer  # nothing to send
-        conn.register(transfer)
-        conn.submit(transfer, [transfer.begin_item()], wake=False)  # it leaves with the first DATA
+        conn.register(transfer)  # its BEGIN queued
         return transfer
 
     def stats(self) -> SenderStats:

@@ -66,25 +66,25 @@ class SenderConnection:
             return len(self._transfers), sum(len(q) for q in self._queues.values())
 
     def register(self, transfer: OutgoingTransfer) -> None:
+        """Take ``transfer`` on, its BEGIN queued (without waking the writer thread: it leaves with
+        the first DATA, and the writer woken for it alone would only contend with the caller for
+        the interpreter lock)."""
         with self._cv:
             if self._dead is not None:
                 raise PeerLostError(f"connection to {self.peer.address} is gone: {self._dead}")
             if transfer.transfer_id in self._transfers:
                 raise InvalidRequestError(f"transfer {transfer.transfer_id} is already being sent")
             self._transfers[transfer.transfer_id] = transfer
+            self._queues[transfer.transfer_id] = deque([transfer.begin_item()])
 
-    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False,
-               wake: bool = True) -> None:
+    def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
         """Queue ``items``. With ``write`` the calling thread writes them itself when the connection
-        is idle (``write_now``); whatever is left then goes to the writer thread. Without ``wake``
-        they wait for the transfer's next messages (a BEGIN leaves with the first DATA anyway:
-        waking the writer thread for it alone would only make it contend with the caller for the
-        interpreter lock)."""
+        is idle (``write_now``); whatever is left then goes to the writer thread."""
         with self._cv:
             if self._dead is not None or transfer.transfer_id not in self._transfers:
                 return  # the transfer already failed (the caller learns it from the handle)
             self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
-            if wake and not write:
+            if not write:
                 self._cv.notify_all()
         if write:
             self.write_now(transfer)
