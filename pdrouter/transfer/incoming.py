@@ -169,11 +169,10 @@ class IncomingTransfer:
             resolved = (positions, _mask(positions))
             self._positions_cache = {runs: resolved}  # frames of consecutive layers repeat their runs
         positions, mask = resolved
-        covered = self._covered
         with self._life.cond:
-            for row in range(layer_start - t.layer_start, layer_end - t.layer_start):
-                if covered[row] & mask:
-                    raise ProtocolError(f"transfer {self.transfer_id}: a block arrived twice")
+            rows = self._covered[layer_start - t.layer_start:layer_end - t.layer_start]
+            if any([row & mask for row in rows]):
+                raise ProtocolError(f"transfer {self.transfer_id}: a block arrived twice")
         return positions
 
     def _resolve(self, runs: tuple[Run, ...]) -> Positions:
@@ -220,9 +219,13 @@ class IncomingTransfer:
         with self._life.cond:
             if self.state is not TransferState.TRANSFERRING:
                 return
-            for row in range(layer_start - first, layer_end - first):
-                covered[row] |= mask
-                missing[row] -= count
+            if layer_end - layer_start == len(covered):  # a frame over every layer: one pass each
+                covered[:] = [c | mask for c in covered]
+                missing[:] = [m - count for m in missing]
+            else:
+                for row in range(layer_start - first, layer_end - first):
+                    covered[row] |= mask
+                    missing[row] -= count
             self.bytes_landed += nbytes
             complete = not any(missing)
         if not complete:
