@@ -13,13 +13,13 @@ its proof first and the receiver answers with its own only once that verified (a
 the token learns nothing derived from it). Each direction has its own 256-bit key.
 
 Frame MACs are AES-GMAC (AES-GCM over associated data only, no plaintext): chosen by measurement
-as the fastest keyed MAC at hand (about 5.5 GB/s on one core with AES-NI and PCLMULQDQ, and
+as the fastest keyed MAC at hand (AES-NI and carry-less multiplication, wider still with VAES;
 ``cryptography`` releases the GIL while it hashes, so it overlaps with socket I/O on another
-thread); keyed BLAKE2b ran at 0.57 GB/s, BLAKE3 1.7, Poly1305 2.2. Message ``n`` of a direction
-(counted from 0 once the keys are installed) is authenticated with the nonce ``(n, 0)`` for its
-prefix and body and ``(n, 1)`` for its payload, which also covers the header's tag: a frame
-replayed, reordered, dropped or moved to another connection fails its MAC. Nonces never repeat
-under a key (a key lives for one connection; ``n`` only grows).
+thread); keyed BLAKE2b, BLAKE3 and Poly1305 were slower (figures: ``docs/benchmarks.md``).
+Message ``n`` of a direction (counted from 0 once the keys are installed) is authenticated with
+the nonce ``(n, 0)`` for its prefix and body and ``(n, 1)`` for its payload, which also covers the
+header's tag: a frame replayed, reordered, dropped or moved to another connection fails its MAC.
+Nonces never repeat under a key (a key lives for one connection; ``n`` only grows).
 """
 
 from __future__ import annotations
