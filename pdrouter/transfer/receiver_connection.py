@@ -74,7 +74,9 @@ class ReceiverConnection:
         self._macs_on_socket = not config.backend.is_distributed and config.payload_macs
         self._large_payloads = False
         """Whether the last DATA had a payload large enough for a running MAC context (see ``_serve``)."""
-        self._mid_transfer = False
+        self._payload_ahead = 1
+        """How many messages from now the next payload is expected: 0 within a transfer (another
+        DATA), 1 after its END (a BEGIN first), 2 once its last DATA landed (its END, a BEGIN)."""
         self._thread = threading.Thread(target=self._run, name=f"kvt-recv-{self.fs.peer}", daemon=True)
         self._thread.start()
 
@@ -117,9 +119,8 @@ class ReceiverConnection:
                 self._acknowledge(0, flush=True)  # going idle: return all credit now
             if self._large_payloads:
                 # This sender moves large payloads: the next one's MAC context is made while the
-                # connection waits (right after a DATA the next message may be another DATA; at a
-                # transfer's end, a BEGIN comes first).
-                self.fs.prepare_payload_mac(0 if self._mid_transfer else 1)
+                # connection waits.
+                self.fs.prepare_payload_mac(self._payload_ahead)
             self._handle(self.fs.recv_header())
 
     def _open_plane(self, peer: PeerInfo) -> DataPlane:
@@ -137,10 +138,10 @@ class ReceiverConnection:
     def _handle(self, header: frames.Header) -> None:
         if header.kind is frames.Kind.DATA:
             self._large_payloads = self._macs_on_socket and header.payload_len > ONE_SHOT_BYTES
-            self._mid_transfer = True
+            self._payload_ahead = 0
             self._on_data(header)
             return
-        self._mid_transfer = header.kind is frames.Kind.BEGIN
+        self._payload_ahead = 0 if header.kind is frames.Kind.BEGIN else 1
         msg = frames.decode_control(header)
         if isinstance(msg, frames.Begin):
             self._on_begin(msg)
@@ -204,6 +205,7 @@ class ReceiverConnection:
                              on_done=lambda: self._send_done(incoming.done_message))
         if incoming.state is TransferState.DONE:
             del self._bound[data.transfer_id]
+            self._payload_ahead = 2
 
     def _send_done(self, done: bytes) -> None:
         """DONE (encoded), with the credit still owed ahead of it in the same write (the sender reads
