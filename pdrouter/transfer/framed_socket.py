@@ -11,8 +11,7 @@ import struct
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from pdrouter.transfer import frames
 from pdrouter.transfer.errors import PeerLostError, ProtocolError
@@ -29,8 +28,7 @@ Buffer = bytes | memoryview
 """What is written: bytes, or a flat memoryview of bytes (format ``B``)."""
 
 
-@dataclass(frozen=True)
-class Sealed:
+class Sealed(NamedTuple):
     """A message just written: its number in this direction and its tag (what its payload MAC binds)."""
 
     seq: int
@@ -238,7 +236,8 @@ class FramedSocket:
         else:
             seq = self._send_seq
             self._send_seq += 1
-            prefix, tag = frames.seal(message, lambda data: key.header_tag(seq, data))
+            tag = key.header_tag(seq, message)  # frames.seal, without a closure per message
+            prefix = message[:frames.TAG_OFFSET] + tag
         return [prefix, memoryview(message)[frames.PREFIX.size:]], Sealed(seq, tag)
 
     def send_payload_mac(self, sealed: Sealed) -> PayloadMac:
