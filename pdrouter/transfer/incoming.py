@@ -219,13 +219,9 @@ class IncomingTransfer:
         with self._life.cond:
             if self.state is not TransferState.TRANSFERRING:
                 return
-            if layer_end - layer_start == len(covered):  # a frame over every layer: one pass each
-                covered[:] = [c | mask for c in covered]
-                missing[:] = [m - count for m in missing]
-            else:
-                for row in range(layer_start - first, layer_end - first):
-                    covered[row] |= mask
-                    missing[row] -= count
+            for row in range(layer_start - first, layer_end - first):
+                covered[row] |= mask
+                missing[row] -= count
             self.bytes_landed += nbytes
             complete = not any(missing)
         if not complete:

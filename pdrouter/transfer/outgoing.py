@@ -149,9 +149,8 @@ class OutgoingTransfer:
 
     def complete(self) -> None:
         """The receiver confirmed every block."""
-        # The books before the waiter wakes: it then finds the interpreter lock free, rather than
-        # wake only to wait for it (two hand-offs between threads instead of one).
-        self._life.advance(TransferState.DONE, before_wake=lambda: self._on_finished(self))
+        if self._life.advance(TransferState.DONE):
+            self._on_finished(self)
 
     def fail(self, error: PdRouterError, *, tell_peer: bool = True) -> bool:
         if not self._life.advance(TransferState.FAILED, error):

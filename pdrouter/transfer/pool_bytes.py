@@ -102,22 +102,12 @@ class PoolBytes:
         if self._memory is None:
             raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
         mem = self._memory
-        half = self.half_block_bytes
-        if type(self).pieces is PoolBytes.pieces and max(count for _, count in span.runs) * half <= limit:
-            # This layout's ranges, each within ``limit`` (the usual case: a block's layer is tens of
-            # KiB): one slice per (layer, K|V, run), made in one comprehension (per-range Python
-            # is the cost here, paid once per frame at each end).
-            stride = self.num_blocks * half
-            runs = [(start * half, (start + count) * half) for start, count in span.runs]
-            return [mem[base + lo:base + hi] for base in range(2 * span.layer_start * stride,
-                                                                2 * span.layer_end * stride, stride)
-                    for lo, hi in runs]
+        pieces = list(self.pieces(span))
+        if max((n for _, n in pieces), default=0) <= limit:  # the usual case: a block's layer is tens of KiB
+            return [mem[off:off + n] for off, n in pieces]  # one comprehension: per-range Python is the cost here
         out: list[memoryview] = []
-        for off, n in self.pieces(span):
-            if n <= limit:  # the usual case (a block's layer is tens of KiB): one slice, no loop
-                out.append(mem[off:off + n])
-            else:
-                out.extend(mem[start:min(start + limit, off + n)] for start in range(off, off + n, limit))
+        for off, n in pieces:
+            out.extend(mem[start:min(start + limit, off + n)] for start in range(off, off + n, limit))
         return out
 
     def checksum(self, span: FrameSpan) -> int:
