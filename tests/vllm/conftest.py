@@ -246,7 +246,10 @@ def poll(fetch: Callable[[], Any], good: Callable[[Any], bool], what: str, timeo
         box[:] = [fetch()]
         return good(box[0])
 
-    wait_until(check, what, timeout)
+    try:
+        wait_until(check, what, timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc} (last: {box[0] if box else None!r})") from None
     return box[0]
 
 

@@ -140,17 +140,27 @@ def engine_core_of(worker_pid: int) -> psutil.Process:
 
 
 async def _killed_mid_stream(pool: VllmPool) -> tuple[str, list[str]]:
-    """A long stream; kill -9 the engine core of the worker serving it; the events that followed."""
-    body = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} a long answer, please", "max_tokens": 600,
-            "temperature": 0, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=pool.http, timeout=120.0) as client, Stream(client, body) as stream:
-        loads = await asyncio.to_thread(poll, lambda: live_workers(pool),
-                                        lambda r: sum(v["load"]["running"] for v in r.values()) == 1, "one running")
-        victim = next(w for w, v in loads.items() if v["load"]["running"] == 1)
-        before = len(stream.events)
-        os.kill(engine_core_of(pool.workers[victim].proc.pid).pid, signal.SIGKILL)
-        await asyncio.wait_for(stream.ended.wait(), 120)
-    return victim, stream.events[before:]
+    """A long stream; kill -9 the engine core of the worker serving it; the events that followed.
+
+    The serving worker shows in the heartbeats, seconds apart: a stream that a busy machine let end
+    before one showed it running is started again."""
+    async with httpx.AsyncClient(base_url=pool.http, timeout=120.0) as client:
+        for _ in range(5):
+            body = {"model": MODEL, "prompt": f"{uuid.uuid4().hex} a long answer, please", "max_tokens": 900,
+                    "temperature": 0, "ignore_eos": True}
+            async with Stream(client, body) as stream:
+                loads = await asyncio.to_thread(
+                    poll, lambda: live_workers(pool),
+                    lambda r: stream.ended.is_set() or sum(v["load"]["running"] for v in r.values()) == 1,
+                    "one running")
+                if stream.ended.is_set():
+                    continue
+                victim = next(w for w, v in loads.items() if v["load"]["running"] == 1)
+                before = len(stream.events)
+                os.kill(engine_core_of(pool.workers[victim].proc.pid).pid, signal.SIGKILL)
+                await asyncio.wait_for(stream.ended.wait(), 120)
+            return victim, stream.events[before:]
+    raise AssertionError("every stream ended before a heartbeat showed it running")
 
 
 def test_a_killed_engine_core_makes_the_worker_unhealthy_and_a_restart_rejoins(vllm_pool: VllmPool) -> None:
@@ -179,21 +189,34 @@ def test_a_killed_engine_core_makes_the_worker_unhealthy_and_a_restart_rejoins(v
     poll(lambda: run(_health(vllm_pool.worker_address(victim))),
          lambda s: s == health_pb2.HealthCheckResponse.SERVING, "the restarted worker SERVING")
     # The router lists the new incarnation at its next refresh of the pool: until then the second
-    # request finds no room (429), after it each worker runs one.
-    poll(lambda: run(_both_workers_serve(vllm_pool)), bool, "a request running on each worker", timeout=120)
+    # request finds no room (429), after it each worker computes one.
+    poll(lambda: run(_both_workers_serve(vllm_pool)), bool, "a request computed on each worker", timeout=120)
 
 
 async def _both_workers_serve(pool: VllmPool) -> bool:
-    """Two requests that each take most of a worker's pool run at once, one on each worker (True); or
-    the second found no room (False: the router does not list the restarted worker yet)."""
+    """Two requests that each take most of a worker's pool, the second started while the first still
+    holds its own: each worker computes one (True). False: the second found no room (429: the router
+    does not list the restarted worker yet), or the first had ended by then (nothing shown: again).
+
+    Which worker computed a request shows in its heartbeat's prefix-cache queries (vLLM counts every
+    prompt it schedules), a counter: no need to catch both running in the same heartbeat, which a
+    busy machine can make the two requests miss."""
+    def queries() -> dict[str, int]:
+        return {w: int(v["load"]["prefix_cache_queries"]) for w, v in live_workers(pool).items()}
+
+    before = await asyncio.to_thread(queries)
+    assert len(before) == 2, before
     body = {"model": MODEL, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     async with httpx.AsyncClient(base_url=pool.http, timeout=120.0) as client, \
-            Stream(client, {**body, "prompt": f"{uuid.uuid4().hex} go"}):
-        second = Stream(client, {**body, "prompt": f"{uuid.uuid4().hex} go"}, check=False)
-        async with second:
-            if second.status == 429:
-                return False
-            loads = await asyncio.to_thread(poll, lambda: live_workers(pool),
-                                            lambda r: all(v["load"]["running"] == 1 for v in r.values()),
-                                            "a request running on each worker")
-            return len(loads) == 2
+            Stream(client, {**body, "prompt": f"{uuid.uuid4().hex} go"}) as first, \
+            Stream(client, {**body, "prompt": f"{uuid.uuid4().hex} go"}, check=False) as second:
+        if second.status == 429:
+            return False
+        held = not first.ended.is_set()  # the second started (its first token) while the first held its pool
+        errors = [e for e in (*first.events, *second.events) if '"error"' in e]
+        assert not errors, errors
+    if not held:
+        return False
+    await asyncio.to_thread(poll, queries, lambda now: all(now.get(w, 0) > n for w, n in before.items()),
+                            "each worker's heartbeat counting one prompt")
+    return True

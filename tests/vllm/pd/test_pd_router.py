@@ -168,6 +168,7 @@ def cluster(vllm_model: Path) -> Iterator[PdCluster]:
             pd.start_router("pd", "--redis", redis.url, "--mode", "disaggregated")
             pd.start_router("reference", "--workers", pd.workers["reference"].address or "", "--mode", "colocated")
             run(wait_for(lambda: live(pd), "the prefill and decode workers registered", lambda n: n == 2))
+            run(listed(pd))
             yield pd
         finally:
             pd.stop()
@@ -215,6 +216,20 @@ async def leftovers(pd: PdCluster, dead_decode: list[tuple[str, int]] = ()) -> d
 async def idle(pd: PdCluster, dead_decode: list[tuple[str, int]] = (), timeout: float = 60.0) -> None:  # type: ignore[assignment]
     await wait_for(lambda: leftovers(pd, dead_decode), "both engines idle and no booking left",
                    lambda counts: not any(counts.values()), timeout)
+
+
+async def listed(pd: PdCluster) -> None:
+    """Wait until the PD router serves a prompt through its prefill worker with a KV transfer.
+
+    The router reads the registry once a second, so a worker registered (or restarted) a moment ago
+    may not be a candidate yet: a prompt sent then is computed on the decode worker, and moves no KV."""
+    async def moved() -> int:
+        before = await asyncio.to_thread(transfer_bytes, pd)
+        with contextlib.suppress(grpc.RpcError):  # the old incarnation, still listed: UNAVAILABLE
+            await grpc_tokens(pd.grpc("pd"), random_prompt(random.Random(), 2 * BLOCK + 1), 1)
+        return await asyncio.to_thread(transfer_bytes, pd) - before
+
+    await wait_for(moved, "a prompt served with a KV transfer", lambda grew: grew > 0)
 
 
 async def epoch_of(pd: PdCluster, worker_id: str) -> int:
@@ -562,6 +577,7 @@ def test_kill_9_of_the_decode_worker_mid_stream(cluster: PdCluster) -> None:
     run(idle(cluster, [("decode-0", epoch)]))
     cluster.start_worker("decode", "decode-0").wait_ready(START_S)  # a new incarnation for what follows
     run(wait_for(lambda: live(cluster), "the decode worker back", lambda n: n == 2))
+    run(listed(cluster))
 
 
 def test_kill_9_of_the_prefill_worker_mid_transfer(cluster: PdCluster) -> None:
