@@ -189,9 +189,19 @@ def vllm_pool(vllm_model: Path, vllm_redis: str) -> Iterator[VllmPool]:
             proc.wait_ready(START_S)
         pool.start_router()
         wait_until(lambda: len(live_workers(pool)) == 2, "both workers registered")
+        # The router reads the registry once a second: a worker registered a moment ago is not yet a candidate.
+        wait_until(lambda: listed_workers(pool) == {"vllm-a", "vllm-b"}, "the router listing both workers")
         yield pool
     finally:
         pool.stop()
+
+
+def listed_workers(pool: VllmPool) -> set[str]:
+    """The workers the router's pool lists (its ``pdrouter_worker_info`` samples)."""
+    with urllib.request.urlopen(f"{pool.http}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {line.split('worker="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+            if line.startswith("pdrouter_worker_info{") and 'worker="' in line}
 
 
 def registered_workers(pool: VllmPool) -> dict[str, dict[str, Any]]:
