@@ -272,8 +272,10 @@ class BatchEngine:
                 work = self.scheduler.schedule()
                 # Nothing to run and nothing freed: only another call (add, release, abort…) helps.
                 self._stalled = not work and self.scheduler.num_preemptions == preemptions
+                # The request's own block list, not a copy: only ``schedule`` (on this thread, under the
+                # step lock) grows a list in place; a release replaces it.
                 items = [StepWork(w.request, w.request.all_token_ids[w.start:w.start + w.num_tokens], w.start,
-                                  list(w.request.block_ids), w.samples) for w in work]
+                                  w.request.block_ids, w.samples) for w in work]
                 for w in work:
                     w.request.in_flight = True
             if not work:
@@ -321,9 +323,9 @@ class BatchEngine:
                 reason = FinishReason.PREFILLED
             elif reason is not None:
                 self._finish(req, reason)
+            prompt = req.num_prompt_tokens
             outputs.append(RequestOutput(req.request_id, (token,), reason is not None, reason,
-                                         req.num_prompt_tokens, req.num_output_tokens,
-                                         req.num_cached_tokens, prefill))
+                                         prompt, len(req.all_token_ids) - prompt, req.num_cached_tokens, prefill))
         return outputs
 
     def wait_for_work(self, timeout: float | None = None) -> bool:

@@ -96,24 +96,27 @@ class BlockManager:
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate(self, hashes: Sequence[BlockHash], num_tokens: int,
-                 max_cached_blocks: int | None = None) -> Allocation | None:
+                 max_cached_blocks: int | None = None, matched: list[int] | None = None) -> Allocation | None:
         """Blocks for a new sequence of ``num_tokens`` tokens, reusing cached prefix blocks.
 
         ``hashes`` are the sequence's full-block hashes; at most ``max_cached_blocks`` leading
-        blocks are taken from the cache. Returns None, changing nothing, when the pool is short.
+        blocks are taken from the cache. ``matched``: what ``match_prefix(hashes)`` just returned,
+        when the caller asked it (under the same lock): not matched again. Returns None, changing
+        nothing, when the pool is short.
         """
-        hits = self.match_prefix(hashes)
+        hits = self.match_prefix(hashes) if matched is None else matched
         if max_cached_blocks is not None:
             hits = hits[:max(0, max_cached_blocks)]
         total = self.blocks_needed(num_tokens)
         hits = hits[:total]
-        idle_hits = sum(1 for b in hits if self._ref[b] == 0)
-        if total - len(hits) > self.num_free_blocks - idle_hits:
+        refs = self._ref
+        idle = [b for b in hits if refs[b] == 0]
+        if total - len(hits) > self.num_free_blocks - len(idle):
             return None
+        for block in idle:
+            del self._evictable[block]
         for block in hits:
-            if self._ref[block] == 0:
-                del self._evictable[block]
-            self._ref[block] += 1
+            refs[block] += 1
         block_ids = list(hits)
         block_ids.extend(self._take(total - len(hits)))
         return Allocation(block_ids=block_ids, num_cached_blocks=len(hits))
@@ -172,12 +175,18 @@ class BlockManager:
 
     def free(self, block_ids: Sequence[int]) -> None:
         """Drop one reference to each block, tail first; unreferenced blocks become free or cached."""
+        # The reference count inlined, with locals: this loop runs once per block of every request.
+        refs, hashes, unused, evictable = self._ref, self._hash, self._free, self._evictable
         for block in reversed(block_ids):
-            if self._unref(block):
-                if self._hash[block] is None:
-                    self._free.append(block)
+            ref = refs[block]
+            if ref <= 0:
+                raise RuntimeError(f"block {block} freed more often than it was allocated")
+            refs[block] = ref - 1
+            if ref == 1:
+                if hashes[block] is None:
+                    unused.append(block)
                 else:
-                    self._evictable[block] = None
+                    evictable[block] = None
 
     def _unref(self, block: int) -> bool:
         """Drop one reference; True when none is left."""

@@ -89,8 +89,11 @@ class Request:
     when it has no salt (the hasher's own root)."""
     priority: int = 0
     """Scheduling priority, lower first (``pdrouter.engine.scheduler``); 0 for all: first come first served."""
+    num_prompt_tokens: int = field(init=False)
+    """``len(prompt_token_ids)``, kept: read several times per token by the step's bookkeeping."""
 
     def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
 
@@ -106,10 +109,6 @@ class Request:
         return self.state in (RequestState.FINISHED, RequestState.FAILED, RequestState.ABORTED)
 
     # -- tokens -------------------------------------------------------------------------------
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens:]
@@ -139,10 +138,11 @@ class Request:
 
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token; returns why the request ends with it, if it does."""
-        self.all_token_ids.append(token)
+        tokens = self.all_token_ids
+        tokens.append(token)
         if token in self.stop_ids:
             return FinishReason.STOP
-        if self.num_output_tokens >= self.sampling.max_tokens or len(self.all_token_ids) >= self.max_context:
+        if len(tokens) - self.num_prompt_tokens >= self.sampling.max_tokens or len(tokens) >= self.max_context:
             return FinishReason.LENGTH
         return None
 

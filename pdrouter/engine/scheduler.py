@@ -36,7 +36,7 @@ def _priority(request: Request) -> int:
     return request.priority
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledWork:
     """``request`` computes ``num_tokens`` tokens from position ``start`` on."""
 
@@ -91,6 +91,7 @@ class Scheduler:
         # The lowest value waiting: one pass per step (and per admission ahead of a prompt), so that
         # equal priorities, the usual case, cost no scan of the waiting queue per running prompt.
         lowest = min(map(_priority, self.waiting), default=None)
+        bs = self.blocks.block_size
         for req in decodes + prefills:
             if budget == 0:
                 break
@@ -102,6 +103,10 @@ class Scheduler:
                 if budget == 0:
                     break
             n = min(req.num_uncomputed_tokens, budget)
+            if req.num_computed_tokens + n <= len(req.block_ids) * bs:  # its blocks hold them: most decodes
+                scheduled[req] = n
+                budget -= n
+                continue
             while not self.blocks.grow(req.block_ids, req.num_computed_tokens + n):
                 victim = self._victim()
                 budget += scheduled.pop(victim, 0)
@@ -131,10 +136,11 @@ class Scheduler:
                 break
             total = len(req.all_token_ids)
             hashes = req.hashes(self.hasher)
-            hits = len(self.blocks.match_prefix(hashes[:(total - 1) // bs]))
+            matched = self.blocks.match_prefix(hashes[:(total - 1) // bs])
+            hits = len(matched)
             cached = hits * bs
             n = min(total - cached, budget)
-            alloc = self.blocks.allocate(hashes[:hits], cached + n)
+            alloc = self.blocks.allocate(hashes[:hits], cached + n, matched=matched)
             if alloc is None:
                 break
             self.waiting.remove(req)

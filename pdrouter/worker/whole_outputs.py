@@ -5,7 +5,6 @@ Pure: engine outputs in, engine outputs out; no gRPC.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 
 from pdrouter.engine.outputs import RequestOutput
@@ -33,12 +32,12 @@ async def whole_outputs(outputs: AsyncIterator[RequestOutput], first_alone: bool
             yield out
             continue
         if out.finished:
-            yield dataclasses.replace(out, new_token_ids=(*held, *out.new_token_ids)) if held else out
+            yield out._replace(new_token_ids=(*held, *out.new_token_ids)) if held else out
             return
         held.extend(out.new_token_ids)
         last = out
         if len(held) >= limit:
-            yield dataclasses.replace(out, new_token_ids=tuple(held))
+            yield out._replace(new_token_ids=tuple(held))
             held = []
     if held and last is not None:
-        yield dataclasses.replace(last, new_token_ids=tuple(held))
+        yield last._replace(new_token_ids=tuple(held))

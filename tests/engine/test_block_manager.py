@@ -54,6 +54,23 @@ def test_commit_then_prefix_reuse_shares_blocks() -> None:
     assert bm.num_cached_blocks == 3
 
 
+def test_an_allocation_given_its_match_equals_one_that_matches_itself() -> None:
+    results = []
+    for given in (False, True):
+        bm, _ = make()
+        ha = hashes(1, 3)
+        a = bm.allocate(ha, 12)
+        assert a is not None
+        bm.commit(a.block_ids, ha[:2])
+        asked = [ha[0], ha[1], BlockHash(b"x" * 16)]
+        matched = bm.match_prefix(asked)
+        assert matched == [0, 1]
+        b = bm.allocate(asked, 14, matched=matched if given else None)
+        assert b is not None
+        results.append((b.block_ids, b.num_cached_blocks, [bm.ref_count(i) for i in range(6)], bm.num_free_blocks))
+    assert results[0] == results[1] == ([0, 1, 3, 4], 2, [2, 2, 1, 1, 1, 0], 3)
+
+
 def test_hits_stop_at_the_first_miss() -> None:
     bm, _ = make()
     h = hashes(1, 3)

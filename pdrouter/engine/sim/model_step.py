@@ -30,7 +30,7 @@ import xxhash
 from pdrouter.core.tokens import pack_token_ids
 from pdrouter.engine.batch_engine import StepWork
 from pdrouter.engine.request import Request
-from pdrouter.engine.sim.timing import SeqWork, StepCost, TimingModel
+from pdrouter.engine.sim.timing import StepCost, TimingModel
 
 MAX_BEHIND_S = 0.5
 """Wall seconds the chained clock may fall behind before it gives up catching up (restarts at now)."""
@@ -97,7 +97,7 @@ class SimModelStep:
         self._chained = False
 
     def run(self, work: Sequence[StepWork]) -> list[int]:
-        cost = self.timing.step([SeqWork(len(w.token_ids), w.start, w.samples) for w in work])
+        cost = self.timing.step_of([(len(w.token_ids), w.start, w.samples) for w in work])
         tokens = []
         for w in work:
             if not w.samples:

@@ -206,15 +206,20 @@ class TimingModel:
     # -- public shapes ------------------------------------------------------------------------
     def step(self, batch: Sequence[SeqWork]) -> StepCost:
         """The modeled cost of one step over ``batch``; an empty batch costs nothing."""
+        return self.step_of([(w.num_new_tokens, w.context_before, w.samples) for w in batch])
+
+    def step_of(self, batch: Sequence[tuple[int, int, bool]]) -> StepCost:
+        """``step`` of ``(num_new_tokens, context_before, samples)`` triples, not checked: the
+        simulated engine's own path (its work is valid by construction; one ``SeqWork`` per
+        sequence and step cost more than the step's arithmetic)."""
         if not batch:
             return _ZERO
         tokens = sampled = kv_tokens = 0
         attn_c = attn_m = attn_s = attn_flops = 0.0
         decode_only = True
-        for work in batch:
-            n, c = work.num_new_tokens, work.context_before
+        for n, c, samples in batch:
             tokens += n
-            sampled += work.samples
+            sampled += samples
             kv_tokens += c + n
             decode_only = decode_only and n == 1
             flops = self._attn_flops_per_key * (n * c + n * (n + 1) // 2)

@@ -388,3 +388,12 @@ def test_the_sim_modules_import_no_torch() -> None:
             "assert not heavy, heavy\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_engines_unchecked_step_of_triples_equals_the_step_of_seq_works() -> None:
+    model = TimingModel(L70, H100, tp=4)
+    batch = [SeqWork(1, 900), SeqWork(1, 20), SeqWork(512, 0, samples=False), SeqWork(300, 512)]
+    assert model.step_of([(w.num_new_tokens, w.context_before, w.samples) for w in batch]) == model.step(batch)
+    assert model.step_of([]) == model.step([])
+    with pytest.raises(ValueError, match="num_new_tokens >= 1"):  # the checked path still checks
+        SeqWork(0, 5)
