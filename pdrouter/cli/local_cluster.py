@@ -79,8 +79,9 @@ class ManagedProcess:
     """A ``pdrouter`` child process, its readiness address and the tail of its output."""
 
     def __init__(self, name: str, args: Sequence[str], env: dict[str, str] | None = None,
-                 log_file: Path | None = None, die_with_parent: bool = False) -> None:
-        """``die_with_parent``: the child stops when this process dies, however it dies (module docstring)."""
+                 log_file: Path | None = None, die_with_parent: bool = True) -> None:
+        """``die_with_parent`` (the default): the child stops when this process dies, however it dies
+        (module docstring), so a test or benchmark killed mid-run leaves no worker behind."""
         self.name = name
         self.args = [sys.executable, "-m", "pdrouter", *args]
         full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}

@@ -57,36 +57,38 @@ class PlannedFrame(NamedTuple):
 
 def plan_frames(segments: Sequence[BlockSegment], layers: range, half_block_bytes: int,
                 max_frame_bytes: int, max_runs: int) -> list[PlannedFrame]:
-    """Frames moving ``segments`` for every layer in ``layers`` (see the module docstring)."""
+    """Frames moving ``segments`` for every layer in ``layers`` (see the module docstring).
+
+    The runs of each group of segments are cut once and shared by that group's frame in every
+    layer: a fragmented prompt (a run per block) has the same runs in all its layers, and building
+    them per layer cost about 0.9 ms for 138 scattered blocks × 32 layers.
+    """
     if not segments or not layers:
         return []
     per_block_layer = 2 * half_block_bytes
     cap = max(1, max_frame_bytes // per_block_layer)
-    pieces = [piece for seg in segments for piece in _split(seg, cap)]
+    groups: list[tuple[tuple[Run, ...], tuple[Run, ...], int]] = []
+    src_runs: list[Run] = []
+    dst_runs: list[Run] = []
+    blocks = 0
+    for src_start, dst_start, length in segments:
+        for offset in range(0, length, cap):  # a segment longer than a frame holds is split
+            take = min(cap, length - offset)
+            if src_runs and (len(src_runs) >= max_runs or blocks + take > cap):
+                groups.append((tuple(src_runs), tuple(dst_runs), blocks))
+                src_runs, dst_runs, blocks = [], [], 0
+            src_runs.append((src_start + offset, take))
+            dst_runs.append((dst_start + offset, take))
+            blocks += take
+    groups.append((tuple(src_runs), tuple(dst_runs), blocks))
 
-    groups: list[list[BlockSegment]] = [[]]
-    group_blocks = 0
-    for seg in pieces:
-        if groups[-1] and (len(groups[-1]) >= max_runs or (group_blocks + seg.length) > cap):
-            groups.append([])
-            group_blocks = 0
-        groups[-1].append(seg)
-        group_blocks += seg.length
-
-    if len(groups) == 1:
-        layers_per_frame = max(1, max_frame_bytes // (group_blocks * per_block_layer))
-    else:
-        layers_per_frame = 1
-    frames = []
+    layers_per_frame = max(1, max_frame_bytes // (blocks * per_block_layer)) if len(groups) == 1 else 1
+    frames: list[PlannedFrame] = []
+    append, new = frames.append, tuple.__new__  # named tuples made in C: theirs is Python code
     for first in range(layers.start, layers.stop, layers_per_frame):
         last = min(first + layers_per_frame, layers.stop)
-        for group in groups:
-            src = FrameSpan(first, last, tuple((s.src_start, s.length) for s in group))
-            dst = FrameSpan(first, last, tuple((s.dst_start, s.length) for s in group))
-            frames.append(PlannedFrame(src, dst, src.nbytes(half_block_bytes)))
+        layer_bytes = (last - first) * per_block_layer
+        for src, dst, count in groups:
+            append(new(PlannedFrame, (new(FrameSpan, (first, last, src)), new(FrameSpan, (first, last, dst)),
+                                      layer_bytes * count)))
     return frames
-
-
-def _split(seg: BlockSegment, cap: int) -> Iterator[BlockSegment]:
-    for offset in range(0, seg.length, cap):
-        yield BlockSegment(seg.src_start + offset, seg.dst_start + offset, min(cap, seg.length - offset))

