@@ -28,6 +28,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from _report import Report, base_parser
 
@@ -70,10 +71,16 @@ def measure(repeats: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for name, (src, dst, half) in cases().items():
         segments = pair_segments(src, dst)
-        out[f"{name}_pair_us"] = timed(lambda s=src, d=dst: pair_segments(s, d), repeats) * 1e6
-        out[f"{name}_plan_us"] = timed(
-            lambda s=segments, h=half: plan_frames(s, range(LAYERS), h, MAX_FRAME_BYTES, MAX_RUNS), repeats) * 1e6
-        out[f"{name}_frames"] = len(plan_frames(segments, range(LAYERS), half, MAX_FRAME_BYTES, MAX_RUNS))
+
+        def pair(s: list[int] = src, d: list[int] = dst) -> object:
+            return pair_segments(s, d)
+
+        def plan(s: Any = segments, h: int = half) -> list[Any]:
+            return plan_frames(s, range(LAYERS), h, MAX_FRAME_BYTES, MAX_RUNS)
+
+        out[f"{name}_pair_us"] = timed(pair, repeats) * 1e6
+        out[f"{name}_plan_us"] = timed(plan, repeats) * 1e6
+        out[f"{name}_frames"] = len(plan())
     return out
 
 
