@@ -6,7 +6,11 @@ The systems, each in front of instant workers (no model work, so what the router
   real router, Redis, the decode-driven hand-off and a real KV transfer between the simulated workers);
 * ``sglang-router``, ``vllm-router``, ``smg`` (SGLang's model gateway), when they are installed in
   ``--peers-venv``, each in front of ``_instant_worker.py`` processes (``pip install sglang-router==0.3.2
-  vllm-router==0.1.17 smg==1.13.0`` into a venv of its own: they pin packages of their own).
+  vllm-router==0.1.17 smg==1.13.0`` into a venv of its own: they pin packages of their own);
+* ``python-relay``: not a router but the floor of one written in Python (``_python_relay.py``): each
+  request's body relayed as it is to an instant worker over a kept-open connection and the answer
+  relayed back (PD: a prefill hop, then a decode hop), on uvloop, parsing nothing but HTTP. What it
+  costs, no Python router can save.
 
 Two layouts: ``cache_aware``, one pool of four workers placed by prefix (pd-router colocated, the peers'
 ``--policy cache_aware``); ``pd``, two prefill and two decode workers (pd-router disaggregated; the peers'
@@ -26,10 +30,11 @@ Per system and layout:
   (``benchmarks/router_overhead.py`` measures against pd-router's own workers reached directly);
 * pd-router also gets ``..._redis_cpu``: its Redis server's CPU per request (index look-ups and decode
   bookings, work the peers do not do), so the whole cost is on the page;
-* ``pd-router_<layout>_cpu_vs_best_peer``: pd-router's router CPU over the lowest peer's, same layout.
+* ``pd-router_<layout>_cpu_vs_best_peer``: pd-router's router CPU over the lowest peer's, same layout;
+  ``python-relay_<layout>_cpu_vs_best_peer`` the floor's.
 
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
-                                      [--systems pd-router,sglang-router,vllm-router,smg]
+                                      [--systems pd-router,sglang-router,vllm-router,smg,python-relay]
                                       [--layouts cache_aware,pd] [--seconds 8] [--pair-seconds 4]
 
 ``--quick`` runs pd-router's PD row only, with short phases (under 30 s).
@@ -57,7 +62,9 @@ from _report import Report, base_parser
 
 HERE = Path(__file__).resolve().parent
 PREFIXES, PREFIX_CHARS, SUFFIX_CHARS, TOKENS, CONCURRENCY = 8, 2000, 200, 16, 32
-SYSTEMS = ("pd-router", "sglang-router", "vllm-router", "smg")
+SYSTEMS = ("pd-router", "sglang-router", "vllm-router", "smg", "python-relay")
+FLOOR = "python-relay"
+"""Not a router: ``_python_relay.py``, the floor of any router written in Python (see the module docstring)."""
 LAYOUTS = ("cache_aware", "pd")
 PEER_MODEL = "instant-model"
 
@@ -236,6 +243,8 @@ class Bench:
         self.cpu: dict[tuple[str, str], float] = {}
 
     def peer_available(self, system: str) -> bool:
+        if system == FLOOR:
+            return True
         if not Path(self.py).exists():
             return False
         module = {"sglang-router": "sglang_router.launch_router", "smg": "smg.launch_router",
@@ -271,6 +280,12 @@ class Bench:
         port, metrics = free_port(), free_port()
         common = ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1",
                   "--prometheus-port", str(metrics)]
+        if system == FLOOR:
+            relay = [sys.executable, str(HERE / "_python_relay.py"), "--port", str(port)]
+            relay += (["--workers", *regular] if layout == "cache_aware"
+                      else ["--prefill", *(url for url, _ in prefill), "--decode", *decode])
+            proc = procs.start(system, relay)
+            return Row(system, layout, port, PEER_MODEL, {"router": [proc.pid]})
         if system == "vllm-router":
             cmd = [str(Path(self.args.peers_venv) / "bin" / "vllm-router"), *common, "--log-level", "warning"]
         else:
@@ -383,12 +398,15 @@ class Bench:
             await direct.close()
             baseline.stop()
         for layout in layouts:
-            peers = {s: c for (s, lay), c in self.cpu.items() if lay == layout and s != "pd-router"}
-            ours = self.cpu.get(("pd-router", layout))
-            if peers and ours is not None:
-                best = min(peers, key=lambda s: peers[s])
-                self.report.add(f"pd-router_{layout}_cpu_vs_best_peer", ours / peers[best], "x")
-                print(f"# {layout}: best peer {best}", file=sys.stderr)
+            peers = {s: c for (s, lay), c in self.cpu.items() if lay == layout and s not in ("pd-router", FLOOR)}
+            if not peers:
+                continue
+            best = min(peers, key=lambda s: peers[s])
+            print(f"# {layout}: best peer {best}", file=sys.stderr)
+            for system in ("pd-router", FLOOR):
+                cpu = self.cpu.get((system, layout))
+                if cpu is not None:
+                    self.report.add(f"{system}_{layout}_cpu_vs_best_peer", cpu / peers[best], "x")
 
 
 def main() -> None:
