@@ -32,7 +32,7 @@ class PackedTokenIds(tuple[int, ...]):
     @classmethod
     def of(cls, ids: Iterable[int], packed: bytes, largest: int) -> PackedTokenIds:
         """``ids`` with the bytes ``pack_token_ids`` makes of them and their largest id (the caller's word)."""
-        out = cls(ids)
+        out = tuple.__new__(cls, ids)  # as ``cls(ids)``, without a Python-level call on the way
         out.packed = packed
         out.largest = largest
         return out

