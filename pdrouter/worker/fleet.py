@@ -30,6 +30,7 @@ from dataclasses import replace
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.tracing import Tracing
 from pdrouter.state.client import RedisClient
+from pdrouter.state.pipelined import PipelinedRedis
 from pdrouter.worker.config import WorkerConfig
 from pdrouter.worker.presence import WORKER_REDIS_CONNECTIONS, connect_redis
 from pdrouter.worker.process import WorkerProcess
@@ -131,6 +132,7 @@ class Fleet:
         self.start_concurrency = max(1, start_concurrency)
         self.tracing = tracing
         self.redis: RedisClient | None = None
+        self.pipelined: PipelinedRedis | None = None
         self.workers: list[WorkerProcess] = []
         self._stopping: dict[str, asyncio.Future[None]] = {}
         self._stopped = asyncio.Event()
@@ -157,9 +159,11 @@ class Fleet:
                 ThreadPoolExecutor(max_workers=self.executor_threads, thread_name_prefix="fleet"))
         if self.redis_url:
             self.redis = await connect_redis(self.redis_url, max_connections=self.redis_connections)
+            self.pipelined = PipelinedRedis.of(self.redis)  # the block publishers' writes, shared
         n = len(self.configs)  # the workers take turns sweeping the index: about one sweep a second
         self.workers = [WorkerProcess(c, self.build_role, redis=self.redis, sweep_turn=(i, n), tracing=self.tracing,
-                                      shared_tracing=True) for i, c in enumerate(self.configs)]
+                                      shared_tracing=True, pipelined=self.pipelined)
+                        for i, c in enumerate(self.configs)]
         gate = asyncio.Semaphore(self.start_concurrency)
 
         async def start_one(worker: WorkerProcess) -> None:
@@ -200,6 +204,9 @@ class Fleet:
     async def stop(self) -> None:
         """Stop every worker at once (each deregisters), then close the shared Redis client."""
         await asyncio.gather(*(self.stop_worker(w.config.worker_id) for w in self.workers))
+        if self.pipelined is not None:
+            await self.pipelined.aclose()
+            self.pipelined = None
         if self.redis is not None:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()

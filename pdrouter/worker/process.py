@@ -42,6 +42,7 @@ from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.engine.sim.config import SimEngineConfig
 from pdrouter.engine.vllm.config import VllmEngineConfig
 from pdrouter.state.client import RedisClient
+from pdrouter.state.pipelined import PipelinedRedis
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.registry import WorkerRegistry
 from pdrouter.transfer.vllm.host import ConnectorHost
@@ -75,8 +76,10 @@ class WorkerProcess:
 
     def __init__(self, config: WorkerConfig, build_role: RoleFactory, redis: RedisClient | None = None,
                  sweep_turn: tuple[int, int] = (0, 1), tracing: Tracing | None = None,
-                 shared_tracing: bool = False) -> None:
+                 shared_tracing: bool = False, pipelined: PipelinedRedis | None = None) -> None:
         self.config = config
+        self._shared_pipelined = pipelined
+        self._pipelined: PipelinedRedis | None = None
         self.tracing = tracing
         self._shared_tracing = shared_tracing
         self.build_role = build_role
@@ -118,7 +121,12 @@ class WorkerProcess:
             shared = self._shared_redis
             self.redis = shared if shared is not None else await connect_redis(cfg.redis_url)
             self.registry = WorkerRegistry(self.redis, pool_name, heartbeat_ttl_ms=cfg.heartbeat_ttl_ms)
-            self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms))
+            # The block publisher's writes go over one pipelined connection (half the CPU of redis-py's
+            # pipeline per flush, ``docs/benchmarks.md``); a fleet's workers share the fleet's.
+            if shared is None:
+                self._pipelined = PipelinedRedis.of(self.redis)
+            self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms),
+                                     pipelined=self._pipelined if shared is None else self._shared_pipelined)
             self.epoch = await self.registry.new_epoch()
             self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
         else:
@@ -248,6 +256,8 @@ class WorkerProcess:
             await self.engine.close()
         if self.connector is not None:
             await self.connector.close()
+        if self._pipelined is not None:
+            await self._pipelined.aclose()
         if self.redis is not None and self.redis is not self._shared_redis:
             with contextlib.suppress(Exception):
                 await self.redis.aclose()

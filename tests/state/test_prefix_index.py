@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from pdrouter.core.hashing import hash_blocks
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
+from pdrouter.state.pipelined import PipelinedRedis
 from pdrouter.state.prefix_index import DROP_BATCH, SCRIPT_BATCH, PrefixIndex
 from pdrouter.worker.block_publisher import RedisBlockPublisher
 
@@ -27,9 +28,15 @@ async def client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await c.aclose()
 
 
-@pytest.fixture
-async def index(client: aioredis.Redis) -> PrefixIndex:
-    return PrefixIndex(client, pool="tiny", ttl_ms=400)
+@pytest.fixture(params=["client", "pipelined"])
+async def index(client: aioredis.Redis, request: pytest.FixtureRequest) -> AsyncIterator[PrefixIndex]:
+    """The index over the client's own path, and over a pipelined connection (a worker's writes, a
+    router's lookups)."""
+    pipe = PipelinedRedis.of(client) if request.param == "pipelined" else None
+    assert request.param == "client" or pipe is not None
+    yield PrefixIndex(client, pool="tiny", ttl_ms=400, pipelined=pipe)
+    if pipe is not None:
+        await pipe.aclose()
 
 
 async def holders(client: aioredis.Redis, index: PrefixIndex, block: BlockHash) -> set[tuple[str, int]]:
