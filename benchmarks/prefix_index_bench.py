@@ -5,6 +5,11 @@ holds the whole prompt (full hit) and once when none holds any of it (miss). Tar
 <= 4 × the PING round trip measured by the same client in the same run. Also prints the lookups
 per second one router sustains with 32 concurrent lookups.
 
+A worker's writes: ``flush_cpu_*`` is the CPU this process spends on one block publisher's flush of
+720 events (360 blocks stored, the 360 of the flush before removed: about 30 requests of a 2,200-token
+prompt with a shared prefix), through redis-py's pipeline (``client``) and through the pipelined
+connection workers use (``pipelined``), the two in turns.
+
     python benchmarks/prefix_index_bench.py [--quick] [--json]
 """
 
@@ -22,6 +27,7 @@ from _report import Report, base_parser
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.state.embedded_redis import EmbeddedRedis
+from pdrouter.state.pipelined import PipelinedRedis
 from pdrouter.state.prefix_index import PrefixIndex
 
 WORKERS = [(WorkerId(f"prefill-{i}"), Epoch(1)) for i in range(16)]
@@ -41,6 +47,26 @@ async def timed(fn: Callable[[], Awaitable[object]], n: int) -> list[float]:
 def p(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def flushes(client: aioredis.Redis, rng: random.Random, rounds: int) -> dict[str, float]:
+    """CPU seconds of this process per flush of 720 events, by path (see the module docstring)."""
+    pipe = PipelinedRedis.of(client)
+    assert pipe is not None
+    paths = {"client": PrefixIndex(client, "bench-writes", ttl_ms=600_000),
+             "pipelined": PrefixIndex(client, "bench-writes", ttl_ms=600_000, pipelined=pipe)}
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    stored: dict[str, list[bytes]] = {name: [] for name in paths}
+    for i in range(rounds):
+        for name in (list(paths) if i % 2 == 0 else list(reversed(paths))):
+            new = [rng.randbytes(16) for _ in range(360)]
+            events = [(True, new), (False, stored[name])] if stored[name] else [(True, new)]
+            start = time.process_time()
+            await paths[name].apply(f"writer-{name}", 1, events)
+            cpu[name].append(time.process_time() - start)
+            stored[name] = new
+    await pipe.aclose()
+    return {name: statistics.median(samples[1:]) for name, samples in cpu.items()}
 
 
 async def main_async() -> None:
@@ -72,6 +98,7 @@ async def main_async() -> None:
         start = time.perf_counter()
         await asyncio.gather(*(worker(total // 32) for _ in range(32)))
         throughput = (total // 32 * 32) / (time.perf_counter() - start)
+        flush_cpu = await flushes(client, rng, 60 if args.quick else 300)
         await client.aclose()
     ping50 = statistics.median(ping)
     report.add("ping_p50", ping50 * 1e6, "us")
@@ -84,6 +111,9 @@ async def main_async() -> None:
     report.add("lookup_throughput_c32", throughput, "lookups/s")
     report.add("target_met", int(statistics.median(full) <= 4 * ping50 and statistics.median(miss) <= 4 * ping50),
                "bool")
+    for path, seconds in flush_cpu.items():
+        report.add(f"flush_cpu_{path}", seconds * 1e6, "us/flush")
+    report.add("flush_cpu_pipelined_vs_client", flush_cpu["pipelined"] / flush_cpu["client"], "x")
     report.emit(args.json)
 
 
