@@ -24,6 +24,7 @@ import itertools
 import json
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -194,15 +195,20 @@ class Connection(asyncio.Protocol):
             transport.close()
 
 
-async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None) -> None:
-    worker = Worker(role, tokens, port, bootstrap_port)
+async def serve_until_stopped(protocol: Callable[[], asyncio.Protocol], port: int) -> None:
+    """Serve ``protocol`` on 127.0.0.1:``port`` until SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Connection(worker), "127.0.0.1", port, backlog=1024)
+    server = await loop.create_server(protocol, "127.0.0.1", port, backlog=1024)
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with server:
         await stop.wait()
+
+
+async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None) -> None:
+    worker = Worker(role, tokens, port, bootstrap_port)
+    await serve_until_stopped(lambda: Connection(worker), port)
 
 
 def main() -> None:

@@ -20,12 +20,12 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import signal
 from collections import deque
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
+from _instant_worker import serve_until_stopped
 
 from pdrouter.cli.serve import event_loop_factory
 
@@ -153,13 +153,7 @@ class Relay:
 
 async def serve(args: argparse.Namespace) -> None:
     relay = Relay(args.workers, args.prefill, args.decode)
-    loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Downstream(relay), "127.0.0.1", args.port)
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    async with server:
-        await stop.wait()
+    await serve_until_stopped(lambda: Downstream(relay), args.port)
 
 
 def main() -> None:
