@@ -34,10 +34,12 @@ Per system and layout:
   ``python-relay_<layout>_cpu_vs_best_peer`` the floor's.
 
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
-                                      [--systems pd-router,sglang-router,vllm-router,smg,python-relay]
+                                      [--systems pd-router,sglang-router,vllm-router,smg,python-relay] [--pin]
                                       [--layouts cache_aware,pd] [--seconds 8] [--pair-seconds 4]
 
-``--quick`` runs pd-router's PD row only, with short phases (under 30 s).
+``--quick`` runs pd-router's PD row only, with short phases (under 30 s). ``--pin`` puts each router (all
+its threads) alone on CPU 0 and everything else, its workers, Redis and the load generator, on CPU 1,
+so that a router's figure does not depend on what shares its core.
 """
 
 from __future__ import annotations
@@ -123,6 +125,15 @@ def tree_cpu(pids: list[int]) -> float:
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
     return total
+
+
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of each process in ``pids`` onto ``cpus`` (threads started later inherit it)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    os.sched_setaffinity(int(tid), cpus)
 
 
 class Processes:
@@ -333,6 +344,13 @@ class Bench:
         name = f"{row.system}_{row.layout}"
         client = HttpCompletions("127.0.0.1", row.port, row.model, [], TOKENS, False, prompts=prompts(self.seed))
         self.seed += 1
+        everything = os.sched_getaffinity(0)
+        if self.args.pin:  # the router on a core of its own; its workers, Redis and this load generator on the other
+            if not {0, 1} <= everything:
+                raise SystemExit(f"--pin needs CPUs 0 and 1; this process may use {sorted(everything)}")
+            router = [p for pid in row.watched["router"] for p in descendants(pid)]
+            pin([p for p in descendants(os.getpid()) if p not in router], {1})
+            pin(router, {0})
         try:
             await closed_loop(client, self.args.warmup_seconds, {})  # warm connections, caches, pools
             loop = await closed_loop(client, self.args.seconds, row.watched)
@@ -350,6 +368,8 @@ class Bench:
             self.report.add(f"{name}_added_p50", (quantile(via, 0.5) - quantile(straight, 0.5)) * 1e3, "ms")
             self.report.add(f"{name}_added_p99", (quantile(via, 0.99) - quantile(straight, 0.99)) * 1e3, "ms")
         finally:
+            if self.args.pin:
+                pin(descendants(os.getpid()), everything)
             await client.close()
 
     async def row(self, system: str, layout: str, direct: HttpCompletions) -> None:
@@ -418,6 +438,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds at concurrency 32")
     parser.add_argument("--pair-seconds", type=float, default=4.0, help="seconds of the paired concurrency-1 run")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each row")
+    parser.add_argument("--pin", action="store_true",
+                        help="the router alone on CPU 0, its workers, Redis and the load generator on CPU 1")
     args = parser.parse_args()
     if args.quick:
         args.systems, args.layouts, args.seconds, args.pair_seconds, args.warmup_seconds = "pd-router", "pd", 3, 2, 1
