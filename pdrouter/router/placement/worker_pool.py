@@ -48,6 +48,13 @@ class WorkerHandle:
     inflight_prefill_by_priority: dict[int, int] = field(default_factory=dict)
     """``inflight_prefill_tokens`` by the prompts' engine priorities."""
     assigned_tokens: int = 0
+    worker_id: WorkerId = field(init=False)
+    """The record's, kept as a plain attribute: placement reads it several times per candidate."""
+    role: WorkerRole = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.worker_id = self.record.worker_id  # the record of an incarnation never changes
+        self.role = self.record.role
 
     @property
     def schedules_by_priority(self) -> bool:
@@ -81,13 +88,6 @@ class WorkerHandle:
     async def close(self) -> None:
         await self.client.close()
 
-    @property
-    def worker_id(self) -> WorkerId:
-        return self.record.worker_id
-
-    @property
-    def role(self) -> WorkerRole:
-        return self.record.role
 
 
 class WorkerPool:
