@@ -116,7 +116,7 @@ def test_the_hot_path_metrics_expose_what_stock_prometheus_metrics_would() -> No
     metrics = RouterMetrics()
     door = FrontdoorMetrics(metrics, "http")
     assert isinstance(door.ttft, _FastHistogram) and door.ttft.observe.__name__ == "_observe"
-    assert isinstance(door.in_flight._value, _PlainValue)
+    assert isinstance(door.in_flight.inc.__self__, _PlainValue)  # bound to the plain value itself
     reference = CollectorRegistry()
     buckets = list(metrics.ttft_seconds._upper_bounds)
     ttft = Histogram("pdrouter_time_to_first_token_seconds", metrics.ttft_seconds._documentation, ["frontdoor"],
