@@ -85,7 +85,11 @@ class _ByteStreamDecoder:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def push(self, token_ids: Sequence[int]) -> str:
-        return self._decoder.decode(bytes(t for t in token_ids if 0 <= t < 256))
+        try:
+            data = bytes(token_ids)  # every id a byte: one C call
+        except (ValueError, TypeError):  # a special token (or an id out of range) among them: skipped
+            data = bytes(t for t in token_ids if 0 <= t < 256)
+        return self._decoder.decode(data)
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
@@ -143,9 +147,8 @@ class ByteTokenizer:
         return self._specials[name]
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
         bos = self.bos_token_id
-        return [bos, *ids] if add_bos and bos is not None else ids
+        return [bos, *text.encode("utf-8")] if add_bos and bos is not None else list(text.encode("utf-8"))
 
     def encode_chat(self, text: str) -> list[int]:
         if self._special_re is None:
