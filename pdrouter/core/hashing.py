@@ -17,6 +17,7 @@ salt can give a root equal to any block's hash.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Sequence
 
@@ -79,7 +80,8 @@ class BlockHasher:
     blocks it shares with it, found by comparing bytes (a binary search over whole blocks), and
     hashes only the rest: 6 µs for the same prompt after another with its prefix. The hashes are a
     function of the bytes, so a reused one is the one hashing would give. Safe to share between
-    threads: every entry is one immutable tuple, replaced whole.
+    threads: every entry is one immutable tuple, replaced whole, and a start another thread dropped
+    first is simply gone.
     """
 
     __slots__ = ("_memo", "_root", "block_size", "seed")
@@ -127,7 +129,8 @@ class BlockHasher:
         if entry is None:
             hashes = self._chain(prev, data, 0, blocks)
             if len(memo) >= MEMO_ENTRIES:
-                del memo[next(iter(memo))]
+                with contextlib.suppress(StopIteration, RuntimeError):  # another thread emptied or changed it
+                    memo.pop(next(iter(memo)), None)
         else:
             known, known_hashes = entry
             same = min(len(known), blocks * step) // step  # at most this many blocks are shared
@@ -143,7 +146,7 @@ class BlockHasher:
             hashes = list(known_hashes[:same])
             if same < blocks:
                 hashes += self._chain(hashes[-1], data, same, blocks)
-            del memo[key]  # re-inserted last: the oldest start goes first
+            memo.pop(key, None)  # re-inserted last: the oldest start goes first
         kept = min(blocks, MEMO_MAX_BLOCKS)
         memo[key] = (data[:kept * step], tuple(hashes[:kept]))
         return hashes

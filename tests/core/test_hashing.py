@@ -146,3 +146,40 @@ def test_a_salted_prompt_never_reuses_an_unsalted_ones_hashes() -> None:
     salted = hasher.hash_packed(data, hasher.salted_root(b"s"))
     assert not set(plain) & set(salted)
     assert hasher.hash_packed(data) == plain
+
+
+def test_threads_sharing_a_hasher_get_the_hashes_hashing_gives() -> None:
+    import random
+    import threading
+
+    from pdrouter.core.hashing import MEMO_ENTRIES
+
+    hasher = BlockHasher(block_size=16)
+    rng = random.Random(9)
+    prompts = [pack_token_ids([rng.randrange(30) for _ in range(16 * rng.randrange(4, 40))])
+               for _ in range(MEMO_ENTRIES * 3)]
+    expected = {p: _chained(p, hasher.root) for p in prompts}
+    errors: list[BaseException] = []
+
+    def hash_many(seed: int) -> None:
+        order = random.Random(seed)
+        try:
+            for _ in range(1_500):
+                prompt = order.choice(prompts)
+                assert hasher.hash_packed(prompt) == expected[prompt]
+        except BaseException as exc:  # reported below, on the test's thread
+            errors.append(exc)
+
+    import sys
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter lets them: races show
+    try:
+        threads = [threading.Thread(target=hash_many, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
