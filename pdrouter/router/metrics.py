@@ -113,21 +113,23 @@ def _unlocked(child: Any) -> Any:
 
 
 class _FastCount:
-    """``inc`` (and a gauge's ``dec``) of a child whose value ``_unlocked`` made plain, bound straight
-    to that value: prometheus_client's own ``inc`` checks each amount and its exemplar first, about a
-    microsecond a call, and the router calls five of them per request. The amounts here are never
-    negative (token counts, one request); a child whose value is not plain keeps its own methods."""
+    """``inc`` (and a gauge's ``dec``) of a labelled counter or gauge, made lock-free (``_unlocked``) and
+    bound straight to its value: prometheus_client's own ``inc`` checks each amount and its exemplar
+    first, about a microsecond a call, and the router calls five of them per request. The amounts
+    here are never negative (token counts, one request); a child whose value could not be made plain
+    keeps its own methods. A counter has no ``dec``, as in prometheus_client."""
 
     __slots__ = ("dec", "inc")
+    inc: Callable[..., None]
+    dec: Callable[..., None]
 
     def __init__(self, child: Any) -> None:
-        value = getattr(child, "_value", None)
-        if type(value) is _PlainValue:
-            self.inc: Callable[..., None] = value.inc
-            self.dec: Callable[..., None] = functools.partial(value.inc, -1.0)
-        else:
-            self.inc = child.inc
-            self.dec = getattr(child, "dec", child.inc)
+        child = _unlocked(child)
+        value: Any = getattr(child, "_value", None)
+        plain = type(value) is _PlainValue
+        self.inc = value.inc if plain else child.inc
+        if hasattr(child, "dec"):
+            self.dec = functools.partial(value.inc, -1.0) if plain else child.dec
 
 
 class _FastHistogram:
@@ -155,10 +157,10 @@ class FrontdoorMetrics:
         self.ttft = _FastHistogram(_unlocked(metrics.ttft_seconds.labels(frontdoor)))
         self.itl = _FastHistogram(_unlocked(metrics.inter_token_latency_seconds.labels(frontdoor)))
         self.e2e = _FastHistogram(_unlocked(metrics.request_duration_seconds.labels(frontdoor)))
-        self.in_flight = _FastCount(_unlocked(metrics.requests_in_flight.labels(frontdoor)))
-        self.prompt_tokens = _FastCount(_unlocked(metrics.prompt_tokens_total.labels(frontdoor)))
-        self.generation_tokens = _FastCount(_unlocked(metrics.generation_tokens_total.labels(frontdoor)))
-        self._outcomes = {o: _FastCount(_unlocked(metrics.requests_total.labels(frontdoor, o))) for o in OUTCOMES}
+        self.in_flight = _FastCount(metrics.requests_in_flight.labels(frontdoor))
+        self.prompt_tokens = _FastCount(metrics.prompt_tokens_total.labels(frontdoor))
+        self.generation_tokens = _FastCount(metrics.generation_tokens_total.labels(frontdoor))
+        self._outcomes = {o: _FastCount(metrics.requests_total.labels(frontdoor, o)) for o in OUTCOMES}
 
     def finished(self, exc: BaseException | None, duration_s: float) -> None:
         """Count one finished request by outcome and, when it succeeded, observe its latency."""
@@ -201,12 +203,12 @@ class TenantCounts:
                  "past_share", "prompt_tokens", "queue_wait")
 
     def __init__(self, metrics: TenantFamilies, tenant: str) -> None:
-        self._outcomes = {o: _FastCount(_unlocked(metrics.tenant_requests_total.labels(tenant, o))) for o in OUTCOMES}
+        self._outcomes = {o: _FastCount(metrics.tenant_requests_total.labels(tenant, o)) for o in OUTCOMES}
         self._rejections_family = metrics.tenant_rejections_total
         self._rejections: dict[str, Any] = {}
-        self.prompt_tokens = _FastCount(_unlocked(metrics.tenant_prompt_tokens_total.labels(tenant)))
-        self.generation_tokens = _FastCount(_unlocked(metrics.tenant_generation_tokens_total.labels(tenant)))
-        self.in_flight = _FastCount(_unlocked(metrics.tenant_requests_in_flight.labels(tenant)))
+        self.prompt_tokens = _FastCount(metrics.tenant_prompt_tokens_total.labels(tenant))
+        self.generation_tokens = _FastCount(metrics.tenant_generation_tokens_total.labels(tenant))
+        self.in_flight = _FastCount(metrics.tenant_requests_in_flight.labels(tenant))
         self.queue_wait = _FastHistogram(_unlocked(metrics.tenant_queue_wait_seconds.labels(tenant)))
         self.past_share = _unlocked(metrics.tenant_past_share_total.labels(tenant))
         self._tenant = tenant

@@ -200,6 +200,22 @@ class PipelinedRedis:
             await self.load(script)
             return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
 
+    async def evalsha_all(self, script: Any, num_keys: int, calls: Sequence[Sequence[Any]]) -> list[Any]:
+        """``evalsha`` once per argument list (its keys first), written at once and in order, their
+        replies in order. When Redis had lost the script, it is loaded and every call sent again:
+        for idempotent calls only (a partly applied batch is applied again)."""
+        for attempt in (1, 2):
+            replies = await asyncio.gather(*[self.call("EVALSHA", script.sha, num_keys, *args) for args in calls],
+                                           return_exceptions=True)
+            failed = [r for r in replies if isinstance(r, BaseException)]
+            if not failed:
+                return replies
+            others = [r for r in failed if not isinstance(r, NoScriptError)]
+            if others or attempt == 2:
+                raise (others or failed)[0]
+            await self.load(script)
+        raise AssertionError("unreachable")
+
     async def load(self, script: Any) -> None:
         """``SCRIPT LOAD`` a registered script (after a ``NOSCRIPT`` reply to its hash)."""
         sha = await self.call("SCRIPT", "LOAD", script.script)

@@ -506,8 +506,8 @@ class PrefixIndex:
     # -- helpers ----------------------------------------------------------------------------
     async def _run_batch(self, script: Any, num_keys: int, calls: list[list[Any]]) -> list[Any]:
         """Run ``script`` once per argument list (keys first), pipelined when more than one."""
-        if self._pipe is not None:
-            return await self._run_pipelined(script, num_keys, calls)
+        if self._pipe is not None:  # the writes are idempotent and in order: resent whole after a NOSCRIPT
+            return await self._pipe.evalsha_all(script, num_keys, calls)
         if len(calls) == 1:
             return [await script(keys=calls[0][:num_keys], args=calls[0][num_keys:])]
 
@@ -520,25 +520,6 @@ class PrefixIndex:
                 return list(await pipe.execute())
 
         return await _loading(self._r, script, send)
-
-
-    async def _run_pipelined(self, script: Any, num_keys: int, calls: list[list[Any]]) -> list[Any]:
-        """``_run_batch`` over the pipelined connection: the calls written at once, in order, and their
-        replies awaited; all sent again once Redis has the script back, when it had lost it (the
-        writes are idempotent and in order)."""
-        pipe = self._pipe
-        assert pipe is not None
-        for attempt in (1, 2):
-            replies = await asyncio.gather(*[pipe.call("EVALSHA", script.sha, num_keys, *call) for call in calls],
-                                           return_exceptions=True)
-            failed = [r for r in replies if isinstance(r, BaseException)]
-            if not failed:
-                return replies
-            others = [r for r in failed if not isinstance(r, NoScriptError)]
-            if others or attempt == 2:
-                raise (others or failed)[0]
-            await pipe.load(script)
-        raise AssertionError("unreachable")
 
 
 class PendingLookup:

@@ -89,7 +89,6 @@ class WorkerHandle:
         await self.client.close()
 
 
-
 class WorkerPool:
     """The set of workers serving one model."""
 
