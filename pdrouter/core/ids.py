@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import secrets
+import os
+from collections import deque
 from typing import NewType
 
 WorkerId = NewType("WorkerId", str)
@@ -19,12 +20,33 @@ Epoch = NewType("Epoch", int)
 """A worker process incarnation; a restart takes a new, larger epoch."""
 
 
+_ID_BATCH = 256
+"""Ids drawn from the kernel at once (16 random bytes each)."""
+_ids: deque[str] = deque()
+
+
 def new_request_id() -> RequestId:
     """A fresh request id: ``req-`` + 32 hex digits, 128 bits from the kernel's random source.
 
     Workers key live requests by this id, and a client sees its own (``x-request-id``, the response
-    ids). Each one is drawn alone, so knowing any number of them tells nothing of the next: no
-    client can name another's request. (About 1 µs an id, as much as the router spends on a
-    few dictionary updates.)
+    ids). Each one is 16 bytes of its own from ``os.urandom``, so knowing any number of them tells
+    nothing of the next: no client can name another's request. The bytes are drawn for 256 ids at
+    a time (one system call instead of one an id: the call had been 2 % of the router's CPU a
+    request); a forked child drops what its parent had drawn. Safe from any thread: ``popleft``
+    and ``extend`` are atomic, and two threads that both find the batch empty draw two batches.
     """
-    return RequestId("req-" + secrets.token_hex(16))
+    try:
+        return RequestId(_ids.popleft())
+    except IndexError:
+        return RequestId(_draw())
+
+
+def _draw() -> str:
+    digits = os.urandom(16 * _ID_BATCH).hex()
+    batch = ["req-" + digits[at:at + 32] for at in range(0, len(digits), 32)]
+    first = batch.pop()
+    _ids.extend(batch)
+    return first
+
+
+os.register_at_fork(after_in_child=_ids.clear)

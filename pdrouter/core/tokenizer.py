@@ -48,6 +48,7 @@ from pdrouter.core.tokenizer_base import (
     dict_messages,
     read_json,
 )
+from pdrouter.core.tokens import PackedTokenIds, packed_byte_ids
 
 __all__ = ["BYTE_CHAT_TEMPLATE", "BYTE_TOKENIZER_FILE", "GENERATION_CONFIG_FILE", "HF_TOKENIZER_FILE",
            "SPECIAL_TOKENS", "SPECIAL_TOKEN_NAMES", "TOKENIZER_CONFIG_FILE", "ByteTokenizer", "StreamDecoder",
@@ -149,6 +150,11 @@ class ByteTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         bos = self.bos_token_id
         return [bos, *text.encode("utf-8")] if add_bos and bos is not None else list(text.encode("utf-8"))
+
+    def encode_packed(self, text: str, add_bos: bool = True) -> PackedTokenIds:
+        """``encode``'s ids as a tuple that also holds them packed (what the router sends a worker and
+        hashes), made from the text's bytes at once."""
+        return packed_byte_ids(text.encode("utf-8"), self.bos_token_id if add_bos else None)
 
     def encode_chat(self, text: str) -> list[int]:
         if self._special_re is None:

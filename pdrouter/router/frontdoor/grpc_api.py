@@ -38,6 +38,7 @@ from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant, Tenants
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.core.tokens import PackedTokenIds
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
@@ -82,7 +83,7 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     which = msg.WhichOneof("prompt")
     ids: Sequence[int]
     if which == "text":
-        ids = served.tokenizer.encode(msg.text)
+        ids = served.encode_prompt(msg.text)
     elif which == "token_ids":
         ids = tuple(msg.token_ids.ids)
         served.check_token_ids(ids, "token_ids")
@@ -94,10 +95,11 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
     sampling = sampling_params(s, max_tokens)
     salt = check_cache_salt(msg.cache_salt or None, "cache_salt")
+    prompt = ids if type(ids) is PackedTokenIds else tuple(ids)
     if tenant is None and salt is None:
-        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline,
+        return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline,
                              label=msg.request_id or None)
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, label=msg.request_id or None,
+    return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline, label=msg.request_id or None,
                          tenant=tenant, priority=0 if tenant is None else tenant.priority,
                          cache_salt=cache_salt_key(None if tenant is None else tenant.salt_scope, salt))
 

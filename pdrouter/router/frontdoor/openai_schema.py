@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from pdrouter.core.hashing import MAX_CACHE_SALT_CHARS, cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import MAX_TOP_K, SamplingParams
 from pdrouter.core.tenants import Tenant
+from pdrouter.core.tokens import PackedTokenIds
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ServedModel
 from pdrouter.router.request import RouterRequest
 
@@ -404,11 +406,11 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
     streamed and has no stop strings is ``whole``: taken in one piece, with no stop string to watch
     token by token, its worker sends the tokens at once (the same output, one message instead of
     one a token)."""
-    tokenizer = served.tokenizer
+    ids: Sequence[int]
     if req.chat:
         ids = served.chat_prompt(req.messages, req.chat_options)
     elif isinstance(req.prompt, str):
-        ids = tokenizer.encode(req.prompt)
+        ids = served.encode_prompt(req.prompt)
     else:
         served.check_token_ids(req.prompt, "prompt")
         ids = list(req.prompt)
@@ -426,9 +428,10 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
         field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
         raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
     whole = not req.stream and not req.stop
+    prompt = ids if type(ids) is PackedTokenIds else tuple(ids)
     if tenant is None and req.cache_salt is None:
-        return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, whole=whole, label=label)
-    return RouterRequest(new_request_id(), served.name, tuple(ids), sampling, deadline, whole=whole, label=label,
+        return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline, whole=whole, label=label)
+    return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline, whole=whole, label=label,
                          tenant=tenant,
                          priority=0 if tenant is None else tenant.priority,
                          cache_salt=cache_salt_key(None if tenant is None else tenant.salt_scope, req.cache_salt))
