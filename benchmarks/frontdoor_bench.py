@@ -66,7 +66,7 @@ import uvicorn
 from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 
-from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, tune_allocator
+from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, space_young_collections, tune_allocator
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app
@@ -125,6 +125,7 @@ async def serve() -> None:
     dispatcher.requests = _Discard[RouterRequest]()
     dispatcher.completed = _Discard[str]()
     freeze_startup_heap()  # as every pdrouter server process does after start-up
+    space_young_collections()
     addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
                  "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,
                  "event_loop": type(loop).__module__.split(".")[0]}

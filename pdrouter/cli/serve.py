@@ -69,6 +69,27 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+YOUNG_COLLECTION_THRESHOLD = 10_000
+"""Net container allocations between two collections of the youngest generation (CPython: 700)."""
+
+
+def space_young_collections() -> None:
+    """Collect the youngest generation after 10,000 net container allocations instead of 700.
+
+    A young collection walks every container allocated since the last one that is still alive: in
+    a router or worker under load, mostly the objects of the requests in flight (their prompt
+    tuples, coroutines, futures), which die within milliseconds by reference counting alone. At
+    700 a collection came every few dozen requests and walked the same in-flight objects again
+    each time: 5 % of the router's CPU on PD at C=32 (0.19 s of 3.9 s, 385 collections of about
+    270 µs), for almost nothing found (no cyclic garbage in a 2 s window under load). At 10,000
+    the collections are 14 times rarer and walk about five times as much each (1.4 ms): 0.02 s
+    in the same run. The older generations keep CPython's ratios (10, 10), so a full collection
+    comes as rarely relative to young ones as before.
+    """
+    _, older, oldest = gc.get_threshold()
+    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
+
+
 def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
     """Start ``service``, print ``ready_line()`` (the line ``local_cluster`` waits for), stop on a signal."""
     tune_allocator()
@@ -80,6 +101,7 @@ def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
             loop.add_signal_handler(sig, stop.set)
         await service.start()
         freeze_startup_heap()
+        space_young_collections()
         print(ready_line(), flush=True)
         await stop.wait()
         await service.stop()

@@ -1,4 +1,5 @@
-"""Long-lived processes freeze their start-up heap (``pdrouter.cli.serve.freeze_startup_heap``)."""
+"""Long-lived processes freeze their start-up heap (``pdrouter.cli.serve.freeze_startup_heap``) and
+space their young collections (``space_young_collections``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
+
+from pdrouter.cli.serve import YOUNG_COLLECTION_THRESHOLD
 
 CHILD = textwrap.dedent("""
     import gc
@@ -15,7 +18,7 @@ CHILD = textwrap.dedent("""
         async def start(self):
             self.model = [[i] for i in range(50_000)]  # what start-up builds and keeps
         async def stop(self):
-            print("stopped", gc.get_freeze_count() >= 50_000, flush=True)
+            print("stopped", gc.get_freeze_count() >= 50_000, gc.get_threshold()[0], flush=True)
 
     serve_until_signal(Service(), lambda: f"ready {gc.get_freeze_count()}")
 """)
@@ -28,4 +31,4 @@ def test_what_start_up_built_is_frozen_before_the_ready_line() -> None:
     assert ready[0] == "ready" and int(ready[1]) >= 50_000  # the service's objects and every module's
     child.send_signal(signal.SIGTERM)
     out, _ = child.communicate(timeout=30)
-    assert out.strip() == "stopped True" and child.returncode == 0
+    assert out.strip() == f"stopped True {YOUNG_COLLECTION_THRESHOLD}" and child.returncode == 0
