@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import uvicorn
@@ -306,3 +307,19 @@ async def test_each_entry_point_answers_the_same_bytes(parsed: Parsed, body: byt
     whole, pieces, general = (normalized(response) for response, _ in answers)
     assert whole == pieces == general
     assert whole.startswith(b"HTTP/1.1 400 " if body == b"{not json" else b"HTTP/1.1 200 OK\r\n")
+
+
+@pytest.mark.parametrize("name, value", [(b"x-a", b"1\r\nset-cookie: y"), (b"x-a", b"1\n"), (b"x\r", b"1"),
+                                         (b"x\nb", b"1")])
+def test_a_response_header_with_cr_or_lf_is_refused(name: bytes, value: bytes) -> None:
+    protocol = SimpleNamespace(flow=SimpleNamespace(write_paused=False, resume_reading=lambda: None),
+                               server_state=SimpleNamespace(default_headers=[]))
+
+    async def start(headers: list[tuple[bytes, bytes]]) -> FastCycle:
+        cycle = FastCycle(protocol, handler=None, keep_alive=True, body_limit=1 << 20)  # type: ignore[arg-type]
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": headers})
+        return cycle
+
+    assert asyncio.run(start([(b"x-a", b"1 2\t3")])).response_started
+    with pytest.raises(RuntimeError, match="invalid HTTP header"):
+        asyncio.run(start([(name, value)]))
