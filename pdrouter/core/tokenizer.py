@@ -48,7 +48,7 @@ from pdrouter.core.tokenizer_base import (
     dict_messages,
     read_json,
 )
-from pdrouter.core.tokens import PackedTokenIds, packed_byte_ids
+from pdrouter.core.tokens import PackedPrompt, packed_byte_ids
 
 __all__ = ["BYTE_CHAT_TEMPLATE", "BYTE_TOKENIZER_FILE", "GENERATION_CONFIG_FILE", "HF_TOKENIZER_FILE",
            "SPECIAL_TOKENS", "SPECIAL_TOKEN_NAMES", "TOKENIZER_CONFIG_FILE", "ByteTokenizer", "StreamDecoder",
@@ -151,9 +151,9 @@ class ByteTokenizer:
         bos = self.bos_token_id
         return [bos, *text.encode("utf-8")] if add_bos and bos is not None else list(text.encode("utf-8"))
 
-    def encode_packed(self, text: str, add_bos: bool = True) -> PackedTokenIds:
-        """``encode``'s ids as a tuple that also holds them packed (what the router sends a worker and
-        hashes), made from the text's bytes at once."""
+    def encode_packed(self, text: str, add_bos: bool = True) -> PackedPrompt:
+        """``encode``'s ids, packed (what the router sends a worker and hashes) from the text's bytes at
+        once; unpacked only if something reads them."""
         return packed_byte_ids(text.encode("utf-8"), self.bos_token_id if add_bos else None)
 
     def encode_chat(self, text: str) -> list[int]:

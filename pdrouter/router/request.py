@@ -6,7 +6,7 @@ Front doors (gRPC and OpenAI HTTP) validate and tokenize, build a ``RouterReques
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Protocol
@@ -27,7 +27,9 @@ class RouterRequest:
     """The router's own id (``pdrouter.core.ids.new_request_id``): the key of the request on every
     worker. Never the client's."""
     model: str
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
+    """The prompt's ids: a tuple, or for a byte-level tokenizer's text a ``PackedPrompt`` (packed, not
+    unpacked unless read)."""
     sampling: SamplingParams
     deadline: float | None = None
     """``time.monotonic()`` by which the request must finish (None: no deadline)."""

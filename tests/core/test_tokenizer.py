@@ -12,7 +12,7 @@ import pytest
 from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.hf_tokenizer import HfTokenizer
 from pdrouter.core.tokenizer import SPECIAL_TOKENS, ByteTokenizer, load_tokenizer
-from pdrouter.core.tokens import PackedTokenIds, pack_token_ids
+from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.wire.convert import unpack_token_ids
 
 
@@ -89,8 +89,9 @@ def test_byte_tokenizer_packed_encoding_equals_encode_then_pack() -> None:
         for add_bos in (True, False):
             plain = tok.encode(text, add_bos=add_bos)
             packed = tok.encode_packed(text, add_bos=add_bos)
-            assert type(packed) is PackedTokenIds
+            assert type(packed) is PackedPrompt
             assert list(packed) == plain
             assert packed.packed == pack_token_ids(plain)
             assert packed.largest == max(plain, default=-1)
-            assert unpack_token_ids(packed.packed) == packed
+            assert unpack_token_ids(packed.packed) == packed == tuple(plain) and hash(packed) == hash(tuple(plain))
+            assert packed[1:3] == tuple(plain[1:3]) and len(packed) == len(plain)

@@ -38,7 +38,7 @@ from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant, Tenants
 from pdrouter.core.tokenizer import Tokenizer
-from pdrouter.core.tokens import PackedTokenIds
+from pdrouter.core.tokens import PackedPrompt, PackedTokenIds
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
@@ -95,7 +95,7 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
     sampling = sampling_params(s, max_tokens)
     salt = check_cache_salt(msg.cache_salt or None, "cache_salt")
-    prompt = ids if type(ids) is PackedTokenIds else tuple(ids)
+    prompt = ids if type(ids) is PackedPrompt or type(ids) is PackedTokenIds else tuple(ids)
     if tenant is None and salt is None:
         return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline,
                              label=msg.request_id or None)
