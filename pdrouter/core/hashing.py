@@ -134,21 +134,27 @@ class BlockHasher:
         else:
             known, known_hashes = entry
             same = min(len(known), blocks * step) // step  # at most this many blocks are shared
-            if data[:same * step] != known[:same * step]:  # where they part: a search over whole blocks
-                low, high = MEMO_KEY_BLOCKS, same - 1  # the key's blocks are shared; block `same` is not
-                while low < high:
-                    middle = (low + high + 1) // 2
-                    if data[:middle * step] == known[:middle * step]:
-                        low = middle
-                    else:
-                        high = middle - 1
-                same = low
+            # Compared through a view: ``known.startswith`` reads the prefix in place, where slices of
+            # both would copy up to 16 KiB for each of the search's steps.
+            with memoryview(data) as view:
+                if not known.startswith(view[:same * step]):  # where they part: a search over whole blocks
+                    low, high = MEMO_KEY_BLOCKS, same - 1  # the key's blocks are shared; block `same` is not
+                    while low < high:
+                        middle = (low + high + 1) // 2
+                        if known.startswith(view[:middle * step]):
+                            low = middle
+                        else:
+                            high = middle - 1
+                    same = low
             hashes = list(known_hashes[:same])
             if same < blocks:
                 hashes += self._chain(hashes[-1], data, same, blocks)
             memo.pop(key, None)  # re-inserted last: the oldest start goes first
         kept = min(blocks, MEMO_MAX_BLOCKS)
-        memo[key] = (data[:kept * step], tuple(hashes[:kept]))
+        # The prompt itself when it is immutable and has no more than the kept blocks (a partial last
+        # block is never compared): no copy of it.
+        whole = type(data) is bytes and len(data) < (kept + 1) * step
+        memo[key] = (data if whole else bytes(data[:kept * step]), tuple(hashes[:kept]))
         return hashes
 
     def _chain(self, prev: bytes, data: bytes, first: int, last: int) -> list[BlockHash]:

@@ -163,23 +163,42 @@ class _Frames:
         """The largest body accepted: a header announcing more raises ``ValueError`` before it is buffered."""
 
     def feed(self, data: bytes) -> list[tuple[int, int, int, int, bytes]]:
-        """Append ``data``; the complete frames so far as (stream, kind, arg, timeout_ms, body)."""
+        """Append ``data``; the complete frames so far as (stream, kind, arg, timeout_ms, body).
+
+        With nothing held from earlier reads (a read of whole frames, the usual case) the bodies are
+        cut from ``data`` itself, one copy each, and only a trailing partial frame is kept; else
+        from the buffer, through a view (a bytearray's slice would be a second copy).
+        """
         buf = self._buf
-        buf += data
+        held = bool(buf)
+        if held:
+            buf += data
+        source = buf if held else data
+        view = None if type(source) is bytes else memoryview(source)
         frames = []
-        pos, size = 0, len(buf)
-        while size - pos >= HEADER.size:
-            length, stream, kind, arg, _, timeout_ms = HEADER.unpack_from(buf, pos)
-            if length > self.max_body:
-                del buf[:]
-                raise ValueError(f"lane frame of {length} bytes exceeds the {self.max_body}-byte limit")
-            end = pos + HEADER.size + length
-            if end > size:
-                break
-            frames.append((stream, kind, arg, timeout_ms, bytes(buf[pos + HEADER.size:end])))
-            pos = end
-        if pos:
-            del buf[:pos]
+        pos, size = 0, len(source)
+        try:
+            while size - pos >= HEADER.size:
+                length, stream, kind, arg, _, timeout_ms = HEADER.unpack_from(source, pos)
+                if length > self.max_body:
+                    if view is not None:
+                        view.release()
+                    del buf[:]
+                    raise ValueError(f"lane frame of {length} bytes exceeds the {self.max_body}-byte limit")
+                end = pos + HEADER.size + length
+                if end > size:
+                    break
+                body = data[pos + HEADER.size:end] if view is None else bytes(view[pos + HEADER.size:end])
+                frames.append((stream, kind, arg, timeout_ms, body))
+                pos = end
+        finally:
+            if view is not None:
+                view.release()
+        if held:
+            if pos:
+                del buf[:pos]
+        elif pos < size:
+            buf += data[pos:] if pos else data
         return frames
 
 
