@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from pdrouter.core.hashing import BlockHasher, hash_blocks, root_hash
 from pdrouter.core.tokens import pack_token_ids
 
+from .racing import run_racing
+
 TOKENS = list(range(1000, 1000 + 100))
 
 
@@ -150,7 +152,6 @@ def test_a_salted_prompt_never_reuses_an_unsalted_ones_hashes() -> None:
 
 def test_threads_sharing_a_hasher_get_the_hashes_hashing_gives() -> None:
     import random
-    import threading
 
     from pdrouter.core.hashing import MEMO_ENTRIES
 
@@ -170,16 +171,5 @@ def test_threads_sharing_a_hasher_get_the_hashes_hashing_gives() -> None:
         except BaseException as exc:  # reported below, on the test's thread
             errors.append(exc)
 
-    import sys
-
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter lets them: races show
-    try:
-        threads = [threading.Thread(target=hash_many, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_racing(hash_many, [(i,) for i in range(4)])
     assert errors == []

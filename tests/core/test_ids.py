@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import sys
-import threading
 
 import pytest
 
 from pdrouter.core import ids
 from pdrouter.core.ids import new_request_id
+
+from .racing import run_racing
 
 FORM = re.compile(r"req-[0-9a-f]{32}")
 
@@ -22,22 +22,13 @@ def test_form_and_no_repeat_across_batches() -> None:
 
 
 def test_threads_never_share_an_id() -> None:
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)
     out: list[list[str]] = [[] for _ in range(4)]
 
     def draw(into: list[str]) -> None:
         for _ in range(3 * ids._ID_BATCH):
             into.append(new_request_id())
 
-    try:
-        threads = [threading.Thread(target=draw, args=(into,)) for into in out]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        sys.setswitchinterval(interval)
+    run_racing(draw, [(into,) for into in out])
     every = [rid for into in out for rid in into]
     assert len(every) == 4 * 3 * ids._ID_BATCH
     assert len(set(every)) == len(every)
