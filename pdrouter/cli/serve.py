@@ -77,14 +77,12 @@ def space_young_collections() -> None:
     """Collect the youngest generation after 10,000 net container allocations instead of 700.
 
     A young collection walks every container allocated since the last one that is still alive: in
-    a router or worker under load, mostly the objects of the requests in flight (their prompt
-    tuples, coroutines, futures), which die within milliseconds by reference counting alone. At
-    700 a collection came every few dozen requests and walked the same in-flight objects again
-    each time: 5 % of the router's CPU on PD at C=32 (0.19 s of 3.9 s, 385 collections of about
-    270 µs), for almost nothing found (no cyclic garbage in a 2 s window under load). At 10,000
-    the collections are 14 times rarer and walk about five times as much each (1.4 ms): 0.02 s
-    in the same run. The older generations keep CPython's ratios (10, 10), so a full collection
-    comes as rarely relative to young ones as before.
+    a router or worker under load, mostly the objects of the requests in flight (coroutines,
+    futures, prompts), which die within milliseconds by reference counting alone, and which a
+    collection every few dozen requests walked again and again for almost nothing found (measured
+    in ``docs/benchmarks.md``, "What CPython 3.11 does behind the router's code"). The older
+    generations keep CPython's ratios, so a full collection comes as rarely relative to young
+    ones as before.
     """
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)

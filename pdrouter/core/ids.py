@@ -31,9 +31,9 @@ def new_request_id() -> RequestId:
     Workers key live requests by this id, and a client sees its own (``x-request-id``, the response
     ids). Each one is 16 bytes of its own from ``os.urandom``, so knowing any number of them tells
     nothing of the next: no client can name another's request. The bytes are drawn for 256 ids at
-    a time (one system call instead of one an id: the call had been 2 % of the router's CPU a
-    request); a forked child drops what its parent had drawn. Safe from any thread: ``popleft``
-    and ``extend`` are atomic, and two threads that both find the batch empty draw two batches.
+    a time (one system call instead of one an id); a forked child drops what its parent had drawn.
+    Safe from any thread: ``popleft`` and ``extend`` are atomic, and two threads that both find the
+    batch empty draw two batches.
     """
     try:
         return RequestId(_ids.popleft())

@@ -43,9 +43,9 @@ class PackedTokenIds(tuple[int, ...]):
 class PackedPrompt(Sequence[int]):
     """Token ids kept as ``pack_token_ids`` bytes (``packed``, with the largest id, ``largest``) until
     something reads them one by one: unpacked then, once. The router needs a prompt's length and
-    its packed form (for the block hashes and the workers), not its ids: a 2,200-token prompt made
-    into a tuple of ints and freed again had been 12 % of the router's instructions a
-    request. Compares equal to the tuple of its ids, and hashes like it."""
+    its packed form (for the block hashes and the workers), not its ids, and a prompt's thousands
+    of ints made, walked by the collector and freed again were a large share of its work a request
+    (``docs/benchmarks.md``). Compares equal to the tuple of its ids, and hashes like it."""
 
     __slots__ = ("_ids", "largest", "packed")
 
@@ -95,8 +95,7 @@ class PackedPrompt(Sequence[int]):
 def packed_byte_ids(data: bytes, first: int | None = None) -> PackedPrompt:
     """The ids of a byte-level tokenizer, packed as ``pack_token_ids`` packs them: ``first`` (its BOS,
     when given), then each byte of ``data`` as its own id. Each byte goes into the low byte of its
-    4-byte slot with one strided copy (2,200 bytes: about 2 µs, against about 20 µs for a list of
-    ids, its tuple and ``pack_token_ids``)."""
+    4-byte slot with one strided copy, where packing a list of ids converts them one by one."""
     head = () if first is None else (first,)
     packed = bytearray(4 * (len(head) + len(data)))
     packed[:4 * len(head)] = pack_token_ids(head)
@@ -106,7 +105,7 @@ def packed_byte_ids(data: bytes, first: int | None = None) -> PackedPrompt:
 
 def _largest_byte(data: bytes) -> int:
     """The largest byte of ``data`` (-1 when empty): looked for from the top, one ``memchr`` a value,
-    a few for text (``max`` takes 25 µs for 2,200 bytes); at worst 256 scans of ``data``."""
+    a few for text (``max`` would make an int of every byte); at worst 256 scans of ``data``."""
     if not data:
         return -1
     for value in range(127 if data.isascii() else 255, -1, -1):
