@@ -16,7 +16,10 @@ payload that travels out of band (gloo), computed before sending and authenticat
 
 DATA bodies are binary (transfer id, sequence number, layer range, destination runs); ACK is
 one u64; the other, rarer messages carry a small JSON object that is turned into (and only into)
-the frozen dataclasses below. Nothing else leaves this module as a dict.
+the frozen dataclasses below. Nothing else leaves this module as a dict. A field of ids (BEGIN's
+``dst_block_ids``) travels in it as one string, the hex of the ids as little-endian u32s (version 3):
+a prompt's hundred-odd block ids cost the sender and the receiver a number each to write and parse
+as a JSON list, and the receiver a type check each.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pdrouter.transfer.errors import ChecksumError, ProtocolError
 from pdrouter.transfer.frame_plan import FrameSpan
 
 MAGIC = b"KVTX"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 PREFIX = struct.Struct("<4sBBHIQQ16s")
 TAG_OFFSET = PREFIX.size - 16
 TAG_BYTES = 16
@@ -259,11 +262,33 @@ _FIELDS: dict[type[Control], tuple[dataclasses.Field[Any], ...]] = {
     cls: dataclasses.fields(cls) for cls in _CONTROL.values()}
 _NAMES: dict[type[Control], frozenset[str]] = {
     cls: frozenset(f.name for f in fields) for cls, fields in _FIELDS.items()}
-_LIST = (list,)
-_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), "tuple[int, ...]": _LIST}
+_IDS = "tuple[int, ...]"
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {"int": (int,), "str": (str,), _IDS: (str,)}
 _SPECS: dict[type[Control], tuple[tuple[str, tuple[type, ...]], ...]] = {
     cls: tuple((f.name, _FIELD_TYPES[str(f.type)]) for f in fields) for cls, fields in _FIELDS.items()}
 """Each control message's fields as (name, the JSON types it takes)."""
+_ID_FIELDS: dict[type[Control], frozenset[str]] = {
+    cls: frozenset(f.name for f in fields if str(f.type) == _IDS) for cls, fields in _FIELDS.items()}
+"""Each control message's fields of ids: sent packed (``_pack_ids``)."""
+
+
+def _pack_ids(ids: tuple[int, ...], what: str) -> str:
+    """``ids`` as the hex of little-endian u32s; ValueError naming ``what`` for an id outside [0, 2^32)."""
+    try:
+        return struct.pack(f"<{len(ids)}I", *ids).hex()
+    except struct.error:
+        raise ValueError(f"{what}: ids must be integers in [0, 2^32)") from None
+
+
+def _unpack_ids(text: str, what: str) -> tuple[int, ...]:
+    """The ids ``_pack_ids`` wrote; ProtocolError naming ``what`` for anything else."""
+    try:
+        data = bytes.fromhex(text)
+    except ValueError:
+        raise ProtocolError(f"{what} must be hex digits") from None
+    if len(data) % 4:
+        raise ProtocolError(f"{what} must be whole 4-byte ids, got {len(data)} bytes")
+    return struct.unpack(f"<{len(data) >> 2}I", data)
 _JSON = json.JSONEncoder(separators=(",", ":"))
 """One encoder for every message: ``json.dumps`` with separators builds a new one per call."""
 
@@ -272,6 +297,8 @@ def encode_control(msg: Control) -> bytes:
     # The fields as they are (ints, strings, tuples of ints): ``dataclasses.asdict`` would deep-copy
     # a BEGIN's block ids one by one, the larger part of encoding it.
     fields = {f.name: getattr(msg, f.name) for f in _FIELDS[type(msg)]}
+    for name in _ID_FIELDS[type(msg)]:
+        fields[name] = _pack_ids(fields[name], f"{msg.KIND.name}.{name}")
     return encode(msg.KIND, _JSON.encode(fields).encode())
 
 
@@ -287,15 +314,12 @@ def decode_control(header: Header) -> Control:
     if not isinstance(raw, dict) or raw.keys() != _NAMES[cls]:
         raise ProtocolError(f"{header.kind.name} body has the wrong fields")
     values: dict[str, Any] = {}
+    packed = _ID_FIELDS[cls]
     for name, types in _SPECS[cls]:
-        value = raw[name]
+        value: Any = raw[name]
         if not isinstance(value, types) or isinstance(value, bool):
             raise ProtocolError(f"{header.kind.name}.{name} has the wrong type")
-        if isinstance(value, list):
-            if not set(map(type, value)) <= {int}:  # JSON gives no other int subclass than bool
-                raise ProtocolError(f"{header.kind.name}.{name} must be a list of ints")
-            value = tuple(value)
-        values[name] = value
+        values[name] = _unpack_ids(str(value), f"{header.kind.name}.{name}") if name in packed else value
     return cls(**values)
 
 

@@ -81,12 +81,27 @@ def test_malformed_control_bodies(body: bytes) -> None:
         frames.decode_control(header)
 
 
-def test_begin_block_ids_must_be_ints() -> None:
-    raw = {"transfer_id": "t", "receiver_epoch": 1, "compat_hash": "c", "dst_block_ids": [1, "2"],
+@pytest.mark.parametrize("ids, error", [
+    ([1, 2], "has the wrong type"),  # the JSON list of wire version 2
+    ("01000000zz000000", "must be hex digits"),
+    ("010000000200", "whole 4-byte ids"),
+])
+def test_begin_block_ids_must_be_packed_ids(ids: object, error: str) -> None:
+    raw = {"transfer_id": "t", "receiver_epoch": 1, "compat_hash": "c", "dst_block_ids": ids,
            "skip_blocks": 0, "layer_start": 0, "layer_end": 1}
     header = frames.verify(*split(frames.encode(frames.Kind.BEGIN, json.dumps(raw).encode())))
-    with pytest.raises(ProtocolError, match="list of ints"):
+    with pytest.raises(ProtocolError, match=error):
         frames.decode_control(header)
+
+
+def test_begin_block_ids_round_trip_as_packed_hex() -> None:
+    for ids in [(), (0,), (7, 8, 9, 3), tuple(range(1000, 1138)), (2**32 - 1,)]:
+        begin = frames.Begin("t", 1, "c", ids, 0, 0, 32)
+        encoded = frames.encode_control(begin)
+        assert frames.decode_control(frames.verify(*split(encoded))) == begin
+        assert b"[" not in encoded  # one string, not a JSON list
+    with pytest.raises(ValueError, match=r"BEGIN.dst_block_ids: ids must be integers in \[0, 2\^32\)"):
+        frames.encode_control(frames.Begin("t", 1, "c", (1, -1), 0, 0, 32))
 
 
 def test_error_codes_rebuild_the_same_class() -> None:
