@@ -36,6 +36,15 @@ Per system and layout:
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
                                       [--systems pd-router,sglang-router,vllm-router,smg,python-relay] [--pin]
                                       [--layouts cache_aware,pd] [--seconds 8] [--pair-seconds 4]
+                                      [--vs REV] [--rounds 3]
+
+``--vs REV`` measures pd-router only, this tree against commit ``REV`` (its ``pdrouter`` package exported
+with ``git archive`` and run from ``PYTHONPATH``), each layout ``--rounds`` times (default 3) with the two
+trees in turn, the order reversed every round: ``pd-router_<layout>_router_cpu`` and
+``pd-router_<layout>_vs_router_cpu`` are the medians of the rounds, ``pd-router_<layout>_vs_ratio`` the
+median of the rounds' ratios (this tree ÷ REV; ``..._ratio_min`` / ``..._ratio_max``). CPU seconds, not
+instructions: ``router_instructions.py`` counts the instructions, which fall faster than the CPU time
+when the cut work was cheap instructions.
 
 ``--quick`` runs pd-router's PD row only, with short phases (under 30 s). ``--pin`` puts each router (all
 its threads) alone on CPU 0 and everything else, its workers, Redis and the load generator, on CPU 1,
@@ -51,6 +60,7 @@ import os
 import random
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +71,7 @@ from pathlib import Path
 
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
+from tracing_overhead import export_tree, tree_environment
 
 HERE = Path(__file__).resolve().parent
 PREFIXES, PREFIX_CHARS, SUFFIX_CHARS, TOKENS, CONCURRENCY = 8, 2000, 200, 16, 32
@@ -143,9 +154,10 @@ class Processes:
         self.logs = logs
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, name: str, args: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
+    def start(self, name: str, args: list[str], cwd: Path | None = None,
+              extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         log = (self.logs / f"{name}.log").open("ab")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_PROXY": "*", "no_proxy": "*"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "NO_PROXY": "*", "no_proxy": "*", **(extra_env or {})}
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -321,14 +333,15 @@ class Bench:
         proc = procs.start(system, cmd)
         return Row(system, layout, port, PEER_MODEL, {"router": [proc.pid]})
 
-    def start_pdrouter(self, procs: Processes, layout: str) -> Row:
+    def start_pdrouter(self, procs: Processes, layout: str, tree: Path | None = None) -> Row:
+        """``pdrouter up`` of this checkout, or of the exported package ``tree`` (``--vs``)."""
         port = free_port()
         shape = (["--mode", "colocated", "--workers", "4"] if layout == "cache_aware"
                  else ["--mode", "disaggregated", "--prefill", "2", "--decode", "2"])
         up = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--time-scale", "0",
               "--model-preset", "llama-3-8b", "--no-api-key", "--http-port", str(port),
               "--grpc-port", str(free_port()), *shape]
-        proc = procs.start("pd-router", up, cwd=self.work)
+        proc = procs.start("pd-router", up, cwd=self.work, extra_env=None if tree is None else tree_environment(tree))
         return Row("pd-router", layout, port, "sim-llama-3-8b", {"up": [proc.pid]})
 
     def pdrouter_pids(self, row: Row) -> None:
@@ -340,7 +353,9 @@ class Bench:
             raise RuntimeError(f"pdrouter up: expected one router process, found {router}")
         row.watched = {"router": router, "redis": redis}
 
-    async def measure(self, row: Row, direct: HttpCompletions) -> None:
+    async def measure(self, row: Row, direct: HttpCompletions | None) -> float:
+        """The row's router CPU per request at C=32 (µs); with ``direct``, its figures are reported and
+        the paired C=1 run measures the added latency."""
         name = f"{row.system}_{row.layout}"
         client = HttpCompletions("127.0.0.1", row.port, row.model, [], TOKENS, False, prompts=prompts(self.seed))
         self.seed += 1
@@ -358,6 +373,8 @@ class Bench:
                 raise RuntimeError(f"{name}: {loop.errors} errors in {loop.requests + loop.errors} requests "
                                    f"(first: {loop.first_error})")
             cpu = loop.cpu["router"] / loop.requests * 1e6
+            if direct is None:
+                return cpu
             self.cpu[(row.system, row.layout)] = cpu
             self.report.add(f"{name}_router_cpu", cpu, "us/req")
             if "redis" in loop.cpu:
@@ -367,27 +384,51 @@ class Bench:
             self.report.add(f"{name}_c1_p50", quantile(via, 0.5) * 1e3, "ms")
             self.report.add(f"{name}_added_p50", (quantile(via, 0.5) - quantile(straight, 0.5)) * 1e3, "ms")
             self.report.add(f"{name}_added_p99", (quantile(via, 0.99) - quantile(straight, 0.99)) * 1e3, "ms")
+            return cpu
         finally:
             if self.args.pin:
                 pin(descendants(os.getpid()), everything)
             await client.close()
 
-    async def row(self, system: str, layout: str, direct: HttpCompletions) -> None:
-        logs = self.work / "logs" / f"{system}_{layout}"
+    async def row(self, system: str, layout: str, direct: HttpCompletions | None, tree: Path | None = None,
+                  label: str = "") -> float:
+        logs = self.work / "logs" / f"{system}_{layout}{label}"
         logs.mkdir(parents=True, exist_ok=True)
         procs = Processes(logs)
         try:
             if system == "pd-router":
-                row = self.start_pdrouter(procs, layout)
+                row = self.start_pdrouter(procs, layout, tree)
             else:
                 row = self.start_peer(procs, system, layout)
             await ready(row.port, row.model, 240 if system == "pd-router" else 90, f"{system} ({layout})", logs)
             if system == "pd-router":
                 self.pdrouter_pids(row)
-            await self.measure(row, direct)
-            print(f"# {system} {layout}: done", file=sys.stderr, flush=True)
+            cpu = await self.measure(row, direct)
+            print(f"# {system} {layout}{label}: done", file=sys.stderr, flush=True)
+            return cpu
         finally:
             procs.stop()
+
+    async def against(self, rev: str, layouts: list[str]) -> None:
+        """``--vs``: pd-router of this tree and of ``rev`` in turn, ``--rounds`` times per layout."""
+        try:
+            tree = export_tree(rev, self.work / "vs")
+        except subprocess.CalledProcessError as exc:
+            raise SystemExit(f"--vs {rev}: git archive failed ({exc.stderr.decode().strip()})") from None
+        for layout in layouts:
+            this: list[float] = []
+            base: list[float] = []
+            for i in range(self.args.rounds):
+                for side in ((None, tree) if i % 2 == 0 else (tree, None)):
+                    cpu = await self.row("pd-router", layout, None, side, f"_{'vs' if side else 'this'}{i}")
+                    (base if side else this).append(cpu)
+            ratios = [t / b for t, b in zip(this, base, strict=True)]
+            name = f"pd-router_{layout}"
+            self.report.add(f"{name}_router_cpu", statistics.median(this), "us/req")
+            self.report.add(f"{name}_vs_router_cpu", statistics.median(base), "us/req")
+            self.report.add(f"{name}_vs_ratio", statistics.median(ratios), "x")
+            self.report.add(f"{name}_vs_ratio_min", min(ratios), "x")
+            self.report.add(f"{name}_vs_ratio_max", max(ratios), "x")
 
     async def run(self) -> None:
         systems = [s for s in self.args.systems.split(",") if s]
@@ -398,6 +439,9 @@ class Bench:
         for layout in layouts:
             if layout not in LAYOUTS:
                 raise SystemExit(f"--layouts: unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+        if self.args.vs:
+            await self.against(self.args.vs, layouts)
+            return
         logs = self.work / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         baseline = Processes(logs)
@@ -440,7 +484,11 @@ def main() -> None:
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each row")
     parser.add_argument("--pin", action="store_true",
                         help="the router alone on CPU 0, its workers, Redis and the load generator on CPU 1")
+    parser.add_argument("--vs", metavar="REV", help="pd-router only: this tree against commit REV, in turn")
+    parser.add_argument("--rounds", type=int, default=3, help="with --vs: rounds per layout")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.quick:
         args.systems, args.layouts, args.seconds, args.pair_seconds, args.warmup_seconds = "pd-router", "pd", 3, 2, 1
     report = Report()
