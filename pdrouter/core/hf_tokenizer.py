@@ -192,6 +192,9 @@ class HfTokenizer:
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         return [self._bos, *ids] if add_bos and self._bos is not None else ids
 
+    def encode_prompt(self, text: str) -> tuple[int, ...]:
+        return tuple(self.encode(text))
+
     def encode_chat(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
 

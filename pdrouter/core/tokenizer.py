@@ -151,7 +151,7 @@ class ByteTokenizer:
         bos = self.bos_token_id
         return [bos, *text.encode("utf-8")] if add_bos and bos is not None else list(text.encode("utf-8"))
 
-    def encode_packed(self, text: str, add_bos: bool = True) -> PackedPrompt:
+    def encode_prompt(self, text: str, add_bos: bool = True) -> PackedPrompt:
         """``encode``'s ids, packed (what the router sends a worker and hashes) from the text's bytes at
         once; unpacked only if something reads them."""
         return packed_byte_ids(text.encode("utf-8"), self.bos_token_id if add_bos else None)

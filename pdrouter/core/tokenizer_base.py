@@ -59,6 +59,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> Sequence[int]:
+        """``encode(text)`` as a request keeps it: a tuple, or packed (``PackedPrompt``) where the
+        tokenizer makes the packed form at once."""
+        ...
+
     def encode_chat(self, text: str) -> list[int]:
         """Ids of a rendered chat template: special tokens in the text are their ids, nothing is added."""
         ...

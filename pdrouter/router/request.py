@@ -14,9 +14,9 @@ from typing import Any, Protocol
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant
-from pdrouter.core.tokens import FinishReason, TokenDelta, Usage, pack_token_ids
+from pdrouter.core.tokens import FinishReason, PackedPrompt, PackedTokenIds, TokenDelta, Usage, pack_token_ids
 
-__all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage"]
+__all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage", "prompt_ids"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,11 @@ class RouterRequest:
     def prompt_token_bytes(self) -> bytes:
         """The prompt packed as the worker protocol and the block hashes take it, once per request."""
         return pack_token_ids(self.prompt_token_ids)
+
+
+def prompt_ids(ids: Sequence[int]) -> Sequence[int]:
+    """``ids`` as a ``RouterRequest`` keeps them: a packed prompt as it is, anything else as a tuple."""
+    return ids if type(ids) is PackedPrompt or type(ids) is PackedTokenIds else tuple(ids)
 
 
 @dataclass(frozen=True)

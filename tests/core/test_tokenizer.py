@@ -88,7 +88,7 @@ def test_byte_tokenizer_packed_encoding_equals_encode_then_pack() -> None:
     for text in texts:
         for add_bos in (True, False):
             plain = tok.encode(text, add_bos=add_bos)
-            packed = tok.encode_packed(text, add_bos=add_bos)
+            packed = tok.encode_prompt(text, add_bos=add_bos)
             assert type(packed) is PackedPrompt
             assert list(packed) == plain
             assert packed.packed == pack_token_ids(plain)

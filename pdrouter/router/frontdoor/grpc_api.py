@@ -38,7 +38,6 @@ from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant, Tenants
 from pdrouter.core.tokenizer import Tokenizer
-from pdrouter.core.tokens import PackedPrompt, PackedTokenIds
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
@@ -47,7 +46,7 @@ from pdrouter.router.frontdoor.openai_schema import MAX_MODEL_NAME_CHARS, check_
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel
 from pdrouter.router.frontdoor.spans import describe, end_span
 from pdrouter.router.metrics import RouterMetrics
-from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest
+from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest, prompt_ids
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
 from pdrouter.wire.security import CredentialInterceptor, single_entry
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
@@ -83,7 +82,7 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     which = msg.WhichOneof("prompt")
     ids: Sequence[int]
     if which == "text":
-        ids = served.encode_prompt(msg.text)
+        ids = served.tokenizer.encode_prompt(msg.text)
     elif which == "token_ids":
         ids = tuple(msg.token_ids.ids)
         served.check_token_ids(ids, "token_ids")
@@ -95,7 +94,7 @@ def to_router_request(msg: router_pb2.GenerateRequest, served: ServedModel, conf
     max_tokens = served.max_tokens_for(len(ids), s.max_tokens or None, config.default_max_tokens)
     sampling = sampling_params(s, max_tokens)
     salt = check_cache_salt(msg.cache_salt or None, "cache_salt")
-    prompt = ids if type(ids) is PackedPrompt or type(ids) is PackedTokenIds else tuple(ids)
+    prompt = prompt_ids(ids)
     if tenant is None and salt is None:
         return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline,
                              label=msg.request_id or None)

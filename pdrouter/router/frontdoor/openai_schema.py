@@ -48,9 +48,8 @@ from pdrouter.core.hashing import MAX_CACHE_SALT_CHARS, cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import MAX_TOP_K, SamplingParams
 from pdrouter.core.tenants import Tenant
-from pdrouter.core.tokens import PackedPrompt, PackedTokenIds
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ServedModel
-from pdrouter.router.request import RouterRequest
+from pdrouter.router.request import RouterRequest, prompt_ids
 
 
 class FieldError(InvalidRequestError):
@@ -410,7 +409,7 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
     if req.chat:
         ids = served.chat_prompt(req.messages, req.chat_options)
     elif isinstance(req.prompt, str):
-        ids = served.encode_prompt(req.prompt)
+        ids = served.tokenizer.encode_prompt(req.prompt)
     else:
         served.check_token_ids(req.prompt, "prompt")
         ids = list(req.prompt)
@@ -428,7 +427,7 @@ def to_router_request(req: OpenAIRequest, served: ServedModel, config: Frontdoor
         field = exc.message.split(" ", 1)[0]  # SamplingParams names the field first
         raise FieldError(field if field in _SAMPLING_FIELDS else None, exc.message) from None
     whole = not req.stream and not req.stop
-    prompt = ids if type(ids) is PackedPrompt or type(ids) is PackedTokenIds else tuple(ids)
+    prompt = prompt_ids(ids)
     if tenant is None and req.cache_salt is None:
         return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline, whole=whole, label=label)
     return RouterRequest(new_request_id(), served.name, prompt, sampling, deadline, whole=whole, label=label,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pdrouter.core.chat_template import ChatMessage, ChatOptions, ChatTemplate
 from pdrouter.core.errors import InvalidRequestError, ModelNotFoundError, PdRouterError, PromptTooLongError
-from pdrouter.core.tokenizer import ByteTokenizer, Tokenizer, apply_chat_template
+from pdrouter.core.tokenizer import Tokenizer, apply_chat_template
 from pdrouter.router.request import Dispatcher, ModelInfo
 
 
@@ -68,14 +68,6 @@ class ServedModel:
                 f"chat_template in tokenizer_config.json); start the router with --chat-template FILE, or "
                 f"send a /v1/completions request")
         return apply_chat_template(self.tokenizer, messages, options, template)
-
-    def encode_prompt(self, text: str) -> Sequence[int]:
-        """A text prompt's ids. The byte tokenizer (the simulated presets') gives them already packed
-        (``PackedTokenIds``), so the request's ``prompt_token_bytes`` costs nothing more."""
-        tokenizer = self.tokenizer
-        if type(tokenizer) is ByteTokenizer:
-            return tokenizer.encode_packed(text)
-        return tokenizer.encode(text)
 
     def check_token_ids(self, token_ids: Sequence[int], field: str) -> None:
         """InvalidRequestError unless every id is in ``[0, vocab_size)``."""
