@@ -34,7 +34,7 @@ from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.ids import RequestId
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import PackedTokenIds, pack_token_ids
+from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.engine.sim.config import BYTE_TEXT_TOKENS, SimEngineConfig
 from pdrouter.engine.sim.engine import SimEngine
 
@@ -47,7 +47,7 @@ BLOCK = 16
 TOKEN_RANGE = (32, 127)
 
 
-def prompts(prefix: int, suffix: int, n: int, seed: int = 0) -> list[PackedTokenIds]:
+def prompts(prefix: int, suffix: int, n: int, seed: int = 0) -> list[PackedPrompt]:
     """``n`` packed prompts: one of the shared prefixes, then a unique suffix (as a worker hands them on)."""
     rng = random.Random(seed)
     low, high = TOKEN_RANGE
@@ -55,7 +55,7 @@ def prompts(prefix: int, suffix: int, n: int, seed: int = 0) -> list[PackedToken
     out = []
     for i in range(n):
         ids = shared[i % PREFIXES] + [rng.randrange(low, high) for _ in range(suffix)]
-        out.append(PackedTokenIds.of(ids, pack_token_ids(ids), max(ids)))
+        out.append(PackedPrompt(pack_token_ids(ids), max(ids)))
     return out
 
 

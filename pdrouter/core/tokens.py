@@ -11,7 +11,7 @@ import enum
 import struct
 import sys
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -22,29 +22,13 @@ if array("I").itemsize != 4:  # pragma: no cover - every platform CPython suppor
 _SWAP = sys.byteorder != "little"
 
 
-class PackedTokenIds(tuple[int, ...]):
-    """Token ids unpacked from ``pack_token_ids`` bytes (``unpack_token_ids``): a tuple of plain ints
-    in [0, 2^32) by construction, which also keeps the bytes it came from (``packed``) and its largest
-    id (``largest``, -1 when empty). A worker checks a prompt against its vocabulary, hashes its
-    blocks and sends it on from these, with no pass over the ids in Python."""
-
-    packed: bytes
-    largest: int
-
-    @classmethod
-    def of(cls, ids: Iterable[int], packed: bytes, largest: int) -> PackedTokenIds:
-        """``ids`` with the bytes ``pack_token_ids`` makes of them and their largest id (the caller's word)."""
-        out = tuple.__new__(cls, ids)  # as ``cls(ids)``, without a Python-level call on the way
-        out.packed = packed
-        out.largest = largest
-        return out
-
-
 class PackedPrompt(Sequence[int]):
     """Token ids kept as ``pack_token_ids`` bytes (``packed``, with the largest id, ``largest``) until
-    something reads them one by one: unpacked then, once. The router needs a prompt's length and
-    its packed form (for the block hashes and the workers), not its ids, and a prompt's thousands
-    of ints made, walked by the collector and freed again were a large share of its work a request
+    something reads them one by one: unpacked then, once; a slice unpacks only its own ids. The
+    router needs a prompt's length and its packed form (for the block hashes and the workers), not
+    its ids; a worker checks it against its vocabulary (``largest``), hashes its blocks and sends it
+    on from these, and a simulated step needs only counts. A prompt's thousands of ints made, walked
+    by the collector and freed again were a large share of their work a request
     (``docs/benchmarks.md``). Compares equal to the tuple of its ids, and hashes like it."""
 
     __slots__ = ("_ids", "largest", "packed")
@@ -73,7 +57,11 @@ class PackedPrompt(Sequence[int]):
     def __getitem__(self, index: slice) -> tuple[int, ...]: ...
 
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
-        return self.ids()[index]
+        ids = self._ids
+        if ids is None and type(index) is slice and index.step is None:
+            start, stop, _ = index.indices(len(self.packed) >> 2)
+            return struct.unpack_from(f"<{max(0, stop - start)}I", self.packed, 4 * start) if stop > start else ()
+        return (self.ids() if ids is None else ids)[index]
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.ids())
@@ -118,7 +106,7 @@ def pack_token_ids(ids: Sequence[int]) -> bytes:
     """``ids`` as little-endian uint32s, 4 bytes each: how the worker protocol's ``prompt_token_bytes``
     and the chained block hashes take a prompt. InvalidRequestError when an id is not an integer in
     [0, 2^32)."""
-    if type(ids) is PackedTokenIds or type(ids) is PackedPrompt:
+    if type(ids) is PackedPrompt:
         return ids.packed
     try:
         packed = array("I", ids)

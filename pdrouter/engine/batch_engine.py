@@ -274,7 +274,7 @@ class BatchEngine:
                 self._stalled = not work and self.scheduler.num_preemptions == preemptions
                 # The request's own block list, not a copy: only ``schedule`` (on this thread, under the
                 # step lock) grows a list in place; a release replaces it.
-                items = [StepWork(w.request, w.request.all_token_ids[w.start:w.start + w.num_tokens], w.start,
+                items = [StepWork(w.request, w.request.tokens(w.start, w.start + w.num_tokens), w.start,
                                   w.request.block_ids, w.samples) for w in work]
                 for w in work:
                     w.request.in_flight = True
@@ -325,7 +325,7 @@ class BatchEngine:
                 self._finish(req, reason)
             prompt = req.num_prompt_tokens
             outputs.append(RequestOutput(req.request_id, (token,), reason is not None, reason,
-                                         prompt, len(req.all_token_ids) - prompt, req.num_cached_tokens, prefill))
+                                         prompt, req.num_tokens - prompt, req.num_cached_tokens, prefill))
         return outputs
 
     def wait_for_work(self, timeout: float | None = None) -> bool:

@@ -6,6 +6,7 @@ values only (block ids, token ids), never tensors.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -37,8 +38,8 @@ class PrefillResult:
     """
 
     request_id: RequestId
-    token_ids: tuple[int, ...]
-    """The prompt."""
+    token_ids: Sequence[int]
+    """The prompt (a tuple, or the ``PackedPrompt`` it came as)."""
     block_ids: tuple[int, ...]
     block_hashes: tuple[BlockHash, ...]
     """Chained hashes of the prompt's full blocks."""

@@ -9,19 +9,23 @@ Lifecycle (all transitions go through :meth:`Request.transition`)::
     RUNNING ──▶ FAILED                              the model step could not compute it (blocks dropped)
     any state but FINISHED or FAILED ──▶ ABORTED
 
-A request computes its tokens in order: ``all_token_ids[:num_computed_tokens]`` have KV in its
-blocks; when the remaining tokens are computed the request samples one more token.
+A request computes its tokens in order: the first ``num_computed_tokens`` of its tokens (the prompt,
+then the outputs; ``tokens(start, stop)``) have KV in its blocks; when the remaining tokens are
+computed the request samples one more token. A packed prompt (``PackedPrompt``: the worker protocol's
+bytes) stays packed: the simulated step needs only counts, and a step that reads ids unpacks the
+span it computes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from pdrouter.core.hashing import BlockHasher
 from pdrouter.core.ids import BlockHash, RequestId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import PackedTokenIds
+from pdrouter.core.tokens import PackedPrompt
 from pdrouter.engine.outputs import FinishReason
 
 
@@ -60,7 +64,7 @@ _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 @dataclass(eq=False)
 class Request:
     request_id: RequestId
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: Sequence[int]
     sampling: SamplingParams
     kind: RequestKind
     stop_ids: frozenset[int]
@@ -70,7 +74,8 @@ class Request:
     """The model step's own per-request sampling state, made at the first sample (the torch step: a
     ``torch.Generator`` for random sampling; the simulated step: the key of its token stream)."""
     state: RequestState = RequestState.WAITING
-    all_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    """The tokens sampled so far (kept across a preemption: recomputed after the prompt)."""
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -91,11 +96,12 @@ class Request:
     """Scheduling priority, lower first (``pdrouter.engine.scheduler``); 0 for all: first come first served."""
     num_prompt_tokens: int = field(init=False)
     """``len(prompt_token_ids)``, kept: read several times per token by the step's bookkeeping."""
+    num_tokens: int = field(init=False)
+    """Prompt and output tokens so far."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        if not self.all_token_ids:
-            self.all_token_ids = list(self.prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens + len(self.output_token_ids)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def transition(self, new: RequestState) -> None:
@@ -110,39 +116,45 @@ class Request:
 
     # -- tokens -------------------------------------------------------------------------------
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_prompt_tokens
+        return len(self.output_token_ids)
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.all_token_ids) - self.num_computed_tokens
+        return self.num_tokens - self.num_computed_tokens
+
+    def tokens(self, start: int, stop: int) -> Sequence[int]:
+        """Its tokens at positions ``start .. stop - 1`` (prompt, then outputs)."""
+        prompt = self.num_prompt_tokens
+        if stop <= prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= prompt:
+            return self.output_token_ids[start - prompt:stop - prompt]
+        return (*self.prompt_token_ids[start:], *self.output_token_ids[:stop - prompt])
 
     def hashes(self, hasher: BlockHasher, num_tokens: int | None = None) -> list[BlockHash]:
         """Chained hashes of the full blocks among the first ``num_tokens`` tokens (memoized)."""
-        limit = len(self.all_token_ids) if num_tokens is None else num_tokens
+        limit = self.num_tokens if num_tokens is None else num_tokens
         want = limit // hasher.block_size
         have = len(self.block_hashes)
         if want > have:
             bs = hasher.block_size
             parent = self.block_hashes[-1] if have else self.root
             prompt = self.prompt_token_ids
-            if type(prompt) is PackedTokenIds and want * bs <= len(prompt):  # the prompt's own bytes
+            if type(prompt) is PackedPrompt and want * bs <= self.num_prompt_tokens:  # the prompt's own bytes
                 self.block_hashes.extend(hasher.hash_packed(prompt.packed[have * bs * 4:want * bs * 4], parent))
             else:
-                self.block_hashes.extend(hasher.hash_blocks(self.all_token_ids[have * bs:want * bs], parent))
+                self.block_hashes.extend(hasher.hash_blocks(self.tokens(have * bs, want * bs), parent))
         return self.block_hashes[:want]
 
     def append_token(self, token: int) -> FinishReason | None:
         """Record a sampled token; returns why the request ends with it, if it does."""
-        tokens = self.all_token_ids
-        tokens.append(token)
+        outputs = self.output_token_ids
+        outputs.append(token)
+        self.num_tokens += 1
         if token in self.stop_ids:
             return FinishReason.STOP
-        if len(tokens) - self.num_prompt_tokens >= self.sampling.max_tokens or len(tokens) >= self.max_context:
+        if len(outputs) >= self.sampling.max_tokens or self.num_tokens >= self.max_context:
             return FinishReason.LENGTH
         return None
 

@@ -119,7 +119,7 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(budget, scheduled)
-        return [ScheduledWork(r, r.num_computed_tokens, n, r.num_computed_tokens + n == len(r.all_token_ids))
+        return [ScheduledWork(r, r.num_computed_tokens, n, r.num_computed_tokens + n == r.num_tokens)
                 for r, n in scheduled.items()]
 
     def _victim(self) -> Request:
@@ -134,7 +134,7 @@ class Scheduler:
             req = min(self.waiting, key=_priority)  # the first of the lowest value: FIFO within a priority
             if below is not None and req.priority >= below:
                 break
-            total = len(req.all_token_ids)
+            total = req.num_tokens
             hashes = req.hashes(self.hasher)
             matched = self.blocks.match_prefix(hashes[:(total - 1) // bs])
             hits = len(matched)

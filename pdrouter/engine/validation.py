@@ -9,12 +9,13 @@ from pdrouter.core.capacity import blocks_for_tokens
 from pdrouter.core.errors import InvalidRequestError, PromptTooLongError, RequestTooLargeError
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import PackedTokenIds
+from pdrouter.core.tokens import PackedPrompt
 
 
-def token_ids(values: object, vocab_size: int, what: str = "prompt") -> tuple[int, ...]:
-    """A tuple of ints in ``[0, vocab_size)``; InvalidRequestError naming the first bad one."""
-    if type(values) is PackedTokenIds and values.largest < vocab_size:
+def token_ids(values: object, vocab_size: int, what: str = "prompt") -> Sequence[int]:
+    """A tuple of ints in ``[0, vocab_size)``, or a ``PackedPrompt`` whose largest id is within it
+    (kept packed); InvalidRequestError naming the first bad one."""
+    if type(values) is PackedPrompt and values.largest < vocab_size:
         return values  # plain ints >= 0 by construction, the largest known
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
         raise InvalidRequestError(f"{what} must be a sequence of token ids, got {type(values).__name__}")
@@ -38,8 +39,8 @@ def token_ids(values: object, vocab_size: int, what: str = "prompt") -> tuple[in
 
 
 def validate_request(prompt: object, sampling: object, spec: ModelSpec, *, num_blocks: int,
-                     block_size: int, hold_prompt_only: bool = False) -> tuple[int, ...]:
-    """The prompt as a tuple of token ids, once every check passed.
+                     block_size: int, hold_prompt_only: bool = False) -> Sequence[int]:
+    """The prompt's token ids (a tuple, or the ``PackedPrompt`` it came as), once every check passed.
 
     * the prompt is a non-empty sequence of ids inside the vocabulary;
     * ``sampling`` is a valid :class:`SamplingParams` whose stop ids are inside the vocabulary;

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant
-from pdrouter.core.tokens import FinishReason, PackedPrompt, PackedTokenIds, TokenDelta, Usage, pack_token_ids
+from pdrouter.core.tokens import FinishReason, PackedPrompt, TokenDelta, Usage, pack_token_ids
 
 __all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage", "prompt_ids"]
 
@@ -59,7 +59,7 @@ class RouterRequest:
 
 def prompt_ids(ids: Sequence[int]) -> Sequence[int]:
     """``ids`` as a ``RouterRequest`` keeps them: a packed prompt as it is, anything else as a tuple."""
-    return ids if type(ids) is PackedPrompt or type(ids) is PackedTokenIds else tuple(ids)
+    return ids if type(ids) is PackedPrompt else tuple(ids)
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,12 @@ The only place that knows both sides; servicers and clients of every package cal
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import PackedTokenIds
+from pdrouter.core.tokens import PackedPrompt
 from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.wire.v1 import common_pb2 as pb
 from pdrouter.wire.v1 import worker_pb2
@@ -53,17 +52,17 @@ def prompt_from_pb(msg: worker_pb2.ServeRequest | worker_pb2.PrefillRequest | wo
     return unpack_token_ids(packed)
 
 
-def unpack_token_ids(data: bytes) -> PackedTokenIds:
-    """The ids ``pack_token_ids`` packed, with those bytes and the largest id (for the engine's
-    vocabulary check); InvalidRequestError when ``data`` is not whole uint32s."""
+def unpack_token_ids(data: bytes) -> PackedPrompt:
+    """The ids ``pack_token_ids`` packed, kept packed (``PackedPrompt``: unpacked only if read one by
+    one), with the largest id (for the engine's vocabulary check); InvalidRequestError when ``data``
+    is not whole uint32s."""
     if len(data) % 4:
         raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
     import numpy as np  # here: only workers unpack prompts, and a router need not load numpy
 
     count = len(data) // 4
     largest = int(np.frombuffer(data, dtype="<u4").max()) if count else -1
-    # struct gives the tuple the ids become in one C call (numpy's tolist makes a list to copy: 1.3x as long)
-    return PackedTokenIds.of(struct.unpack(f"<{count}I", data), bytes(data), largest)
+    return PackedPrompt(bytes(data), largest)
 
 
 def load_to_pb(load: WorkerLoad) -> pb.WorkerLoad:

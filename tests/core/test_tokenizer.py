@@ -95,3 +95,19 @@ def test_byte_tokenizer_packed_encoding_equals_encode_then_pack() -> None:
             assert packed.largest == max(plain, default=-1)
             assert unpack_token_ids(packed.packed) == packed == tuple(plain) and hash(packed) == hash(tuple(plain))
             assert packed[1:3] == tuple(plain[1:3]) and len(packed) == len(plain)
+
+
+def test_a_packed_prompt_slices_as_its_tuple_unpacking_only_the_slice() -> None:
+    rng = random.Random(5)
+    ids = tuple(rng.randrange(2**32) for _ in range(37))
+    bounds = [None, -40, -37, -5, -1, 0, 1, 5, 36, 37, 50]
+    for start in bounds:
+        for stop in bounds:
+            for step in (None, 1, 2, -1):
+                prompt = PackedPrompt(pack_token_ids(ids), max(ids))
+                part = prompt[start:stop:step]
+                assert part == ids[start:stop:step], (start, stop, step)
+                assert type(part) is tuple and all(type(i) is int for i in part)
+    prompt = PackedPrompt(pack_token_ids(ids), max(ids))
+    assert prompt[3:20] == ids[3:20] and prompt[-1] == ids[-1]
+    assert prompt == ids and hash(prompt) == hash(ids)  # read whole once read one by one

@@ -8,6 +8,7 @@ import pytest
 
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.engine.outputs import FinishReason, RequestOutput
 from pdrouter.engine.torch_engine import TorchEngine
 
@@ -22,10 +23,12 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
 
-def run(engine: TorchEngine,
-        requests: dict[RequestId, tuple[list[int], SamplingParams]]) -> dict[RequestId, list[RequestOutput]]:
+def run(engine: TorchEngine, requests: dict[RequestId, tuple[list[int], SamplingParams]],
+        packed: bool = False) -> dict[RequestId, list[RequestOutput]]:
+    """Serve ``requests`` to the end; ``packed``: each prompt as the worker protocol brings it (packed
+    bytes the engine reads from: a step unpacks only the span it computes)."""
     for request_id, (prompt, params) in requests.items():
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, PackedPrompt(pack_token_ids(prompt), max(prompt)) if packed else prompt, params)
     outputs: dict[RequestId, list[RequestOutput]] = {r: [] for r in requests}
     while any(not o or not o[-1].finished for o in outputs.values()):
         for out in engine.step():
@@ -43,7 +46,9 @@ def reference(engine: TorchEngine, prompt: list[int], max_tokens: int) -> list[i
 
 @pytest.mark.parametrize("budget", [2048, 24], ids=["unchunked", "chunked"])
 @pytest.mark.parametrize("prefix_hits", [False, True], ids=["cold", "prefix-hits"])
-def test_mixed_batch_matches_dense_reference(make_engine: EngineFactory, budget: int, prefix_hits: bool) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["ids", "packed"])
+def test_mixed_batch_matches_dense_reference(make_engine: EngineFactory, budget: int, prefix_hits: bool,
+                                             packed: bool) -> None:
     engine = make_engine(num_blocks=96, max_num_batched_tokens=budget)
     rng = random.Random(1)
     shared = [rng.randrange(256) for _ in range(40)]
@@ -53,10 +58,10 @@ def test_mixed_batch_matches_dense_reference(make_engine: EngineFactory, budget:
         # hit), one sharing 32 tokens with prompts[5], and prompts[6] itself (hit capped at 96 of 100
         # tokens: the last block must be computed to sample from it).
         warm = [[*shared, 1, 2, 3, 4, 5], [*prompts[5][:32], 1, 2, 3], prompts[6]]
-        run(engine, {rid(): (p, greedy(2)) for p in warm})
+        run(engine, {rid(): (p, greedy(2)) for p in warm}, packed)
         prompts = [shared + p for p in prompts[:4]] + prompts[4:]
     batch = {rid(): (p, greedy(m)) for p, m in zip(prompts, MAX_TOKENS, strict=True)}
-    outputs = run(engine, batch)
+    outputs = run(engine, batch, packed)
     for request_id, (prompt, params) in batch.items():
         assert tokens(outputs[request_id]) == reference(engine, prompt, params.max_tokens), request_id
     cached = [outputs[r][0].num_cached_tokens for r in batch]
@@ -87,15 +92,16 @@ def test_requests_joining_and_leaving_between_steps(make_engine: EngineFactory) 
     assert got == expected
 
 
-def test_preemption_recomputes_and_still_matches(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("packed", [False, True], ids=["ids", "packed"])
+def test_preemption_recomputes_and_still_matches(make_engine: EngineFactory, packed: bool) -> None:
     # 5 requests of 30 + 40 tokens need 5 blocks each (25), the pool has 12: preemption must happen.
     engine = make_engine(num_blocks=12, max_num_batched_tokens=64)
     rng = random.Random(3)
     batch = {rid(): ([rng.randrange(256) for _ in range(30)], SamplingParams(max_tokens=40, temperature=0.0,
                                                                            ignore_eos=True))
              for _ in range(5)}
-    outputs = run(engine, batch)
-    assert engine.stats().num_preemptions > 0
+    outputs = run(engine, batch, packed)
+    assert engine.stats().num_preemptions > 0  # recomputed: spans across the prompt and the tokens sampled
     for request_id, (prompt, params) in batch.items():
         expect = dense_greedy(engine.model, prompt, params.max_tokens)
         assert tokens(outputs[request_id]) == expect

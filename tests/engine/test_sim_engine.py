@@ -15,6 +15,7 @@ from pdrouter.core.errors import ConfigError, InvalidRequestError
 from pdrouter.core.gpu import GiB, get_gpu_preset
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
+from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.engine.batch_engine import SchedulingConfig
 from pdrouter.engine.outputs import FinishReason
 from pdrouter.engine.sim.calibration import Calibration
@@ -224,4 +225,19 @@ def test_a_cache_salt_keeps_prefixes_apart_and_one_salt_shares_them() -> None:
     assert engine.cached_prefix_tokens(prompt, b"tenant-c") == 0
     with pytest.raises(InvalidRequestError, match="cache_salt must be bytes"):
         engine.add_request(rid(), prompt, SamplingParams(max_tokens=1), cache_salt="text")  # type: ignore[arg-type]
+    assert_no_leak(engine)
+
+
+def test_a_packed_prompt_stays_packed_through_prefix_hits_and_decode() -> None:
+    """The simulated step needs counts, not ids: a prompt that came packed (the worker protocol's
+    bytes) is hashed from its bytes and never unpacked, and answers as its ids would."""
+    engine, plain = sim(), sim()
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    shared = list(range(1000, 1100))
+    for tail in (range(5000, 5037), range(6000, 6050)):
+        ids = [*shared, *tail]
+        packed = PackedPrompt(pack_token_ids(ids), max(ids))
+        assert engine.generate([packed], greedy) == plain.generate([ids], greedy)
+        assert packed._ids is None
+    assert engine.stats().num_cached_blocks == plain.stats().num_cached_blocks > 0
     assert_no_leak(engine)

@@ -9,7 +9,7 @@ import pytest
 
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import Epoch, WorkerId
-from pdrouter.core.tokens import PackedTokenIds, pack_token_ids
+from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.engine.validation import token_ids
 from pdrouter.wire.convert import prompt_from_pb, record_from_pb, record_to_pb
@@ -42,10 +42,10 @@ def test_a_prompt_is_read_packed_or_repeated_alike(message: type) -> None:
 
 def test_a_packed_prompt_keeps_its_bytes_and_largest_id_and_passes_the_engine_check_as_it_is() -> None:
     read = prompt_from_pb(worker_pb2.ServeRequest(prompt_token_bytes=pack_token_ids(PROMPT)))
-    assert isinstance(read, PackedTokenIds) and all(type(i) is int for i in read)
+    assert isinstance(read, PackedPrompt) and all(type(i) is int for i in read)
     assert read.packed == pack_token_ids(PROMPT) and read.largest == 2**32 - 1
     assert pack_token_ids(read) is read.packed  # sent on (to a prefill worker) without packing again
-    within = PackedTokenIds.of(PROMPT[:-1], pack_token_ids(PROMPT[:-1]), 128_000)
+    within = PackedPrompt(pack_token_ids(PROMPT[:-1]), 128_000)
     assert token_ids(within, 128_001) is within
     # The largest id decides at once; the error still names the first id outside the vocabulary.
     with pytest.raises(InvalidRequestError, match=r"prompt\[4\] = 65535 is outside the vocabulary \[0, 1000\)"):
