@@ -109,31 +109,35 @@ class Lifecycle:
             return self.cond.wait_for(predicate, timeout)
 
     async def wait_for_async(self, predicate: Callable[[], bool], timeout: float | None) -> bool:
-        """``wait_for`` for asyncio code: never blocks the event loop."""
+        """``wait_for`` for asyncio code: never blocks the event loop.
+
+        A wake is one future set through ``call_soon_threadsafe`` and the timeout one timer on the
+        loop: no task, as ``asyncio.wait_for`` would make for every wait."""
         loop = asyncio.get_running_loop()
-        woken = asyncio.Event()
+        pending: list[asyncio.Future[None]] = [loop.create_future()]
 
         def wake() -> None:
             with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
-                loop.call_soon_threadsafe(woken.set)
+                loop.call_soon_threadsafe(_resolve, pending[0])
 
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             self._listeners.append(wake)
         try:
             while True:
-                woken.clear()
                 with self.cond:
                     if predicate():
                         return True
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
+                timer = None if remaining is None else loop.call_later(remaining, _resolve, pending[0])
                 try:
-                    await asyncio.wait_for(woken.wait(), remaining)
-                except TimeoutError:
-                    with self.cond:
-                        return predicate()
+                    await pending[0]
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                pending[0] = loop.create_future()
         finally:
             with self.cond:
                 self._listeners.remove(wake)
@@ -147,3 +151,9 @@ class Lifecycle:
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    """Wake the waiter of ``future`` (on its loop; once: a later wake of the same wait is a no-op)."""
+    if not future.done():
+        future.set_result(None)
