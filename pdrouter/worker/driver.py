@@ -1,7 +1,7 @@
 """Drives a synchronous ``BatchEngine`` (torch or simulated) from asyncio: one step thread, per-request streams.
 
 The step thread loops ``wait_for_work → step`` and hands each ``RequestOutput`` to the event
-loop with ``call_soon_threadsafe``; coroutines consume them through a per-request queue. Leaving
+loop with ``call_soon_threadsafe``; coroutines consume them through a per-request ``_Outputs``. Leaving
 a stream early (client cancelled, error) aborts the request in the engine, which frees its blocks.
 
 A request the engine could not compute (``FinishReason.ERROR``) fails alone: its stream raises
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+from collections import deque
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 
 from pdrouter.core.errors import CancelledError, PdRouterError, UnavailableError
@@ -47,6 +48,33 @@ ENGINE_STOPPED = "this worker's engine stopped after an internal error and serve
 """What callers are told once the engine failed (the error itself is in the worker's log)."""
 
 
+class _Outputs:
+    """One request's outputs on their way from the step thread's deliveries to its consumer, on the
+    event loop: a deque and at most one waiter (``asyncio.Queue`` keeps bounds, task counts and
+    waiter lists that a channel with one consumer has no use for, at every token)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[RequestOutput | object] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: RequestOutput | object) -> None:
+        self.items.append(item)
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | object:
+        items = self.items
+        while not items:
+            waiter = self.waiter = asyncio.get_running_loop().create_future()
+            await waiter
+        return items.popleft()
+
+
 class EngineDriver:
     """The asyncio face of one engine. Create and use it inside the worker's event loop."""
 
@@ -54,7 +82,7 @@ class EngineDriver:
         self.engine = engine
         self._identity = identity or EngineIdentity("torch", "", "")
         self._loop = asyncio.get_running_loop()
-        self._queues: dict[RequestId, asyncio.Queue[RequestOutput | object]] = {}
+        self._queues: dict[RequestId, _Outputs] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._failure = EngineFailure()
@@ -93,13 +121,13 @@ class EngineDriver:
         for out in outputs:
             queue = self._queues.get(out.request_id)
             if queue is not None:
-                queue.put_nowait(out)
+                queue.put(out)
 
     def _failed(self, reason: str) -> None:
         """On the loop: tell the subscribers first, then every waiter."""
         self._failure.fail(reason)
         for queue in self._queues.values():
-            queue.put_nowait(_ENGINE_FAILED)
+            queue.put(_ENGINE_FAILED)
 
     def _check(self) -> None:
         if self._error is not None:
@@ -121,13 +149,13 @@ class EngineDriver:
         await asyncio.to_thread(self._thread.join, 10.0)
 
     # -- requests ---------------------------------------------------------------------------
-    def _open(self, request_id: RequestId) -> asyncio.Queue[RequestOutput | object]:
+    def _open(self, request_id: RequestId) -> _Outputs:
         self._check()
-        queue: asyncio.Queue[RequestOutput | object] = asyncio.Queue()
+        queue = _Outputs()
         self._queues[request_id] = queue
         return queue
 
-    async def _next(self, queue: asyncio.Queue[RequestOutput | object]) -> RequestOutput:
+    async def _next(self, queue: _Outputs) -> RequestOutput:
         item = await queue.get()
         if item is _ENGINE_FAILED:
             raise UnavailableError(ENGINE_STOPPED)
@@ -139,7 +167,7 @@ class EngineDriver:
         return item
 
     async def _stream(self, request_id: RequestId,
-                      queue: asyncio.Queue[RequestOutput | object]) -> AsyncGenerator[RequestOutput, None]:
+                      queue: _Outputs) -> AsyncGenerator[RequestOutput, None]:
         finished = False
         try:
             while not finished:
@@ -222,7 +250,7 @@ class EngineDriver:
         """Abort in the engine (freeing its blocks) and end the request's stream, if one is open."""
         queue = self._queues.get(request_id)
         if queue is not None:
-            queue.put_nowait(_ABORTED)
+            queue.put(_ABORTED)
         return self.engine.abort(request_id)
 
     def load(self) -> WorkerLoad:
