@@ -37,10 +37,17 @@ for each server measured, then for each plain server the CPU it adds per request
 server, measured in the same run. Without granian its kinds are skipped with a note (on stderr
 with ``--json``).
 
+``--vs REV`` also starts a child serving the doors of commit ``REV`` (its ``pdrouter`` package exported
+with ``git archive`` and put first on the child's ``PYTHONPATH``): each of the router's door kinds
+measured (``http``, ``http_stream``, ``grpc``) runs against it too as ``<kind>_vs``, taking turns
+with the rest, and ``<kind>_c{1,32}_cpu_vs_ratio`` is this tree's door CPU per request over
+``REV``'s (under 1: this tree costs less).
+
 ``--profile PATH`` runs the child under cProfile and writes its stats to PATH (the CPU figures
 are then inflated by the profiler); ``--kinds`` measures a subset.
 
     python benchmarks/frontdoor_bench.py [--quick] [--json] [--kinds http,http_uvicorn,grpc] [--profile out.pstats]
+                                         [--vs REV]
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +73,7 @@ import grpc
 import uvicorn
 from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
+from tracing_overhead import export_tree, tree_environment
 
 from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, space_young_collections, tune_allocator
 from pdrouter.core.tokenizer import ByteTokenizer
@@ -285,15 +294,20 @@ QUICK = Plan(warmup=300, c1=600, c32=2000, rounds=2)
 FULL = Plan(warmup=600, c1=1500, c32=5000, rounds=4)
 
 
-async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Report) -> None:
-    for client in clients.values():
-        await run_phase(client, 32, plan.warmup, Samples(), pid)
+VS_KINDS = ("http", "http_stream", "grpc")
+"""The router's own doors: the kinds ``--vs`` measures against the other commit's too."""
+
+
+async def measure(clients: dict[str, Client], plan: Plan, pids: dict[str, int], report: Report) -> None:
+    """Each kind's phases in turn; a kind's CPU is that of the child ``pids`` names for it."""
+    for kind, client in clients.items():
+        await run_phase(client, 32, plan.warmup, Samples(), pids[kind])
     freeze_startup_heap()  # as the servers do: this process's full collections would land on any kind
     for concurrency, n in ((1, plan.c1), (32, plan.c32)):
         samples = {kind: Samples() for kind in clients}
         for r in range(plan.rounds):
             for kind in (list(clients) if r % 2 == 0 else list(reversed(clients))):
-                await run_phase(clients[kind], concurrency, n, samples[kind], pid)
+                await run_phase(clients[kind], concurrency, n, samples[kind], pids[kind])
         for kind, s in samples.items():
             name = f"{kind}_c{concurrency}"
             report.add(f"{name}_cpu", s.cpu_seconds / len(s.latencies) * 1e6, "us/req")
@@ -305,11 +319,20 @@ async def measure(clients: dict[str, Client], plan: Plan, pid: int, report: Repo
             own = (samples["grpc"].cpu_seconds / len(samples["grpc"].latencies)
                    - samples["grpc_bare"].cpu_seconds / len(samples["grpc_bare"].latencies))
             report.add(f"grpc_own_c{concurrency}_cpu", own * 1e6, "us/req")
+        for kind in VS_KINDS:
+            if kind in samples and f"{kind}_vs" in samples:
+                mine, theirs = samples[kind], samples[f"{kind}_vs"]
+                report.add(f"{kind}_c{concurrency}_cpu_vs_ratio", (mine.cpu_seconds / len(mine.latencies))
+                           / (theirs.cpu_seconds / len(theirs.latencies)), "x")
 
 
-def start_child(profile: str | None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
-    """The serving child and what it printed once up (its addresses, see :func:`serve`)."""
+def start_child(profile: str | None, tree: Path | None = None) -> tuple[subprocess.Popen[str], dict[str, Any]]:
+    """The serving child and what it printed once up (its addresses, see :func:`serve`); with
+    ``tree``, serving that exported ``pdrouter`` package (``--vs``)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if tree is not None:  # the package of the tree first; this folder's helpers after it (PYTHONSAFEPATH drops it)
+        env.update(tree_environment(tree))
+        env["PYTHONPATH"] += os.pathsep + str(Path(__file__).resolve().parent)
     if profile:
         env[_PROFILE_ENV] = str(Path(profile).resolve())
     child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True, env=env)
@@ -353,6 +376,9 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
     report.add("prompt_tokens", len(ids), "tokens")
     report.add("max_tokens", args.max_tokens, "tokens")
     child, where = start_child(args.profile)
+    other: tuple[subprocess.Popen[str], dict[str, Any]] | None = None
+    if args.vs is not None:
+        other = start_child(None, export_tree(args.vs, Path(tempfile.mkdtemp(prefix="frontdoor-vs-"))))
     report.add("event_loop", where["event_loop"])
     if where["http_granian"] is None and (skipped := [k for k in kinds if k.endswith("_granian")]):
         print(f"note: skipping {', '.join(skipped)}: {where['granian_note']}", file=sys.stderr if args.json else None,
@@ -369,15 +395,27 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
             make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
             make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)
         clients: dict[str, Client] = {kind: make[kind]() for kind in kinds}
-        await measure(clients, QUICK if args.quick else FULL, child.pid, report)
+        pids = dict.fromkeys(kinds, child.pid)
+        if other is not None:
+            there = other[1]
+            make_vs: dict[str, Callable[[], Client]] = {
+                "http_vs": lambda: HttpCompletions(HOST, there["http"], MODEL, ids, args.max_tokens, False),
+                "http_stream_vs": lambda: HttpCompletions(HOST, there["http"], MODEL, ids, args.max_tokens, True),
+                "grpc_vs": lambda: RouterGenerate(there["grpc"], MODEL, ids, args.max_tokens)}
+            for kind in VS_KINDS:
+                if kind in clients:
+                    clients[f"{kind}_vs"] = make_vs[f"{kind}_vs"]()
+                    pids[f"{kind}_vs"] = other[0].pid
+        await measure(clients, QUICK if args.quick else FULL, pids, report)
         for client in clients.values():
             await client.close()
     finally:
-        child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(30)
-        except subprocess.TimeoutExpired:
-            child.kill()
+        for proc in (child, *(() if other is None else (other[0],))):
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     compare_servers(report)
     report.emit(args.json)
 
@@ -387,6 +425,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=2, help="tokens per request")
     parser.add_argument("--kinds", default=",".join(DEFAULT_KINDS), help=f"comma-separated subset of {','.join(KINDS)}")
     parser.add_argument("--profile", metavar="PATH", help="run the child under cProfile, stats to PATH")
+    parser.add_argument("--vs", default=None, metavar="REV",
+                        help="also serve the doors of commit REV, measured in turn with this tree's")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
     args = parser.parse_args()
     if args.serve:

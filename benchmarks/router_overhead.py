@@ -52,13 +52,19 @@ like the doors, its own process's CPU in place of the router's. ``colocated_c32_
 is that floor over the HTTP door's whole cost per request: above 1, no gRPC door built on grpcio's
 asyncio server can cost less than the HTTP door.
 
+``--vs REV`` also starts the router of commit ``REV`` (its ``pdrouter`` package exported with ``git
+archive`` and run from ``PYTHONPATH``) beside this tree's, on the same workers and Redis, for the
+short requests: its doors are the kinds ``grpc_vs`` and ``http_vs``, taking turns with the others
+(so drift hits both routers alike), and ``<mode>_c<n>_<door>_cpu_vs_ratio`` is this tree's router
+CPU per request over ``REV``'s (under 1: this tree costs less).
+
 ``--backend sim`` runs the workers as simulated GPUs in instant mode (``--time-scale 0``: no
 sleeping, no model compute), so the figures are the router's and the transport's own, without the
 tiny model's compute (on the tiny model's geometry; tokens are the simulator's).
 
     python benchmarks/router_overhead.py [--quick] [--json] [--max-tokens N] [--prompt TEXT]
                                          [--worker-transport lane|grpc] [--backend torch|sim]
-                                         [--workloads all|short|peers]
+                                         [--workloads all|short|peers] [--vs REV]
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ from typing import Protocol
 import grpc
 from _load import HttpCompletions, RouterGenerate, cpu_seconds
 from _report import Report, base_parser
+from tracing_overhead import export_tree, tree_environment
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.cli.serve import freeze_startup_heap
@@ -289,6 +296,8 @@ class Bench:
     transport: str = "lane"
     backend: str = "torch"
     report: Report = field(default_factory=Report)
+    vs_tree: Path | None = None
+    """``--vs``: the exported package of the commit whose router runs beside this tree's."""
 
     @property
     def sampling(self) -> SamplingParams:
@@ -390,8 +399,8 @@ async def measure_stream(bench: Bench, clients: dict[str, Client]) -> None:
 
 
 @contextlib.contextmanager
-def started(name: str, args: list[str]) -> Iterator[ManagedProcess]:
-    proc = ManagedProcess(name, args)
+def started(name: str, args: list[str], env: dict[str, str] | None = None) -> Iterator[ManagedProcess]:
+    proc = ManagedProcess(name, args, env=env)
     try:
         proc.wait_ready()
         yield proc
@@ -447,20 +456,56 @@ def grpc_floor() -> Iterator[tuple[int, str]]:
         proc.wait(10)
 
 
+@contextlib.contextmanager
+def vs_router(bench: Bench, mode: str) -> Iterator[ManagedProcess | None]:
+    """``--vs``: the other commit's router on the same workers and Redis (None without ``--vs``)."""
+    if bench.vs_tree is None:
+        yield None
+        return
+    with started("router-vs", bench.router_args(mode), env=tree_environment(bench.vs_tree)) as router:
+        yield router
+
+
+def vs_clients(bench: Bench, router: ManagedProcess | None) -> tuple[dict[str, Client], dict[str, int]]:
+    """The ``--vs`` router's doors as kinds ``grpc_vs`` and ``http_vs``, and its pid for each."""
+    if router is None:
+        return {}, {}
+    assert router.grpc_address is not None
+    host, port = _split(router.address)
+    clients: dict[str, Client] = {
+        "grpc_vs": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+        "http_vs": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
+    return clients, {kind: router.proc.pid for kind in clients}
+
+
+def add_vs_ratios(bench: Bench, mode: str) -> None:
+    """This tree's router CPU per request over the ``--vs`` commit's, per door and concurrency."""
+    if bench.vs_tree is None:
+        return
+    for concurrency in (1, 32):
+        for door in ("grpc", "http"):
+            name = f"{mode}_c{concurrency}_{door}"
+            bench.report.add(f"{name}_cpu_vs_ratio", bench.figure(f"{name}_router_cpu")
+                             / bench.figure(f"{name}_vs_router_cpu"), "x")
+
+
 async def colocated(bench: Bench) -> None:
     with started("worker", bench.worker_args("worker")) as worker, \
-            started("router", bench.router_args("colocated")) as router:
+            started("router", bench.router_args("colocated")) as router, \
+            vs_router(bench, "colocated") as other:
         assert worker.address is not None and router.grpc_address is not None
         info = await worker_info(worker.address)
         host, port = _split(router.address)
         with grpc_floor() as (floor_pid, floor_address):
+            vs, vs_pids = vs_clients(bench, other)
             clients: dict[str, Client] = {
                 "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
                 "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
                 "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False),
-                "grpc_floor": RouterGenerate(floor_address, MODEL, bench.ids, bench.max_tokens)}
-            await measure_mode(bench, "colocated", clients, router.proc.pid, {"grpc_floor": floor_pid})
+                "grpc_floor": RouterGenerate(floor_address, MODEL, bench.ids, bench.max_tokens), **vs}
+            await measure_mode(bench, "colocated", clients, router.proc.pid, {"grpc_floor": floor_pid, **vs_pids})
             await _closing(clients)
+        add_vs_ratios(bench, "colocated")
         bench.report.add("colocated_c32_grpc_vs_http_cpu", bench.figure("colocated_c32_grpc_router_cpu")
                          / bench.figure("colocated_c32_http_router_cpu"), "x")
         bench.report.add("colocated_c32_grpc_floor_vs_http_cpu", bench.figure("colocated_c32_grpc_floor_router_cpu")
@@ -476,17 +521,20 @@ async def colocated(bench: Bench) -> None:
 async def disaggregated(bench: Bench) -> None:
     with started("prefill", bench.worker_args("prefill")) as prefill, \
             started("decode", bench.worker_args("decode")) as decode, \
-            started("router", bench.router_args("disaggregated")) as router:
+            started("router", bench.router_args("disaggregated")) as router, \
+            vs_router(bench, "disaggregated") as other:
         assert prefill.address and decode.address and router.grpc_address
         p_info, d_info = await worker_info(prefill.address), await worker_info(decode.address)
         host, port = _split(router.address)
+        vs, vs_pids = vs_clients(bench, other)
         clients: dict[str, Client] = {
             "direct": PdDirect(WorkerLink(p_info, bench.transport), WorkerLink(d_info, bench.transport), bench.ids,
                                bench.sampling, d_info.model_compat_hash),
             "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
-            "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
-        await measure_mode(bench, "disaggregated", clients, router.proc.pid)
+            "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False), **vs}
+        await measure_mode(bench, "disaggregated", clients, router.proc.pid, vs_pids)
         await _closing(clients)
+        add_vs_ratios(bench, "disaggregated")
 
 
 def peer_prompts(kind: str, seed: int) -> Iterator[str]:
@@ -636,6 +684,8 @@ async def main_async() -> None:
     parser.add_argument("--workloads", choices=["all", "short", "peers"], default="all",
                         help="the short requests (colocated, disaggregated, streaming check), the token path "
                              "on the peers' workload, or both")
+    parser.add_argument("--vs", default=None, metavar="REV",
+                        help="also run the router of commit REV beside this tree's on the short requests")
     args = parser.parse_args()
     # Prefill and decode workers refuse to start without the deployment's KV secret: the ones
     # started here (they inherit this environment) share one made for the run.
@@ -645,7 +695,8 @@ async def main_async() -> None:
         model = make_model(MODEL, 0, Path(tmp) / MODEL)
         tokenizer = load_tokenizer(model)
         bench = Bench(model, redis_server.url, tokenizer.encode(args.prompt), tokenizer.encode(STREAM_PROMPT),
-                      args.max_tokens, QUICK if args.quick else FULL, args.worker_transport, args.backend)
+                      args.max_tokens, QUICK if args.quick else FULL, args.worker_transport, args.backend,
+                      vs_tree=None if args.vs is None else export_tree(args.vs, Path(tmp) / "vs"))
         bench.report.add("prompt_tokens", len(bench.ids), "tokens")
         bench.report.add("max_tokens", args.max_tokens, "tokens")
         bench.report.add("worker_transport_lane", int(args.worker_transport == "lane"), "bool")
