@@ -34,6 +34,7 @@ from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
+from pdrouter.worker.whole_outputs import WHOLE_CHUNK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -51,15 +52,37 @@ ENGINE_STOPPED = "this worker's engine stopped after an internal error and serve
 class _Outputs:
     """One request's outputs on their way from the step thread's deliveries to its consumer, on the
     event loop: a deque and at most one waiter (``asyncio.Queue`` keeps bounds, task counts and
-    waiter lists that a channel with one consumer has no use for, at every token)."""
+    waiter lists that a channel with one consumer has no use for, at every token).
 
-    __slots__ = ("items", "waiter")
+    ``whole`` (a caller that does not stream): the first output with tokens goes at once; the
+    tokens of the outputs after it are held and go merged with the finished one (or in outputs of
+    ``WHOLE_CHUNK_TOKENS``), as ``whole_outputs`` merges them, so the consumer wakes twice, not
+    once a step."""
 
-    def __init__(self) -> None:
+    __slots__ = ("first_passed", "held", "items", "waiter", "whole")
+
+    def __init__(self, whole: bool = False) -> None:
         self.items: deque[RequestOutput | object] = deque()
         self.waiter: asyncio.Future[None] | None = None
+        self.whole = whole
+        self.first_passed = False
+        self.held: list[int] = []
 
     def put(self, item: RequestOutput | object) -> None:
+        if self.whole and type(item) is RequestOutput and item.error is None:
+            if not item.finished:
+                if not self.first_passed:
+                    self.first_passed = bool(item.new_token_ids)
+                else:
+                    held = self.held
+                    held.extend(item.new_token_ids)
+                    if len(held) < WHOLE_CHUNK_TOKENS:
+                        return
+                    item = item._replace(new_token_ids=tuple(held))
+                    self.held = []
+            elif self.held:
+                item = item._replace(new_token_ids=(*self.held, *item.new_token_ids))
+                self.held = []
         self.items.append(item)
         waiter = self.waiter
         if waiter is not None:
@@ -149,9 +172,9 @@ class EngineDriver:
         await asyncio.to_thread(self._thread.join, 10.0)
 
     # -- requests ---------------------------------------------------------------------------
-    def _open(self, request_id: RequestId) -> _Outputs:
+    def _open(self, request_id: RequestId, whole: bool = False) -> _Outputs:
         self._check()
-        queue = _Outputs()
+        queue = _Outputs(whole)
         self._queues[request_id] = queue
         return queue
 
@@ -180,11 +203,12 @@ class EngineDriver:
                 self.engine.abort(request_id)
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0
-                 ) -> AsyncGenerator[RequestOutput, None]:
-        """Prefill and decode here; outputs until the finished one. Validation errors raise now.
-        (``trace_headers`` are for engines that trace themselves; this one does not.)"""
-        queue = self._open(request_id)
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0,
+                 whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """Prefill and decode here; outputs until the finished one (``whole``: merged after the first
+        with tokens, see ``_Outputs``). Validation errors raise now. (``trace_headers`` are for
+        engines that trace themselves; this one does not.)"""
+        queue = self._open(request_id, whole)
         try:
             self.engine.add_request(request_id, prompt, sampling, cache_salt=cache_salt, priority=priority)
         except PdRouterError:
@@ -225,13 +249,15 @@ class EngineDriver:
         else:
             await asyncio.to_thread(self.engine.check_remote_kv, request_id)
 
-    def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncGenerator[RequestOutput, None]:
-        """After the KV landed: decode from ``first_token``; yields outputs from the second token on.
+    def decode_remote(self, request_id: RequestId, first_token: int, *,
+                      whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """After the KV landed: decode from ``first_token``; yields outputs from the second token on
+        (``whole``: as ``generate``'s).
 
         When ``first_token`` alone finishes the request, the stream yields one finished output
         with no new tokens.
         """
-        queue = self._open(request_id)
+        queue = self._open(request_id, whole)
         try:
             reason = self.engine.commit_remote(request_id, first_token)
         except BaseException:

@@ -58,9 +58,13 @@ class ServingEngine(Protocol):
     def identity(self) -> EngineIdentity: ...
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0
-                 ) -> AsyncGenerator[RequestOutput, None]:
+                 cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0,
+                 whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode; one output per step with new tokens, the last one ``finished``.
+
+        ``whole``: the caller does not stream. The engine may then pass the first output with
+        tokens at once and hold the rest, merged, for the finish (as ``whole_outputs`` merges them;
+        the caller merges what it gets in any case), so the caller wakes twice, not at every step.
 
         Validation errors raise here, before the stream starts; the engine's own refusals of a
         request raise from the stream, as ``pdrouter.core.errors`` types."""
@@ -108,8 +112,10 @@ class DisaggregatedEngine(ServingEngine, Protocol):
         not finite raises ``TransferError``, and the caller aborts the request."""
         ...
 
-    def decode_remote(self, request_id: RequestId, first_token: int) -> AsyncGenerator[RequestOutput, None]:
-        """After the KV landed: decode from ``first_token``; outputs from the second token on."""
+    def decode_remote(self, request_id: RequestId, first_token: int, *,
+                      whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+        """After the KV landed: decode from ``first_token``; outputs from the second token on
+        (``whole``: as ``generate``'s)."""
         ...
 
     def release(self, request_id: RequestId) -> None:

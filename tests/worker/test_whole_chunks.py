@@ -3,6 +3,9 @@
 * ``whole_outputs`` / ``token_chunks(whole=True)`` (pure logic): every token in one chunk with the
   finish (or in chunks of at most ``WHOLE_CHUNK_TOKENS``), the first by itself before them when
   asked, the same tokens, reason and usage as one chunk per engine output;
+* the driver (a simulated engine behind it): a ``whole`` request's outputs merged at their source,
+  the first with tokens at once and the rest at the finish, so its caller wakes twice, not once a
+  step; the same tokens, reason and usage;
 * real worker processes: a colocated ``Generate`` with ``whole`` set sends one chunk, a decode
   worker's ``Serve`` (remote and local prefill) two (the first token with the report, then the
   rest), the same tokens and usage as without it;
@@ -20,16 +23,21 @@ import grpc
 import pytest
 
 from pdrouter.core.errors import NotFoundError, UnavailableError
+from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.ids import RequestId
+from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tokens import FinishReason, TokenDelta
 from pdrouter.engine.outputs import FinishReason as EngineFinish
 from pdrouter.engine.outputs import RequestOutput
+from pdrouter.engine.sim.config import BYTE_TEXT_TOKENS, SimEngineConfig
+from pdrouter.engine.sim.engine import SimEngine
 from pdrouter.wire.convert import sampling_to_pb
 from pdrouter.wire.grpc_util import grpc_errors
 from pdrouter.wire.lane import ColocatedLane, LaneChannel, LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.wire.worker_client import TokenStream
+from pdrouter.worker.driver import EngineDriver, _Outputs
 from pdrouter.worker.token_chunks import token_chunks
 from pdrouter.worker.whole_outputs import WHOLE_CHUNK_TOKENS, whole_outputs
 
@@ -105,6 +113,59 @@ def generate(stub: worker_pb2_grpc.ColocatedWorkerStub | ColocatedLane, rid: str
              params: SamplingParams = GREEDY) -> AsyncIterator[common_pb2.TokenChunk]:
     return stub.Generate(worker_pb2.WorkerGenerateRequest(  # type: ignore[return-value]
         request_id=rid, prompt_token_ids=PROMPT, sampling=sampling_to_pb(params), whole=whole))
+
+
+def drained(channel: _Outputs) -> list[object]:
+    items = list(channel.items)
+    channel.items.clear()
+    return items
+
+
+def test_a_whole_channel_passes_the_first_tokens_then_holds_the_rest_for_the_finish() -> None:
+    sentinel = object()
+    channel = _Outputs(whole=True)
+    steps = outputs(10)
+    for out in steps[:9]:
+        channel.put(out)
+    assert drained(channel) == [steps[0]]  # the first at once; the next eight held
+    channel.put(steps[9])
+    (last,) = drained(channel)
+    assert isinstance(last, RequestOutput) and last.finished and last.new_token_ids == tuple(range(101, 110))
+    assert last._replace(new_token_ids=()) == steps[9]._replace(new_token_ids=())  # its counts and reason
+    many = outputs(2 * WHOLE_CHUNK_TOKENS + 3)
+    channel = _Outputs(whole=True)
+    for out in many:
+        channel.put(out)
+    sizes = [len(o.new_token_ids) for o in drained(channel)]  # type: ignore[attr-defined]
+    assert sizes == [1, WHOLE_CHUNK_TOKENS, WHOLE_CHUNK_TOKENS, 2] and sum(sizes) == len(many)
+    channel = _Outputs(whole=True)
+    channel.put(steps[0])
+    channel.put(steps[1])
+    channel.put(sentinel)  # an abort or a failed engine is not held
+    assert drained(channel) == [steps[0], sentinel]
+    streamed = _Outputs()
+    for out in steps:
+        streamed.put(out)
+    assert drained(streamed) == steps
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 12])
+async def test_the_driver_merges_a_whole_request_at_its_source(max_tokens: int) -> None:
+    """``whole``: the caller gets at most two outputs, the same tokens, reason and usage as one per step."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got: dict[bool, list[RequestOutput]] = {}
+    for whole in (False, True):
+        driver = EngineDriver(SimEngine(SimEngineConfig(spec=get_model_preset("tiny"), gpu=get_gpu_preset("h100"),
+                                                        time_scale=0.0, num_blocks=64, token_range=BYTE_TEXT_TOKENS)))
+        try:
+            got[whole] = [out async for out in driver.generate(RequestId("r"), PROMPT, sampling, whole=whole)]
+        finally:
+            await driver.close()
+    per_step, at_source = got[False], got[True]
+    assert len(per_step) == max_tokens and len(at_source) == min(2, max_tokens)
+    assert [t for o in at_source for t in o.new_token_ids] == [t for o in per_step for t in o.new_token_ids]
+    assert at_source[-1]._replace(new_token_ids=()) == per_step[-1]._replace(new_token_ids=())
+    assert await merged(at_source) == await merged(per_step)  # what the caller makes of them is the same
 
 
 async def test_colocated_worker_sends_whole_requests_in_one_chunk(spawn_worker: SpawnWorker) -> None:

@@ -172,9 +172,10 @@ class VllmEngine:
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                  extra_args: Mapping[str, Any] | None = None,
                  on_final: Callable[[Any], None] | None = None, *, cache_salt: bytes = b"",
-                 trace_headers: Mapping[str, str] | None = None, priority: int = 0
+                 trace_headers: Mapping[str, str] | None = None, priority: int = 0, whole: bool = False
                  ) -> AsyncGenerator[RequestOutput, None]:
-        """Prefill and decode in vLLM; an output per step with new tokens, the last one finished.
+        """Prefill and decode in vLLM; an output per step with new tokens, the last one finished
+        (``whole`` changes nothing: vLLM's outputs come as they come, and the caller merges them).
 
         Checked here first, as the project's engine checks (``InvalidRequestError`` and kin, nothing
         reaches vLLM): a non-empty prompt of ids in the vocabulary, prompt + ``max_tokens`` within

@@ -44,7 +44,7 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         trace = self.tracing.headers() if self.tracing is not None else None
         async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling,
                                                  cache_salt=request.cache_salt, trace_headers=trace,
-                                                 priority=request.priority)) as outputs:
+                                                 priority=request.priority, whole=request.whole)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 

@@ -195,7 +195,7 @@ class DecodeServe(ServeSetup):
                         # The first token at once (with the report), then the decode stream from the landed KV.
                         yield ReportChunk(report, outcome.first_token)
                         cached = max(decode_cached, outcome.cached_tokens)
-                        decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token)
+                        decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token, whole=order.whole)
                         async with aclosing(decoded) as outputs, \
                                 shaped(outputs, order.whole, first_alone=False) as stream:
                             yield EngineStream(stream, cached_tokens=cached)
@@ -210,8 +210,8 @@ class DecodeServe(ServeSetup):
                 self.driver.abort(RequestId(rid))
                 report = prefill_report(len(prompt), decode_cached, failures, local=True)
                 async with aclosing(self.driver.generate(RequestId(rid), prompt, order.sampling,
-                                                         cache_salt=order.cache_salt,
-                                                         priority=order.priority)) as outputs, \
+                                                         cache_salt=order.cache_salt, priority=order.priority,
+                                                         whole=order.whole)) as outputs, \
                         shaped(outputs, order.whole, first_alone=True) as stream:
                     yield EngineStream(stream, report=report)
                 return
