@@ -34,7 +34,7 @@ from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
-from pdrouter.worker.whole_outputs import WHOLE_CHUNK_TOKENS
+from pdrouter.worker.whole_outputs import WholeMerge
 
 log = logging.getLogger(__name__)
 
@@ -55,34 +55,23 @@ class _Outputs:
     waiter lists that a channel with one consumer has no use for, at every token).
 
     ``whole`` (a caller that does not stream): the first output with tokens goes at once; the
-    tokens of the outputs after it are held and go merged with the finished one (or in outputs of
-    ``WHOLE_CHUNK_TOKENS``), as ``whole_outputs`` merges them, so the consumer wakes twice, not
-    once a step."""
+    tokens of the outputs after it are held and go merged with the finished one (``WholeMerge``,
+    the rule of ``whole_outputs``), so the consumer wakes twice, not once a step."""
 
-    __slots__ = ("first_passed", "held", "items", "waiter", "whole")
+    __slots__ = ("items", "merge", "waiter")
 
     def __init__(self, whole: bool = False) -> None:
         self.items: deque[RequestOutput | object] = deque()
         self.waiter: asyncio.Future[None] | None = None
-        self.whole = whole
-        self.first_passed = False
-        self.held: list[int] = []
+        self.merge = WholeMerge(first_alone=True) if whole else None
 
     def put(self, item: RequestOutput | object) -> None:
-        if self.whole and type(item) is RequestOutput and item.error is None:
-            if not item.finished:
-                if not self.first_passed:
-                    self.first_passed = bool(item.new_token_ids)
-                else:
-                    held = self.held
-                    held.extend(item.new_token_ids)
-                    if len(held) < WHOLE_CHUNK_TOKENS:
-                        return
-                    item = item._replace(new_token_ids=tuple(held))
-                    self.held = []
-            elif self.held:
-                item = item._replace(new_token_ids=(*self.held, *item.new_token_ids))
-                self.held = []
+        merge = self.merge
+        if merge is not None and type(item) is RequestOutput and item.error is None:
+            merged = merge.add(item)
+            if merged is None:
+                return
+            item = merged
         self.items.append(item)
         waiter = self.waiter
         if waiter is not None:
