@@ -375,10 +375,16 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
     report = Report()
     report.add("prompt_tokens", len(ids), "tokens")
     report.add("max_tokens", args.max_tokens, "tokens")
+    # The other commit exported first: a bad REV stops the run before any child starts.
+    vs_tree = None if args.vs is None else export_tree(args.vs, Path(tempfile.mkdtemp(prefix="frontdoor-vs-")))
     child, where = start_child(args.profile)
     other: tuple[subprocess.Popen[str], dict[str, Any]] | None = None
-    if args.vs is not None:
-        other = start_child(None, export_tree(args.vs, Path(tempfile.mkdtemp(prefix="frontdoor-vs-"))))
+    if vs_tree is not None:
+        try:
+            other = start_child(None, vs_tree)
+        except BaseException:
+            child.kill()
+            raise
     report.add("event_loop", where["event_loop"])
     if where["http_granian"] is None and (skipped := [k for k in kinds if k.endswith("_granian")]):
         print(f"note: skipping {', '.join(skipped)}: {where['granian_note']}", file=sys.stderr if args.json else None,

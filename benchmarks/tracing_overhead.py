@@ -80,8 +80,12 @@ def default_baseline() -> str:
 
 
 def export_tree(ref: str, into: Path) -> Path:
-    """The ``pdrouter`` package of ``ref``, written under ``into`` (for PYTHONPATH)."""
-    archive = _git("archive", "--format=tar", ref, "pdrouter")
+    """The ``pdrouter`` package of ``ref``, written under ``into`` (for PYTHONPATH); SystemExit naming
+    the ref when git cannot export it (an unknown commit, a shallow clone without it)."""
+    try:
+        archive = _git("archive", "--format=tar", ref, "pdrouter")
+    except subprocess.CalledProcessError as exc:
+        raise SystemExit(f"cannot export pdrouter at {ref!r}: {exc.stderr.decode(errors='replace').strip()}") from None
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
     return into

@@ -60,7 +60,7 @@ class PackedPrompt(Sequence[int]):
         ids = self._ids
         if ids is None and type(index) is slice and index.step is None:
             start, stop, _ = index.indices(len(self.packed) >> 2)
-            return struct.unpack_from(f"<{max(0, stop - start)}I", self.packed, 4 * start) if stop > start else ()
+            return struct.unpack_from(f"<{stop - start}I", self.packed, 4 * start) if stop > start else ()
         return (self.ids() if ids is None else ids)[index]
 
     def __iter__(self) -> Iterator[int]:
