@@ -142,10 +142,10 @@ class GpuSpec:
     fp8: bool = False
     """FP8 tensor cores (Hopper, Ada, Blackwell): FP8 weights compute faster than BF16."""
     l2_bandwidth_bytes_per_s: float = 0.0
-    """L2 cache read bandwidth; 0: unknown, data read again is costed at the DRAM's bandwidth."""
+    """L2 cache read bandwidth; 0: unknown, data read again from it is taken not to bind."""
     int_convert_per_s: float = 0.0
-    """Integer-to-float conversions per second on the CUDA cores (SMs × clock × the conversions an SM
-    retires per clock); 0: unknown, weight-only dequantization is not costed."""
+    """Type conversions per second on the CUDA cores (SMs × clock × the conversions an SM retires per
+    clock): integer-to-float, and FP8/FP16 to FP32; 0: unknown, conversions are not costed."""
     legacy_mma_fraction: float = 1.0
     """The share of the dense 16-bit peak that kernels built on the previous generation's tensor-core
     instruction (``mma.sync``, Ampere's) can reach: below 1 where the peak needs a newer one (Hopper's
@@ -171,11 +171,6 @@ class GpuSpec:
     def ridge_point(self) -> float:
         """Arithmetic intensity (FLOP/byte) where the roofline turns from bandwidth- to compute-bound."""
         return self.bf16_flops / self.bandwidth_bytes_per_s
-
-    @property
-    def l2_bytes_per_s(self) -> float:
-        """The L2's read bandwidth where known, else the DRAM's."""
-        return self.l2_bandwidth_bytes_per_s or self.bandwidth_bytes_per_s
 
     @property
     def link(self) -> InterconnectSpec:

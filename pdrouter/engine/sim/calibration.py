@@ -39,7 +39,7 @@ from pdrouter.core.errors import ConfigError
 _FRACTIONS = ("mfu", "mbu", "kv_mbu", "attention_mfu", "expert_efficiency")
 _UNIT_INTERVAL = ("serial_fraction", "kv_group_rereads", "legacy_expert_kernels", "host_overlap")
 _POSITIVE = ("fp8_speedup",)
-_INTEGERS = ("graph_max_batch",)
+_INTEGERS = ("graph_max_batch", "kv_group_kernel_size")
 PRESET_KEY = "preset"
 
 
@@ -63,7 +63,16 @@ class Calibration:
     again in a decode step, as a fraction of them: 0 for kernels that load each KV head once for the
     whole group (TensorRT-LLM's XQA, FlashAttention and FlashInfer decode kernels), 1 for a kernel that
     runs one thread block per query head (TensorRT-LLM's masked multi-head attention before XQA).
-    The re-reads are served by the L2 cache (``GpuSpec.l2_bandwidth_bytes_per_s``) at ``kv_mbu``."""
+    Every read passes through the L2 cache (``GpuSpec.l2_bandwidth_bytes_per_s``), which serves the
+    re-reads: the kernel takes the longer of the DRAM's time and the L2's, both at ``kv_mbu``."""
+    kv_group_kernel_size: int = 0
+    """The one query-group size the engine's grouped decode kernel is built for; a model whose groups have
+    another size runs the per-query-head kernel (``kv_group_rereads`` 1). 0: built for every size."""
+    kv_convert_ops: float = 0.0
+    """Conversion instructions per cached KV element, per query head that reads it, in a decode attention
+    kernel that computes in FP32 on the CUDA cores (``GpuSpec.int_convert_per_s``): 1 for a kernel that
+    converts each FP16 or FP8 element to FP32 before its dot products, 0 for tensor-core kernels. The
+    kernel takes the longer of its KV reads and its conversions."""
     attention_mfu: float = 0.5
     """Fraction of the BF16 peak a prefill's attention (QKᵀ and AV) reaches, FlashAttention-class."""
     serial_fraction: float = 0.5
@@ -242,10 +251,14 @@ def _check_value(name: str, value: Any) -> None:
 
 
 _VLLM = Calibration()
-_TRTLLM = Calibration(mbu=0.61, kv_mbu=0.78, serial_fraction=1.0, fp8_speedup=1.73, expert_efficiency=0.59,
-                      legacy_expert_kernels=1.0, expert_layer_overhead_s=5.7e-5, layer_overhead_s=3.0e-5,
-                      fp8_layer_overhead_s=3.6e-5, decode_step_overhead_s=3.4e-4, allreduce_latency_s=1.1e-5,
-                      activation_traffic=0.5, graph_max_batch=4096)
+# TensorRT-LLM 0.8-0.11 shipped its XQA kernels precompiled for groups of 8 query heads per KV head only
+# (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/cubin/xqa_kernel_cubin.h lists "nqpkv_8" single-query
+# kernels and no other size); other groups run the masked multi-head attention kernel, which computes in FP32 on the
+# CUDA cores and so converts each cached element once per query head.
+_TRTLLM = Calibration(mbu=0.6, kv_mbu=0.8, serial_fraction=1.0, fp8_speedup=1.74, expert_efficiency=0.62,
+                      legacy_expert_kernels=1.0, expert_layer_overhead_s=5.2e-5, layer_overhead_s=3.1e-5,
+                      fp8_layer_overhead_s=3.7e-5, decode_step_overhead_s=3.3e-4, allreduce_latency_s=1.0e-5,
+                      activation_traffic=0.5, graph_max_batch=4096, kv_group_kernel_size=8, kv_convert_ops=1.0)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm": _VLLM,
     # vLLM's V0 engine (before 0.8) ran its scheduler, input preparation, sampling and output processing

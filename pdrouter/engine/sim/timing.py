@@ -6,8 +6,9 @@ sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` v
 
     matmuls    c = [2·P_act·T + 2·h·V·S] / tp / (peak·mfu)  [+ W·q / cvt]      m = W / (bw·mbu)
                t_mm = max(c, m) + σ·min(c, m)² / max(c, m)
-    attention  t_att = Σᵢ max( 4·L·H·d·(nᵢcᵢ + nᵢ(nᵢ+1)/2) / tp / (peak_bf16·attention_mfu),
-                               (cᵢ + nᵢ)·KV·[1/bw + ρ·(g−1)/l2] / kv_mbu )  +  T·KV / (bw·mbu)
+    attention  t_att = Σᵢ max( 4·L·H·d·(nᵢcᵢ + nᵢ(nᵢ+1)/2) / tp / (peak_bf16·attention_mfu), (cᵢ + nᵢ)·t_kv )
+                       +  T·KV / (bw·mbu)
+               t_kv  = max( KV·max(1/bw, (1 + ρ(g−1))/l2) / kv_mbu,  E·(1 + ρ(g−1))·u / cvt )
     elementwise t_el = activation_traffic · L·T·(10h + 2(q+kv)/tp + 3·k·I/tp)·a / (bw·mbu)
     collectives t_cc = 2L · allreduce(T·h·a) + [S > 0]·allgather(S·V·a)        (tp > 1)
     fixed      graph-captured decode step: decode_step_overhead + L·decode_layer_overhead
@@ -31,8 +32,13 @@ sequences that sample, ``B`` sequences, ``L`` layers, ``h`` hidden size, ``V`` v
   ½ for FP32; attention runs at the BF16 peak. ``a`` is 2 (activations stay BF16 under FP8).
 * Attention is its own kernel: a prefill's is compute-bound at FlashAttention-class efficiency, a
   decode's reads each sequence's KV at the attention kernel's bandwidth efficiency. A kernel that
-  reads a KV head once per query head of its group of ``g`` (``kv_group_rereads`` ρ = 1) gets the
-  ``g − 1`` re-reads from the L2 cache (``l2``, ``GpuSpec.l2_bandwidth_bytes_per_s``).
+  reads a KV head once per query head of its group of ``g`` (``kv_group_rereads`` ρ = 1, or a group
+  size the engine's grouped kernel is not built for: ``kv_group_kernel_size``) gets the ``g − 1``
+  re-reads from the L2 cache (``l2``, ``GpuSpec.l2_bandwidth_bytes_per_s``), which every read passes
+  through: the DRAM or the L2 binds, whichever is slower (no L2 figure: the DRAM). One that computes
+  in FP32 converts each of a token's ``E`` KV elements per query head that reads it (``u``,
+  ``kv_convert_ops``) at the conversion rate ``cvt``; the kernel takes the longer of reads and
+  conversions.
 * Weight-only 8-bit weights (``ModelSpec.weight_only``) compute at the 16-bit rate, and the kernel
   converts each of the ``W`` weight bytes with ``q`` (``dequant_convert_ops``) conversion
   instructions at the GPU's conversion rate ``cvt`` (``GpuSpec.int_convert_per_s``), on the compute
@@ -58,7 +64,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdrouter.core.capacity import kv_bytes_per_token, weight_bytes_per_rank
+from pdrouter.core.capacity import kv_bytes_per_token, kv_heads_per_rank, weight_bytes_per_rank
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import GpuSpec
 from pdrouter.core.model_spec import DTYPE_BYTES, ModelSpec, normalize_dtype
@@ -175,10 +181,23 @@ class TimingModel:
         self._bytes_rate = gpu.bandwidth_bytes_per_s * cal.mbu
         self._kv_rate = gpu.bandwidth_bytes_per_s * cal.kv_mbu
         group = spec.num_heads // spec.num_kv_heads
-        rereads = cal.kv_group_rereads * (group - 1)
-        self._kv_s_per_token = self.kv_bytes_per_token * (1 / self._kv_rate
-                                                          + rereads / (gpu.l2_bytes_per_s * cal.kv_mbu))
-        """Seconds a decode attention kernel spends per cached token: its KV from DRAM, re-reads from L2."""
+        reread = cal.kv_group_rereads
+        if cal.kv_group_kernel_size and group not in (1, cal.kv_group_kernel_size):
+            reread = 1.0
+        rereads = reread * (group - 1)
+        self.kv_group_reread = reread
+        """The share of a group's query heads beyond the first that read its KV head again in a decode step
+        (``kv_group_rereads``, or 1 where the engine's grouped kernel is not built for this group size)."""
+        kv_read_s = self.kv_bytes_per_token / self._kv_rate
+        if gpu.l2_bandwidth_bytes_per_s > 0:
+            kv_read_s = max(kv_read_s, self.kv_bytes_per_token * (1 + rereads)
+                            / (gpu.l2_bandwidth_bytes_per_s * cal.kv_mbu))
+        kv_elements = 2 * spec.num_layers * kv_heads_per_rank(spec, tp) * spec.head_dim
+        kv_convert_s = (kv_elements * (1 + rereads) * cal.kv_convert_ops / gpu.int_convert_per_s
+                        if gpu.int_convert_per_s > 0 else 0.0)
+        self._kv_s_per_token = max(kv_read_s, kv_convert_s)
+        """Seconds a decode attention kernel spends per cached token: its KV from DRAM, re-reads from L2, or
+        the conversions of its elements to the kernel's arithmetic type, whichever is longer."""
         convert = cal.dequant_convert_ops if spec.weight_only else 0.0
         self._convert_s_per_weight_byte = convert / gpu.int_convert_per_s if gpu.int_convert_per_s > 0 else 0.0
         """Conversion seconds per weight byte a weight-only matmul streams (one weight per byte)."""

@@ -102,6 +102,9 @@ def test_presets_per_engine_and_a_file_on_top_of_one(tmp_path: Path) -> None:
 def test_release_and_variant_presets_differ_from_their_family_in_their_own_fields_only() -> None:
     trt, old = Calibration.preset("trtllm"), Calibration.preset("trtllm-0.6")
     assert trt.kv_group_rereads == 0.0 and old.kv_group_rereads == 1.0
+    # TensorRT-LLM 0.9's XQA kernels were built for groups of 8; its attention computes in FP32 on the CUDA cores.
+    assert trt.kv_group_kernel_size == 8 and trt.kv_convert_ops == 1.0
+    assert Calibration().kv_group_kernel_size == 0 and Calibration().kv_convert_ops == 0.0
     assert dataclasses.replace(old, kv_group_rereads=0.0, fp8_speedup=trt.fp8_speedup) == trt
     compiled = Calibration.preset("torch-compile")
     assert compiled.dequant_convert_ops == 1.0 and Calibration().dequant_convert_ops == 0.0
@@ -134,11 +137,16 @@ def test_calibration_flag_takes_a_preset_or_a_file(tmp_path: Path) -> None:
     ({"dequant_convert_ops": None}, "dequant_convert_ops"),
     ({"legacy_expert_kernels": 2}, "legacy_expert_kernels"),
     ({"expert_layer_overhead_s": -1e-6}, "expert_layer_overhead_s"),
+    ({"kv_group_kernel_size": 4.5}, "kv_group_kernel_size"),
+    ({"kv_group_kernel_size": -8}, "kv_group_kernel_size"),
+    ({"kv_convert_ops": -1}, "kv_convert_ops"),
 ])
 def test_the_new_fields_are_validated(tmp_path: Path, content: dict[str, object], field: str) -> None:
     _refused(_write(tmp_path, "cal.json", json.dumps(content)), repr(field))
 
 
 def test_a_whole_graph_batch_from_json_is_an_int(tmp_path: Path) -> None:
-    cal = Calibration.from_file(_write(tmp_path, "cal.json", json.dumps({"graph_max_batch": 256.0})))
+    cal = Calibration.from_file(_write(tmp_path, "cal.json", json.dumps({"graph_max_batch": 256.0,
+                                                                         "kv_group_kernel_size": 8.0})))
     assert cal.graph_max_batch == 256 and isinstance(cal.graph_max_batch, int)
+    assert cal.kv_group_kernel_size == 8 and isinstance(cal.kv_group_kernel_size, int)

@@ -165,25 +165,75 @@ def test_a_one_shot_all_reduce_pays_per_gpu_and_two_rounds_past_the_directly_lin
         dataclasses.replace(nvswitch, peer_latency_s=-1e-6)
 
 
-def test_a_kernel_that_reads_the_kv_per_query_head_gets_the_rereads_from_l2() -> None:
+def test_a_kernel_that_reads_the_kv_per_query_head_is_bound_by_the_l2_or_the_dram() -> None:
     cal = dataclasses.replace(IDEAL, kv_group_rereads=1.0)
     group = L70.num_heads // L70.num_kv_heads
     xqa, pre = TimingModel(L70, H100, calibration=IDEAL), TimingModel(L70, H100, calibration=cal)
     read = 64 * 2001 * xqa.kv_bytes_per_token
-    extra = pre.decode_step(64, 2000).attention_s - xqa.decode_step(64, 2000).attention_s
-    assert extra == pytest.approx(read * (group - 1) / H100.l2_bandwidth_bytes_per_s, rel=1e-9)
-    # The same DRAM bytes either way; a GPU without an L2 figure re-reads at the DRAM's bandwidth.
+    # Every read goes through the L2, the DRAM serves each byte once: the kernel takes the longer of the two.
+    assert xqa.decode_step(64, 2000).attention_s - pre.decode_step(64, 2000).attention_s == pytest.approx(
+        read / H100.bandwidth_bytes_per_s - read * group / H100.l2_bandwidth_bytes_per_s, rel=1e-9)
+    assert group / H100.l2_bandwidth_bytes_per_s > 1 / H100.bandwidth_bytes_per_s
+    # The same DRAM bytes either way.
     assert pre.decode_step(64, 2000).bytes == xqa.decode_step(64, 2000).bytes
+    # A GPU without an L2 figure: the re-reads are not what binds, the DRAM is.
     nol2 = dataclasses.replace(H100, l2_bandwidth_bytes_per_s=0.0)
-    extra = (TimingModel(L70, nol2, calibration=cal).decode_step(64, 2000).attention_s
-             - xqa.decode_step(64, 2000).attention_s)
-    assert extra == pytest.approx(read * (group - 1) / H100.bandwidth_bytes_per_s, rel=1e-9)
+    assert (TimingModel(L70, nol2, calibration=cal).decode_step(64, 2000).attention_s
+            == xqa.decode_step(64, 2000).attention_s)
+    # A group whose re-reads fit in the L2's headroom costs nothing more (A100: L2 3.5x its DRAM).
+    pairs = dataclasses.replace(L70, num_kv_heads=L70.num_heads // 2)
+    assert (TimingModel(pairs, A100, calibration=cal).decode_step(64, 2000).attention_s
+            == TimingModel(pairs, A100, calibration=IDEAL).decode_step(64, 2000).attention_s)
     # Without groups (one KV head per query head) there is nothing to re-read.
     mha = dataclasses.replace(L8, num_kv_heads=L8.num_heads)
     assert (TimingModel(mha, H100, calibration=cal).decode_step(8, 500).seconds
             == TimingModel(mha, H100, calibration=IDEAL).decode_step(8, 500).seconds)
     with pytest.raises(ConfigError, match="must be >= 0"):
         dataclasses.replace(H100, l2_bandwidth_bytes_per_s=-1.0)
+
+
+def test_a_grouped_kernel_built_for_one_group_size_leaves_the_others_to_the_per_head_kernel() -> None:
+    eight = dataclasses.replace(IDEAL, kv_group_kernel_size=8)
+    per_head = dataclasses.replace(IDEAL, kv_group_rereads=1.0)
+    four = dataclasses.replace(L70, name="g4", num_kv_heads=L70.num_heads // 4)
+    assert L70.num_heads // L70.num_kv_heads == 8
+    # Groups of 8 get the grouped kernel, groups of 4 the per-query-head one.
+    assert TimingModel(L70, H100, calibration=eight).kv_group_reread == 0.0
+    assert TimingModel(four, H100, calibration=eight).kv_group_reread == 1.0
+    assert (TimingModel(four, H100, calibration=eight).decode_step(64, 2000).seconds
+            == TimingModel(four, H100, calibration=per_head).decode_step(64, 2000).seconds)
+    assert (TimingModel(L70, H100, calibration=eight).decode_step(64, 2000).seconds
+            == TimingModel(L70, H100, calibration=IDEAL).decode_step(64, 2000).seconds)
+    # 0: the grouped kernel serves every size.
+    assert TimingModel(four, H100, calibration=IDEAL).kv_group_reread == 0.0
+    # A model without groups has nothing to re-read under any setting.
+    mha = dataclasses.replace(L8, num_kv_heads=L8.num_heads)
+    assert TimingModel(mha, H100, calibration=eight).kv_group_reread == 0.0
+
+
+def test_a_per_head_kernel_that_computes_in_fp32_is_bound_by_its_conversions() -> None:
+    cal = dataclasses.replace(IDEAL, kv_group_rereads=1.0, kv_convert_ops=1.0)
+    fp8 = dataclasses.replace(L8, dtype="float8")
+    group = fp8.num_heads // fp8.num_kv_heads
+    model = TimingModel(fp8, H100, calibration=cal)
+    plain = TimingModel(fp8, H100, calibration=dataclasses.replace(cal, kv_convert_ops=0.0))
+    b, ctx = 120, 1100
+    elements = b * (ctx + 1) * 2 * fp8.num_layers * fp8.num_kv_heads * fp8.head_dim
+    convert_s = elements * group / H100.int_convert_per_s
+    dram_s = b * (ctx + 1) * model.kv_bytes_per_token / H100.bandwidth_bytes_per_s
+    # One FP8 byte an element: each of the group's 4 query heads converts it, at 16 a clock per SM.
+    assert convert_s > dram_s
+    step, base = model.decode_step(b, ctx), plain.decode_step(b, ctx)
+    assert step.attention_s - base.attention_s == pytest.approx(
+        convert_s - max(dram_s, group * dram_s * H100.bandwidth_bytes_per_s / H100.l2_bandwidth_bytes_per_s),
+        rel=1e-9)
+    # The same kernel on one KV head per query head converts each element once: the DRAM still binds.
+    mha = dataclasses.replace(fp8, num_kv_heads=fp8.num_heads)
+    assert (TimingModel(mha, H100, calibration=cal).decode_step(b, ctx).seconds
+            == TimingModel(mha, H100, calibration=dataclasses.replace(cal, kv_convert_ops=0.0))
+            .decode_step(b, ctx).seconds)
+    # A prefill's attention is compute-bound: the decode kernel's conversions do not enter it.
+    assert model.prefill(2048).seconds == plain.prefill(2048).seconds
 
 
 def test_weight_only_8bit_weights_convert_each_weight_and_compute_at_the_16bit_rate() -> None:
