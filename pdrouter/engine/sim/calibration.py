@@ -251,7 +251,7 @@ def _check_value(name: str, value: Any) -> None:
 
 
 _VLLM = Calibration()
-# TensorRT-LLM 0.8-0.11 shipped its XQA kernels precompiled for groups of 8 query heads per KV head only
+# TensorRT-LLM from 0.8 (0.9 included) shipped its XQA kernels precompiled for groups of 8 query heads per KV head only
 # (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/cubin/xqa_kernel_cubin.h lists "nqpkv_8" single-query
 # kernels and no other size); other groups run the masked multi-head attention kernel, which computes in FP32 on the
 # CUDA cores and so converts each cached element once per query head.
