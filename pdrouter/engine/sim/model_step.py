@@ -18,7 +18,8 @@ the byte-level tokenizer, printable ASCII, so that every token is a streamed tex
 
 from __future__ import annotations
 
-import secrets
+import os
+import random
 import struct
 import threading
 import time
@@ -36,6 +37,10 @@ MAX_BEHIND_S = 0.5
 """Wall seconds the chained clock may fall behind before it gives up catching up (restarts at now)."""
 
 _KEY = struct.Struct("<QQ")
+_RANDOM = random.Random()
+"""Keys of unseeded sampled streams: seeded from the OS once (again in a forked child), not a system
+call a request."""
+os.register_at_fork(after_in_child=_RANDOM.seed)
 
 
 @dataclass(frozen=True)
@@ -59,7 +64,7 @@ class SimStepStats:
 def stream_key(request: Request) -> int:
     """The key of a request's token stream (see the module docstring)."""
     if not request.sampling.greedy and request.sampling.seed is None:
-        return secrets.randbits(64)
+        return _RANDOM.getrandbits(64)
     digest = xxhash.xxh3_64(pack_token_ids(request.prompt_token_ids))  # a packed prompt's own bytes
     if request.sampling.seed is not None:
         digest.update(request.sampling.seed.to_bytes(8, "little"))
