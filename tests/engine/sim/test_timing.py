@@ -447,3 +447,27 @@ def test_the_engines_unchecked_step_of_triples_equals_the_step_of_seq_works() ->
     assert model.step_of([]) == model.step([])
     with pytest.raises(ValueError, match="num_new_tokens >= 1"):  # the checked path still checks
         SeqWork(0, 5)
+
+
+def test_a_group_of_four_on_the_trtllm_preset_decodes_at_the_conversion_rate_on_hopper() -> None:
+    """TensorRT-LLM 0.9 built XQA for groups of 8 only: Mistral-7B (groups of 4) with FP8 KV runs the
+    per-query-head kernel, bound by its conversions, which an H100 and an H200 issue at the same rate;
+    a model of one KV head per query head is bound by the DRAM, which the H200 has more of."""
+    trt = Calibration.preset("trtllm")
+    mistral = dataclasses.replace(get_model_preset("mistral-7b"), dtype="float8")
+    mha = dataclasses.replace(mistral, num_kv_heads=mistral.num_heads)
+    h200 = get_gpu_preset("h200")
+    assert H100.int_convert_per_s == h200.int_convert_per_s and h200.bandwidth_bytes_per_s > H100.bandwidth_bytes_per_s
+
+    def attention(spec: object, gpu: object) -> float:
+        return TimingModel(spec, gpu, calibration=trt).decode_step(120, 1100).attention_s  # type: ignore[arg-type]
+
+    assert attention(mistral, H100) == pytest.approx(attention(mistral, h200), rel=0.01)
+    assert attention(mha, h200) < 0.8 * attention(mha, H100)
+    # On an L40S (0.86 TB/s of DRAM) the same kernel's conversions hide under its DRAM reads.
+    l40s = get_gpu_preset("l40s")
+    model = TimingModel(mistral, l40s, calibration=trt)
+    assert model.kv_group_reread == 1.0
+    assert model.decode_step(120, 1100).attention_s == pytest.approx(
+        TimingModel(mistral, l40s, calibration=dataclasses.replace(trt, kv_convert_ops=0.0)).decode_step(120, 1100)
+        .attention_s, rel=1e-9)
