@@ -32,7 +32,6 @@ import os
 import random
 import secrets
 import statistics
-import subprocess
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -42,6 +41,7 @@ from typing import Any
 
 from _load import cpu_seconds
 from _report import Report, base_parser
+from tracing_overhead import export_tree
 
 from pdrouter.cli.local_cluster import ManagedProcess, worker_args
 from pdrouter.core.sampling import SamplingParams
@@ -60,7 +60,6 @@ SUFFIX_TOKENS = 200
 OUTPUT_TOKENS = 16
 TOKEN_RANGE = (32, 127)
 """Prompt ids drawn from printable ASCII (the byte-level tokenizer of a preset's simulated worker)."""
-REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -168,15 +167,6 @@ async def phase(cluster: Cluster, mode: str, whole: bool, n: int, concurrency: i
     cpu0 = sum(cpu_seconds(pid) for pid in pids)
     await asyncio.gather(*(slot() for _ in range(concurrency)))
     return sum(cpu_seconds(pid) for pid in pids) - cpu0, tokens
-
-
-def export_tree(rev: str, into: Path) -> Path:
-    """``rev``'s ``pdrouter`` package, exported into ``into`` (a folder to put on ``PYTHONPATH``)."""
-    into.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "pdrouter"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 @contextlib.contextmanager
