@@ -16,8 +16,9 @@ wider than the GPUs that share direct links (a hybrid cube mesh at 8 GPUs: two d
 
 Two on-chip rates serve mechanisms the datasheets do not price: the L2 cache's bandwidth (an
 attention kernel that reads a KV head once per query head of its group gets the re-reads from L2)
-and the rate at which the CUDA cores convert integers to floating point (a weight-only 8-bit
-matmul converts every weight before it multiplies).
+and the rate at which the CUDA cores convert types (a weight-only 8-bit matmul converts every
+weight before it multiplies; a decode attention kernel that computes in FP32 converts every cached
+KV element it reads).
 
 Memory is the nominal size taken as GiB: an "80 GB" H100 exposes about 80 GiB (81,559 MiB in
 nvidia-smi), which is also the unit HAMi's ``nvidia.com/gpumem`` quota is in (MiB).
