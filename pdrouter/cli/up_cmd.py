@@ -108,6 +108,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"--backend sim: simulated workers per process, grouped by role (default: one per "
                         f"process up to {FLEET_THRESHOLD} workers in all, else up to {FLEET_SIZE})")
     p.add_argument("--kv-backend", choices=["tcp", "gloo"], default="tcp")
+    p.add_argument("--no-cache-aware", action="store_true",
+                   help="the router places prefill by load alone: no prefix-index look-up per request")
     p.add_argument("--once", action="store_true", help="answer one sample request, print it, and stop")
     p.add_argument("--log-dir", type=Path, default=None, help="write each child's output to a file here")
     p.set_defaults(func=run)
@@ -400,7 +402,8 @@ def run(args: argparse.Namespace) -> int:
             # The keys go by the environment (empty: none), never on the command line, which `ps` shows.
             router = spawn("router", ["router", "--model", str(args.model), "--redis", router_url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
-                                      "--grpc-port", str(args.grpc_port), *block_size, "--log-level", "WARNING"],
+                                      "--grpc-port", str(args.grpc_port), *block_size, "--log-level", "WARNING",
+                                      *(["--no-cache-aware"] if args.no_cache_aware else [])],
                            router_env)
             http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")

@@ -50,6 +50,19 @@ def test_the_flags_reach_the_workers_and_the_banner_says_so(tmp_path: Path) -> N
         assert sum(moved.values()) >= 1024 * kv_bytes_per_token(spec) / 3.125e9
 
 
+@pytest.mark.parametrize("cache_aware", [True, False])
+def test_no_cache_aware_places_without_prefix_lookups(cache_aware: bool, tmp_path: Path) -> None:
+    """``--no-cache-aware`` reaches the router: requests are served, and the prefix index is never read."""
+    folder = write_config_folder(get_model_preset("llama-3-8b"), tmp_path / "model")
+    extra = [] if cache_aware else ["--no-cache-aware"]
+    with bring_up(Layout("colocated-2", colocated=2), folder, gpu="h100", time_scale=0.0, extra=extra) as cluster:
+        body = {"model": "model", "prompt": [65] * 256, "max_tokens": 2}
+        for _ in range(3):
+            assert httpx.post(f"{cluster.url}/completions", json=body, timeout=60).status_code == 200
+        lookups = sum(samples(cluster.url, "pdrouter_prefix_lookups_total").values())
+    assert (lookups >= 3) if cache_aware else (lookups == 0), lookups
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--backend", "torch", "--link", "nvlink"], "--link only apply to --backend sim"),
     (["--backend", "torch", "--utilization", "0.5", "--quota-gb", "4"], "--utilization, --quota-gb only apply"),
