@@ -12,11 +12,13 @@ The systems, each in front of instant workers (no model work, so what the router
   relayed back (PD: a prefill hop, then a decode hop), on uvloop, parsing nothing but HTTP. What it
   costs, no Python router can save.
 
-Two layouts: ``cache_aware``, one pool of four workers placed by prefix (pd-router colocated, the peers'
-``--policy cache_aware``); ``pd``, two prefill and two decode workers (pd-router disaggregated; the peers'
-PD modes, ``round_robin``). The workload is the one the peers were first measured with: eight shared
-2,000-character prefixes, a unique 200-character suffix per request, 16 output tokens, non-streamed
-``POST /v1/completions``.
+Two layouts by default: ``cache_aware``, one pool of four workers placed by prefix (pd-router colocated,
+the peers' ``--policy cache_aware``); ``pd``, two prefill and two decode workers (pd-router disaggregated;
+the peers' PD modes, ``round_robin``). A third on request, ``by_load``: the same pool placed without
+looking at prefixes (pd-router ``--no-cache-aware``, by load alone: no prefix-index look-up; the peers'
+``--policy round_robin``), which shows what the prefix matching costs each router. The workload is the
+one the peers were first measured with: eight shared 2,000-character prefixes, a unique 200-character
+suffix per request, 16 output tokens, non-streamed ``POST /v1/completions``.
 
 Per system and layout:
 
@@ -35,7 +37,7 @@ Per system and layout:
 
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
                                       [--systems pd-router,sglang-router,vllm-router,smg,python-relay] [--pin]
-                                      [--layouts cache_aware,pd] [--seconds 8] [--pair-seconds 4]
+                                      [--layouts cache_aware,pd,by_load] [--seconds 8] [--pair-seconds 4]
                                       [--vs REV] [--rounds 3]
 
 ``--vs REV`` measures pd-router only, this tree against commit ``REV`` (its ``pdrouter`` package exported
@@ -78,7 +80,9 @@ PREFIXES, PREFIX_CHARS, SUFFIX_CHARS, TOKENS, CONCURRENCY = 8, 2000, 200, 16, 32
 SYSTEMS = ("pd-router", "sglang-router", "vllm-router", "smg", "python-relay")
 FLOOR = "python-relay"
 """Not a router: ``_python_relay.py``, the floor of any router written in Python (see the module docstring)."""
-LAYOUTS = ("cache_aware", "pd")
+LAYOUTS = ("cache_aware", "pd", "by_load")
+DEFAULT_LAYOUTS = ("cache_aware", "pd")
+ONE_POOL = ("cache_aware", "by_load")
 PEER_MODEL = "instant-model"
 
 
@@ -282,7 +286,7 @@ class Bench:
         regular: list[str] = []
         prefill: list[tuple[str, int]] = []
         decode: list[str] = []
-        if layout == "cache_aware":
+        if layout in ONE_POOL:
             for i in range(4):
                 port = free_port()
                 procs.start(f"worker-{i}", [*worker, "--port", str(port)])
@@ -305,7 +309,7 @@ class Bench:
                   "--prometheus-port", str(metrics)]
         if system == FLOOR:
             relay = [sys.executable, str(HERE / "_python_relay.py"), "--port", str(port)]
-            relay += (["--workers", *regular] if layout == "cache_aware"
+            relay += (["--workers", *regular] if layout in ONE_POOL
                       else ["--prefill", *(url for url, _ in prefill), "--decode", *decode])
             proc = procs.start(system, relay)
             return Row(system, layout, port, PEER_MODEL, {"router": [proc.pid]})
@@ -314,8 +318,8 @@ class Bench:
         else:
             module = "sglang_router.launch_router" if system == "sglang-router" else "smg.launch_router"
             cmd = [self.py, "-m", module, *common, "--log-level", "warn"]
-        if layout == "cache_aware":
-            cmd += ["--worker-urls", *regular, "--policy", "cache_aware"]
+        if layout in ONE_POOL:
+            cmd += ["--worker-urls", *regular, "--policy", "cache_aware" if layout == "cache_aware" else "round_robin"]
         elif system == "vllm-router":
             cmd += ["--vllm-pd-disaggregation"]
             for url, _ in prefill:
@@ -336,8 +340,10 @@ class Bench:
     def start_pdrouter(self, procs: Processes, layout: str, tree: Path | None = None) -> Row:
         """``pdrouter up`` of this checkout, or of the exported package ``tree`` (``--vs``)."""
         port = free_port()
-        shape = (["--mode", "colocated", "--workers", "4"] if layout == "cache_aware"
+        shape = (["--mode", "colocated", "--workers", "4"] if layout in ONE_POOL
                  else ["--mode", "disaggregated", "--prefill", "2", "--decode", "2"])
+        if layout == "by_load":
+            shape.append("--no-cache-aware")
         up = [sys.executable, "-m", "pdrouter", "up", "--backend", "sim", "--time-scale", "0",
               "--model-preset", "llama-3-8b", "--no-api-key", "--http-port", str(port),
               "--grpc-port", str(free_port()), *shape]
@@ -478,7 +484,7 @@ def main() -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--peers-venv", default="/tmp/peers-venv", help="the venv holding the peer routers")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to measure, comma-separated")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="layouts to measure, comma-separated")
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="layouts to measure, comma-separated")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds at concurrency 32")
     parser.add_argument("--pair-seconds", type=float, default=4.0, help="seconds of the paired concurrency-1 run")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each row")
