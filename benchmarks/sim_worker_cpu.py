@@ -19,7 +19,7 @@ trees (the order reversed every round), so that the machine's drift hits both al
 ratios, with ``..._ratio_min`` / ``..._ratio_max``): how many times less CPU a token costs now.
 
     python benchmarks/sim_worker_cpu.py [--quick] [--json] [--vs REV] [--concurrency N] [--mode colocated|pd]
-                                        [--rounds N] [--requests N]
+                                        [--kind stream|whole] [--rounds N] [--requests N]
 """
 
 from __future__ import annotations
@@ -231,6 +231,8 @@ async def main_async() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--mode", choices=("colocated", "pd"), default=None,
                         help="measure this mode only (default: both)")
+    parser.add_argument("--kind", choices=("stream", "whole"), default=None,
+                        help="measure this kind of caller only (default: both)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: 2 with --quick, else 5)")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per phase (default: 64 with --quick, else 192)")
@@ -240,7 +242,8 @@ async def main_async() -> None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     if args.requests is not None:
         plan = dataclasses.replace(plan, requests=args.requests)
-    kinds = [kind for kind in KINDS if args.mode in (None, kind[0])]
+    kinds = [(mode, whole) for mode, whole in KINDS
+             if args.mode in (None, mode) and args.kind in (None, "whole" if whole else "stream")]
     report = Report()
     report.add("concurrency", args.concurrency, "requests")
     report.add("output_tokens", OUTPUT_TOKENS, "tokens")
