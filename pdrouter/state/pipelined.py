@@ -38,7 +38,7 @@ from pdrouter.core.aio import BackgroundTasks
 from pdrouter.state.client import RedisClient, is_cluster_client
 
 
-def encode(args: tuple[Any, ...]) -> bytes:
+def encode(args: Sequence[Any]) -> bytes:
     """A command as RESP: an array of bulk strings (str as UTF-8, int and float as their digits)."""
     parts = [b"*%d\r\n" % len(args)]
     for arg in args:
@@ -54,6 +54,24 @@ def encode(args: tuple[Any, ...]) -> bytes:
         parts.append(data)
         parts.append(b"\r\n")
     return b"".join(parts)
+
+
+class Framed:
+    """A command sent often with one argument that changes: its other arguments encoded once.
+
+    ``Framed(args, at)`` keeps ``args`` (``args[at]`` a placeholder); ``with_arg(value)`` is
+    ``encode`` of ``args`` with ``value`` at ``at``, a join of four pieces instead of a pass over every
+    argument."""
+
+    __slots__ = ("_after", "_before")
+
+    def __init__(self, args: Sequence[Any], at: int) -> None:
+        # ``encode`` of a slice, less its array header: the slice's bulk strings.
+        self._before = b"*%d\r\n" % len(args) + encode(args[:at]).partition(b"\r\n")[2]
+        self._after = encode(args[at + 1:]).partition(b"\r\n")[2]
+
+    def with_arg(self, value: bytes) -> bytes:
+        return b"".join((self._before, b"$%d\r\n" % len(value), value, b"\r\n", self._after))
 
 
 def _error(reply: ResponseError) -> Exception:
@@ -184,11 +202,15 @@ class PipelinedRedis:
 
     def call(self, *args: Any) -> asyncio.Future[Any]:
         """Send a command (now when connected, else once connected); the future of its reply."""
+        return self.send(encode(args))
+
+    def send(self, command: bytes) -> asyncio.Future[Any]:
+        """``call`` of a command already encoded (``encode``, ``Framed``)."""
         conn = self._conn
         if conn is not None:
-            return conn.send(encode(args))
+            return conn.send(command)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._tasks.spawn(self._call_connected(encode(args), fut))
+        self._tasks.spawn(self._call_connected(command, fut))
         return fut
 
     async def evalsha(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:

@@ -57,7 +57,7 @@ from pdrouter.core.aio import BackgroundTasks
 from pdrouter.core.ids import BlockHash, Epoch, WorkerId
 from pdrouter.state.client import RedisClient
 from pdrouter.state.keys import PoolKeys
-from pdrouter.state.pipelined import PipelinedRedis
+from pdrouter.state.pipelined import Framed, PipelinedRedis
 
 HASH_BYTES = 16
 
@@ -306,6 +306,7 @@ class PrefixIndex:
         self._clear = client.register_script(_CLEAR)
         self._sweep = client.register_script(_SWEEP)
         self._lookup = client.register_script(_LOOKUP)
+        self._lookup_framed: tuple[tuple[str, int], Framed] | None = None  # the pipelined lookup, encoded
 
     @staticmethod
     def _member(worker_id: str, epoch: int) -> bytes:
@@ -454,6 +455,7 @@ class PrefixIndex:
         return await self._depths_of(flat)
 
     def _lookup_args(self, hashes: Sequence[BlockHash]) -> list[bytes | int]:
+        """The lookup script's arguments; the hashes second (``_send_lookup`` frames the rest once)."""
         return [self._block_prefix, b"".join(hashes), HASH_BYTES, self.lookup_budget]
 
     async def _call_lookup(self, hashes: Sequence[BlockHash]) -> Any:
@@ -461,7 +463,12 @@ class PrefixIndex:
 
     def _send_lookup(self, hashes: Sequence[BlockHash]) -> asyncio.Future[Any]:
         assert self._pipe is not None
-        return self._pipe.call("EVALSHA", self._lookup.sha, 1, self.keys.prefix_slots, *self._lookup_args(hashes))
+        sha, budget = self._lookup.sha, self.lookup_budget
+        framed = self._lookup_framed
+        if framed is None or framed[0] != (sha, budget):  # the first lookup, or the script was loaded again
+            head = ["EVALSHA", sha, 1, self.keys.prefix_slots]
+            framed = self._lookup_framed = ((sha, budget), Framed([*head, *self._lookup_args([])], len(head) + 1))
+        return self._pipe.send(framed[1].with_arg(b"".join(hashes)))
 
     async def _depths_of(self, flat: Any) -> dict[Incarnation, int]:
         """Incarnation → leading blocks held, from a lookup's reply ``flat``."""

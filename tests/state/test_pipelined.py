@@ -19,7 +19,7 @@ from pdrouter.core.tenants import TenantLimits
 from pdrouter.state.acl import ROUTER_USER, component_users
 from pdrouter.state.client import redis_client
 from pdrouter.state.embedded_redis import EmbeddedRedis, find_redis_server, redis_version
-from pdrouter.state.pipelined import PipelinedRedis, encode
+from pdrouter.state.pipelined import Framed, PipelinedRedis, encode
 from pdrouter.state.prefix_index import PrefixIndex
 from pdrouter.state.reservations import BookingId, DecodeCapacity, KvReservations
 from pdrouter.state.tenant_limits import LimitGrant, LimitRefusal, TenantLimiter
@@ -48,6 +48,19 @@ def test_commands_are_encoded_as_resp_bulk_strings() -> None:
     assert encode(("SET", b"k\r\n", 12, 1.5)) == b"*4\r\n$3\r\nSET\r\n$3\r\nk\r\n\r\n$2\r\n12\r\n$3\r\n1.5\r\n"
     with pytest.raises(TypeError, match="bytes, str, int or float"):
         encode(("SET", True))
+
+
+@pytest.mark.parametrize("at", [0, 2, 4])
+@pytest.mark.parametrize("value", [b"", b"\r\n", bytes(range(256)) * 9])
+def test_a_framed_command_is_the_command_encoded_whole(at: int, value: bytes) -> None:
+    args: list[object] = ["EVALSHA", "ab" * 20, 1, "k", b"x", 16]
+    whole = [*args[:at], value, *args[at + 1:]]
+    assert Framed(args, at).with_arg(value) == encode(whole)
+
+
+async def test_a_framed_command_is_answered_as_its_call(pipe: PipelinedRedis) -> None:
+    assert await pipe.send(Framed(["SET", "framed", b""], 2).with_arg(b"v\r\n1")) == b"OK"
+    assert await pipe.call("GET", "framed") == b"v\r\n1"
 
 
 async def test_concurrent_calls_get_their_own_replies_in_one_connection(pipe: PipelinedRedis,
