@@ -278,15 +278,6 @@ class PoolDispatcher:
                 task.cancel()
             await asyncio.wait(pending, timeout=1.0)
 
-    async def _cached_tokens(self, request: RouterRequest,
-                             candidates: Sequence[WorkerHandle]) -> dict[WorkerId, int]:
-        """Per candidate, the prompt tokens its prefix cache holds (empty without an index).
-
-        A prompt shorter than one block cannot hit, so it costs no lookup.
-        """
-        lookup = self._early_lookup(request, candidates)
-        return {} if lookup is None else await lookup.cached_tokens()
-
     def _early_lookup(self, request: RouterRequest,
                       candidates: Sequence[WorkerHandle] | None = None) -> _Lookup | None:
         """Start the prefix-index lookup of ``request`` among ``candidates`` (default: the prefill
@@ -453,7 +444,8 @@ class PoolDispatcher:
         if not isinstance(self.policy, CacheAware) or len(candidates) < 2 or \
                 len(request.prompt_token_ids) < self.policy.config.min_hit_tokens:
             return None
-        cached = await self._cached_tokens(request, candidates)
+        lookup = self._early_lookup(request, candidates)  # None: a prompt under a block cannot hit
+        cached = {} if lookup is None else await lookup.cached_tokens()
         if max(cached.values(), default=0) < self.policy.config.min_hit_tokens:
             return None
         return self.policy.pick_prefill(request, candidates, cached)

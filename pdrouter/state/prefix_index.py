@@ -472,11 +472,15 @@ class PrefixIndex:
 
     async def _depths_of(self, flat: Any) -> dict[Incarnation, int]:
         """Incarnation → leading blocks held, from a lookup's reply ``flat``."""
+        if flat and int(flat[0]) > self._version:
+            await self._read_table()
+        return self._depths_in(flat)
+
+    def _depths_in(self, flat: Any) -> dict[Incarnation, int]:
+        """``_depths_of`` when the slot table is as new as the reply (no read of it needed)."""
         if not flat:
             return {}
         version = int(flat[0])
-        if version > self._version:
-            await self._read_table()
         table = self._table
         found = [(int(flat[i]), _raw(flat[i + 1])) for i in range(1, len(flat), 2)]
         depth: dict[Incarnation, int] = {}
@@ -491,9 +495,13 @@ class PrefixIndex:
         try:
             return await reply
         except NoScriptError:
-            assert self._pipe is not None
-            await self._pipe.load(self._lookup)
-            return await self._send_lookup(hashes)
+            return await self._resend(hashes)
+
+    async def _resend(self, hashes: Sequence[BlockHash]) -> Any:
+        """A pipelined lookup again, the script loaded first (Redis had lost it: it restarted)."""
+        assert self._pipe is not None
+        await self._pipe.load(self._lookup)
+        return await self._send_lookup(hashes)
 
     async def _read_table(self) -> None:
         """Read the slot table and its version (one ``HGETALL``: one consistent view)."""
@@ -545,11 +553,17 @@ class PendingLookup:
         if self._reply is None or not workers:
             return {}
         index = self._index
+        # ``PrefixIndex._reply`` and ``_depths_of`` written out: no coroutine of their own per lookup.
         if index._pipe is not None:
-            flat = await index._reply(self._reply, self._hashes)
+            try:
+                flat = await self._reply
+            except NoScriptError:
+                flat = await index._resend(self._hashes)
         else:  # the client's call runs on in its task: a cancelled caller does not cut it off mid-reply
             flat = await asyncio.shield(self._reply)
-        return _of_workers(await index._depths_of(flat), workers)
+        if flat and int(flat[0]) > index._version:
+            await index._read_table()
+        return _of_workers(index._depths_in(flat), workers)
 
 
 def _of_workers(depth: dict[Incarnation, int], workers: Sequence[tuple[WorkerId, Epoch]]) -> dict[WorkerId, int]:

@@ -60,13 +60,24 @@ class CacheAware(LeastLoaded):
         its ``priority``); equal scores go to the worker where it pushes back least (``displaced``:
         nothing when every priority is the same, and then nothing changes)."""
         require(candidates, "prefill")
-        cached_tokens = cached_tokens or {}
-        backlogs = {h.worker_id: backlog_tokens(h, priority) for h in candidates}
-        mean = sum(backlogs.values()) / len(candidates)
-        bound = self.config.balance_factor * mean + self.config.balance_slack_tokens
-        eligible = [h for h in candidates if backlogs[h.worker_id] <= bound] or list(candidates)
+        c = self.config
+        cached = cached_tokens or {}
+        backlogs = [backlog_tokens(h, priority) for h in candidates]
+        mean = sum(backlogs) / len(candidates)
+        bound = c.balance_factor * mean + c.balance_slack_tokens
+        eligible = [i for i, backlog in enumerate(backlogs) if backlog <= bound] or range(len(candidates))
         n = len(request.prompt_token_ids)
-        behind = displaced(eligible, priority)
-        return min(eligible, key=lambda h: (self.score(n, cached_tokens.get(h.worker_id, 0), backlogs[h.worker_id],
-                                                       h.load.running + h.inflight),
-                                            behind.get(h.worker_id, ()), h.assigned_tokens, h.worker_id))
+        behind = {} if priority is None else displaced([candidates[i] for i in eligible], priority)
+        # ``score`` written out, once a candidate (a placement runs it for every request); the first of
+        # the least keys wins, as ``min`` picks.
+        floor, per_backlog, per_running = c.min_hit_tokens, c.backlog_weight, c.running_weight_tokens
+        best, best_key = candidates[eligible[0]], None
+        for i in eligible:
+            h = candidates[i]
+            hit = cached.get(h.worker_id, 0)
+            cost = (n - (hit if hit >= floor else 0)) + per_backlog * backlogs[i] \
+                + per_running * (h.load.running + h.inflight)
+            key = (cost, behind.get(h.worker_id, ()), h.assigned_tokens, h.worker_id)
+            if best_key is None or key < best_key:
+                best, best_key = h, key
+        return best

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import Epoch, RequestId, WorkerId
@@ -15,7 +17,7 @@ from pdrouter.core.workers import WorkerLoad, WorkerRecord, WorkerRole
 from pdrouter.router.placement.cache_aware import CacheAware, CacheAwareConfig
 from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.placement.policies import POLICIES, make_policy
-from pdrouter.router.placement.policy import backlog_tokens
+from pdrouter.router.placement.policy import backlog_tokens, displaced
 from pdrouter.router.placement.worker_pool import WorkerHandle
 from pdrouter.router.request import RouterRequest
 
@@ -37,6 +39,31 @@ def make_request(tokens: int = 1000) -> RouterRequest:
 
 def cands(*backlogs: int) -> list[Cand]:
     return [Cand(WorkerId(f"w{i}"), WorkerLoad(queued_prefill_tokens=b)) for i, b in enumerate(backlogs)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(workers=st.lists(st.tuples(st.integers(0, 20_000), st.integers(0, 3_000), st.integers(0, 8), st.integers(0, 3),
+                                  st.integers(0, 5_000)), min_size=1, max_size=6),
+       prompt=st.integers(1, 3_000), priority=st.one_of(st.none(), st.integers(-1, 1)),
+       running_weight=st.sampled_from([0.0, 50.0]))
+def test_the_pick_is_the_least_score_with_its_tie_breaks(workers: list[tuple[int, int, int, int, int]], prompt: int,
+                                                         priority: int | None, running_weight: float) -> None:
+    """``pick_prefill`` against its definition: among the candidates within the balance guard, the
+    least (score, tokens displaced, tokens assigned, worker id), the first of equals."""
+    policy = CacheAware(CacheAwareConfig(running_weight_tokens=running_weight))
+    c = [Cand(WorkerId(f"w{i % 3}{i}"), WorkerLoad(queued_prefill_tokens=q, running=r,
+                                                   queued_prefill_by_priority=((1, q),) if q else ()),
+              inflight=f, assigned_tokens=a) for i, (q, hit, r, f, a) in enumerate(workers)]
+    cached = {h.worker_id: hit for h, (_, hit, *_) in zip(c, workers, strict=True)}
+    request = make_request(prompt)
+    backlogs = {h.worker_id: backlog_tokens(h, priority) for h in c}
+    bound = 1.25 * (sum(backlogs.values()) / len(c)) + 4096
+    eligible = [h for h in c if backlogs[h.worker_id] <= bound] or c
+    behind = displaced(eligible, priority)
+    expected = min(eligible, key=lambda h: (
+        policy.score(prompt, cached[h.worker_id], backlogs[h.worker_id], h.load.running + h.inflight),
+        behind.get(h.worker_id, ()), h.assigned_tokens, h.worker_id))
+    assert policy.pick_prefill(request, c, cached, priority) is expected
 
 
 def test_least_loaded_prefill_and_decode() -> None:
