@@ -465,7 +465,7 @@ class PrefixIndex:
         assert self._pipe is not None
         sha, budget = self._lookup.sha, self.lookup_budget
         framed = self._lookup_framed
-        if framed is None or framed[0] != (sha, budget):  # the first lookup, or the script was loaded again
+        if framed is None or framed[0] != (sha, budget):  # the first lookup, or its hash or budget changed
             head = ["EVALSHA", sha, 1, self.keys.prefix_slots]
             framed = self._lookup_framed = ((sha, budget), Framed([*head, *self._lookup_args([])], len(head) + 1))
         return self._pipe.send(framed[1].with_arg(b"".join(hashes)))
