@@ -31,10 +31,11 @@ log = logging.getLogger(__name__)
 class WorkerCredit:
     """This router's credit on one decode worker incarnation: booked chunks, and what is in use."""
 
-    __slots__ = ("chunks", "held", "idle_timer", "refused_until", "topping_up", "used", "worker")
+    __slots__ = ("chunk_blocks", "chunks", "held", "idle_timer", "refused_until", "topping_up", "used", "worker")
 
-    def __init__(self, worker: DecodeCapacity) -> None:
+    def __init__(self, worker: DecodeCapacity, chunk_blocks: int) -> None:
         self.worker = worker
+        self.chunk_blocks = chunk_blocks  # one chunk of credit on this worker: credit_fraction of its pool
         self.chunks: list[Reservation] = []
         self.held = 0
         self.used = 0
@@ -87,20 +88,25 @@ class CreditBook:
     def take(self, booking_id: BookingId, blocks: int, candidates: Sequence[DecodeCapacity]) -> Reservation | None:
         """Admit from this router's unused credit (no round trip), or None; tops credit up."""
         best: WorkerCredit | None = None
+        best_free = 0
+        credits = self._credits
         for cand in candidates:
-            credit = self._credits.get((cand.worker_id, cand.epoch))
+            credit = credits.get((cand.worker_id, cand.epoch))
             if credit is None:
-                credit = self._credits[(cand.worker_id, cand.epoch)] = WorkerCredit(cand)
-            if credit.free >= blocks and (best is None or credit.free > best.free):
-                best = credit
-            self._maybe_top_up(credit)
+                credit = credits[(cand.worker_id, cand.epoch)] = WorkerCredit(cand, self._chunk_of(cand))
+            free = credit.held - credit.used
+            if free >= blocks and (best is None or free > best_free):
+                best, best_free = credit, free
+            if free * 2 < credit.chunk_blocks and not credit.topping_up:  # else ``_maybe_top_up`` books none
+                self._maybe_top_up(credit)
         if best is None:
             return None
         best.used += blocks
         if best.idle_timer is not None:
             best.idle_timer.cancel()
             best.idle_timer = None
-        self._maybe_top_up(best)
+        if (best_free - blocks) * 2 < best.chunk_blocks and not best.topping_up:
+            self._maybe_top_up(best)
         res = Reservation(booking_id, best.worker.worker_id, best.worker.epoch, blocks, self.config.lease_ms)
         self._lent[booking_id] = best
         return res
@@ -145,12 +151,12 @@ class CreditBook:
             credit.chunks.remove(chunk)
             credit.held -= chunk.blocks
 
-    def _chunk_blocks(self, credit: WorkerCredit) -> int:
-        return max(1, int(credit.worker.capacity_blocks * self.config.credit_fraction))
+    def _chunk_of(self, worker: DecodeCapacity) -> int:
+        return max(1, int(worker.capacity_blocks * self.config.credit_fraction))
 
     def _maybe_top_up(self, credit: WorkerCredit) -> None:
         """Book another chunk when less than half a chunk is left unused (one booking at a time)."""
-        if credit.topping_up or credit.free * 2 >= self._chunk_blocks(credit) or self._someone_waits():
+        if credit.topping_up or credit.free * 2 >= credit.chunk_blocks or self._someone_waits():
             return
         now = time.monotonic()
         if now < credit.refused_until or now < self._paused_until:
@@ -160,7 +166,7 @@ class CreditBook:
 
     async def _top_up(self, credit: WorkerCredit) -> None:
         cfg, worker = self.config, credit.worker
-        chunk = self._chunk_blocks(credit)
+        chunk = credit.chunk_blocks
         # The limit is the script's capacity check: the chunk is booked only if the worker's
         # bookings from every router stay within credit_limit of its pool.
         limit = DecodeCapacity(worker.worker_id, worker.epoch, int(worker.capacity_blocks * cfg.credit_limit))
@@ -188,7 +194,7 @@ class CreditBook:
             self._arm_idle(credit)
 
     def _after_release(self, credit: WorkerCredit) -> None:
-        chunk = self._chunk_blocks(credit)
+        chunk = credit.chunk_blocks
         if credit.free > 2 * chunk:
             self._give_back(credit, keep=credit.used + chunk, urgent=False)
         if credit.used == 0:
