@@ -377,7 +377,7 @@ class FastCycle:
         self._started = True
         # Held in uvicorn's own set of request tasks (as its cycle does), the set its graceful
         # shutdown waits on: a task held anywhere else would be cut off by a shutdown.
-        task = asyncio.get_running_loop().create_task(self._run())
+        task = self.protocol.loop.create_task(self._run())
         self.protocol.tasks.add(task)
         task.add_done_callback(self.protocol.tasks.discard)
 

@@ -68,10 +68,11 @@ class LaneError(StatusError):
 class _Inbox:
     """What one call has received: frames, then at most one terminal status."""
 
-    __slots__ = ("items", "waiter")
+    __slots__ = ("items", "loop", "waiter")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque[tuple[int, int, bytes]] = collections.deque()
+        self.loop = loop
         self.waiter: asyncio.Future[None] | None = None
 
     def put(self, item: tuple[int, int, bytes]) -> None:
@@ -81,7 +82,7 @@ class _Inbox:
 
     async def get(self) -> tuple[int, int, bytes]:
         while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
+            self.waiter = self.loop.create_future()
             await self.waiter
         return self.items.popleft()
 
@@ -270,7 +271,7 @@ class _ClientConnection(_Corked):
             raise LaneError(self.lost_code, self.lost or f"the lane to {self.address} is closed")
         stream = self._next
         self._next = stream + 1 if stream < 0xFFFFFFFF else 1
-        inbox = _Inbox()
+        inbox = _Inbox(self.loop)
         self.calls[stream] = inbox
         if meta:
             self._send(_frame(stream, META, 0, meta))
@@ -398,7 +399,7 @@ class _Call:
         self._conn, self._inbox = conn, inbox
         if self._timeout is not None:
             # The worker enforces the deadline too; this covers a worker that stopped answering.
-            self._timer = asyncio.get_running_loop().call_later(self._timeout + 1.0, self._expire)
+            self._timer = conn.loop.call_later(self._timeout + 1.0, self._expire)
         return inbox
 
     def _expire(self) -> None:

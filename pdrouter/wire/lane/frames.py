@@ -215,11 +215,11 @@ class _Corked(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport = None
         self._out: list[bytes] = []
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()  # the connection's: its calls' futures and timers use it
 
     def _send(self, data: bytes) -> None:
         if not self._out:
-            self._loop.call_soon(self._flush)
+            self.loop.call_soon(self._flush)
         self._out.append(data)
 
     def _flush(self) -> None:
