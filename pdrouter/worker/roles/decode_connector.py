@@ -161,8 +161,11 @@ class ConnectorDecodeServe(ServeSetup):
             log.warning("Serve %s: every prefill route failed; computing the prompt here", order.request_id)
             link.give_up("every prefill worker failed")
         report = prefill_report(prompt_tokens, decode_cached, failures, local=True)
-        return EngineStream(outputs.stream(), report=report,
-                            cached_tokens=None if isinstance(placement, LocalPrefill) else decode_cached)
+        # Computed here with no word of what this engine held (``placement`` None: it could not invite the
+        # KV, or it started producing before the connector said where the prompt goes, which a busy
+        # machine makes likely for a prompt it mostly holds): the engine's own count is the usage's.
+        here = placement is None or isinstance(placement, LocalPrefill)
+        return EngineStream(outputs.stream(), report=report, cached_tokens=None if here else decode_cached)
 
     async def _placement(self, link: ReceiveLink, outputs: EngineOutputs, timeout: float,
                          failures: list[PrefillFailure]) -> Placement | LocalPrefill | Landed | None:
