@@ -23,7 +23,10 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   per token);
 * ``grpc_bare``: the same call to a bare servicer in the same process, on its own ``GrpcServer``,
   that writes ready-made messages (as many, of the same shape) and does nothing else: what
-  grpc.aio itself costs per call of this shape, the floor under the ``grpc`` figures.
+  grpc.aio itself costs per call of this shape, the floor under the ``grpc`` figures;
+* ``grpc_bare_grpclib``: the same bare servicer served by grpclib (the asyncio gRPC server on the
+  ``h2`` library) instead of grpcio, measured only when ``--kinds`` names it and grpclib is
+  installed: the floor a door on the other Python gRPC server would stand on.
 
 Each kind runs at concurrency 1 and 32; phases alternate between kinds over several rounds so
 drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child CPU per request),
@@ -92,7 +95,7 @@ PROMPT = "Hello, world"
 """13 tokens with the byte tokenizer's <bos>."""
 HOST = "127.0.0.1"
 KINDS = ("http", "http_stream", "http_uvicorn", "http_granian", "grpc", "grpc_bare",
-         "http_stream_uvicorn", "http_stream_granian")
+         "http_stream_uvicorn", "http_stream_granian", "grpc_bare_grpclib")
 DEFAULT_KINDS = KINDS[:6]
 SERVERS = {"": "hand-tuned server", "_uvicorn": "uvicorn+httptools", "_granian": "granian"}
 """Kind suffix → the HTTP server it names in the comparison figures."""
@@ -130,6 +133,7 @@ async def serve() -> None:
     http_port, server, http_task = await _serve_uvicorn(lambda port: make_server(app, HOST, port))
     plain_port, plain, plain_task = await _serve_uvicorn(lambda port: _plain_uvicorn(app, port))
     granian, granian_note = await _serve_granian(app)
+    grpclib, grpclib_note = await _serve_grpclib()
     # The fake keeps every request it saw; a long run must not grow the heap without bound.
     dispatcher.requests = _Discard[RouterRequest]()
     dispatcher.completed = _Discard[str]()
@@ -137,6 +141,7 @@ async def serve() -> None:
     space_young_collections()
     addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
                  "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,
+                 "grpc_bare_grpclib": f"{HOST}:{grpclib[0]}" if grpclib else None, "grpclib_note": grpclib_note,
                  "event_loop": type(loop).__module__.split(".")[0]}
     print(f"{_READY} {json.dumps(addresses)}", flush=True)
     if profiler is not None:
@@ -150,6 +155,9 @@ async def serve() -> None:
         granian[1].stop()
     await grpc_server.stop(0)
     await bare_server.stop(0)
+    if grpclib is not None:
+        grpclib[1].close()
+        await grpclib[1].wait_closed()
     await asyncio.gather(http_task, plain_task, *([granian[2]] if granian else []))
 
 
@@ -216,7 +224,7 @@ class _BareRouter(router_pb2_grpc.RouterServicer):
     def __init__(self) -> None:
         self._replies: dict[int, list[router_pb2.GenerateResponse]] = {}
 
-    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+    def replies(self, request: router_pb2.GenerateRequest) -> list[router_pb2.GenerateResponse]:
         n = max(1, request.sampling.max_tokens)
         replies = self._replies.get(n)
         if replies is None:
@@ -225,8 +233,40 @@ class _BareRouter(router_pb2_grpc.RouterServicer):
             replies[-1].usage.prompt_tokens = len(request.token_ids.ids)
             replies[-1].usage.completion_tokens = n
             self._replies[n] = replies
-        for reply in replies:
+        return replies
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        for reply in self.replies(request):
             await context.write(reply)
+
+
+async def _serve_grpclib() -> tuple[tuple[int, Any] | None, str | None]:
+    """``_BareRouter``'s replies served by grpclib on a free port: ((port, server), None), or (None, why
+    not) when grpclib is not installed."""
+    try:
+        from grpclib.const import Cardinality, Handler
+        from grpclib.server import Server, Stream
+    except ImportError as exc:
+        return None, f"grpclib is not installed ({exc}); pip install grpclib to measure it"
+    bare = _BareRouter()
+
+    class BareGrpclib:
+        """grpclib's servicer protocol (``__mapping__``): the one method, unary request, streamed replies."""
+
+        async def generate(self, stream: Stream[router_pb2.GenerateRequest, router_pb2.GenerateResponse]) -> None:
+            request = await stream.recv_message()
+            assert request is not None
+            for reply in bare.replies(request):
+                await stream.send_message(reply)
+
+        def __mapping__(self) -> dict[str, Handler]:
+            return {f"/{SERVICE_NAME}/Generate": Handler(self.generate, Cardinality.UNARY_STREAM,
+                                                           router_pb2.GenerateRequest, router_pb2.GenerateResponse)}
+
+    sock = bind_socket(HOST, 0)
+    server = Server([BareGrpclib()])
+    await server.start(sock=sock)
+    return (sock.getsockname()[1], server), None
 
 
 class _Discard(list[T]):
@@ -390,13 +430,18 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
         print(f"note: skipping {', '.join(skipped)}: {where['granian_note']}", file=sys.stderr if args.json else None,
               flush=True)
         kinds = [k for k in kinds if k not in skipped]
+    if where["grpc_bare_grpclib"] is None and "grpc_bare_grpclib" in kinds:
+        print(f"note: skipping grpc_bare_grpclib: {where['grpclib_note']}", file=sys.stderr if args.json else None,
+              flush=True)
+        kinds.remove("grpc_bare_grpclib")
     try:
         def http(port_of: str, stream: bool) -> Callable[[], Client]:
             return lambda: HttpCompletions(HOST, where[port_of], MODEL, ids, args.max_tokens, stream=stream)
 
         make: dict[str, Callable[[], Client]] = {
             "grpc": lambda: RouterGenerate(where["grpc"], MODEL, ids, args.max_tokens),
-            "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens)}
+            "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens),
+            "grpc_bare_grpclib": lambda: RouterGenerate(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens)}
         for suffix in SERVERS:
             make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
             make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)
