@@ -14,7 +14,8 @@ is encoded before the clock starts):
   ``vllm bench serve``);
 * E2E: the end of the stream (``data: [DONE]``).
 
-Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``…).
+Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``,
+``protocol``, ``stream_error``…).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import asyncio
 import json
 import time
 
-import httpx
+import aiohttp
 
 from pdrouter.bench.stats import RequestRecord
 from pdrouter.bench.workload import RequestSpec
@@ -52,25 +53,47 @@ def _reason(exc: BaseException) -> str:
 _JSON = {"Content-Type": "application/json"}
 
 MAX_DETAIL = 300
+"""Characters of a server's error message kept per failed request."""
 CLIENT_IDLE_S = 2.0
 """Seconds an idle kept-alive connection stays in the client's pool."""
-"""Characters of a server's error message kept per failed request."""
+CONNECT_TIMEOUT_S = 10.0
+"""The most a TCP (and TLS) connect may take, whatever the request's own timeout."""
+MAX_EVENT_BYTES = 1 << 20
+"""Read buffer of a response: one streamed line (an SSE event) may be twice this long."""
 
 
 class CompletionsClient:
-    """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client."""
+    """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client.
+
+    The client is aiohttp's, as in ``vllm bench serve``: its C parsers read a streamed response for
+    less CPU per token than httpx's pure-Python HTTP stack (measured by ``benchmarks/bench_client_cpu.py``;
+    the figures are in ``docs/benchmarks.md``). The load generator shares the machine with what it
+    measures, so what it spends per token is taken from the servers under test.
+    """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 600.0,
                  max_connections: int = 1024) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        # Idle connections are let go after 2 s: sooner than the router's keep-alive idle timeout (5 s by
-        # default, as uvicorn's), so the client never reuses one the router is closing at that moment.
-        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections,
-                              keepalive_expiry=CLIENT_IDLE_S)
-        self._http = httpx.AsyncClient(headers=headers, limits=limits,
-                                       timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)))
+        self._headers = {**_JSON, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+        # Each read of the stream may wait up to timeout_s (a slow server's next token), as may taking a
+        # pooled connection; a connect gets CONNECT_TIMEOUT_S at most.
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s,
+                                              sock_connect=min(CONNECT_TIMEOUT_S, timeout_s))
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The session, made on first use (on the running event loop, as aiohttp wants)."""
+        if self._session is None:
+            # Idle connections are let go after 2 s: sooner than the router's keep-alive idle timeout (5 s
+            # by default, as uvicorn's), so the client never reuses one the router is closing at that moment.
+            connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=CLIENT_IDLE_S)
+            # trust_env: proxies and .netrc from the environment, as before (httpx's default).
+            self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
+                                                  cookie_jar=aiohttp.DummyCookieJar(), trust_env=True,
+                                                  read_bufsize=MAX_EVENT_BYTES)
+        return self._session
 
     def body(self, spec: RequestSpec) -> dict[str, object]:
         return {"model": self.model, "prompt": list(spec.prompt), "max_tokens": spec.max_tokens,
@@ -84,31 +107,32 @@ class CompletionsClient:
         # Encoded before the clock starts: the body is the client's work, not the server's (a
         # 8k-token prompt takes milliseconds to encode on a small machine).
         body = json.dumps(self.body(spec), separators=(",", ":")).encode()
+        http = self._http()
         sent = time.perf_counter()
         last: float | None = None
         chunks = 0
         try:
-            async with self._http.stream("POST", self.url, content=body, headers=_JSON) as response:
-                record.status = response.status_code
-                if response.status_code != 200:
-                    record.error = f"http_{response.status_code}"
-                    record.detail = server_reason(await response.aread())
+            async with http.post(self.url, data=body) as response:
+                record.status = response.status
+                if response.status != 200:
+                    record.error = f"http_{response.status}"
+                    record.detail = server_reason(await response.read())
                     return record
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
+                async for line in response.content:  # one line at a time, each with its b"\n"
+                    if not line.startswith(b"data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
+                    if data == b"[DONE]":
                         # Read on to the end of the body (the servers end it right after): leaving
-                        # early would make httpx close the connection instead of pooling it, and
-                        # every request would pay a TCP connect inside its TTFT.
+                        # early would close the connection instead of pooling it, and every request
+                        # would pay a TCP connect inside its TTFT.
                         record.e2e_s = time.perf_counter() - sent
                         continue
                     now = time.perf_counter()
                     event = json.loads(data)
                     if event.get("error"):
                         record.error = "stream_error"
-                        record.detail = server_reason(data.encode())
+                        record.detail = server_reason(data)
                         return record
                     usage = event.get("usage")
                     if usage:
@@ -127,11 +151,11 @@ class CompletionsClient:
                     else:
                         record.itl_s.append(now - last)
                     last = now
-        except httpx.ConnectError as exc:
+        except aiohttp.ClientConnectorError as exc:  # nothing listens there, or the name does not resolve
             record.error, record.detail = "connect", _reason(exc)
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:  # a connect, a pooled connection or a read that took too long
             record.error, record.detail = "timeout", _reason(exc)
-        except (httpx.HTTPError, json.JSONDecodeError, ValueError) as exc:
+        except (aiohttp.ClientError, ValueError) as exc:  # the server broke the protocol (JSON included)
             record.error, record.detail = "protocol", _reason(exc)
         except asyncio.CancelledError:
             record.error = "cancelled"
@@ -144,4 +168,6 @@ class CompletionsClient:
         return record
 
     async def close(self) -> None:
-        await self._http.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

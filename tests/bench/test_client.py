@@ -55,3 +55,127 @@ async def test_a_chunk_with_empty_text_is_the_first_token() -> None:
     assert len(record.itl_s) == 2  # three token chunks
     assert record.ttft_s is not None and record.e2e_s is not None
     assert record.itl_s[0] >= GAP_S > record.ttft_s  # the first token came before the pause, its text after
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+
+
+async def _send_with(serve: object, **kwargs: float) -> tuple[object, int]:
+    """One request to a server answering with ``serve``: the record, and the connections it accepted."""
+    accepted = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        try:
+            await serve(reader, writer)  # type: ignore[operator]
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = CompletionsClient(f"http://127.0.0.1:{port}/v1", "m", **kwargs)  # type: ignore[arg-type]
+    try:
+        record = await client.send(RequestSpec(0, (1, 2, 3), 3), 0.0, 0.0)
+    finally:
+        await client.close()
+        server.close()
+    return record, accepted
+
+
+async def test_an_error_status_is_recorded_with_the_servers_message() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        body = json.dumps({"error": {"message": "too many requests: retry in 1 s", "type": "rate_limit"}}).encode()
+        writer.write(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert (record.error, record.status, record.detail) == ("http_429", 429, "too many requests: retry in 1 s")
+
+
+async def test_nothing_listening_is_a_connect_error() -> None:
+    probe = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    client = CompletionsClient(f"http://127.0.0.1:{port}/v1", "m")
+    try:
+        record = await client.send(RequestSpec(0, (1,), 1), 0.0, 0.0)
+    finally:
+        await client.close()
+    assert record.error == "connect" and record.detail
+
+
+async def test_a_stream_cut_before_done_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        data = _event("a")
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))  # the body ends, no [DONE]
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert record.error == "protocol" and "[DONE]" in (record.detail or "")
+    assert record.output_tokens == 1 and record.ttft_s is not None
+
+
+async def test_an_error_event_in_the_stream_is_recorded() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        data = b"data: " + json.dumps({"error": {"message": "the worker failed"}}).encode() + b"\n\n"
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(data), data))
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert (record.error, record.detail) == ("stream_error", "the worker failed")
+
+
+async def test_a_server_that_stops_sending_times_out() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)  # no token comes
+
+    record, _ = await _send_with(serve, timeout_s=0.3)
+    assert record.error == "timeout"
+
+
+async def test_requests_reuse_one_kept_alive_connection() -> None:
+    """The body is read to its end after ``[DONE]``, so the connection goes back to the pool."""
+    accepted = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        try:
+            while True:
+                await _read_request(reader)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for data in (_event("a"), _event("b", "length"), b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = CompletionsClient(f"http://127.0.0.1:{port}/v1", "m")
+    try:
+        records = [await client.send(RequestSpec(i, (1, 2), 2), 0.0, 0.0) for i in range(3)]
+    finally:
+        await client.close()
+        server.close()
+    assert all(r.ok and r.output_tokens == 2 for r in records), [r.detail for r in records]
+    assert accepted == 1

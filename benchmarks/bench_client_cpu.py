@@ -1,0 +1,190 @@
+"""The load generator's own CPU per streamed token: ``pdrouter bench``'s client against an instant server.
+
+``pdrouter bench`` shares the machine with the servers it measures, so every microsecond its client
+spends reading a token is taken from them (and a client that falls behind delays the tokens it
+times). This measures that cost alone. A child process serves ``POST /v1/completions`` as an
+OpenAI-compatible server streams it, with no model behind it: one ``data:`` event per token (the
+shape of this router's and vLLM's chunks), then the usage event and ``data: [DONE]``, over chunked
+HTTP/1.1 keep-alive. Another child process runs ``pdrouter.bench.client.CompletionsClient`` (the
+client ``pdrouter bench`` sends every request with), ``--requests`` requests at ``--concurrency``,
+and reports its own CPU time (user + system, all threads) and the tokens it timed.
+
+Figures: ``client_cpu_per_token`` (the client's CPU ÷ tokens, the median of the rounds) and
+``client_cpu_per_request``. ``--vs REV``: the client of commit ``REV`` too (its ``pdrouter`` package
+exported with ``git archive`` and put first on the child's ``PYTHONPATH``), rounds alternating
+between the two trees with the order swapped each round; ``vs_client_cpu_per_token`` is ``REV``'s,
+``client_ratio`` ``REV``'s ÷ this tree's (the median of the rounds' ratios, with ``_min`` and
+``_max``): how many times less CPU a token costs now.
+
+    python benchmarks/bench_client_cpu.py [--quick] [--json] [--vs REV] [--tokens N] [--requests N]
+                                          [--concurrency N] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from _report import Report, base_parser
+from tracing_overhead import export_tree
+
+HOST = "127.0.0.1"
+
+_DRIVER = """
+import asyncio, json, sys, time
+from pdrouter.bench.client import CompletionsClient
+from pdrouter.bench.workload import RequestSpec
+
+url, requests, concurrency, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+
+async def main():
+    client = CompletionsClient(url, "m")
+    async def batch(n):
+        pending = list(range(n))
+        records = []
+        async def caller():
+            while pending:
+                i = pending.pop()
+                records.append(await client.send(RequestSpec(i, tuple(range(64)), tokens), 0.0, 0.0))
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return records
+    await batch(concurrency)  # connections opened and code warm before the clock
+    cpu = time.process_time()
+    records = await batch(requests)
+    cpu = time.process_time() - cpu
+    await client.close()
+    errors = sorted({f"{r.error}: {r.detail}" for r in records if r.error})
+    print(json.dumps({"cpu_s": cpu, "tokens": sum(r.output_tokens for r in records),
+                      "timed": sum(len(r.itl_s) + (r.ttft_s is not None) for r in records), "errors": errors}))
+
+asyncio.run(main())
+"""
+
+
+def serve(port_out: Connection, tokens: int) -> None:
+    """The instant server: every request answered with ``tokens`` token events, usage and [DONE]."""
+    def chunk(data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    def event(body: dict[str, object]) -> bytes:
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    token = chunk(event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+                         "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]}))
+    usage = event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m", "choices": [],
+                   "usage": {"prompt_tokens": 64, "completion_tokens": tokens, "total_tokens": 64 + tokens}})
+    tail = chunk(usage + b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    class Stream(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:  # asyncio's or uvloop's transport
+            self.transport = transport
+            self.buffer = b""
+
+        def data_received(self, data: bytes) -> None:
+            self.buffer += data
+            while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
+                length = next((int(line.split(b":", 1)[1]) for line in self.buffer[:end].split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if len(self.buffer) < end + 4 + length:
+                    return
+                self.buffer = self.buffer[end + 4 + length:]
+                asyncio.get_running_loop().create_task(self.answer())
+
+        async def answer(self) -> None:
+            self.transport.write(head)
+            for i in range(tokens):
+                self.transport.write(token)
+                if i % 16 == 15:  # tokens come in small bursts, as from a server stepping a batch
+                    await asyncio.sleep(0)
+            self.transport.write(tail)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_server(Stream, HOST, 0)
+        port_out.send(server.sockets[0].getsockname()[1])
+        await server.serve_forever()
+
+    try:
+        import uvloop
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+def drive(tree: Path | None, url: str, requests: int, concurrency: int, tokens: int) -> dict[str, object]:
+    """One round of a tree's client in a process of its own: its CPU seconds and tokens."""
+    env = dict(os.environ)
+    if tree is not None:  # PYTHONSAFEPATH: the working directory (this checkout) must not come first
+        env.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
+    done = subprocess.run([sys.executable, "-c", _DRIVER, url, str(requests), str(concurrency), str(tokens)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise SystemExit(f"the client of {tree or 'this tree'} failed:\n{done.stderr.strip()[-2000:]}")
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["errors"]:
+        raise SystemExit(f"the client of {tree or 'this tree'} recorded errors: {result['errors']}")
+    if result["tokens"] != requests * tokens or result["timed"] != requests * tokens:
+        raise SystemExit(f"expected {requests * tokens} tokens, the client counted {result['tokens']} "
+                         f"and timed {result['timed']}")
+    return result
+
+
+def main() -> None:
+    parser = base_parser(__doc__ or "")
+    parser.add_argument("--vs", default=None, metavar="REV", help="also measure this commit's client, in turn")
+    parser.add_argument("--tokens", type=int, default=256, help="tokens streamed per request")
+    parser.add_argument("--requests", type=int, default=None, help="requests per round (default 200; --quick 64)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; --quick 2)")
+    args = parser.parse_args()
+    requests = args.requests or (64 if args.quick else 200)
+    rounds = args.rounds or (2 if args.quick else 5)
+    if min(args.tokens, requests, args.concurrency, rounds) < 1:
+        parser.error("--tokens, --requests, --concurrency and --rounds must be at least 1")
+    report = Report()
+    report.add("tokens_per_request", args.tokens, "tokens")
+    report.add("concurrency", args.concurrency, "requests")
+    with tempfile.TemporaryDirectory(prefix="bench-client-cpu-") as tmp:
+        trees: list[tuple[str, Path | None]] = [("now", None)]
+        if args.vs:
+            trees.append(("vs", export_tree(args.vs, Path(tmp) / "vs")))
+        ctx = mp.get_context("spawn")
+        port_in, port_out = ctx.Pipe(duplex=False)
+        server = ctx.Process(target=serve, args=(port_out, args.tokens), daemon=True)
+        server.start()
+        try:
+            if not port_in.poll(30):
+                raise SystemExit("the instant server did not start")
+            url = f"http://{HOST}:{port_in.recv()}/v1"
+            per_token: dict[str, list[float]] = {label: [] for label, _ in trees}
+            for r in range(rounds):
+                for label, tree in trees if r % 2 == 0 else list(reversed(trees)):
+                    result = drive(tree, url, requests, args.concurrency, args.tokens)
+                    per_token[label].append(float(result["cpu_s"]) / float(result["tokens"]))  # type: ignore[arg-type]
+        finally:
+            server.kill()
+            server.join(10)
+    mine = per_token["now"]
+    report.add("client_cpu_per_token", statistics.median(mine) * 1e6, "us/token")
+    report.add("client_cpu_per_request", statistics.median(mine) * args.tokens * 1e6, "us/req")
+    if args.vs:
+        theirs = per_token["vs"]
+        ratios = [b / a for a, b in zip(mine, theirs, strict=True)]
+        report.add("vs_client_cpu_per_token", statistics.median(theirs) * 1e6, "us/token")
+        report.add("client_ratio", statistics.median(ratios), "x")
+        report.add("client_ratio_min", min(ratios), "x")
+        report.add("client_ratio_max", max(ratios), "x")
+    report.emit(args.json)
+
+
+if __name__ == "__main__":
+    main()
