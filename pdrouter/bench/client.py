@@ -14,6 +14,8 @@ is encoded before the clock starts):
   ``vllm bench serve``);
 * E2E: the end of the stream (``data: [DONE]``).
 
+A chunk's time is when the bytes holding it were read: chunks that arrive in one read share it.
+
 Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``,
 ``protocol``, ``stream_error``…).
 """
@@ -59,7 +61,54 @@ CLIENT_IDLE_S = 2.0
 CONNECT_TIMEOUT_S = 10.0
 """The most a TCP (and TLS) connect may take, whatever the request's own timeout."""
 MAX_EVENT_BYTES = 1 << 20
-"""Read buffer of a response: one streamed line (an SSE event) may be twice this long."""
+"""The longest streamed line (an SSE event) taken; a longer one is a protocol error."""
+
+
+class _Events:
+    """One response's ``data:`` lines into its record: the token steps' times, the usage, an error event."""
+
+    __slots__ = ("chunks", "last", "record", "sent")
+
+    def __init__(self, record: RequestRecord, sent: float) -> None:
+        self.record = record
+        self.sent = sent
+        self.last: float | None = None
+        self.chunks = 0
+
+    def line(self, line: bytes, now: float) -> bool:
+        """Take one line that arrived at ``now``; True when it ended the request (an error event)."""
+        if not line.startswith(b"data:"):
+            return False
+        record = self.record
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            # The caller reads on to the end of the body (the servers end it right after): leaving
+            # early would close the connection instead of pooling it, and every request would pay a
+            # TCP connect inside its TTFT.
+            record.e2e_s = now - self.sent
+            return False
+        event = json.loads(data)
+        if event.get("error"):
+            record.error = "stream_error"
+            record.detail = server_reason(data)
+            return True
+        usage = event.get("usage")
+        if usage:
+            record.output_tokens = int(usage.get("completion_tokens") or 0)
+            details = usage.get("prompt_tokens_details") or {}
+            if details.get("cached_tokens") is not None:
+                record.cached_tokens = int(details["cached_tokens"])
+        # A chunk with a choice is a token step, its text empty or not (an incomplete character, a
+        # special token): time to first token and the gaps count it, as vLLM's benchmark does.
+        if not event.get("choices"):
+            return False
+        self.chunks += 1
+        if self.last is None:
+            record.ttft_s = now - self.sent
+        else:
+            record.itl_s.append(now - self.last)
+        self.last = now
+        return False
 
 
 class CompletionsClient:
@@ -91,8 +140,7 @@ class CompletionsClient:
             connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=CLIENT_IDLE_S)
             # trust_env: proxies and .netrc from the environment, as before (httpx's default).
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
-                                                  cookie_jar=aiohttp.DummyCookieJar(), trust_env=True,
-                                                  read_bufsize=MAX_EVENT_BYTES)
+                                                  cookie_jar=aiohttp.DummyCookieJar(), trust_env=True)
         return self._session
 
     def body(self, spec: RequestSpec) -> dict[str, object]:
@@ -109,8 +157,7 @@ class CompletionsClient:
         body = json.dumps(self.body(spec), separators=(",", ":")).encode()
         http = self._http()
         sent = time.perf_counter()
-        last: float | None = None
-        chunks = 0
+        events = _Events(record, sent)
         try:
             async with http.post(self.url, data=body) as response:
                 record.status = response.status
@@ -118,39 +165,20 @@ class CompletionsClient:
                     record.error = f"http_{response.status}"
                     record.detail = server_reason(await response.read())
                     return record
-                async for line in response.content:  # one line at a time, each with its b"\n"
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        # Read on to the end of the body (the servers end it right after): leaving
-                        # early would close the connection instead of pooling it, and every request
-                        # would pay a TCP connect inside its TTFT.
-                        record.e2e_s = time.perf_counter() - sent
-                        continue
+                # The bytes as they arrive, split into lines here: one call per read, not one per line
+                # (most reads under load hold several events). The events of one read share its time.
+                pending = b""
+                async for piece in response.content.iter_any():
                     now = time.perf_counter()
-                    event = json.loads(data)
-                    if event.get("error"):
-                        record.error = "stream_error"
-                        record.detail = server_reason(data)
-                        return record
-                    usage = event.get("usage")
-                    if usage:
-                        record.output_tokens = int(usage.get("completion_tokens") or 0)
-                        details = usage.get("prompt_tokens_details") or {}
-                        if details.get("cached_tokens") is not None:
-                            record.cached_tokens = int(details["cached_tokens"])
-                    # A chunk with a choice is a token step, its text empty or not (an incomplete
-                    # character, a special token): time to first token and the gaps count it, as
-                    # vLLM's benchmark does.
-                    if not event.get("choices"):
-                        continue
-                    chunks += 1
-                    if last is None:
-                        record.ttft_s = now - sent
-                    else:
-                        record.itl_s.append(now - last)
-                    last = now
+                    lines = (pending + piece).split(b"\n") if pending else piece.split(b"\n")
+                    pending = lines.pop()  # the start of a line the next read ends
+                    if len(pending) > MAX_EVENT_BYTES:
+                        raise ValueError(f"a streamed line longer than {MAX_EVENT_BYTES} bytes")
+                    for line in lines:
+                        if events.line(line, now):
+                            return record
+                if pending and events.line(pending, time.perf_counter()):
+                    return record
         except aiohttp.ClientConnectorError as exc:  # nothing listens there, or the name does not resolve
             record.error, record.detail = "connect", _reason(exc)
         except TimeoutError as exc:  # a connect, a pooled connection or a read that took too long
@@ -162,7 +190,7 @@ class CompletionsClient:
             raise
         finally:
             if not record.output_tokens:
-                record.output_tokens = chunks
+                record.output_tokens = events.chunks
         if record.e2e_s is None and not record.error:
             record.error, record.detail = "protocol", "the stream ended without data: [DONE]"
         return record

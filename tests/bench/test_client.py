@@ -179,3 +179,35 @@ async def test_requests_reuse_one_kept_alive_connection() -> None:
         server.close()
     assert all(r.ok and r.output_tokens == 2 for r in records), [r.detail for r in records]
     assert accepted == 1
+
+
+async def test_events_split_across_reads_and_a_last_line_without_newline_are_read() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        first, second = _event("a"), _event("b", "length")
+        for piece in (first[:9], first[9:] + second[:20], second[20:], b"data: [DONE]"):  # no final newline
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # each piece its own read
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert record.ok, record.detail
+    assert record.output_tokens == 2 and len(record.itl_s) == 1 and record.e2e_s is not None
+
+
+async def test_a_line_that_never_ends_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        piece = b"x" * (256 << 10)
+        for _ in range(6):  # 1.5 MiB without a newline
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert record.error == "protocol" and "longer than" in (record.detail or "")
