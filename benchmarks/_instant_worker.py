@@ -12,7 +12,10 @@ and ignored.
 HTTP/1.1 with keep-alive over asyncio, parsed by ``httptools`` (a dependency already): one process,
 one event loop, a few tens of microseconds of CPU a request, so that what a router adds stands out.
 
-    python benchmarks/_instant_worker.py --port 18201 [--role regular|prefill|decode] [--tokens 16]
+A streamed answer goes in one write, or (``--burst N``) N events at a time with the event loop let
+run between writes, as from a server stepping a batch: what a client reading the stream pays per read.
+
+    python benchmarks/_instant_worker.py --port 18201 [--role regular|prefill|decode] [--tokens 16] [--burst N]
 """
 
 from __future__ import annotations
@@ -142,8 +145,9 @@ class Worker:
 class Connection(asyncio.Protocol):
     """One client connection: parse requests as they come, answer each in order."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, burst: int = 0) -> None:
         self.worker = worker
+        self.burst = burst
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -190,8 +194,21 @@ class Connection(asyncio.Protocol):
                      "transfer-encoding: chunked\r\n\r\n".encode()]
             parts += [f"{len(event):x}\r\n".encode() + event + b"\r\n" for event in body]
             parts.append(b"0\r\n\r\n")
+            if self.burst:
+                asyncio.get_running_loop().create_task(self._write_bursts(transport, parts))
+                return
             transport.write(b"".join(parts))
         if not self.parser.should_keep_alive():
+            transport.close()
+
+    async def _write_bursts(self, transport: asyncio.Transport, parts: list[bytes]) -> None:
+        """The head and ``burst`` events a write, the loop let run between writes (a client does not pipeline)."""
+        keep_alive = self.parser.should_keep_alive()
+        transport.write(parts[0])
+        for start in range(1, len(parts), self.burst):
+            await asyncio.sleep(0)
+            transport.write(b"".join(parts[start:start + self.burst]))
+        if not keep_alive:
             transport.close()
 
 
@@ -206,9 +223,9 @@ async def serve_until_stopped(protocol: Callable[[], asyncio.Protocol], port: in
         await stop.wait()
 
 
-async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None) -> None:
+async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None, burst: int = 0) -> None:
     worker = Worker(role, tokens, port, bootstrap_port)
-    await serve_until_stopped(lambda: Connection(worker), port)
+    await serve_until_stopped(lambda: Connection(worker, burst), port)
 
 
 def main() -> None:
@@ -218,9 +235,13 @@ def main() -> None:
     parser.add_argument("--role", choices=["regular", "prefill", "decode"], default="regular")
     parser.add_argument("--tokens", type=int, default=16, help="tokens in every answer (prefill: 1)")
     parser.add_argument("--bootstrap-port", type=int, default=None, help="reported to SGLang's PD router")
+    parser.add_argument("--burst", type=int, default=0,
+                        help="write a streamed answer this many events at a time (0: all in one write)")
     args = parser.parse_args()
+    if args.burst < 0:
+        parser.error("--burst must be 0 or more")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.role, args.tokens, args.bootstrap_port))
+        asyncio.run(serve(args.port, args.role, args.tokens, args.bootstrap_port, args.burst))
 
 
 if __name__ == "__main__":

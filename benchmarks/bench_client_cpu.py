@@ -2,10 +2,10 @@
 
 ``pdrouter bench`` shares the machine with the servers it measures, so every microsecond its client
 spends reading a token is taken from them (and a client that falls behind delays the tokens it
-times). This measures that cost alone. A child process serves ``POST /v1/completions`` as an
-OpenAI-compatible server streams it, with no model behind it: one ``data:`` event per token (the
-shape of this router's and vLLM's chunks), then the usage event and ``data: [DONE]``, over chunked
-HTTP/1.1 keep-alive. Another child process runs ``pdrouter.bench.client.CompletionsClient`` (the
+times). This measures that cost alone. ``_instant_worker.py`` serves ``POST /v1/completions`` as an
+OpenAI-compatible server streams it, with no model behind it: one ``data:`` event per token, then
+``data: [DONE]``, over chunked HTTP/1.1 keep-alive, written 16 events at a time (``--burst``). A child
+process runs ``pdrouter.bench.client.CompletionsClient`` (the
 client ``pdrouter bench`` sends every request with), ``--requests`` requests at ``--concurrency``,
 and reports its own CPU time (user + system, all threads) and the tokens it timed.
 
@@ -22,22 +22,24 @@ between the two trees with the order swapped each round; ``vs_client_cpu_per_tok
 
 from __future__ import annotations
 
-import asyncio
 import json
-import multiprocessing as mp
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-from multiprocessing.connection import Connection
+import time
 from pathlib import Path
-from typing import Any
 
 from _report import Report, base_parser
+from router_peers import free_port
 from tracing_overhead import export_tree
 
 HOST = "127.0.0.1"
+HERE = Path(__file__).resolve().parent
+BURST = 16
+"""Events the server writes at a time (a server stepping a batch sends several tokens together)."""
 
 _DRIVER = """
 import asyncio, json, sys, time
@@ -70,54 +72,21 @@ asyncio.run(main())
 """
 
 
-def serve(port_out: Connection, tokens: int) -> None:
-    """The instant server: every request answered with ``tokens`` token events, usage and [DONE]."""
-    def chunk(data: bytes) -> bytes:
-        return b"%x\r\n%s\r\n" % (len(data), data)
-
-    def event(body: dict[str, object]) -> bytes:
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
-    token = chunk(event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
-                         "choices": [{"index": 0, "text": "x", "logprobs": None, "finish_reason": None}]}))
-    usage = event({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m", "choices": [],
-                   "usage": {"prompt_tokens": 64, "completion_tokens": tokens, "total_tokens": 64 + tokens}})
-    tail = chunk(usage + b"data: [DONE]\n\n") + b"0\r\n\r\n"
-
-    class Stream(asyncio.Protocol):
-        def connection_made(self, transport: Any) -> None:  # asyncio's or uvloop's transport
-            self.transport = transport
-            self.buffer = b""
-
-        def data_received(self, data: bytes) -> None:
-            self.buffer += data
-            while (end := self.buffer.find(b"\r\n\r\n")) >= 0:
-                length = next((int(line.split(b":", 1)[1]) for line in self.buffer[:end].split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                if len(self.buffer) < end + 4 + length:
-                    return
-                self.buffer = self.buffer[end + 4 + length:]
-                asyncio.get_running_loop().create_task(self.answer())
-
-        async def answer(self) -> None:
-            self.transport.write(head)
-            for i in range(tokens):
-                self.transport.write(token)
-                if i % 16 == 15:  # tokens come in small bursts, as from a server stepping a batch
-                    await asyncio.sleep(0)
-            self.transport.write(tail)
-
-    async def main() -> None:
-        server = await asyncio.get_running_loop().create_server(Stream, HOST, 0)
-        port_out.send(server.sockets[0].getsockname()[1])
-        await server.serve_forever()
-
-    try:
-        import uvloop
-        uvloop.run(main())
-    except ImportError:
-        asyncio.run(main())
+def start_server(tokens: int) -> tuple[subprocess.Popen[bytes], str]:
+    """``_instant_worker.py`` streaming ``tokens`` tokens an answer in bursts; it and its base URL, once it listens."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(HERE / "_instant_worker.py"), "--port", str(port),
+                               "--tokens", str(tokens), "--burst", str(BURST)])
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection((HOST, port), timeout=1).close()
+            return server, f"http://{HOST}:{port}/v1"
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise SystemExit("the instant server did not start") from None
+            time.sleep(0.1)
 
 
 def drive(tree: Path | None, url: str, requests: int, concurrency: int, tokens: int) -> dict[str, object]:
@@ -157,22 +126,16 @@ def main() -> None:
         trees: list[tuple[str, Path | None]] = [("now", None)]
         if args.vs:
             trees.append(("vs", export_tree(args.vs, Path(tmp) / "vs")))
-        ctx = mp.get_context("spawn")
-        port_in, port_out = ctx.Pipe(duplex=False)
-        server = ctx.Process(target=serve, args=(port_out, args.tokens), daemon=True)
-        server.start()
+        server, url = start_server(args.tokens)
         try:
-            if not port_in.poll(30):
-                raise SystemExit("the instant server did not start")
-            url = f"http://{HOST}:{port_in.recv()}/v1"
             per_token: dict[str, list[float]] = {label: [] for label, _ in trees}
             for r in range(rounds):
                 for label, tree in trees if r % 2 == 0 else list(reversed(trees)):
                     result = drive(tree, url, requests, args.concurrency, args.tokens)
                     per_token[label].append(float(result["cpu_s"]) / float(result["tokens"]))  # type: ignore[arg-type]
         finally:
-            server.kill()
-            server.join(10)
+            server.terminate()
+            server.wait(10)
     mine = per_token["now"]
     report.add("client_cpu_per_token", statistics.median(mine) * 1e6, "us/token")
     report.add("client_cpu_per_request", statistics.median(mine) * args.tokens * 1e6, "us/req")
