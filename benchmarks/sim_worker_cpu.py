@@ -8,6 +8,12 @@ over TCP with MACs, then decodes). Workload: 8 shared 2,000-token prefixes each 
 unique 200-token suffix, 16 output tokens (``ignore_eos``), concurrency 32, over the workers' lanes;
 streamed (a chunk per token) and ``whole`` (a non-streaming caller: the tokens in one chunk).
 
+``--time-scale S`` runs the simulated GPUs at time scale ``S`` instead (1: each step takes its modeled
+time, as in a load test at time scale 1; the workers sleep between steps, so each step wakes them with
+cold caches), and ``--output-tokens N`` asks ``N`` tokens a request: with many tokens a request, the
+per-token cost of a stream (a step's outputs handed to the event loop, a chunk through the worker's
+layers and onto its lane) outweighs the per-request one.
+
 Per mode and kind: ``<mode>_<kind>_cpu_per_token``: the CPU time of the worker processes (all their
 threads, from each process's CPU-time clock, over the measured phases) ÷ the output tokens they
 produced; ``..._cpu_per_request`` the same per request.
@@ -20,6 +26,7 @@ ratios, with ``..._ratio_min`` / ``..._ratio_max``): how many times less CPU a t
 
     python benchmarks/sim_worker_cpu.py [--quick] [--json] [--vs REV] [--concurrency N] [--mode colocated|pd]
                                         [--kind stream|whole] [--rounds N] [--requests N]
+                                        [--time-scale S] [--output-tokens N]
 """
 
 from __future__ import annotations
@@ -68,6 +75,10 @@ class Plan:
     """Requests per phase."""
     rounds: int
     warmup: int
+    output_tokens: int = OUTPUT_TOKENS
+    """Tokens a request asks for."""
+    time_scale: float = 0.0
+    """The simulated GPUs' time scale (0: instant)."""
 
 
 QUICK = Plan(requests=64, rounds=2, warmup=32)
@@ -117,6 +128,7 @@ class Cluster:
 
     label: str
     procs: dict[str, ManagedProcess]
+    output_tokens: int = OUTPUT_TOKENS
     packed: bool = True
     """Its workers take a packed prompt (``prompt_token_bytes``), as a router of their tree sends it."""
     links: dict[str, Link] = field(default_factory=dict)
@@ -133,7 +145,7 @@ class Cluster:
 
     async def once(self, mode: str, whole: bool, prompt: list[int]) -> int:
         rid = f"{self.label}-{next(self.seq)}"
-        sampling = sampling_to_pb(SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True))
+        sampling = sampling_to_pb(SamplingParams(max_tokens=self.output_tokens, temperature=0.0, ignore_eos=True))
         sent: dict[str, Any] = ({"prompt_token_bytes": pack_token_ids(prompt)} if self.packed
                                 else {"prompt_token_ids": prompt})
         if mode == "colocated":
@@ -170,8 +182,9 @@ async def phase(cluster: Cluster, mode: str, whole: bool, n: int, concurrency: i
 
 
 @contextlib.contextmanager
-def workers(label: str, redis_url: str, pythonpath: Path | None) -> Iterator[dict[str, ManagedProcess]]:
-    sim = ["--model-preset", PRESET, "--gpu", GPU, "--time-scale", "0"]
+def workers(label: str, redis_url: str, pythonpath: Path | None,
+            time_scale: float = 0.0) -> Iterator[dict[str, ManagedProcess]]:
+    sim = ["--model-preset", PRESET, "--gpu", GPU, "--time-scale", f"{time_scale:g}"]
     # PYTHONSAFEPATH: the working directory (this checkout, when run from it) must not come first.
     env = {"PYTHONPATH": str(pythonpath), "PYTHONSAFEPATH": "1"} if pythonpath is not None else None
     procs: dict[str, ManagedProcess] = {}
@@ -206,15 +219,15 @@ async def measure(clusters: list[Cluster], plan: Plan, concurrency: int, report:
         for cluster in clusters if r % 2 == 0 else list(reversed(clusters)):
             for mode, whole in kinds:
                 seconds, tokens = await phase(cluster, mode, whole, plan.requests, concurrency, source)
-                if tokens != plan.requests * OUTPUT_TOKENS:
+                if tokens != plan.requests * plan.output_tokens:
                     raise RuntimeError(f"{cluster.label} {mode}: {tokens} tokens, expected "
-                                       f"{plan.requests * OUTPUT_TOKENS}")
+                                       f"{plan.requests * plan.output_tokens}")
                 cpu[cluster.label, (mode, whole)].append(seconds / tokens)
     for mode, whole in kinds:
         name = kind_name(mode, whole)
         mine = cpu["now", (mode, whole)]
         report.add(f"{name}_cpu_per_token", statistics.median(mine) * 1e6, "us/token")
-        report.add(f"{name}_cpu_per_request", statistics.median(mine) * OUTPUT_TOKENS * 1e6, "us/req")
+        report.add(f"{name}_cpu_per_request", statistics.median(mine) * plan.output_tokens * 1e6, "us/req")
         if len(clusters) > 1:
             theirs = cpu["vs", (mode, whole)]
             ratios = [b / a for a, b in zip(mine, theirs, strict=True)]
@@ -236,17 +249,26 @@ async def main_async() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default: 2 with --quick, else 5)")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per phase (default: 64 with --quick, else 192)")
+    parser.add_argument("--time-scale", type=float, default=0.0, metavar="S",
+                        help="the simulated GPUs' time scale (default: 0, instant; 1: modeled step times)")
+    parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS, metavar="N",
+                        help=f"tokens a request asks for (default: {OUTPUT_TOKENS})")
     args = parser.parse_args()
     plan = QUICK if args.quick else FULL
     if args.rounds is not None:
         plan = dataclasses.replace(plan, rounds=args.rounds)
     if args.requests is not None:
         plan = dataclasses.replace(plan, requests=args.requests)
+    if args.time_scale < 0 or args.output_tokens < 1:
+        parser.error(f"--time-scale must be >= 0 and --output-tokens >= 1, got {args.time_scale:g} and "
+                     f"{args.output_tokens}")
+    plan = dataclasses.replace(plan, output_tokens=args.output_tokens, time_scale=args.time_scale)
     kinds = [(mode, whole) for mode, whole in KINDS
              if args.mode in (None, mode) and args.kind in (None, "whole" if whole else "stream")]
     report = Report()
     report.add("concurrency", args.concurrency, "requests")
-    report.add("output_tokens", OUTPUT_TOKENS, "tokens")
+    report.add("output_tokens", plan.output_tokens, "tokens")
+    report.add("time_scale", plan.time_scale, "x")
     report.add("prompt_tokens", PREFIX_TOKENS + SUFFIX_TOKENS, "tokens")
     # Prefill and decode workers refuse to start without the deployment's KV secret.
     if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):
@@ -261,7 +283,8 @@ async def main_async() -> None:
         for label, path in trees:
             redis_server = stack.enter_context(EmbeddedRedis())
             packed = path is None or "prompt_token_bytes" in (path / "pdrouter/wire/v1/worker_pb2.pyi").read_text()
-            clusters.append(Cluster(label, stack.enter_context(workers(label, redis_server.url, path)), packed))
+            procs = stack.enter_context(workers(label, redis_server.url, path, plan.time_scale))
+            clusters.append(Cluster(label, procs, plan.output_tokens, packed))
         for cluster in clusters:
             await cluster.connect()
         try:
