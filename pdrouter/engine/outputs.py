@@ -6,7 +6,7 @@ values only (block ids, token ids), never tensors.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -97,6 +97,14 @@ class RequestOutput(NamedTuple):
     prefill: PrefillResult | None = None
     error: str | None = None
     """With ``finish_reason == ERROR``: why the request could not be computed (no internals)."""
+
+
+OutputSink = Callable[[RequestOutput], bool]
+"""Where a stream's unfinished outputs may go as the engine delivers them, on the event loop, instead of
+through the stream's consumer: a streaming call's writer that sends them on at once, so the consumer is
+not woken for every token. It returns False when it cannot take one now; the stream then yields that
+output as usual. An engine calls it only while the consumer waits with nothing queued, so the order holds;
+an engine may also never call it (every output then comes through the stream)."""
 
 
 @dataclass(frozen=True)

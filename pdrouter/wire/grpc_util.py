@@ -76,7 +76,10 @@ def from_rpc_error(err: grpc.RpcError | grpc.aio.UsageError) -> PdRouterError:
 
 
 def grpc_errors(fn: F) -> F:
-    """Decorate a servicer method (unary or async-generator) to map PdRouterError to a status."""
+    """Decorate a servicer method (unary or async-generator) to map PdRouterError to a status.
+
+    The wrapper keeps the method it wraps as ``maps_errors_of``: a server that maps errors the same
+    way itself (the lane) calls that instead, one frame less for every message of a stream."""
     if inspect.isasyncgenfunction(fn):
         @functools.wraps(fn)
         async def stream_wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext,
@@ -87,6 +90,7 @@ def grpc_errors(fn: F) -> F:
             except PdRouterError as exc:
                 await context.abort(status_code(exc), exc.message)
 
+        stream_wrapper.maps_errors_of = fn  # type: ignore[attr-defined]
         return stream_wrapper  # type: ignore[return-value]
 
     @functools.wraps(fn)
@@ -96,6 +100,7 @@ def grpc_errors(fn: F) -> F:
         except PdRouterError as exc:
             await context.abort(status_code(exc), exc.message)
 
+    unary_wrapper.maps_errors_of = fn  # type: ignore[attr-defined]
     return unary_wrapper  # type: ignore[return-value]
 
 

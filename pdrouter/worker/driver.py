@@ -33,7 +33,7 @@ from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.batch_engine import BatchEngine
 from pdrouter.engine.health import EngineFailure
-from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
+from pdrouter.engine.outputs import KvReservation, OutputSink, PrefillResult, RequestOutput
 from pdrouter.worker.whole_outputs import WholeMerge
 
 log = logging.getLogger(__name__)
@@ -58,12 +58,13 @@ class _Outputs:
     tokens of the outputs after it are held and go merged with the finished one (``WholeMerge``,
     the rule of ``whole_outputs``), so the consumer wakes twice, not once a step."""
 
-    __slots__ = ("items", "merge", "waiter")
+    __slots__ = ("items", "merge", "sink", "waiter")
 
-    def __init__(self, whole: bool = False) -> None:
+    def __init__(self, whole: bool = False, sink: OutputSink | None = None) -> None:
         self.items: deque[RequestOutput | object] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.merge = WholeMerge(first_alone=True) if whole else None
+        self.sink = None if whole else sink
 
     def put(self, item: RequestOutput | object) -> None:
         merge = self.merge
@@ -72,8 +73,13 @@ class _Outputs:
             if merged is None:
                 return
             item = merged
-        self.items.append(item)
         waiter = self.waiter
+        # The sink takes an unfinished output only while the consumer waits with nothing queued: every
+        # output before this one has then gone through the consumer (or the sink), so order holds.
+        if (waiter is not None and self.sink is not None and not self.items and type(item) is RequestOutput
+                and not item.finished and item.error is None and self.sink(item)):
+            return
+        self.items.append(item)
         if waiter is not None:
             self.waiter = None
             if not waiter.done():
@@ -161,14 +167,15 @@ class EngineDriver:
         await asyncio.to_thread(self._thread.join, 10.0)
 
     # -- requests ---------------------------------------------------------------------------
-    def _open(self, request_id: RequestId, whole: bool = False) -> _Outputs:
+    def _open(self, request_id: RequestId, whole: bool = False, sink: OutputSink | None = None) -> _Outputs:
         self._check()
-        queue = _Outputs(whole)
+        queue = _Outputs(whole, sink)
         self._queues[request_id] = queue
         return queue
 
-    async def _next(self, queue: _Outputs) -> RequestOutput:
-        item = await queue.get()
+    @staticmethod
+    def _checked(item: RequestOutput | object) -> RequestOutput:
+        """The output ``item`` is; raises what it stands for when it is a failure or an end."""
         if item is _ENGINE_FAILED:
             raise UnavailableError(ENGINE_STOPPED)
         if item is _ABORTED:
@@ -178,12 +185,21 @@ class EngineDriver:
             raise PdRouterError(f"the engine could not compute this request ({item.error}); it serves on")
         return item
 
+    async def _next(self, queue: _Outputs) -> RequestOutput:
+        return self._checked(await queue.get())
+
     async def _stream(self, request_id: RequestId,
                       queue: _Outputs) -> AsyncGenerator[RequestOutput, None]:
+        # ``_next`` inlined, with the loop at hand: this runs once per token of every stream, and each
+        # coroutine it awaits would be one more frame for every output to pass through.
         finished = False
+        items, loop, checked = queue.items, self._loop, self._checked
         try:
             while not finished:
-                out = await self._next(queue)
+                while not items:
+                    waiter = queue.waiter = loop.create_future()
+                    await waiter
+                out = checked(items.popleft())
                 finished = out.finished
                 yield out
         finally:
@@ -193,11 +209,11 @@ class EngineDriver:
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
                  cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0,
-                 whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+                 whole: bool = False, sink: OutputSink | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode here; outputs until the finished one (``whole``: merged after the first
-        with tokens, see ``_Outputs``). Validation errors raise now. (``trace_headers`` are for
-        engines that trace themselves; this one does not.)"""
-        queue = self._open(request_id, whole)
+        with tokens, see ``_Outputs``; ``sink``: see ``OutputSink``). Validation errors raise now.
+        (``trace_headers`` are for engines that trace themselves; this one does not.)"""
+        queue = self._open(request_id, whole, sink)
         try:
             self.engine.add_request(request_id, prompt, sampling, cache_salt=cache_salt, priority=priority)
         except PdRouterError:
@@ -238,15 +254,15 @@ class EngineDriver:
         else:
             await asyncio.to_thread(self.engine.check_remote_kv, request_id)
 
-    def decode_remote(self, request_id: RequestId, first_token: int, *,
-                      whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+    def decode_remote(self, request_id: RequestId, first_token: int, *, whole: bool = False,
+                      sink: OutputSink | None = None) -> AsyncGenerator[RequestOutput, None]:
         """After the KV landed: decode from ``first_token``; yields outputs from the second token on
         (``whole``: as ``generate``'s).
 
         When ``first_token`` alone finishes the request, the stream yields one finished output
         with no new tokens.
         """
-        queue = self._open(request_id, whole)
+        queue = self._open(request_id, whole, sink)
         try:
             reason = self.engine.commit_remote(request_id, first_token)
         except BaseException:

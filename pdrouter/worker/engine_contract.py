@@ -36,7 +36,7 @@ from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.workers import EngineIdentity, WorkerLoad
-from pdrouter.engine.outputs import KvReservation, PrefillResult, RequestOutput
+from pdrouter.engine.outputs import KvReservation, OutputSink, PrefillResult, RequestOutput
 
 
 @runtime_checkable
@@ -59,12 +59,15 @@ class ServingEngine(Protocol):
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
                  cache_salt: bytes = b"", trace_headers: Mapping[str, str] | None = None, priority: int = 0,
-                 whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+                 whole: bool = False, sink: OutputSink | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode; one output per step with new tokens, the last one ``finished``.
 
         ``whole``: the caller does not stream. The engine may then pass the first output with
         tokens at once and hold the rest, merged, for the finish (as ``whole_outputs`` merges them;
         the caller merges what it gets in any case), so the caller wakes twice, not at every step.
+
+        ``sink`` (a streaming caller; ignored with ``whole``): the engine may hand it unfinished outputs
+        as they come instead of yielding them (``OutputSink``); the finished one is always yielded.
 
         Validation errors raise here, before the stream starts; the engine's own refusals of a
         request raise from the stream, as ``pdrouter.core.errors`` types."""
@@ -112,10 +115,10 @@ class DisaggregatedEngine(ServingEngine, Protocol):
         not finite raises ``TransferError``, and the caller aborts the request."""
         ...
 
-    def decode_remote(self, request_id: RequestId, first_token: int, *,
-                      whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+    def decode_remote(self, request_id: RequestId, first_token: int, *, whole: bool = False,
+                      sink: OutputSink | None = None) -> AsyncGenerator[RequestOutput, None]:
         """After the KV landed: decode from ``first_token``; outputs from the second token on
-        (``whole``: as ``generate``'s)."""
+        (``whole`` and ``sink``: as ``generate``'s)."""
         ...
 
     def release(self, request_id: RequestId) -> None:

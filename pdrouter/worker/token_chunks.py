@@ -4,13 +4,29 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
-from pdrouter.engine.outputs import FinishReason, RequestOutput
+from pdrouter.engine.outputs import FinishReason, OutputSink, RequestOutput
 from pdrouter.wire.v1 import common_pb2
 from pdrouter.worker.whole_outputs import whole_outputs
 
 _FINISH_TO_PB = {FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
                  FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH}
+
+
+def chunk_sink(request_id: str, context: Any) -> OutputSink | None:
+    """For a streaming call over the lane: an ``OutputSink`` that sends each unfinished output as its
+    chunk at once (``LaneContext.send_nowait``), the chunk :func:`token_chunks` would have yielded. None
+    for a gRPC call, whose context cannot send outside the handler's iteration."""
+    send_nowait = getattr(context, "send_nowait", None)
+    if send_nowait is None:
+        return None
+    chunk = common_pb2.TokenChunk
+
+    def sink(out: RequestOutput) -> bool:
+        return bool(send_nowait(chunk(request_id=request_id, token_ids=out.new_token_ids)))
+
+    return sink
 
 
 async def token_chunks(request_id: str, outputs: AsyncIterator[RequestOutput], cached_tokens: int | None = None,

@@ -34,6 +34,7 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
         self.started: list[str] = []
         self.closed: list[str] = []
         self.metadata: dict[str, tuple[tuple[str, str], ...]] = {}
+        self.contexts: dict[str, object] = {}
 
     @grpc_errors
     async def Allocate(self, request: worker_pb2.AllocateRequest, context: object) -> worker_pb2.AllocateResponse:
@@ -50,11 +51,16 @@ class FakeDecode(worker_pb2_grpc.DecodeWorkerServicer):
     async def Generate(self, request: worker_pb2.DecodeRequest,
                        context: object) -> AsyncIterator[common_pb2.TokenChunk]:
         self.started.append(request.request_id)
+        self.contexts[request.request_id] = context
+        push = request.request_id.startswith("push")
         try:
             for i in range(request.sampling.max_tokens):
                 if request.request_id.startswith("stall") and i == 2:
                     await asyncio.sleep(30)
-                yield common_pb2.TokenChunk(request_id=request.request_id, token_ids=[i])
+                chunk = common_pb2.TokenChunk(request_id=request.request_id, token_ids=[i])
+                # "push": even tokens sent from outside the iteration (as a worker's engine sends them)
+                if not (push and i % 2 == 0 and context.send_nowait(chunk)):  # type: ignore[attr-defined]
+                    yield chunk
                 await asyncio.sleep(0)
             yield common_pb2.TokenChunk(request_id=request.request_id, finish_reason=common_pb2.FINISH_REASON_LENGTH)
         finally:
@@ -102,6 +108,25 @@ async def test_unary_and_streaming_calls_share_one_connection(served: tuple) -> 
     assert sorted(servicer.closed) == sorted(f"r{i}" for i in range(200))
     assert server.active_calls == 0
     assert (await stub.Release(worker_pb2.ReleaseRequest(request_id="a"))).released
+
+
+async def test_messages_sent_from_outside_the_stream_keep_their_order(served: tuple) -> None:
+    """``LaneContext.send_nowait``: a message sent while the handler waits goes out in its place, framed
+    as the handler's own; once writes are paused, or the call is over, it is refused (False)."""
+    server, servicer, stub, _ = served
+    chunks = [c async for c in stub.Generate(generate("push-1", 9))]
+    assert [t for c in chunks for t in c.token_ids] == list(range(9))
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    over = servicer.contexts["push-1"]
+    assert over.send_nowait(common_pb2.TokenChunk(token_ids=[99])) is False  # the call ended
+    (conn,) = server._connections
+    conn._writable.clear()  # the connection's writes paused: every token is yielded, still in order
+    paused = asyncio.ensure_future(stub.Generate(generate("push-2", 5)).__aiter__().__anext__())
+    await eventually(lambda: "push-2" in servicer.contexts)
+    assert servicer.contexts["push-2"].send_nowait(common_pb2.TokenChunk(token_ids=[99])) is False
+    conn._writable.set()
+    assert list((await paused).token_ids) == [0]
+    await eventually(lambda: server.active_calls == 0)
 
 
 async def test_errors_keep_their_grpc_status(served: tuple) -> None:

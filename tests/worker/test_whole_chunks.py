@@ -149,6 +149,78 @@ def test_a_whole_channel_passes_the_first_tokens_then_holds_the_rest_for_the_fin
     assert drained(streamed) == steps
 
 
+async def test_a_sink_takes_outputs_only_while_the_consumer_waits_with_nothing_queued() -> None:
+    taken: list[RequestOutput] = []
+    accept = True
+
+    def sink(out: RequestOutput) -> bool:
+        if accept:
+            taken.append(out)
+        return accept
+
+    steps = outputs(6)
+    channel = _Outputs(sink=sink)
+    channel.put(steps[0])  # nobody waits: queued
+    channel.waiter = asyncio.get_running_loop().create_future()
+    channel.put(steps[1])  # somebody waits, but an output is queued before it: queued too
+    assert taken == [] and drained(channel) == steps[:2] and channel.waiter is None
+    waiter = channel.waiter = asyncio.get_running_loop().create_future()
+    channel.put(steps[2])  # the consumer waits with nothing queued: the sink takes it, the consumer sleeps on
+    assert taken == [steps[2]] and not channel.items and not waiter.done()
+    accept = False
+    channel.put(steps[3])  # refused: queued, and the consumer woken
+    assert drained(channel) == [steps[3]] and waiter.done()
+    accept = True
+    channel.waiter = asyncio.get_running_loop().create_future()
+    failed = steps[4]._replace(finish_reason=EngineFinish.ERROR, finished=True, error="boom")
+    channel.put(failed)  # a failure is never the sink's
+    channel.waiter = asyncio.get_running_loop().create_future()
+    channel.put(steps[5])  # nor the finish
+    assert taken == [steps[2]] and drained(channel) == [failed, steps[5]]
+    whole = _Outputs(whole=True, sink=sink)
+    whole.waiter = asyncio.get_running_loop().create_future()
+    whole.put(steps[0])  # a whole request has no sink
+    assert taken == [steps[2]] and drained(whole) == [steps[0]]
+
+
+@pytest.mark.parametrize("refuse_every", [0, 2, 3])
+async def test_a_streams_outputs_through_its_sink_and_the_stream_are_in_order(refuse_every: int) -> None:
+    """A driver's stream with a sink: the outputs the sink took and those the stream yielded, in the order
+    they arrived, are the outputs of a stream without one (the finish always yielded), whichever the sink
+    refuses."""
+    sampling = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    arrived: list[tuple[str, RequestOutput]] = []
+    offered = 0
+
+    def sink(out: RequestOutput) -> bool:
+        nonlocal offered
+        offered += 1
+        if refuse_every and offered % refuse_every == 0:
+            return False
+        arrived.append(("sink", out))
+        return True
+
+    got: dict[bool, list[RequestOutput]] = {}
+    for with_sink in (False, True):
+        driver = EngineDriver(SimEngine(SimEngineConfig(spec=get_model_preset("tiny"), gpu=get_gpu_preset("h100"),
+                                                        time_scale=0.0, num_blocks=64, token_range=BYTE_TEXT_TOKENS)))
+        try:
+            stream = driver.generate(RequestId("r"), PROMPT, sampling, sink=sink if with_sink else None)
+            yielded = []
+            async for out in stream:
+                yielded.append(out)
+                arrived.append(("stream", out))
+                await asyncio.sleep(0.001)  # a slow consumer: some outputs find it busy
+            got[with_sink] = yielded
+        finally:
+            await driver.close()
+    plain = got[False]
+    in_order = [out for _, out in arrived[len(plain):]]
+    assert in_order == plain
+    assert arrived[-1] == ("stream", plain[-1]) and plain[-1].finished
+    assert any(where == "sink" for where, _ in arrived)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 12])
 async def test_the_driver_merges_a_whole_request_at_its_source(max_tokens: int) -> None:
     """``whole``: the caller gets at most two outputs, the same tokens, reason and usage as one per step."""

@@ -56,7 +56,7 @@ from pdrouter.core.workers import EngineIdentity, WorkerLoad
 from pdrouter.engine.events import BlockEventSink
 from pdrouter.engine.health import EngineFailure
 from pdrouter.engine.model_folder import read_model_folder
-from pdrouter.engine.outputs import FinishReason, RequestOutput
+from pdrouter.engine.outputs import FinishReason, OutputSink, RequestOutput
 from pdrouter.engine.validation import validate_request
 from pdrouter.engine.vllm.config import VllmEngineConfig
 from pdrouter.engine.vllm.events import KvEventTranslator
@@ -172,10 +172,11 @@ class VllmEngine:
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
                  extra_args: Mapping[str, Any] | None = None,
                  on_final: Callable[[Any], None] | None = None, *, cache_salt: bytes = b"",
-                 trace_headers: Mapping[str, str] | None = None, priority: int = 0, whole: bool = False
-                 ) -> AsyncGenerator[RequestOutput, None]:
+                 trace_headers: Mapping[str, str] | None = None, priority: int = 0, whole: bool = False,
+                 sink: OutputSink | None = None) -> AsyncGenerator[RequestOutput, None]:
         """Prefill and decode in vLLM; an output per step with new tokens, the last one finished
-        (``whole`` changes nothing: vLLM's outputs come as they come, and the caller merges them).
+        (``whole`` changes nothing: vLLM's outputs come as they come, and the caller merges them;
+        ``sink`` is not used: every output comes through the stream, which the contract allows).
 
         Checked here first, as the project's engine checks (``InvalidRequestError`` and kin, nothing
         reaches vLLM): a non-empty prompt of ids in the vocabulary, prompt + ``max_tokens`` within

@@ -24,6 +24,7 @@ import hmac
 import logging
 import secrets
 import time
+import types
 from collections.abc import Callable
 from ssl import SSLContext
 from typing import Any, cast
@@ -89,13 +90,25 @@ class LaneAbort(Exception):
 
 class LaneContext:
     """The part of ``grpc.aio.ServicerContext`` the worker servicers use (``abort``, ``time_remaining``,
-    ``invocation_metadata``)."""
+    ``invocation_metadata``), and :meth:`send_nowait`, which a gRPC context lacks."""
 
-    __slots__ = ("deadline", "metadata")
+    __slots__ = ("_conn", "_stream", "deadline", "metadata")
 
-    def __init__(self, deadline: float | None, metadata: Metadata = ()) -> None:
+    def __init__(self, deadline: float | None, metadata: Metadata = (), conn: _ServerConnection | None = None,
+                 stream: int = 0) -> None:
         self.deadline = deadline
         self.metadata = metadata
+        self._conn = conn
+        self._stream = stream
+
+    def send_nowait(self, message: Message) -> bool:
+        """Send one message of this streaming call now, from outside its handler's iteration: from a
+        callback that has the next message before the handler would be woken to yield it. False when
+        the connection cannot take it now (its writes are paused, it is closing, or the call is over):
+        the handler yields it then. The caller keeps the order: only when every message the handler
+        yielded has been sent (the handler is waiting for its next one)."""
+        conn = self._conn
+        return conn is not None and conn.send_now(self._stream, message)
 
     def invocation_metadata(self) -> Metadata:
         """The call's metadata (its ``META`` frame's pairs; empty without one)."""
@@ -484,7 +497,7 @@ class _ServerConnection(_Corked):
     async def _run(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
                    timeout_ms: int, metadata: Metadata = ()) -> None:
         scope = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
-        context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None, metadata)
+        context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None, metadata, self, stream)
         try:
             async with scope:
                 await self._serve(stream, method, handler, request, context)
@@ -498,6 +511,16 @@ class _ServerConnection(_Corked):
             if code is grpc.StatusCode.UNKNOWN:
                 log.exception("lane: %s failed", method.name)
             self._end(stream, code, details.encode("utf-8", "replace"))
+
+    def send_now(self, stream: int, message: Message) -> bool:
+        """``LaneContext.send_nowait``: one message of the live call ``stream``, framed and corked as its
+        handler's own are; False when it cannot be sent now."""
+        transport = self.transport
+        if (transport is None or transport.is_closing() or not self._writable.is_set()
+                or stream not in self.calls):
+            return False
+        self._send(_frame(stream, MESSAGE, 0, message.SerializeToString()))
+        return True
 
     async def _serve(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
                      context: LaneContext) -> None:
@@ -527,4 +550,8 @@ def serve_servicer(server: LaneServer, servicer: Any) -> None:
         service_name, name = method.name.rsplit("/", 1)
         base = service_name.rsplit(".", 1)[1] + "Servicer"
         if any(cls.__name__ == base for cls in service):
-            server.add(method, getattr(servicer, name))
+            handler = getattr(servicer, name)
+            # The lane maps a PdRouterError to its status itself (``_status_of``), as ``grpc_errors``
+            # does for gRPC: its method without that wrapper.
+            inner = getattr(getattr(handler, "__func__", None), "maps_errors_of", None)
+            server.add(method, types.MethodType(inner, servicer) if inner is not None else handler)

@@ -19,7 +19,7 @@ from pdrouter.wire.trace_context import traced
 from pdrouter.wire.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from pdrouter.worker.engine_contract import ServingEngine
 from pdrouter.worker.role import RoleContext, Service
-from pdrouter.worker.token_chunks import token_chunks
+from pdrouter.worker.token_chunks import chunk_sink, token_chunks
 
 
 class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
@@ -42,9 +42,12 @@ class ColocatedServicer(worker_pb2_grpc.ColocatedWorkerServicer):
         prompt = prompt_from_pb(request)
         # aclosing: a cancelled call closes the stream at once, which aborts the engine request.
         trace = self.tracing.headers() if self.tracing is not None else None
+        # Over the lane, a streamed token's chunk leaves as the engine delivers it (``chunk_sink``).
+        sink = None if request.whole else chunk_sink(request.request_id, context)
         async with aclosing(self.engine.generate(RequestId(request.request_id), prompt, sampling,
                                                  cache_salt=request.cache_salt, trace_headers=trace,
-                                                 priority=request.priority, whole=request.whole)) as outputs:
+                                                 priority=request.priority, whole=request.whole,
+                                                 sink=sink)) as outputs:
             async for chunk in token_chunks(request.request_id, outputs, whole=request.whole):
                 yield chunk
 

@@ -51,7 +51,7 @@ from pdrouter.worker.roles.decode_connector import ConnectorDecodeServe
 from pdrouter.worker.roles.decode_serve import DecodeServe, ReportChunk, ServeEvent
 from pdrouter.worker.roles.prefill_connector import connector_engine
 from pdrouter.worker.roles.prefill_routes import RegisteredPrefillWorkers
-from pdrouter.worker.token_chunks import token_chunks
+from pdrouter.worker.token_chunks import chunk_sink, token_chunks
 from pdrouter.worker.transfer_tally import TransferTally
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,9 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     context: grpc.aio.ServicerContext) -> AsyncIterator[common_pb2.TokenChunk]:
         order = checked_order(request, self.model_compat_hash, self.backend)
         self.serving.check_new(order.request_id, self._allocs)
-        async with aclosing(self.serving.serve(order, context.time_remaining)) as events:
+        # Over the lane, a streamed token's chunk leaves as the engine delivers it (``chunk_sink``).
+        sink = None if order.whole else chunk_sink(order.request_id, context)
+        async with aclosing(self.serving.serve(order, context.time_remaining, sink)) as events:
             async for chunk in serve_chunks(order.request_id, events, self.tracing):
                 yield chunk
 

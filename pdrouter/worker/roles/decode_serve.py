@@ -46,7 +46,7 @@ from pdrouter.core.errors import (
     error_from_grpc_code,
 )
 from pdrouter.core.ids import RequestId
-from pdrouter.engine.outputs import KvReservation, RequestOutput
+from pdrouter.engine.outputs import KvReservation, OutputSink, RequestOutput
 from pdrouter.transfer.receiver import KvReceiver
 from pdrouter.wire.prefill_links import PrefillLinks
 from pdrouter.worker.engine_contract import DisaggregatedEngine
@@ -170,9 +170,11 @@ class DecodeServe(ServeSetup):
         self.driver = driver
         self.receiver = receiver
 
-    async def serve(self, order: ServeOrder,
-                    time_remaining: Callable[[], float | None]) -> AsyncGenerator[ServeEvent, None]:
-        """The request's events (see the module docstring); ``time_remaining``: the call's deadline."""
+    async def serve(self, order: ServeOrder, time_remaining: Callable[[], float | None],
+                    sink: OutputSink | None = None) -> AsyncGenerator[ServeEvent, None]:
+        """The request's events (see the module docstring); ``time_remaining``: the call's deadline;
+        ``sink``: where the decode's unfinished outputs may go instead (``OutputSink``), after a remote
+        prefill (a local one's first output carries the report, so its stream keeps them all)."""
         rid = order.request_id
         prompt = order.prompt_token_ids
         failures: list[PrefillFailure] = []
@@ -195,7 +197,8 @@ class DecodeServe(ServeSetup):
                         # The first token at once (with the report), then the decode stream from the landed KV.
                         yield ReportChunk(report, outcome.first_token)
                         cached = max(decode_cached, outcome.cached_tokens)
-                        decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token, whole=order.whole)
+                        decoded = self.driver.decode_remote(RequestId(rid), outcome.first_token, whole=order.whole,
+                                                            sink=sink)
                         async with aclosing(decoded) as outputs, \
                                 shaped(outputs, order.whole, first_alone=False) as stream:
                             yield EngineStream(stream, cached_tokens=cached)
