@@ -3,7 +3,7 @@
 Each call answers the request's ``max_tokens`` token ids in one message, without reading the prompt,
 admitting, placing or reaching a worker: what grpcio's asyncio server itself costs per server-streaming
 call, next to which the router's gRPC door is measured (``benchmarks/router_overhead.py``). It runs on
-the event loop the router runs on (``pdrouter.cli.serve.event_loop_factory``: uvloop when installed),
+the event loop the router runs on (``pdrouter.core.aio.event_loop_factory``: uvloop when installed),
 so that the two differ by the router's work only.
 
     python benchmarks/_grpc_floor.py --port N
@@ -18,7 +18,7 @@ import signal
 
 import grpc
 
-from pdrouter.cli.serve import event_loop_factory
+from pdrouter.core.aio import event_loop_factory
 from pdrouter.wire.v1 import router_pb2, router_pb2_grpc
 
 

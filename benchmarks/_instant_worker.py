@@ -14,8 +14,11 @@ one event loop, a few tens of microseconds of CPU a request, so that what a rout
 
 A streamed answer goes in one write, or (``--burst N``) N events at a time with the event loop let
 run between writes, as from a server stepping a batch: what a client reading the stream pays per read.
+``--gap-ms G`` waits G milliseconds between those writes instead, as a server's steps take time: each
+read then finds one write (``--burst 1``: one token a read, as a stream at a simulated GPU's pace).
 
     python benchmarks/_instant_worker.py --port 18201 [--role regular|prefill|decode] [--tokens 16] [--burst N]
+                                         [--gap-ms G]
 """
 
 from __future__ import annotations
@@ -145,9 +148,10 @@ class Worker:
 class Connection(asyncio.Protocol):
     """One client connection: parse requests as they come, answer each in order."""
 
-    def __init__(self, worker: Worker, burst: int = 0) -> None:
+    def __init__(self, worker: Worker, burst: int = 0, gap_s: float = 0.0) -> None:
         self.worker = worker
         self.burst = burst
+        self.gap_s = gap_s
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -202,11 +206,12 @@ class Connection(asyncio.Protocol):
             transport.close()
 
     async def _write_bursts(self, transport: asyncio.Transport, parts: list[bytes]) -> None:
-        """The head and ``burst`` events a write, the loop let run between writes (a client does not pipeline)."""
+        """The head and ``burst`` events a write, the loop let run (``gap_s``) between writes (a client does not
+        pipeline)."""
         keep_alive = self.parser.should_keep_alive()
         transport.write(parts[0])
         for start in range(1, len(parts), self.burst):
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.gap_s)
             transport.write(b"".join(parts[start:start + self.burst]))
         if not keep_alive:
             transport.close()
@@ -223,9 +228,10 @@ async def serve_until_stopped(protocol: Callable[[], asyncio.Protocol], port: in
         await stop.wait()
 
 
-async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None, burst: int = 0) -> None:
+async def serve(port: int, role: str, tokens: int, bootstrap_port: int | None, burst: int = 0,
+                gap_s: float = 0.0) -> None:
     worker = Worker(role, tokens, port, bootstrap_port)
-    await serve_until_stopped(lambda: Connection(worker, burst), port)
+    await serve_until_stopped(lambda: Connection(worker, burst, gap_s), port)
 
 
 def main() -> None:
@@ -237,11 +243,13 @@ def main() -> None:
     parser.add_argument("--bootstrap-port", type=int, default=None, help="reported to SGLang's PD router")
     parser.add_argument("--burst", type=int, default=0,
                         help="write a streamed answer this many events at a time (0: all in one write)")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="with --burst: milliseconds between a stream's writes (default 0)")
     args = parser.parse_args()
-    if args.burst < 0:
-        parser.error("--burst must be 0 or more")
+    if args.burst < 0 or args.gap_ms < 0:
+        parser.error("--burst and --gap-ms must be 0 or more")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve(args.port, args.role, args.tokens, args.bootstrap_port, args.burst))
+        asyncio.run(serve(args.port, args.role, args.tokens, args.bootstrap_port, args.burst, args.gap_ms / 1000))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 import httptools
 from _instant_worker import serve_until_stopped
 
-from pdrouter.cli.serve import event_loop_factory
+from pdrouter.core.aio import event_loop_factory
 
 _REMOTE_DECODE = b'"kv_transfer_params":{"do_remote_decode":true},'
 

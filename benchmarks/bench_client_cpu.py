@@ -4,10 +4,13 @@
 spends reading a token is taken from them (and a client that falls behind delays the tokens it
 times). This measures that cost alone. ``_instant_worker.py`` serves ``POST /v1/completions`` as an
 OpenAI-compatible server streams it, with no model behind it: one ``data:`` event per token, then
-``data: [DONE]``, over chunked HTTP/1.1 keep-alive, written 16 events at a time (``--burst``). A child
+``data: [DONE]``, over chunked HTTP/1.1 keep-alive, written 16 events at a time (``--burst N``; with
+``--gap-ms G``, G milliseconds between writes: ``--burst 1 --gap-ms 10`` reads one token at a time, as
+a stream from a simulated GPU at time scale 1 arrives, where the cost per read weighs most). A child
 process runs ``pdrouter.bench.client.CompletionsClient`` (the
 client ``pdrouter bench`` sends every request with), ``--requests`` requests at ``--concurrency``,
-and reports its own CPU time (user + system, all threads) and the tokens it timed.
+on the event loop ``pdrouter bench`` runs it on (``pdrouter.core.aio.run_on_event_loop``), and reports
+its own CPU time (user + system, all threads) and the tokens it timed.
 
 Figures: ``client_cpu_per_token`` (the client's CPU ÷ tokens, the median of the rounds) and
 ``client_cpu_per_request``. ``--vs REV``: the client of commit ``REV`` too (its ``pdrouter`` package
@@ -17,7 +20,7 @@ between the two trees with the order swapped each round; ``vs_client_cpu_per_tok
 ``_max``): how many times less CPU a token costs now.
 
     python benchmarks/bench_client_cpu.py [--quick] [--json] [--vs REV] [--tokens N] [--requests N]
-                                          [--concurrency N] [--rounds N]
+                                          [--concurrency N] [--rounds N] [--burst N] [--gap-ms G]
 """
 
 from __future__ import annotations
@@ -68,15 +71,20 @@ async def main():
     print(json.dumps({"cpu_s": cpu, "tokens": sum(r.output_tokens for r in records),
                       "timed": sum(len(r.itl_s) + (r.ttft_s is not None) for r in records), "errors": errors}))
 
-asyncio.run(main())
+try:
+    from pdrouter.core.aio import run_on_event_loop  # the loop pdrouter bench runs its client on
+except ImportError:  # an older tree: its pdrouter bench ran on asyncio's own loop
+    run_on_event_loop = asyncio.run
+run_on_event_loop(main())
 """
 
 
-def start_server(tokens: int) -> tuple[subprocess.Popen[bytes], str]:
-    """``_instant_worker.py`` streaming ``tokens`` tokens an answer in bursts; it and its base URL, once it listens."""
+def start_server(tokens: int, burst: int = BURST, gap_ms: float = 0.0) -> tuple[subprocess.Popen[bytes], str]:
+    """``_instant_worker.py`` streaming ``tokens`` tokens an answer, ``burst`` a write, ``gap_ms`` between writes;
+    it and its base URL, once it listens."""
     port = free_port()
     server = subprocess.Popen([sys.executable, str(HERE / "_instant_worker.py"), "--port", str(port),
-                               "--tokens", str(tokens), "--burst", str(BURST)])
+                               "--tokens", str(tokens), "--burst", str(burst), "--gap-ms", f"{gap_ms:g}"])
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -114,19 +122,25 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=None, help="requests per round (default 200; --quick 64)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; --quick 2)")
+    parser.add_argument("--burst", type=int, default=BURST,
+                        help=f"events the server writes at a time (default {BURST})")
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="milliseconds between the server's writes (default 0)")
     args = parser.parse_args()
     requests = args.requests or (64 if args.quick else 200)
     rounds = args.rounds or (2 if args.quick else 5)
-    if min(args.tokens, requests, args.concurrency, rounds) < 1:
-        parser.error("--tokens, --requests, --concurrency and --rounds must be at least 1")
+    if min(args.tokens, requests, args.concurrency, rounds, args.burst) < 1 or args.gap_ms < 0:
+        parser.error("--tokens, --requests, --concurrency, --rounds and --burst must be at least 1, --gap-ms 0 or more")
     report = Report()
     report.add("tokens_per_request", args.tokens, "tokens")
     report.add("concurrency", args.concurrency, "requests")
+    report.add("burst", args.burst, "events/write")
+    report.add("gap", args.gap_ms, "ms")
     with tempfile.TemporaryDirectory(prefix="bench-client-cpu-") as tmp:
         trees: list[tuple[str, Path | None]] = [("now", None)]
         if args.vs:
             trees.append(("vs", export_tree(args.vs, Path(tmp) / "vs")))
-        server, url = start_server(args.tokens)
+        server, url = start_server(args.tokens, args.burst, args.gap_ms)
         try:
             per_token: dict[str, list[float]] = {label: [] for label, _ in trees}
             for r in range(rounds):

@@ -78,7 +78,8 @@ from _load import HttpCompletions, RouterGenerate, cpu_times
 from _report import Report, base_parser
 from tracing_overhead import export_tree, tree_environment
 
-from pdrouter.cli.serve import event_loop_factory, freeze_startup_heap, space_young_collections, tune_allocator
+from pdrouter.cli.serve import freeze_startup_heap, space_young_collections, tune_allocator
+from pdrouter.core.aio import event_loop_factory
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app

@@ -23,8 +23,13 @@ Failures do not raise: the record says what happened (``http_429``, ``connect``,
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import netrc
+import os
 import time
+import urllib.parse
+import urllib.request
 
 import aiohttp
 
@@ -111,6 +116,58 @@ class _Events:
         return False
 
 
+def environment_for(url: str, with_login: bool = True) -> tuple[str | None, str | None]:
+    """What the environment says about requests to ``url``, as a client trusting it reads it (httpx's and
+    curl's default, aiohttp's ``trust_env``): the proxy the ``*_PROXY`` variables name for its scheme,
+    unless ``NO_PROXY`` exempts its host, and (``with_login``: no key was given) the login ``.netrc``
+    (or the file ``NETRC`` names) holds for its host, as an ``Authorization`` header's value."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    proxy = None if urllib.request.proxy_bypass(host) else urllib.request.getproxies().get(parts.scheme)
+    login = None
+    if with_login and host:
+        try:
+            found = netrc.netrc(os.environ.get("NETRC")).authenticators(host)
+        except (OSError, netrc.NetrcParseError):  # no such file (the usual case), or one that does not parse
+            found = None
+        if found is not None:
+            login = "Basic " + base64.b64encode(f"{found[0] or ''}:{found[2] or ''}".encode()).decode()
+    return proxy, login
+
+
+class _Silence:
+    """A read timeout for one request without a timer per read: aiohttp's ``sock_read`` cancels and makes
+    one for every read, a tenth of the client's CPU per token on a stream read a token at a time. One timer
+    here, which on firing re-arms itself for ``limit_s`` after the last read (``heard``, set by the
+    reader); when nothing came for ``limit_s``, it cancels the request's task."""
+
+    __slots__ = ("_handle", "_loop", "_task", "fired", "heard", "limit_s")
+
+    def __init__(self, limit_s: float, now: float) -> None:
+        self.limit_s = limit_s
+        self.heard = now
+        self.fired = False
+        self._task = asyncio.current_task()
+        self._loop = asyncio.get_running_loop()
+        self._handle = self._loop.call_later(limit_s, self._check)
+
+    def _check(self) -> None:
+        quiet = time.perf_counter() - self.heard
+        if quiet < self.limit_s:
+            self._handle = self._loop.call_later(self.limit_s - quiet, self._check)
+        elif self._task is not None:
+            self.fired = True
+            self._task.cancel()
+
+    def ended(self) -> bool:
+        """True when this silence cancelled the task (its cancellation then taken back); False when the
+        cancellation came from elsewhere, too or alone."""
+        return self.fired and self._task is not None and self._task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 class CompletionsClient:
     """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client.
 
@@ -124,10 +181,13 @@ class CompletionsClient:
                  max_connections: int = 1024) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
-        self._headers = {**_JSON, **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-        # Each read of the stream may wait up to timeout_s (a slow server's next token), as may taking a
-        # pooled connection; a connect gets CONNECT_TIMEOUT_S at most.
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s, sock_read=timeout_s,
+        self._proxy, login = environment_for(self.url, with_login=api_key is None)
+        authorization = f"Bearer {api_key}" if api_key else login
+        self._headers = {**_JSON, **({"Authorization": authorization} if authorization else {})}
+        # Each wait for the server's bytes (its answer's head, a slow server's next token) may last up to
+        # timeout_s (``_Silence``), as may taking a pooled connection; a connect gets CONNECT_TIMEOUT_S at most.
+        self.timeout_s = timeout_s
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=timeout_s,
                                               sock_connect=min(CONNECT_TIMEOUT_S, timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -138,9 +198,10 @@ class CompletionsClient:
             # Idle connections are let go after 2 s: sooner than the router's keep-alive idle timeout (5 s
             # by default, as uvicorn's), so the client never reuses one the router is closing at that moment.
             connector = aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=CLIENT_IDLE_S)
-            # trust_env: proxies and .netrc from the environment, as before (httpx's default).
+            # The proxy and the .netrc login come from ``environment_for``, found once: aiohttp's trust_env
+            # looks both up again for every request, each in a thread of the default executor.
             self._session = aiohttp.ClientSession(connector=connector, headers=self._headers, timeout=self._timeout,
-                                                  cookie_jar=aiohttp.DummyCookieJar(), trust_env=True)
+                                                  cookie_jar=aiohttp.DummyCookieJar())
         return self._session
 
     def body(self, spec: RequestSpec) -> dict[str, object]:
@@ -158,8 +219,9 @@ class CompletionsClient:
         http = self._http()
         sent = time.perf_counter()
         events = _Events(record, sent)
+        silence = _Silence(self.timeout_s, sent)
         try:
-            async with http.post(self.url, data=body) as response:
+            async with http.post(self.url, data=body, proxy=self._proxy) as response:
                 record.status = response.status
                 if response.status != 200:
                     record.error = f"http_{response.status}"
@@ -169,7 +231,7 @@ class CompletionsClient:
                 # (most reads under load hold several events). The events of one read share its time.
                 pending = b""
                 async for piece in response.content.iter_any():
-                    now = time.perf_counter()
+                    now = silence.heard = time.perf_counter()
                     lines = (pending + piece).split(b"\n") if pending else piece.split(b"\n")
                     pending = lines.pop()  # the start of a line the next read ends
                     if len(pending) > MAX_EVENT_BYTES:
@@ -186,9 +248,12 @@ class CompletionsClient:
         except (aiohttp.ClientError, ValueError) as exc:  # the server broke the protocol (JSON included)
             record.error, record.detail = "protocol", _reason(exc)
         except asyncio.CancelledError:
-            record.error = "cancelled"
-            raise
+            if not silence.ended():  # cancelled from outside, not by the silence
+                record.error = "cancelled"
+                raise
+            record.error, record.detail = "timeout", f"no data from the server for {self.timeout_s:g} s"
         finally:
+            silence.stop()
             if not record.output_tokens:
                 record.output_tokens = events.chunks
         if record.e2e_s is None and not record.error:

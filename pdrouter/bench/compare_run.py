@@ -8,7 +8,6 @@ writes ``compare.json``, the plots and ``report.md`` (``compare_report``).
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +27,7 @@ from pdrouter.bench.point import (
 from pdrouter.bench.progress import Progress
 from pdrouter.bench.runner import RunConfig, run
 from pdrouter.bench.stats import Slo
+from pdrouter.core.aio import run_on_event_loop
 from pdrouter.core.errors import UnavailableError
 
 
@@ -120,7 +120,7 @@ def warm_up(run_config: RunConfig, prep: Prepared, layout: Layout, count: int | 
                         seed=run_config.seed, point=prep.source.number())
     config = RunConfig(base_url=run_config.base_url, model=prep.model, concurrency=min(count, 2 * workers),
                        timeout_s=run_config.timeout_s, time_scale=run_config.time_scale)
-    result = asyncio.run(interruptible(run(config, specs)))
+    result = run_on_event_loop(interruptible(run(config, specs)))
     failed = [r for r in result.records if not r.ok]
     if result.interrupted:
         raise KeyboardInterrupt

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdrouter.core.aio import run_on_event_loop
 from pdrouter.core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def run_point(run_config: RunConfig, out: Path, prep: Prepared, rate: float | No
 
     s = run_config
     config = dataclasses.replace(s, rate=rate, seed=s.seed + 7919 * point)
-    result = asyncio.run(interruptible(run(config, specs, progress=progress)))
+    result = run_on_event_loop(interruptible(run(config, specs, progress=progress)))
     scale = s.time_scale or 1.0
     records = [r.scaled(scale) for r in result.records]
     summary = summarize(records, result.duration_s / scale, prep.slo)

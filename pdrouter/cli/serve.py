@@ -12,7 +12,7 @@ import signal
 from collections.abc import Callable
 from typing import Protocol
 
-from pdrouter.core.errors import ConfigError
+from pdrouter.core.aio import run_on_event_loop
 
 
 class Service(Protocol):
@@ -104,31 +104,4 @@ def serve_until_signal(service: Service, ready_line: Callable[[], str]) -> None:
         await stop.wait()
         await service.stop()
 
-    loop_factory = event_loop_factory()
-    if loop_factory is None:
-        asyncio.run(main())
-    else:
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            runner.run(main())
-
-
-def event_loop_factory(choice: str | None = None) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The event loop long-lived processes run on: uvloop when it is installed, else asyncio's.
-
-    ``choice`` (default: the ``PDROUTER_EVENT_LOOP`` environment variable, else ``auto``) is
-    ``auto``, ``uvloop`` (an error without it) or ``asyncio``. None means asyncio's default loop.
-    uvloop's loop and transports are written in C: every wake-up and system call of the router
-    and the workers costs less CPU, which is most of what they do per request.
-    """
-    choice = (choice or os.environ.get("PDROUTER_EVENT_LOOP") or "auto").strip().lower()
-    if choice not in ("auto", "uvloop", "asyncio"):
-        raise ConfigError(f"PDROUTER_EVENT_LOOP must be auto, uvloop or asyncio, not {choice!r}")
-    if choice == "asyncio":
-        return None
-    try:
-        import uvloop
-    except ImportError:
-        if choice == "uvloop":
-            raise ConfigError("PDROUTER_EVENT_LOOP=uvloop but uvloop is not installed (pip install uvloop)") from None
-        return None
-    return uvloop.new_event_loop
+    run_on_event_loop(main())

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+from pathlib import Path
 
-from pdrouter.bench.client import CompletionsClient
+import pytest
+
+from pdrouter.bench.client import CompletionsClient, environment_for
 from pdrouter.bench.workload import RequestSpec
 
 GAP_S = 0.3
@@ -145,7 +149,45 @@ async def test_a_server_that_stops_sending_times_out() -> None:
         await asyncio.sleep(5)  # no token comes
 
     record, _ = await _send_with(serve, timeout_s=0.3)
-    assert record.error == "timeout"
+    assert record.error == "timeout" and record.detail == "no data from the server for 0.3 s"
+    silent_head = await _send_with(lambda reader, writer: asyncio.sleep(5), timeout_s=0.3)  # not even a head
+    assert silent_head[0].error == "timeout"  # type: ignore[attr-defined]
+
+
+async def test_a_slow_stream_whose_gaps_are_shorter_than_the_timeout_is_read_whole() -> None:
+    """The timeout bounds each wait for the server's bytes, not the request: 1.2 s of tokens, each within 0.5 s."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for data in (_event("a"), _event("b"), _event("c"), _event("d", "length"), b"data: [DONE]\n\n"):
+            await asyncio.sleep(0.3)
+            writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    record, _ = await _send_with(serve, timeout_s=0.5)
+    assert record.ok, record.detail
+    assert record.output_tokens == 4 and record.e2e_s is not None and record.e2e_s > 0.5
+
+
+async def test_a_request_cancelled_from_outside_is_cancelled_not_timed_out() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        await asyncio.sleep(5)
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    client = CompletionsClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m", timeout_s=0.3)
+    try:
+        task = asyncio.ensure_future(client.send(RequestSpec(0, (1, 2, 3), 3), 0.0, 0.0))
+        await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.4)  # the request's timer was stopped with it: nothing fires later
+    finally:
+        await client.close()
+        server.close()
 
 
 async def test_requests_reuse_one_kept_alive_connection() -> None:
@@ -211,3 +253,26 @@ async def test_a_line_that_never_ends_is_a_protocol_error() -> None:
 
     record, _ = await _send_with(serve)
     assert record.error == "protocol" and "longer than" in (record.detail or "")
+
+
+def test_the_environment_is_read_once_as_a_client_trusting_it_reads_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``environment_for``: the proxy for the URL's scheme unless NO_PROXY exempts its host, and the
+    .netrc login for its host (none when a key was given, or without a file)."""
+    for name in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "no_proxy", "NO_PROXY", "all_proxy",
+                 "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    rc = tmp_path / "netrc"
+    rc.write_text("machine gpu-box.internal login ops password s3cret\n")
+    rc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(rc))
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.internal:3128")
+    assert environment_for("http://gpu-box.internal:8000/v1/completions") == \
+        ("http://proxy.internal:3128", "Basic " + base64.b64encode(b"ops:s3cret").decode())
+    assert environment_for("http://gpu-box.internal:8000/v1/completions", with_login=False) == \
+        ("http://proxy.internal:3128", None)
+    assert environment_for("https://other.internal/v1/completions") == (None, None)  # no HTTPS proxy, no login
+    monkeypatch.setenv("NO_PROXY", "gpu-box.internal")
+    assert environment_for("http://gpu-box.internal:8000/v1/completions")[0] is None
+    monkeypatch.setenv("NETRC", str(tmp_path / "absent"))
+    assert environment_for("http://gpu-box.internal:8000/v1/completions") == (None, None)

@@ -1,7 +1,7 @@
 """The event loop of long-lived processes: uvloop when installed (the default), asyncio's on request.
 
-The router and the workers run on it (``pdrouter.cli.serve``); these tests run the worker lane, the
-router's HTTP door transport and a loop choice error on it.
+The router and the workers run on it (``pdrouter.cli.serve``), and the load generator (``pdrouter bench``);
+these tests run the worker lane, the router's HTTP door transport and a loop choice error on it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import asyncio
 import pytest
 import uvloop
 
-from pdrouter.cli.serve import event_loop_factory
+from pdrouter.core.aio import event_loop_factory
 from pdrouter.core.errors import ConfigError
 from pdrouter.wire.lane import DecodeLane, LaneChannel, LaneServer, serve_servicer
 from pdrouter.wire.v1 import common_pb2, worker_pb2
