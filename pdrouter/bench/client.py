@@ -61,6 +61,8 @@ _JSON = {"Content-Type": "application/json"}
 
 MAX_DETAIL = 300
 """Characters of a server's error message kept per failed request."""
+CLIENT_CONNECTIONS = 1024
+"""Connections the client opens at most: the requests it has in flight at once (one a connection)."""
 CLIENT_IDLE_S = 2.0
 """Seconds an idle kept-alive connection stays in the client's pool."""
 CONNECT_TIMEOUT_S = 10.0
@@ -178,7 +180,7 @@ class CompletionsClient:
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 600.0,
-                 max_connections: int = 1024) -> None:
+                 max_connections: int = CLIENT_CONNECTIONS) -> None:
         self.url = base_url.rstrip("/") + "/completions"
         self.model = model
         self._proxy, login = environment_for(self.url, with_login=api_key is None)

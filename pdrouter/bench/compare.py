@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from pdrouter.bench.client import CLIENT_CONNECTIONS
 from pdrouter.core.errors import ConfigError, UnavailableError
 
 _SPLIT = re.compile(r"^(\d+)p(\d+)d$")
@@ -125,9 +126,14 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backe
         raise ConfigError(f"unknown backend {backend!r}: one of {', '.join(BACKENDS)}")
     engine = (["--backend", "sim", "--gpu", gpu, "--tp", str(layout.tp), "--time-scale", str(time_scale)]
               if backend == "sim" else ["--backend", backend])
-    # The comparison's own cluster, on loopback only: its doors are open to this machine (no API key).
+    # The comparison's own cluster, on loopback only: its doors are open to this machine (no API key). Its
+    # router takes every request the client can have in flight (one a connection): at its default cap (512)
+    # a rate whose requests last long enough (144 req/s of 8B chat at time scale 1: about 680 at once) was
+    # refused in part with 503s, the router's limit measured instead of the layout.
+    # (Connections: the client's, and a few for the harness's own probes.)
+    limits = ["--http-max-inflight", str(CLIENT_CONNECTIONS), "--http-max-connections", str(CLIENT_CONNECTIONS + 64)]
     argv = [sys.executable, "-m", "pdrouter", "up", *engine, "--model", str(folder), "--http-port", "0",
-            "--grpc-port", "0", "--no-api-key", *layout.up_args(), *extra]
+            "--grpc-port", "0", "--no-api-key", *limits, *layout.up_args(), *extra]
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert up.stdout is not None

@@ -110,6 +110,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-backend", choices=["tcp", "gloo"], default="tcp")
     p.add_argument("--no-cache-aware", action="store_true",
                    help="the router places prefill by load alone: no prefix-index look-up per request")
+    p.add_argument("--http-max-inflight", type=int, default=None, metavar="N",
+                   help="the router's cap on requests served at once (pdrouter router --http-max-inflight; default: "
+                        "the router's)")
+    p.add_argument("--http-max-connections", type=int, default=None, metavar="N",
+                   help="the router's cap on open connections (pdrouter router --http-max-connections; default: "
+                        "the router's)")
     p.add_argument("--once", action="store_true", help="answer one sample request, print it, and stop")
     p.add_argument("--log-dir", type=Path, default=None, help="write each child's output to a file here")
     p.set_defaults(func=run)
@@ -322,6 +328,13 @@ def run(args: argparse.Namespace) -> int:
     counts = [args.prefill, args.decode] if args.mode == "disaggregated" else [args.workers]
     if any(n < 1 for n in counts) or (args.num_blocks is not None and args.num_blocks < 1):
         raise ConfigError("worker counts and --num-blocks must be >= 1")
+    router_limits = []
+    for flag, value in (("--http-max-inflight", args.http_max_inflight),
+                        ("--http-max-connections", args.http_max_connections)):
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"{flag} must be at least 1, got {value}")
+            router_limits += [flag, str(value)]
     ports = router_ports(args)
     roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
              else [("worker", args.workers)])
@@ -403,7 +416,7 @@ def run(args: argparse.Namespace) -> int:
             router = spawn("router", ["router", "--model", str(args.model), "--redis", router_url,
                                       "--mode", args.mode, "--host", args.host, "--http-port", str(args.http_port),
                                       "--grpc-port", str(args.grpc_port), *block_size, "--log-level", "WARNING",
-                                      *(["--no-cache-aware"] if args.no_cache_aware else [])],
+                                      *(["--no-cache-aware"] if args.no_cache_aware else []), *router_limits],
                            router_env)
             http = wait_for_router(router, args.host, ports)
             host, _, port = http.rpartition(":")

@@ -63,12 +63,28 @@ def test_no_cache_aware_places_without_prefix_lookups(cache_aware: bool, tmp_pat
     assert (lookups >= 3) if cache_aware else (lookups == 0), lookups
 
 
+def test_the_routers_limits_reach_it(tmp_path: Path) -> None:
+    """``pdrouter up --http-max-inflight 1``: while one request streams, the next is refused with 503 and
+    the router's reason (a comparison's own cluster passes the load generator's connection count)."""
+    folder = write_config_folder(get_model_preset("llama-3-8b"), tmp_path / "model")
+    with bring_up(Layout("colocated-1", colocated=1), folder, gpu="h100", time_scale=1.0,
+                  extra=["--http-max-inflight", "1"]) as cluster, httpx.Client(timeout=60) as client:
+        body = {"model": "model", "prompt": [65] * 64, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with client.stream("POST", f"{cluster.url}/completions", json=body) as first:
+            assert first.status_code == 200
+            refused = client.post(f"{cluster.url}/completions", json={**body, "stream": False})
+            assert refused.status_code == 503, refused.text
+            assert "limit of 1 requests at once" in refused.json()["error"]["message"]
+            assert sum(1 for line in first.iter_lines() if line.startswith("data: {")) >= 400
+
+
 @pytest.mark.parametrize(("args", "expected"), [
     (["--backend", "torch", "--link", "nvlink"], "--link only apply to --backend sim"),
     (["--backend", "torch", "--utilization", "0.5", "--quota-gb", "4"], "--utilization, --quota-gb only apply"),
     (["--backend", "sim", "--link", "carrier-pigeon"], "presets: nvlink, rdma-400g"),
     (["--backend", "sim", "--quota-gb", "40", "--utilization", "0.9"], "0.9"),
     (["--backend", "sim", "--quota-gb", "-1"], "--quota-gb must be > 0"),
+    (["--backend", "sim", "--http-max-inflight", "0"], "--http-max-inflight must be at least 1, got 0"),
 ])
 def test_bad_sim_flags_are_one_line_errors(args: list[str], expected: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
