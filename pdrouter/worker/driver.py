@@ -75,9 +75,10 @@ class _Outputs:
             item = merged
         waiter = self.waiter
         # The sink takes an unfinished output only while the consumer waits with nothing queued: every
-        # output before this one has then gone through the consumer (or the sink), so order holds.
+        # output before this one has then gone through the consumer (or the sink), so order holds. (A
+        # waiter already done was cancelled with its consumer, which is leaving.)
         if (waiter is not None and self.sink is not None and not self.items and type(item) is RequestOutput
-                and not item.finished and item.error is None and self.sink(item)):
+                and not item.finished and item.error is None and not waiter.done() and self.sink(item)):
             return
         self.items.append(item)
         if waiter is not None:

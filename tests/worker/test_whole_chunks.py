@@ -177,6 +177,10 @@ async def test_a_sink_takes_outputs_only_while_the_consumer_waits_with_nothing_q
     channel.waiter = asyncio.get_running_loop().create_future()
     channel.put(steps[5])  # nor the finish
     assert taken == [steps[2]] and drained(channel) == [failed, steps[5]]
+    leaving = channel.waiter = asyncio.get_running_loop().create_future()
+    leaving.cancel()  # the consumer was cancelled while it waited
+    channel.put(steps[1])
+    assert taken == [steps[2]] and drained(channel) == [steps[1]]
     whole = _Outputs(whole=True, sink=sink)
     whole.waiter = asyncio.get_running_loop().create_future()
     whole.put(steps[0])  # a whole request has no sink
