@@ -179,8 +179,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                         f"{COMPARE_SLO})")
     p.add_argument("--seed", type=int, default=0, help="the workload's and the arrivals' seed")
     p.add_argument("--timeout", type=float, default=600.0,
-                   help="seconds one request may take; simulated seconds under --time-scale, as every time here "
-                        "(the wall-clock limit is this × the time scale)")
+                   help="seconds a request may wait for the server's next bytes (its answer's head, its next "
+                        "token) before it fails as a timeout; simulated seconds under --time-scale, as every time "
+                        "here (the wall-clock limit is this × the time scale)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="folder for the run's JSON and Markdown")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.add_argument("--no-progress", action="store_true",
