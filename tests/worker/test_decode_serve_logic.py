@@ -74,13 +74,13 @@ class FakeDriver:
         for i, token in enumerate(tokens):
             yield output(rid, token, finished=i == len(tokens) - 1)
 
-    def decode_remote(self, request_id: RequestId, first_token: int, *,
-                      whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+    def decode_remote(self, request_id: RequestId, first_token: int, *, whole: bool = False,
+                      sink: object = None) -> AsyncGenerator[RequestOutput, None]:
         return self._stream("decode", request_id, [first_token + 1, first_token + 2])
 
     def generate(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
-                 cache_salt: bytes = b"", trace_headers: object = None,
-                 priority: int = 0, whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
+                 cache_salt: bytes = b"", trace_headers: object = None, priority: int = 0, whole: bool = False,
+                 sink: object = None) -> AsyncGenerator[RequestOutput, None]:
         return self._stream("generate", request_id, [1, 2, 3])
 
 
