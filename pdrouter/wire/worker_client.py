@@ -19,7 +19,7 @@ The decode worker's ``Serve`` servicer uses the other direction of the same conv
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Generator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from pdrouter.core.disaggregation import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
@@ -75,50 +75,16 @@ def serve_order_from_pb(msg: worker_pb2.ServeRequest) -> ServeOrder:
         whole=msg.whole, cache_salt=msg.cache_salt, priority=msg.priority)
 
 
-def _at_once(step: Any) -> tuple[bool, Any]:
-    """Run ``step`` (a stream's ``__anext__()`` coroutine) until it first has to wait.
-
-    ``(True, message)`` when the message was already there; ``(False, what it waits on)`` when it
-    has to wait: :class:`_Resumed` then finishes it. The end of the stream (``StopAsyncIteration``)
-    and the call's errors raise.
-    """
+def _at_once(step: Any) -> Any:
+    """Run ``step`` (a stream's ``__anext__()`` coroutine whose message is already there, see
+    ``StreamCall.has_waiting``) to its end: the message; the end of the stream
+    (``StopAsyncIteration``) and the call's errors raise."""
     try:
-        return False, step.send(None)
+        step.send(None)
     except StopIteration as done:
-        return True, done.value
-
-
-class _Resumed:
-    """Awaits the rest of a ``step`` that :func:`_at_once` found waiting on ``waiting``.
-
-    What the task sends or throws (a wake-up, a cancellation) goes to the step, as ``await step``
-    would have sent it from the start; ``close()`` drops a step that is not awaited after all.
-    """
-
-    __slots__ = ("_step", "_waiting")
-
-    def __init__(self, step: Any, waiting: Any) -> None:
-        self._step = step
-        self._waiting = waiting
-
-    def __await__(self) -> Generator[Any, Any, Any]:
-        step, signal = self._step, self._waiting
-        while True:
-            try:
-                sent = yield signal
-            except BaseException as exc:
-                try:
-                    signal = step.throw(exc)
-                except StopIteration as done:
-                    return done.value
-            else:
-                try:
-                    signal = step.send(sent)
-                except StopIteration as done:
-                    return done.value
-
-    def close(self) -> None:
-        self._step.close()
+        return done.value
+    step.close()
+    raise RuntimeError("a lane stream's waiting message was not there")
 
 
 class TokenStream:
@@ -149,16 +115,16 @@ class TokenStream:
     async def __aiter__(self) -> AsyncIterator[TokenDelta]:
         on_report = self._on_report
         stream = self._call.__aiter__()
-        merge = isinstance(self._call, StreamCall)
-        resumed: _Resumed | None = None
+        # Over a lane, the chunks that have arrived are taken without waiting (``has_waiting``: asked, not
+        # tried, so that a stream read a chunk at a time pays nothing for the merge).
+        waiting = stream.has_waiting if isinstance(stream, StreamCall) else None
         produced = 0
         try:
             while True:
                 try:
-                    chunk = await (stream.__anext__() if resumed is None else resumed)
+                    chunk = await stream.__anext__()
                 except StopAsyncIteration:
                     break
-                resumed = None
                 ids: Any = chunk.token_ids
                 reason = _FINISH.get(chunk.finish_reason)
                 if on_report is not None and chunk.HasField("prefill"):
@@ -166,18 +132,14 @@ class TokenStream:
                     on_report = None
                 ended = False
                 failure: Exception | None = None
-                while reason is None and merge:  # take the chunks that are here already
-                    step = stream.__anext__()
+                while reason is None and waiting is not None and waiting():  # the chunks here already
                     try:
-                        ready, got = _at_once(step)
+                        got = _at_once(stream.__anext__())
                     except StopAsyncIteration:
                         ended = True
                         break
                     except Exception as exc:  # raised after the delta of the chunks before it
                         failure = exc
-                        break
-                    if not ready:
-                        resumed = _Resumed(step, got)
                         break
                     if on_report is not None and got.HasField("prefill"):
                         on_report(report_from_pb(got.prefill))
@@ -201,9 +163,6 @@ class TokenStream:
                     break
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
-        finally:
-            if resumed is not None:
-                resumed.close()
         raise UnavailableError(f"request {self._request_id}: the worker ended the stream without finishing")
 
 

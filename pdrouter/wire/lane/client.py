@@ -472,6 +472,12 @@ class StreamCall(_Call, Generic[T]):
     def __aiter__(self) -> StreamCall[T]:
         return self
 
+    def has_waiting(self) -> bool:
+        """True when a message or the call's end has arrived and not been read: the next ``__anext__``
+        then returns (or raises) without waiting."""
+        inbox = self._inbox
+        return inbox is not None and bool(inbox.items)
+
     async def __anext__(self) -> T:
         inbox = self._inbox
         if inbox is None:
