@@ -54,11 +54,11 @@ def http_limits_from_args(args: argparse.Namespace) -> HttpLimits:
     return HttpLimits(
         header_timeout_s=_seconds(args.http_header_timeout, "--http-header-timeout"),
         body_timeout_s=_seconds(args.http_body_timeout, "--http-body-timeout"),
-        body_min_rate_bps=_count(args.http_body_min_rate, "--http-body-min-rate"),
+        body_min_rate_bps=count_flag(args.http_body_min_rate, "--http-body-min-rate"),
         idle_timeout_s=_seconds(args.http_idle_timeout, "--http-idle-timeout"),
-        max_header_bytes=_count(args.http_max_header_bytes, "--http-max-header-bytes", 1024),
-        max_connections=_count(args.http_max_connections, "--http-max-connections"),
-        max_inflight=_count(args.http_max_inflight, "--http-max-inflight"),
+        max_header_bytes=count_flag(args.http_max_header_bytes, "--http-max-header-bytes", 1024),
+        max_connections=count_flag(args.http_max_connections, "--http-max-connections"),
+        max_inflight=count_flag(args.http_max_inflight, "--http-max-inflight"),
         unauthenticated_connections=_budget(args.http_max_unauthenticated_connections,
                                             "--http-max-unauthenticated-connections", args.http_max_connections,
                                             "--http-max-connections"))
@@ -68,7 +68,7 @@ def _budget(value: int | None, flag: str, cap: int, cap_flag: str) -> int | None
     """A budget of unauthenticated connections: None (the default share of the cap), or at most the cap."""
     if value is None:
         return None
-    value = _count(value, flag)
+    value = count_flag(value, flag)
     if value > cap:
         raise ConfigError(f"{flag} ({value}) must not exceed {cap_flag} ({cap})")
     return value
@@ -113,11 +113,11 @@ def grpc_limits_from_args(args: argparse.Namespace) -> GrpcLimits:
         idle_timeout_s=_seconds(args.grpc_idle_timeout, "--grpc-idle-timeout"),
         max_connection_age_s=_seconds(args.grpc_max_connection_age, "--grpc-max-connection-age"),
         max_connection_age_grace_s=_seconds(args.grpc_max_connection_age_grace, "--grpc-max-connection-age-grace"),
-        max_connections=_count(args.grpc_max_connections, "--grpc-max-connections"),
-        max_streams=_count(args.grpc_max_streams, "--grpc-max-streams"),
+        max_connections=count_flag(args.grpc_max_connections, "--grpc-max-connections"),
+        max_streams=count_flag(args.grpc_max_streams, "--grpc-max-streams"),
         max_inflight=inflight or None,
-        max_message_bytes=_count(args.grpc_max_message_bytes, "--grpc-max-message-bytes", 1024),
-        max_metadata_bytes=_count(args.grpc_max_metadata_bytes, "--grpc-max-metadata-bytes", 1024))
+        max_message_bytes=count_flag(args.grpc_max_message_bytes, "--grpc-max-message-bytes", 1024),
+        max_metadata_bytes=count_flag(args.grpc_max_metadata_bytes, "--grpc-max-metadata-bytes", 1024))
 
 
 def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -148,19 +148,19 @@ def add_lane_limit_flags(p: argparse.ArgumentParser) -> None:
 
 def lane_limits_from_args(args: argparse.Namespace) -> LaneLimits:
     """The :class:`LaneLimits` of :func:`add_lane_limit_flags`' flags; ConfigError naming a bad one."""
-    buffered = _count(args.lane_max_buffered_bytes, "--lane-max-buffered-bytes", 1024)
+    buffered = count_flag(args.lane_max_buffered_bytes, "--lane-max-buffered-bytes", 1024)
     if buffered > _LANE.max_buffered_bytes:
         raise ConfigError(f"--lane-max-buffered-bytes must be at most {_LANE.max_buffered_bytes} (the lane's largest "
                           f"frame), got {buffered}")
-    preauth = _count(args.lane_max_preauth_bytes, "--lane-max-preauth-bytes", 256)
+    preauth = count_flag(args.lane_max_preauth_bytes, "--lane-max-preauth-bytes", 256)
     if preauth > buffered:
         raise ConfigError(f"--lane-max-preauth-bytes ({preauth}) must not exceed --lane-max-buffered-bytes "
                           f"({buffered})")
     return LaneLimits(
         handshake_timeout_s=_seconds(args.lane_handshake_timeout, "--lane-handshake-timeout"),
         frame_timeout_s=_seconds(args.lane_frame_timeout, "--lane-frame-timeout"),
-        frame_min_rate_bps=_count(args.lane_frame_min_rate, "--lane-frame-min-rate"),
-        max_connections=_count(args.lane_max_connections, "--lane-max-connections"),
+        frame_min_rate_bps=count_flag(args.lane_frame_min_rate, "--lane-frame-min-rate"),
+        max_connections=count_flag(args.lane_max_connections, "--lane-max-connections"),
         max_buffered_bytes=buffered, max_preauth_bytes=preauth,
         max_unauthenticated_connections=_budget(args.lane_max_unauthenticated_connections,
                                                 "--lane-max-unauthenticated-connections", args.lane_max_connections,
@@ -173,7 +173,8 @@ def _seconds(value: float, flag: str) -> float:
     return float(value)
 
 
-def _count(value: int, flag: str, least: int = 1) -> int:
+def count_flag(value: int, flag: str, least: int = 1) -> int:
+    """``value`` of ``flag`` when it is at least ``least``; else a ConfigError naming the flag."""
     if value < least:
         raise ConfigError(f"{flag} must be at least {least}, got {value}")
     return int(value)

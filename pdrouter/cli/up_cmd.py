@@ -45,6 +45,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from pdrouter.cli.limits_flags import count_flag
 from pdrouter.cli.local_cluster import ManagedProcess, check_ports_free, cores_each, stop_all, worker_args
 from pdrouter.cli.security_flags import internal_token_from_env
 from pdrouter.cli.vllm_worker import CPU_BLOCK_SIZE
@@ -332,9 +333,7 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--http-max-inflight", args.http_max_inflight),
                         ("--http-max-connections", args.http_max_connections)):
         if value is not None:
-            if value < 1:
-                raise ConfigError(f"{flag} must be at least 1, got {value}")
-            router_limits += [flag, str(value)]
+            router_limits += [flag, str(count_flag(value, flag))]
     ports = router_ports(args)
     roles = ([("prefill", args.prefill), ("decode", args.decode)] if args.mode == "disaggregated"
              else [("worker", args.workers)])
