@@ -96,6 +96,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="--backend sim: simulated time runs this many times slower than the wall clock")
     p.add_argument("--calibration", default=None,
                    help="--backend sim: the engine modelled, a preset (vllm | trtllm | torch-eager | ...) or a file")
+    p.add_argument("--collective-profile", type=Path, default=None,
+                   help="--backend sim, --tp > 1: all-reduce times measured on your host (nccl-tests' "
+                        "all_reduce_perf output, or Vidur's all_reduce.csv) instead of the GPU preset's interconnect")
     p.add_argument("--link", default=None,
                    help="--backend sim: the prefill workers' KV link preset (nvlink | rdma-400g | tcp-100g | "
                         "tcp-25g; default: the workers', rdma-400g)")
@@ -176,6 +179,7 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     from pdrouter.core.model_spec import get_model_preset
     from pdrouter.engine.sim.calibration import resolve_calibration
     from pdrouter.engine.sim.link import get_link_preset
+    from pdrouter.engine.sim.profile import OperatorProfile
 
     get_gpu_preset(args.gpu)
     get_model_preset(args.model_preset)
@@ -187,6 +191,9 @@ def _sim_args(args: argparse.Namespace) -> list[str]:
     if args.calibration is not None:
         resolve_calibration(args.calibration)
         out += ["--calibration", str(args.calibration)]
+    if args.collective_profile is not None:
+        OperatorProfile.load(args.tp, collective=args.collective_profile)  # refused here, before anything starts
+        out += ["--collective-profile", str(args.collective_profile.resolve())]
     if args.link is not None:
         get_link_preset(args.link)
         out += ["--link", args.link]
@@ -343,7 +350,8 @@ def run(args: argparse.Namespace) -> int:
     sim: list[str] | None = None
     if args.backend != "sim":
         given = [flag for flag, value in (("--link", args.link), ("--utilization", args.utilization),
-                                          ("--quota-gb", args.quota_gb)) if value is not None]
+                                          ("--quota-gb", args.quota_gb),
+                                          ("--collective-profile", args.collective_profile)) if value is not None]
         if given:
             raise ConfigError(f"{', '.join(given)} only apply to --backend sim")
     if args.backend == "sim":

@@ -94,6 +94,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--operator-profile", type=Path, default=None,
                        help="--backend sim: a folder of profiled operator times for this model, GPU and TP "
                             "(Vidur's mlp.csv and all_reduce.csv), used where they cover a step")
+        p.add_argument("--collective-profile", type=Path, default=None,
+                       help="--backend sim, --tp > 1: all-reduce times measured on your host, nccl-tests' "
+                            "all_reduce_perf output (or Vidur's all_reduce.csv), used within its sizes instead "
+                            "of the GPU preset's interconnect")
         p.add_argument("--time-scale", type=float, default=1.0,
                        help="--backend sim: simulated time runs this many times slower than the wall clock "
                             "(0: answer without sleeping)")
@@ -227,7 +231,7 @@ def _sim_config(args: argparse.Namespace) -> SimEngineConfig:
     config = SimEngineConfig(
         spec=spec, gpu=gpu, eos_token_ids=eos, model_dir=args.model, tp=args.tp,
         calibration=resolve_calibration(args.calibration),
-        profile=OperatorProfile.from_dir(args.operator_profile, args.tp) if args.operator_profile else None,
+        profile=OperatorProfile.load(args.tp, args.operator_profile, args.collective_profile),
         time_scale=args.time_scale,
         block_size=DEFAULT_BLOCK_SIZE if args.block_size is None else args.block_size, num_blocks=args.num_blocks,
         memory_utilization=utilization, memory_quota_bytes=None if quota is None else quota.bytes,
@@ -244,6 +248,7 @@ def _check_sim_only(args: argparse.Namespace, allow_tp: bool = False) -> None:
                                    ("--tp", args.tp != 1 and not allow_tp),
                                    ("--calibration", args.calibration is not None),
                                    ("--operator-profile", args.operator_profile is not None),
+                                   ("--collective-profile", args.collective_profile is not None),
                                    ("--time-scale", args.time_scale != 1.0), ("--link", args.link != "rdma-400g"),
                                    ("--link-unshared", args.link_unshared)) if on]
     if given:

@@ -29,6 +29,9 @@ def run_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--model-preset", "llama-3-8b", "--device", "cuda"], "--device only apply to --backend torch"),
     (["--model-preset", "llama-3-8b", "--calibration", "tensorrt"], "neither a preset (vllm, vllm-v0, trtllm"),
     (["--model-preset", "llama-3-8b", "--operator-profile", "/nonexistent"], "needs mlp.csv"),
+    (["--model-preset", "llama-3-8b", "--collective-profile", "/nonexistent"], "runs no all-reduce"),
+    (["--model-preset", "llama-3-8b", "--tp", "2", "--collective-profile", "/nonexistent"],
+     "cannot read the collective profile"),
 ])
 def test_bad_simulated_workers_are_one_line_errors(extra: list[str], expected: str,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,6 +60,9 @@ def test_sim_options_are_refused_for_the_torch_engine(tmp_path: Path, capsys: py
 def test_up_checks_the_simulated_fleet_before_starting(capsys: pytest.CaptureFixture[str]) -> None:
     assert "presets" in run_error(["up", "--backend", "sim", "--gpu", "h900"], capsys)
     assert "neither a preset" in run_error(["up", "--backend", "sim", "--calibration", "trt"], capsys)
+    assert "runs no all-reduce" in run_error(["up", "--backend", "sim", "--collective-profile", "ar.txt"], capsys)
+    assert "--collective-profile only apply to --backend sim" in run_error(
+        ["up", "--collective-profile", "ar.txt"], capsys)
 
 
 def test_an_operator_profile_must_match_the_workers_tp(capsys: pytest.CaptureFixture[str]) -> None:
@@ -82,3 +88,21 @@ def test_the_calibration_flag_and_the_profile_reach_the_simulated_engine(tmp_pat
     profile = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "vidur" / "h100_llama2_7b"
     config = _sim_config(build_parser().parse_args([*base, "--operator-profile", str(profile)]))
     assert config.profile is not None and config.profile.tp == 1
+
+
+def test_a_collective_profile_reaches_the_simulated_engine(tmp_path: Path) -> None:
+    from pdrouter.cli.main import build_parser
+    from pdrouter.cli.worker_cmd import _sim_config
+
+    nccl = tmp_path / "ar.txt"
+    nccl.write_text("# nThread 1 nGpus 2 minBytes 8 maxBytes 8388608\n#  out-of-place\n"
+                    "1048576 262144 float sum -1 80.0 13.1 13.1 0 79.0 13.2 13.2 0\n"
+                    "8388608 2097152 float sum -1 500.0 16.8 16.8 0 498.0 16.8 16.8 0\n")
+    base = ["decode", "--backend", "sim", "--model-preset", "llama-3-8b", "--num-blocks", "64", "--tp", "2",
+            "--collective-profile", str(nccl)]
+    config = _sim_config(build_parser().parse_args(base))
+    assert config.profile is not None and config.profile.ops == {}
+    assert config.profile.allreduce_time(1048576) == pytest.approx(80e-6)
+    vidur = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "vidur" / "h100_llama2_7b"
+    config = _sim_config(build_parser().parse_args([*base, "--operator-profile", str(vidur)]))
+    assert config.profile is not None and config.profile.ops and config.profile.allreduce_time(8388608) == 500e-6

@@ -14,6 +14,12 @@ others on A100 and H100:
   ``size`` (bytes) and ``time_stats.all_reduce.median`` in milliseconds. Rows within one node at the
   model's TP are used (the median over ranks per size).
 
+A collective profile can also come alone (``--collective-profile FILE``, :func:`read_allreduce_profile`):
+Vidur's ``all_reduce.csv``, or the output of nccl-tests' ``all_reduce_perf`` run on the user's own host
+(``all_reduce_perf -b 8 -e 256M -f 2 -g N``: one result row per message size, the out-of-place time in
+microseconds). Over PCIe, what an all-reduce costs depends on the host more than on the GPU (peer-to-peer
+or copies through host memory, one CPU socket or two), so a measurement of the host beats any preset.
+
 Times are interpolated linearly between profiled sizes; a size outside the table returns None, and
 the caller falls back to the roofline. Nothing here imports numpy or torch.
 """
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import bisect
 import csv
+import dataclasses
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -84,7 +92,10 @@ class OperatorProfile:
         return self.ops[op].at(tokens)
 
     def layer_time(self, tokens: float) -> float | None:
-        """One layer's profiled operators, summed, for ``tokens`` tokens; None outside the profile."""
+        """One layer's profiled operators, summed, for ``tokens`` tokens; None outside the profile (or
+        without operators: a collective profile alone)."""
+        if not self.ops:
+            return None
         total = 0.0
         for curve in self.ops.values():
             t = curve.at(tokens)
@@ -96,6 +107,19 @@ class OperatorProfile:
     def allreduce_time(self, nbytes: float) -> float | None:
         """One all-reduce of ``nbytes``; None without a collective profile or outside it."""
         return None if self.allreduce is None else self.allreduce.at(nbytes)
+
+    @classmethod
+    def load(cls, tp: int, folder: str | Path | None = None, collective: str | Path | None = None
+             ) -> OperatorProfile | None:
+        """What ``--operator-profile DIR`` and ``--collective-profile FILE`` give a worker at ``tp``: the
+        folder's profile, its all-reduce replaced by the file's; the file's alone; or None without either."""
+        profile = cls.from_dir(folder, tp) if folder is not None else None
+        if collective is None:
+            return profile
+        curve = read_allreduce_profile(collective, tp)
+        if profile is None:
+            return cls(source=str(collective), tp=tp, ops={}, allreduce=curve)
+        return dataclasses.replace(profile, allreduce=curve)
 
     @classmethod
     def from_dir(cls, folder: str | Path, tp: int) -> OperatorProfile:
@@ -127,6 +151,73 @@ class OperatorProfile:
         if allreduce_csv is not None and tp > 1:
             allreduce = _allreduce_curve(Path(allreduce_csv), tp)
         return cls(source=str(mlp_csv), tp=tp, ops=ops, allreduce=allreduce)
+
+
+NCCL_TESTS_TYPE_BYTES = {"int8": 1, "uint8": 1, "int32": 4, "uint32": 4, "int64": 8, "uint64": 8, "half": 2,
+                         "float": 4, "double": 8, "bfloat16": 2, "f8e4m3": 1, "f8e5m2": 1}
+"""Element sizes of nccl-tests' ``type`` column (its ``-d`` names)."""
+_RANK_LINE = re.compile(r"#\s*Rank\s+\d+\s")
+_THREADS_LINE = re.compile(r"#\s*nThread\s+(\d+)\s+nGpus\s+(\d+)")
+
+
+def read_allreduce_profile(path: str | Path, tp: int) -> Curve:
+    """All-reduce seconds against each rank's buffer bytes at ``tp`` GPUs: from nccl-tests'
+    ``all_reduce_perf`` output (its text, as printed) or a Vidur ``all_reduce.csv``. ConfigError naming
+    the file and what is wrong (not an all-reduce, another GPU count, no result rows)."""
+    path = Path(path)
+    if tp <= 1:
+        raise ConfigError(f"--collective-profile {path}: a worker at TP {tp} runs no all-reduce; it needs --tp > 1")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the collective profile ({exc.__class__.__name__}: {exc})") from None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if first.startswith("#") or "out-of-place" in text:  # (launchers and NCCL may log before the header)
+        return _nccl_tests_curve(path, text, tp)
+    return _allreduce_curve(path, tp)
+
+
+def _nccl_tests_curve(path: Path, text: str, tp: int) -> Curve:
+    """nccl-tests' output: ``#`` lines (the ranks' devices among them), then one row per size:
+    ``size count type redop root time algbw busbw #wrong`` out of place, the same in place. Lines
+    that are not result rows (NCCL's own log lines, warnings) are passed over."""
+    ranks, threads = 0, None
+    points: dict[int, list[float]] = defaultdict(list)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        fields = line.split()
+        if not fields:
+            continue
+        if fields[0].startswith("#"):
+            ranks += bool(_RANK_LINE.match(line.strip()))
+            if (m := _THREADS_LINE.match(line.strip())) is not None:
+                threads = int(m.group(1)) * int(m.group(2))
+            continue
+        if len(fields) < 6 or not (fields[0].isdigit() and fields[1].isdigit()):
+            continue
+        size, count, dtype, redop, root = int(fields[0]), int(fields[1]), fields[2], fields[3], fields[4]
+        if redop == "none" or root != "-1":
+            raise ConfigError(f"{path}, line {lineno}: not an all-reduce (redop {redop!r}, root {root}); the "
+                              f"profile must be all_reduce_perf's output")
+        elem = NCCL_TESTS_TYPE_BYTES.get(dtype)
+        if elem is not None and count * elem != size:
+            raise ConfigError(f"{path}, line {lineno}: {count} {dtype} elements are not {size} bytes on each rank, "
+                              f"as in an all-reduce; the profile must be all_reduce_perf's output")
+        try:
+            micros = float(fields[5])
+        except ValueError:
+            raise ConfigError(f"{path}, line {lineno}: the time {fields[5]!r} is not a number") from None
+        if not micros > 0 or micros == float("inf"):
+            raise ConfigError(f"{path}, line {lineno}: the time must be > 0 microseconds, got {fields[5]!r}")
+        points[size].append(micros * 1e-6)
+    if not points:
+        raise ConfigError(f"{path}: no result rows; run all_reduce_perf (nccl-tests) and keep its output as printed")
+    measured = ranks or threads
+    if measured is None:
+        raise ConfigError(f"{path}: it does not say over how many GPUs it ran (no '#  Rank' or 'nGpus' line)")
+    if measured != tp:
+        raise ConfigError(f"{path}: measured over {measured} GPUs; the worker runs at TP {tp} (run all_reduce_perf "
+                          f"over {tp} GPUs, e.g. -g {tp})")
+    return Curve.from_points((size, statistics.median(ts)) for size, ts in points.items())
 
 
 def _allreduce_curve(path: Path, tp: int) -> Curve:

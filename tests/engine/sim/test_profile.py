@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 import statistics
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from pdrouter.core.errors import ConfigError
 from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.engine.sim.calibration import Calibration
-from pdrouter.engine.sim.profile import LAYER_OPS, Curve, OperatorProfile
+from pdrouter.engine.sim.profile import LAYER_OPS, Curve, OperatorProfile, read_allreduce_profile
 from pdrouter.engine.sim.timing import TimingModel
 
 VIDUR = Path(__file__).resolve().parents[3] / "benchmarks" / "data" / "vidur" / "h100_llama2_7b"
@@ -105,3 +106,102 @@ def test_bad_profiles_are_refused_with_the_file_and_the_reason(tmp_path: Path) -
     collective = _write(tmp_path / "ar.csv", columns, [[2, 1, 1024, 0.01]])
     with pytest.raises(ConfigError, match="no all-reduce rows for 2 GPUs within one node"):
         OperatorProfile.from_vidur(mlp, 2, collective)
+
+
+NCCL_TESTS_HEADER = """\
+# nThread 1 nGpus {ranks} minBytes 8 maxBytes 33554432 step: 2(factor) warmup iters: 5 iters: 20 agg iters: 1
+#
+# Using devices
+{devices}
+host-a:4242:4242 [0] NCCL INFO Bootstrap : Using eth0:10.0.0.2<0>
+#
+#                                                              out-of-place                       in-place
+#       size         count      type   redop    root     time   algbw   busbw #wrong     time   algbw   busbw #wrong
+#        (B)    (elements)                               (us)  (GB/s)  (GB/s)            (us)  (GB/s)  (GB/s)
+"""
+
+
+def _nccl_tests(path: Path, rows: str, ranks: int = 4, rank_lines: bool = True) -> Path:
+    devices = "\n".join(f"#  Rank {r:2d} Group  0 Pid   4242 on     host-a device {r:2d} [0x{r + 1:02x}] NVIDIA L40S"
+                        for r in range(ranks)) if rank_lines else "#"
+    path.write_text(NCCL_TESTS_HEADER.format(ranks=ranks, devices=devices) + rows
+                    + "# Out of bounds values : 0 OK\n# Avg bus bandwidth    : 14.6\n#\n")
+    return path
+
+
+NCCL_ROWS = """\
+           8             2     float     sum      -1    30.10    0.00    0.00      0    29.80    0.00    0.00      0
+     2097152        524288     float     sum      -1    150.0   13.98   20.97      0    149.0   14.07   21.11      0
+    33554432       8388608     float     sum      -1   2200.0   15.25   22.88      0   2190.0   15.32   22.98      0
+"""
+
+
+def test_nccl_tests_output_is_a_collective_profile_of_the_host(tmp_path: Path) -> None:
+    path = _nccl_tests(tmp_path / "ar.txt", NCCL_ROWS)
+    curve = read_allreduce_profile(path, 4)
+    assert curve.sizes == (8, 2097152, 33554432)
+    assert curve.seconds == pytest.approx((30.1e-6, 150e-6, 2200e-6))  # the out-of-place times
+    assert curve.at(2097152 * 2) == pytest.approx(150e-6 + (2200e-6 - 150e-6) * 2097152 / (33554432 - 2097152))
+    # Alone, it changes the collectives only: the layers stay on the roofline (no operator profile).
+    profile = OperatorProfile.load(4, collective=path)
+    assert profile is not None and profile.ops == {} and profile.layer_time(128) is None
+    spec = dataclasses.replace(LLAMA2_7B, num_kv_heads=8)
+    l40s = get_gpu_preset("l40s")
+    measured = TimingModel(spec, l40s, tp=4, profile=profile)
+    preset = TimingModel(spec, l40s, tp=4)
+    tokens = 256  # 256 × 4096 × 2 bytes = 2 MiB, a profiled size
+    step, roofline = measured.prefill(tokens), preset.prefill(tokens)
+    assert not step.measured and step.matmul_s == roofline.matmul_s
+    gather = l40s.link.allgather_s(32000 * 2, 4)
+    assert step.comm_s == pytest.approx(2 * 32 * 150e-6 + gather)
+    assert roofline.comm_s == pytest.approx(2 * 32 * l40s.link.allreduce_s(tokens * 4096 * 2, 4) + gather)
+    huge = 33554432 * 4
+    assert measured.allreduce_s(huge) == l40s.link.allreduce_s(huge, 4)  # outside the sizes: the preset's
+    # Repeated sizes (two runs in one file) take the median; a file of threads × GPUs without rank lines counts them.
+    twice = _nccl_tests(tmp_path / "twice.txt", NCCL_ROWS + NCCL_ROWS.replace("150.0", "170.0")
+                        + NCCL_ROWS.replace("150.0", "160.0"), ranks=2, rank_lines=False)
+    assert read_allreduce_profile(twice, 2).at(2097152) == pytest.approx(160e-6)
+
+
+def test_a_collective_profile_replaces_the_folders_and_vidurs_file_serves_alone(tmp_path: Path) -> None:
+    nccl = _nccl_tests(tmp_path / "ar.txt", NCCL_ROWS, ranks=2)
+    both = OperatorProfile.load(2, VIDUR, nccl)
+    folder = OperatorProfile.from_dir(VIDUR, 2)
+    assert both is not None and both.ops == folder.ops and both.allreduce == read_allreduce_profile(nccl, 2)
+    alone = OperatorProfile.load(2, collective=VIDUR / "all_reduce.csv")
+    assert alone is not None and alone.allreduce == folder.allreduce and alone.ops == {}
+    assert OperatorProfile.load(2) is None
+
+
+def _row(redop: str = "sum", count: str = "262144", root: str = "-1", time: str = "80.0") -> str:
+    """One all_reduce_perf result row of 1 MiB (out of place, then in place)."""
+    return f"     1048576 {count:>13} float {redop:>7} {root:>7} {time:>8}  13.1  11.5  0  79.0  13.2  11.6  0\n"
+
+
+@pytest.mark.parametrize(("rows", "ranks", "tp", "expected"), [
+    (NCCL_ROWS, 4, 8, "measured over 4 GPUs; the worker runs at TP 8"),
+    (_row(redop="none"), 4, 4, "not an all-reduce"),
+    (_row(count="65536"), 4, 4, "are not 1048576 bytes on each rank"),
+    (_row(root="0"), 4, 4, "not an all-reduce"),
+    (_row(time="N/A"), 4, 4, "the time 'N/A' is not a number"),
+    (_row(time="0.0"), 4, 4, "must be > 0 microseconds"),
+    ("host-a: Test NCCL failure common.cu:1005 'unhandled system error'\n", 4, 4, "no result rows"),
+    (NCCL_ROWS, 4, 1, "runs no all-reduce; it needs --tp > 1"),
+])
+def test_bad_collective_profiles_are_refused_with_the_file_and_the_reason(
+        tmp_path: Path, rows: str, ranks: int, tp: int, expected: str) -> None:
+    path = _nccl_tests(tmp_path / "ar.txt", rows, ranks=ranks)
+    with pytest.raises(ConfigError, match=re.escape(expected)) as err:
+        read_allreduce_profile(path, tp)
+    assert str(path) in err.value.message
+
+
+def test_a_collective_profile_that_is_neither_format_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read the collective profile"):
+        read_allreduce_profile(tmp_path / "missing.txt", 2)
+    (tmp_path / "notes.txt").write_text("all-reduce was fast\n")
+    with pytest.raises(ConfigError, match="not a Vidur profile"):
+        read_allreduce_profile(tmp_path / "notes.txt", 2)
+    (tmp_path / "headless.txt").write_text("#  size  count  type  redop  root  time (out-of-place)\n" + NCCL_ROWS)
+    with pytest.raises(ConfigError, match="does not say over how many GPUs"):
+        read_allreduce_profile(tmp_path / "headless.txt", 2)
