@@ -11,7 +11,7 @@ import enum
 import struct
 import sys
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import overload
 
@@ -145,3 +145,25 @@ class TokenDelta:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+
+
+class TokenSink:
+    """A streamed request's shortcut for its token chunks, from the worker's connection to the client's.
+
+    A front door that writes each chunk of a stream as it comes (an HTTP door's SSE response) sets
+    ``deliver`` once its consumer has taken the stream's first delta, and ``flush``. The worker call's
+    reader then offers ``deliver`` each chunk of plain tokens (no finish, no report) that arrives while
+    the consumer waits with nothing queued, so that the chain of iterators between the two is not
+    woken once a token; ``deliver`` says whether it takes the chunk (False changes nothing: e.g. the
+    client's connection cannot take a write now). After the chunks that came in one read (those the
+    stream would have merged into one delta), the reader calls ``flush``: the consumer's own work for
+    them as one delta (its text, its metrics, its write). Neither may raise; what ``flush`` could not do
+    it keeps in ``error``, which the stream raises to its consumer. ``deliver`` None: every chunk goes
+    by the stream."""
+
+    __slots__ = ("deliver", "error", "flush")
+
+    def __init__(self) -> None:
+        self.deliver: Callable[[tuple[int, ...]], bool] | None = None
+        self.flush: Callable[[], None] | None = None
+        self.error: BaseException | None = None

@@ -360,7 +360,8 @@ class PoolDispatcher:
                 call = handle.client.generate(request.request_id, request.prompt_token_ids, request.sampling,
                                               timeout=self._timeout(request), whole=request.whole,
                                               cache_salt=request.cache_salt, metadata=self._call_metadata(request),
-                                              priority=engine_priority, prompt_token_bytes=request.prompt_token_bytes)
+                                              priority=engine_priority, prompt_token_bytes=request.prompt_token_bytes,
+                                              sink=request.sink)
                 async for delta in call:
                     if not answered and request.trace is not None:
                         self._first_token(request)
@@ -556,7 +557,7 @@ class PoolDispatcher:
                             "pdrouter.decode_worker": decode.worker_id}, kind=self.tracing.CLIENT)  # type: ignore[union-attr]
                         metadata = self._call_metadata(request, serve.span)
                     stream = decode.client.serve(placement.order, timeout=self._timeout(request),
-                                                 on_report=serve.on_report, metadata=metadata)
+                                                 on_report=serve.on_report, metadata=metadata, sink=request.sink)
                     first = serve.span is not None
                     async for delta in stream:
                         if first:

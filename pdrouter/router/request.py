@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from pdrouter.core.ids import RequestId
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant
-from pdrouter.core.tokens import FinishReason, PackedPrompt, TokenDelta, Usage, pack_token_ids
+from pdrouter.core.tokens import FinishReason, PackedPrompt, TokenDelta, TokenSink, Usage, pack_token_ids
 
 __all__ = ["Dispatcher", "FinishReason", "ModelInfo", "RouterRequest", "TokenDelta", "Usage", "prompt_ids"]
 
@@ -50,6 +50,11 @@ class RouterRequest:
     tenant's part and its own ``cache_salt``); empty: none."""
     trace: Any = None
     """The request's span (``pdrouter.core.tracing``), when the router traces; None otherwise."""
+    sink: TokenSink | None = None
+    """A streamed request's shortcut from the worker call to the front door's writer, for the chunks after
+    the first (``TokenSink``); the dispatcher hands it to the worker call. None: none (every delta goes
+    through the dispatcher's stream). A front door sets it only where nothing between the two looks at
+    each delta (no tenant's count of the tokens)."""
 
     @cached_property
     def prompt_token_bytes(self) -> bytes:

@@ -25,7 +25,7 @@ from typing import Any
 from pdrouter.core.disaggregation import PrefillFailure, PrefillReport, PrefillRoute, ServeOrder
 from pdrouter.core.errors import UnavailableError
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import FinishReason, TokenDelta, Usage, pack_token_ids
+from pdrouter.core.tokens import FinishReason, TokenDelta, TokenSink, Usage, pack_token_ids
 from pdrouter.core.workers import WorkerLoad, WorkerRecord
 from pdrouter.wire.convert import load_from_pb, prompt_from_pb, record_from_pb, sampling_from_pb, sampling_to_pb
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS, RPC_ERRORS, from_rpc_error
@@ -97,16 +97,55 @@ class TokenStream:
     Nothing waits to be merged: a delta is handed on as soon as no further chunk is already there.
     A failure after merged chunks comes after their delta, as it would after the chunks one by one.
     gRPC calls are read one chunk at a time (a ``grpc.aio`` read always waits for the channel).
+
+    ``sink`` (a lane call only): chunks of plain tokens that arrive while this stream's consumer waits
+    go to the sink's ``deliver``, when it is set, instead of through the stream (``TokenSink``); the
+    last delta's usage counts them.
     """
 
-    __slots__ = ("_call", "_on_report", "_prompt_tokens", "_request_id")
+    __slots__ = ("_call", "_on_report", "_produced", "_prompt_tokens", "_request_id", "_sink")
 
     def __init__(self, call: Any, request_id: str, prompt_tokens: int,
-                 on_report: Callable[[PrefillReport], None] | None = None) -> None:
+                 on_report: Callable[[PrefillReport], None] | None = None, sink: TokenSink | None = None) -> None:
         self._call = call
         self._request_id = request_id
         self._prompt_tokens = prompt_tokens
         self._on_report = on_report
+        self._produced = 0
+        self._sink = sink if isinstance(call, StreamCall) else None
+        if self._sink is not None:
+            call.set_sink(self._offered, self._flushed)
+
+    def _offered(self, body: bytes) -> bool:
+        """A message the lane offers while the consumer waits: a chunk of plain tokens goes to the sink's
+        ``deliver`` (True when it took it); anything else (a finish, a report, no tokens), or a sink not
+        set (yet), goes by the stream."""
+        sink = self._sink
+        assert sink is not None
+        deliver = sink.deliver
+        if deliver is None:
+            return False
+        try:
+            chunk = common_pb2.TokenChunk.FromString(body)
+            if chunk.finish_reason or chunk.HasField("prefill") or not chunk.token_ids:
+                return False
+            ids = tuple(chunk.token_ids)
+            if not deliver(ids):
+                return False
+        except Exception as exc:  # (the stream gives its consumer the error; the connection serves on)
+            sink.deliver, sink.error = None, exc
+            return False
+        self._produced += len(ids)
+        return True
+
+    def _flushed(self) -> None:
+        """After the chunks of one read that the sink took: its ``flush`` (what it raises, the stream raises)."""
+        sink = self._sink
+        if sink is not None and sink.flush is not None:
+            try:
+                sink.flush()
+            except Exception as exc:
+                sink.deliver, sink.error = None, exc
 
     def cancel(self) -> None:
         """Cancel the call (no-op once it has ended); the worker frees the request's blocks."""
@@ -118,13 +157,15 @@ class TokenStream:
         # Over a lane, the chunks that have arrived are taken without waiting (``has_waiting``: asked, not
         # tried, so that a stream read a chunk at a time pays nothing for the merge).
         waiting = stream.has_waiting if isinstance(stream, StreamCall) else None
-        produced = 0
+        sink = self._sink
         try:
             while True:
                 try:
                     chunk = await stream.__anext__()
                 except StopAsyncIteration:
                     break
+                if sink is not None and sink.error is not None:
+                    raise sink.error
                 ids: Any = chunk.token_ids
                 reason = _FINISH.get(chunk.finish_reason)
                 if on_report is not None and chunk.HasField("prefill"):
@@ -150,10 +191,10 @@ class TokenStream:
                         ids.extend(got.token_ids)
                     reason = _FINISH.get(got.finish_reason)
                     chunk = got
-                produced += len(ids)
+                self._produced += len(ids)
                 if reason is not None:
                     yield TokenDelta(tuple(ids), reason,
-                                     Usage(self._prompt_tokens, produced, chunk.usage.cached_tokens))
+                                     Usage(self._prompt_tokens, self._produced, chunk.usage.cached_tokens))
                     return
                 if ids:
                     yield TokenDelta(tuple(ids))
@@ -180,22 +221,23 @@ class WorkerClient:
 
     def serve(self, order: ServeOrder, timeout: float | None,
               on_report: Callable[[PrefillReport], None] | None = None,
-              metadata: Sequence[tuple[str, str]] | None = None) -> TokenStream:
+              metadata: Sequence[tuple[str, str]] | None = None, sink: TokenSink | None = None) -> TokenStream:
         """``DecodeWorker.Serve``; ``on_report`` gets the stream's ``PrefillReport`` once; ``metadata``:
-        the call's (its trace context: gRPC metadata, or the lane's ``META`` frame)."""
+        the call's (its trace context: gRPC metadata, or the lane's ``META`` frame); ``sink``: the
+        stream's (``TokenStream``)."""
         try:
             call = self._decode.Serve(serve_order_to_pb(order), timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
-        return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report)
+        return TokenStream(call, order.request_id, len(order.prompt_token_ids), on_report, sink)
 
     def generate(self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingParams,
                  timeout: float | None, whole: bool = False, cache_salt: bytes = b"",
                  metadata: Sequence[tuple[str, str]] | None = None, priority: int = 0,
-                 prompt_token_bytes: bytes = b"") -> TokenStream:
+                 prompt_token_bytes: bytes = b"", sink: TokenSink | None = None) -> TokenStream:
         """``ColocatedWorker.Generate``: the worker computes the prompt and streams every token
         (``whole``: every token in one chunk at the end; ``prompt_token_bytes``: the prompt already
-        packed, if the caller has it)."""
+        packed, if the caller has it; ``sink``: the stream's, ``TokenStream``)."""
         packed = prompt_token_bytes or pack_token_ids(prompt_token_ids)
         msg = worker_pb2.WorkerGenerateRequest(request_id=request_id, prompt_token_bytes=packed,
                                                sampling=sampling_to_pb(sampling), whole=whole,
@@ -204,7 +246,7 @@ class WorkerClient:
             call = self._colocated.Generate(msg, timeout=timeout, metadata=metadata)
         except RPC_ERRORS as exc:
             raise from_rpc_error(exc) from None
-        return TokenStream(call, request_id, len(prompt_token_ids))
+        return TokenStream(call, request_id, len(prompt_token_ids), sink=sink)
 
     async def info(self, timeout: float = 2.0) -> tuple[WorkerRecord, WorkerLoad]:
         """The worker's record and load (``GetInfo``, ``GetLoad`` over gRPC); raises ``grpc.RpcError``."""

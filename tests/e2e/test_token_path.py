@@ -17,7 +17,9 @@ worker computing it. For the same greedy request:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ from pdrouter.router.dispatch import DispatchConfig
 from pdrouter.router.request import RouterRequest, TokenDelta
 from pdrouter.router.server import RouterProcess
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
+from pdrouter.wire.worker_client import TokenStream
 
 from .conftest import Cluster
 from .test_router_e2e import wait_workers
@@ -152,8 +155,18 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-async def test_whole_answers_equal_streamed_ones(cluster: Cluster, mode: str) -> None:
+async def test_whole_answers_equal_streamed_ones(cluster: Cluster, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     router_mode, roles, local_prefill_tokens = MODES[mode]
+    # The chunks a streamed HTTP response's sink took (``TokenSink``): written outside the stream.
+    sunk: list[int] = []
+    offered = TokenStream._offered
+
+    def counted(stream: TokenStream, body: bytes) -> bool:
+        took = offered(stream, body)
+        sunk.append(took)
+        return took
+
+    monkeypatch.setattr(TokenStream, "_offered", counted)
     for role in roles:
         cluster.spawn(role)
     router = await cluster.router(router_mode, dispatch=DispatchConfig(mode=router_mode,  # type: ignore[arg-type]
@@ -176,6 +189,7 @@ async def test_whole_answers_equal_streamed_ones(cluster: Cluster, mode: str) ->
         streamed, events = await http_stream(client, "/v1/completions", base)
         assert streamed == whole
         assert events > 1  # it streamed (a router behind its worker may merge tokens, not all of them)
+        assert sum(sunk) > 0  # later chunks went from the worker's call straight to the response
 
         # Stop strings: matched on the text, token by token, unary and streamed alike.
         cases = [(stop, False), (stop, True), ("\x00never\x00", False)]
@@ -211,3 +225,66 @@ async def test_whole_answers_equal_streamed_ones(cluster: Cluster, mode: str) ->
     assert [t for d in at_once for t in d.token_ids] == [t for d in one_by_one for t in d.token_ids] == expected_ids
     assert at_once[-1].finish_reason == one_by_one[-1].finish_reason
     assert at_once[-1].usage == one_by_one[-1].usage
+
+
+async def test_a_streamed_answer_to_a_client_that_stops_reading_loses_nothing(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client that stops reading a long stream: the router's writes to it pause, the chunks that come
+    meanwhile wait in the stream (its ``TokenSink`` refuses them), and once the client reads again it
+    gets the whole answer, as the same request answered unary."""
+    from pdrouter.router.frontdoor.http_server import FastCycle
+
+    paused: list[bool] = []
+    can_send_now = FastCycle.can_send_now
+
+    def watched(cycle: FastCycle) -> bool:
+        transport = cycle.protocol.transport
+        if not paused:  # small buffers on the router's side too: its writes pause within a few chunks
+            transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            transport.set_write_buffer_limits(high=4096)
+            paused.append(False)
+        if cycle.protocol.flow.write_paused:
+            paused.append(True)
+        return can_send_now(cycle)
+
+    monkeypatch.setattr(FastCycle, "can_send_now", watched)
+    cluster.spawn("worker")
+    router = await cluster.router("colocated", dispatch=DispatchConfig(mode="colocated"))
+    await wait_workers(router, {WorkerRole.COLOCATED: 1})
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.http_port}", timeout=60) as client:
+        whole = await http_unary(client, "/v1/completions", body)
+    assert whole.usage[1] == 900
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", router.http_port))
+    reader, writer = await asyncio.open_connection(sock=sock)
+    payload = json.dumps({**body, "stream": True, "stream_options": {"include_usage": True}}).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(payload), payload))
+    await writer.drain()
+    await asyncio.sleep(3)  # not reading: the router's transport fills and its writes pause
+    raw = await asyncio.wait_for(reader.read(-1), 60)
+    writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    events = b""
+    while rest:  # chunked transfer coding
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        events, rest = events + rest[:n], rest[n + 2:]
+        if n == 0:
+            break
+    text, finish, usage = [], "", None
+    for line in events.decode().split("\n"):
+        if line.startswith("data: {"):
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = _usage(chunk["usage"])
+            for choice in chunk["choices"]:
+                text.append(choice["text"])
+                finish = choice["finish_reason"] or finish
+    assert True in paused  # the writes did pause while the client was not reading
+    assert Answer("".join(text), finish, usage) == Answer(whole.text, "length", (whole.usage[0], 900, usage[2]))

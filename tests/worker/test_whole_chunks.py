@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 import pytest
@@ -27,7 +27,7 @@ from pdrouter.core.gpu import get_gpu_preset
 from pdrouter.core.ids import RequestId
 from pdrouter.core.model_spec import get_model_preset
 from pdrouter.core.sampling import SamplingParams
-from pdrouter.core.tokens import FinishReason, TokenDelta
+from pdrouter.core.tokens import FinishReason, TokenDelta, TokenSink
 from pdrouter.engine.outputs import FinishReason as EngineFinish
 from pdrouter.engine.outputs import RequestOutput
 from pdrouter.engine.sim.config import BYTE_TEXT_TOKENS, SimEngineConfig
@@ -299,7 +299,8 @@ async def test_decode_serve_sends_whole_requests_in_two_chunks(spawn_worker: Spa
 # -- the router's side: merged deltas ----------------------------------------------------------------
 class Burst(worker_pb2_grpc.ColocatedWorkerServicer):
     """Sends ``max_tokens`` one-token chunks at once (no wait between them), then the finish; a
-    request id starting with ``fail`` ends with NOT_FOUND instead of finishing, ``hold`` never ends."""
+    request id starting with ``fail`` ends with NOT_FOUND instead of finishing, ``hold`` never ends,
+    ``paced`` waits 5 ms before each chunk (its consumer waits for each)."""
 
     def __init__(self) -> None:
         self.closed: list[str] = []
@@ -311,6 +312,8 @@ class Burst(worker_pb2_grpc.ColocatedWorkerServicer):
         try:
             n = request.sampling.max_tokens
             for i in range(n - 1):
+                if rid.startswith("paced"):
+                    await asyncio.sleep(0.005)
                 yield common_pb2.TokenChunk(request_id=rid, token_ids=[i])
             if rid.startswith("fail"):
                 raise NotFoundError("gone")
@@ -338,46 +341,105 @@ async def deltas_after_a_pause(stream: TokenStream) -> list[TokenDelta]:
     return got
 
 
-async def test_token_stream_merges_the_chunks_already_there_on_a_lane() -> None:
+@pytest.fixture
+async def burst_lane() -> AsyncIterator[tuple[Burst, ColocatedLane]]:
+    """A lane server of ``Burst`` and a client stub on it."""
     server = LaneServer()
     servicer = Burst()
     serve_servicer(server, servicer)
     await server.start()
     channel = LaneChannel(server.address)
-    lane = ColocatedLane(channel)
     try:
-        got = await deltas_after_a_pause(TokenStream(lane.Generate(burst_request("r", 50)), "r", 3))
-        assert [t for d in got for t in d.token_ids] == list(range(50))
-        assert len(got) < 10  # the chunks that waited came as one (or a few) deltas
-        assert got[-1].finish_reason is FinishReason.STOP
-        assert got[-1].usage is not None and (got[-1].usage.completion_tokens, got[-1].usage.cached_tokens) == (50, 2)
-        # A failure after some chunks: their tokens first, then the error.
-        stream = TokenStream(lane.Generate(burst_request("fail", 20)), "fail", 3)
-        seen: list[int] = []
-        with pytest.raises(NotFoundError):
-            async for delta in stream:
-                seen.extend(delta.token_ids)
-                await asyncio.sleep(0.1)
-        assert seen == list(range(19))
-        # Left early while a read is pending: closing is clean and the worker's handler ends.
-        call = lane.Generate(burst_request("hold", 5))
-        stream = TokenStream(call, "hold", 3)
-        iterator = stream.__aiter__()
-        seen = []
-        while len(seen) < 5:
-            seen.extend((await asyncio.wait_for(anext(iterator), 5)).token_ids)
-            await asyncio.sleep(0.05)
-        assert seen == list(range(5))
-        await iterator.aclose()  # type: ignore[attr-defined]  # a read of the next chunk is pending
-        stream.cancel()
-        for _ in range(200):
-            if "hold" in servicer.closed:
-                break
-            await asyncio.sleep(0.01)
-        assert "hold" in servicer.closed
+        yield servicer, ColocatedLane(channel)
     finally:
         await channel.close()
         await server.stop(grace=0.1)
+
+
+async def test_token_stream_merges_the_chunks_already_there_on_a_lane(burst_lane: tuple[Burst, ColocatedLane]) -> None:
+    servicer, lane = burst_lane
+    got = await deltas_after_a_pause(TokenStream(lane.Generate(burst_request("r", 50)), "r", 3))
+    assert [t for d in got for t in d.token_ids] == list(range(50))
+    assert len(got) < 10  # the chunks that waited came as one (or a few) deltas
+    assert got[-1].finish_reason is FinishReason.STOP
+    assert got[-1].usage is not None and (got[-1].usage.completion_tokens, got[-1].usage.cached_tokens) == (50, 2)
+    # A failure after some chunks: their tokens first, then the error.
+    stream = TokenStream(lane.Generate(burst_request("fail", 20)), "fail", 3)
+    seen: list[int] = []
+    with pytest.raises(NotFoundError):
+        async for delta in stream:
+            seen.extend(delta.token_ids)
+            await asyncio.sleep(0.1)
+    assert seen == list(range(19))
+    # Left early while a read is pending: closing is clean and the worker's handler ends.
+    call = lane.Generate(burst_request("hold", 5))
+    stream = TokenStream(call, "hold", 3)
+    iterator = stream.__aiter__()
+    seen = []
+    while len(seen) < 5:
+        seen.extend((await asyncio.wait_for(anext(iterator), 5)).token_ids)
+        await asyncio.sleep(0.05)
+    assert seen == list(range(5))
+    await iterator.aclose()  # type: ignore[attr-defined]  # a read of the next chunk is pending
+    stream.cancel()
+    for _ in range(200):
+        if "hold" in servicer.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert "hold" in servicer.closed
+
+
+async def test_a_token_sink_takes_the_chunks_that_come_while_the_consumer_waits(
+        burst_lane: tuple[Burst, ColocatedLane]) -> None:
+    """``TokenStream(sink=...)`` over a lane: once the consumer arms the sink (after its first delta), each
+    chunk of plain tokens that arrives while it waits goes to ``deliver``; what the sink refuses, and
+    the finish, come by the stream, every token once and in order, the usage counting them all. A
+    ``deliver`` that raises fails the stream with its error, and the lane serves on."""
+    _, lane = burst_lane
+
+    async def run(rid: str, deliver: Callable[[tuple[int, ...]], bool]) -> tuple[list[tuple[str, int]], TokenDelta]:
+        """The tokens as the consumer sees them: ("stream", t) from the stream, ("sink", t) when flushed."""
+        seen: list[tuple[str, int]] = []
+        taken: list[int] = []
+        sink = TokenSink()
+
+        def logged(ids: tuple[int, ...]) -> bool:
+            took = deliver(ids)
+            taken.extend(ids if took else ())
+            return took
+
+        def flush() -> None:
+            assert taken  # only after chunks it took
+            seen.extend(("sink", t) for t in taken)
+            taken.clear()
+
+        sink.flush = flush
+        last = None
+        async for delta in TokenStream(lane.Generate(burst_request(rid, 20)), rid, 3, sink=sink):
+            assert not taken  # flushed before the stream's next delta
+            seen.extend(("stream", t) for t in delta.token_ids)
+            sink.deliver, last = logged, delta
+        assert last is not None
+        return seen, last
+
+    seen, last = await run("paced-all", lambda ids: True)
+    assert [t for _, t in seen] == list(range(20))
+    assert seen[0] == ("stream", 0) and seen[-1] == ("stream", 19)  # the first and the finish: the stream's
+    assert sum(how == "sink" for how, _ in seen) >= 10
+    assert last.finish_reason is FinishReason.STOP and last.usage is not None
+    assert last.usage.completion_tokens == 20
+    seen, last = await run("paced-odd", lambda ids: ids[0] % 2 == 0)  # odd tokens refused
+    assert [t for _, t in seen] == list(range(20))
+    assert all(how == "stream" for how, t in seen if t % 2)
+    assert last.usage is not None and last.usage.completion_tokens == 20
+
+    def broken(ids: tuple[int, ...]) -> bool:
+        raise RuntimeError("the writer broke")
+
+    with pytest.raises(RuntimeError, match="the writer broke"):
+        await run("paced-broken", broken)
+    seen, _ = await run("paced-after", lambda ids: True)  # the same connection serves on
+    assert [t for _, t in seen] == list(range(20))
 
 
 async def test_token_stream_over_grpc_keeps_one_delta_per_chunk() -> None:

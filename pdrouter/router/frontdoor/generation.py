@@ -48,9 +48,32 @@ def _push_each(text: TextStream, ids: tuple[int, ...]) -> tuple[str, int]:
     return "".join(parts), len(ids)
 
 
+class PieceState:
+    """What :func:`stream_pieces` keeps of a stream as it goes: its text decoder, the tokens produced,
+    when the last came. A front door's ``TokenSink`` shares it, to do a later delta's work outside
+    the stream (``later_text``) exactly as the stream would."""
+
+    __slots__ = ("generated", "last_token_at", "metrics", "text")
+
+    def __init__(self, text: TextStream, metrics: FrontdoorMetrics) -> None:
+        self.text = text
+        self.metrics = metrics
+        self.generated = 0
+        self.last_token_at = 0.0
+
+    def later_text(self, ids: tuple[int, ...]) -> str:
+        """The text of a delta of ``ids`` after the first, not the last, of a stream without stop
+        strings: its inter-token latency observed and its tokens counted, as :func:`stream_pieces` does."""
+        now = time.perf_counter()
+        self.metrics.itl.observe((now - self.last_token_at) / len(ids))
+        self.last_token_at = now
+        self.generated += len(ids)
+        return self.text.push(ids)
+
+
 async def stream_pieces(dispatcher: Dispatcher, request: RouterRequest, text: TextStream,
                         metrics: FrontdoorMetrics, arrival: float,
-                        stop_strings: bool = False) -> AsyncGenerator[Piece, None]:
+                        stop_strings: bool = False, state: PieceState | None = None) -> AsyncGenerator[Piece, None]:
     """Pieces of ``request``'s output; the last one has ``finish_reason`` and ``usage``.
 
     ``arrival`` is the ``time.perf_counter()`` at which the front door received the request.
@@ -66,40 +89,42 @@ async def stream_pieces(dispatcher: Dispatcher, request: RouterRequest, text: Te
     cuts at stop strings; such a delta is then decoded token by token, so the output ends at the
     token that completed the stop string and ``usage`` counts the tokens up to it, exactly as if
     the tokens had come one by one.
+
+    ``state``: the stream's progress, shared with the caller (``PieceState``; one of its own if None).
     """
     deltas = dispatcher.generate(request)
     whole = request.whole
     prompt_len = len(request.prompt_token_ids)
     metrics.prompt_tokens.inc(prompt_len)
-    generated = 0
-    last_token_at = 0.0
+    if state is None:
+        state = PieceState(text, metrics)
     try:
         async for delta in deltas:
             ids = delta.token_ids
             chunk = ""
             if ids:
                 now = time.perf_counter()
-                if generated:
-                    metrics.itl.observe((now - last_token_at) / len(ids))
+                if state.generated:
+                    metrics.itl.observe((now - state.last_token_at) / len(ids))
                 elif not (whole and delta.finish_reason is not None and len(ids) > 1):
                     metrics.ttft.observe(now - arrival)  # (not known when every token came at once)
-                last_token_at = now
+                state.last_token_at = now
                 if stop_strings and len(ids) > 1:
                     chunk, taken = _push_each(text, ids)
                 else:
                     chunk, taken = text.push(ids), len(ids)
-                generated += taken
+                state.generated += taken
                 if text.stopped:  # a stop string: end here, and cancel the rest on the workers
                     if taken < len(ids):  # it ended before the delta's last token
-                        ids, usage = ids[:taken], Usage(prompt_len, generated)
+                        ids, usage = ids[:taken], Usage(prompt_len, state.generated)
                     else:
-                        usage = delta.usage if delta.usage is not None else Usage(prompt_len, generated)
+                        usage = delta.usage if delta.usage is not None else Usage(prompt_len, state.generated)
                     yield Piece(chunk, ids, FinishReason.STOP, usage)
                     return
             if delta.finish_reason is not None:
                 chunk += text.flush()
                 reason = FinishReason.STOP if text.stopped else delta.finish_reason
-                usage = delta.usage if delta.usage is not None else Usage(prompt_len, generated)
+                usage = delta.usage if delta.usage is not None else Usage(prompt_len, state.generated)
                 yield Piece(chunk, ids, reason, usage)
                 async for _ in deltas:  # the dispatcher's stream should end here
                     pass
@@ -109,5 +134,5 @@ async def stream_pieces(dispatcher: Dispatcher, request: RouterRequest, text: Te
         raise UnavailableError(f"request {request.request_id}: the token stream ended without a "
                                f"finish reason")
     finally:
-        metrics.generation_tokens.inc(generated)
+        metrics.generation_tokens.inc(state.generated)
         await _close(deltas)

@@ -58,13 +58,15 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from pdrouter.core.errors import CancelledError, InvalidRequestError, PdRouterError
 from pdrouter.core.tenants import Tenants
 from pdrouter.core.tokenizer import Tokenizer
+from pdrouter.core.tokens import TokenSink
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import OPEN_HTTP_PATHS, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
-from pdrouter.router.frontdoor.generation import Piece, stream_pieces
+from pdrouter.router.frontdoor.generation import Piece, PieceState, stream_pieces
 from pdrouter.router.frontdoor.http_server import (
     DISCONNECT_EXTENSION,
     NO_HEAD,
+    FastCycle,
     Handler,
     OnDisconnect,
     Refusal,
@@ -373,12 +375,49 @@ class _Generation:
             pass
         self._client_lost(task)
 
-    def _pieces(self) -> aclosing[AsyncGenerator[Piece, None]]:
+    def _pieces(self, state: PieceState | None = None) -> aclosing[AsyncGenerator[Piece, None]]:
+        """The request's pieces; ``state``: their progress, the caller's (``PieceState``), whose text it is."""
         parsed = self._parsed
-        text = TextStream(self._served.tokenizer.stream_decoder(), parsed.stop, parsed.include_stop_str_in_output)
         door = self._door
-        return aclosing(stream_pieces(door.dispatcher, self._request, text, door.door_metrics,
-                                      self._arrival, stop_strings=bool(parsed.stop)))
+        if state is None:
+            state = PieceState(TextStream(self._served.tokenizer.stream_decoder(), parsed.stop,
+                                          parsed.include_stop_str_in_output), door.door_metrics)
+        return aclosing(stream_pieces(door.dispatcher, self._request, state.text, door.door_metrics,
+                                      self._arrival, stop_strings=bool(parsed.stop), state=state))
+
+    def _sink(self, send: Send, writer: SseWriter, state: PieceState) -> TokenSink | None:
+        """The request's ``TokenSink`` on this connection, when its chunks can bypass the stream; None where
+        something must see every delta (stop strings cut the text; a tenant's count of its tokens), or
+        ``send`` is not this server's (no way to write outside it).
+
+        The chunks it takes from one read of the worker's connection become one SSE chunk (``flush``), as
+        the stream merges the chunks that are already there into one delta (``TokenStream``), written as
+        ``_stream`` writes a delta's."""
+        cycle = getattr(send, "__self__", None)
+        if self._parsed.stop or self._request.tenant is not None or not isinstance(cycle, FastCycle):
+            return None
+        can_send, send_now, later_text, text = cycle.can_send_now, cycle.send_now, state.later_text, writer.text
+        sink = TokenSink()
+        pending: list[int] = []
+
+        def deliver(ids: tuple[int, ...]) -> bool:
+            if not pending and not can_send():
+                return False
+            pending.extend(ids)
+            return True
+
+        def flush() -> None:
+            ids = tuple(pending)
+            pending.clear()
+            if cycle.disconnected or cycle.response_complete:
+                return  # (the client is gone: its task is being cancelled)
+            try:
+                send_now(text(later_text(ids)))
+            except Exception as exc:  # the stream raises it to the consumer at its next chunk
+                sink.deliver, sink.error = None, exc
+
+        sink.deliver, sink.flush = deliver, flush
+        return sink
 
     def _headers(self, base: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         request = self._request
@@ -406,9 +445,18 @@ class _Generation:
         parsed = self._parsed
         writer = SseWriter(parsed.chat, response_id(self._request, parsed.chat), int(time.time()),
                            self._served.name, parsed.include_usage)
+        state = PieceState(TextStream(self._served.tokenizer.stream_decoder(), parsed.stop,
+                                      parsed.include_stop_str_in_output), self._door.door_metrics)
+        # After the first delta, the worker call hands the later ones straight to ``deliver`` while this
+        # loop waits (``TokenSink``): their chunks are written as the loop below would write them.
+        sink = self._sink(send, writer, state)
+        deliver = None
+        if sink is not None:
+            self._request = dataclasses.replace(self._request, sink=sink)
+            deliver, sink.deliver = sink.deliver, None
         started = False
         try:
-            async with self._pieces() as pieces:
+            async with self._pieces(state) as pieces:
                 async for piece in pieces:
                     if not started:
                         started = True
@@ -421,8 +469,13 @@ class _Generation:
                     else:  # one chunk per token delta, its text empty while a character is incomplete (as vLLM's)
                         await send({"type": "http.response.body", "body": writer.text(piece.text),
                                     "more_body": True})
+                        if sink is not None:
+                            sink.deliver = deliver
         except Exception as exc:
             return await self._fail(send, exc, started)
+        finally:
+            if sink is not None:
+                sink.deliver = None
         return None
 
     async def _fail(self, send: Send, exc: Exception, started: bool) -> BaseException | None:

@@ -465,6 +465,17 @@ class FastCycle:
                 self.protocol.transport.close()
             self.protocol.on_response_complete()
 
+    def can_send_now(self) -> bool:
+        """Whether :meth:`send_now` may write: a chunked response under way, its head out, the client there,
+        its writes not paused."""
+        return (self.chunked and self.response_started and not self.response_complete and not self._head
+                and not self.disconnected and not self.protocol.flow.write_paused)
+
+    def send_now(self, body: bytes) -> None:
+        """A body chunk with more to come, outside the handler's ``send`` (a ``TokenSink``'s): written at
+        once, as ``send`` would write it; only when :meth:`can_send_now`."""
+        self._write(b"%x\r\n%s\r\n" % (len(body), body))
+
     def _write(self, data: bytes) -> None:
         transport = self.protocol.transport
         if not transport.is_closing():

@@ -20,7 +20,7 @@ import contextlib
 import hmac
 import logging
 import secrets
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from ssl import SSLContext
 from typing import Any, Generic, TypeVar, cast
 
@@ -39,6 +39,7 @@ from pdrouter.wire.lane.frames import (
     END,
     HELLO,
     MAX_IDENTITY_BYTES,
+    MESSAGE,
     META,
     NONCE_SIZE,
     PREFILL,
@@ -68,12 +69,24 @@ class LaneError(StatusError):
 class _Inbox:
     """What one call has received: frames, then at most one terminal status."""
 
-    __slots__ = ("items", "loop", "waiter")
+    __slots__ = ("flush", "items", "loop", "sink", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.items: collections.deque[tuple[int, int, bytes]] = collections.deque()
         self.loop = loop
         self.waiter: asyncio.Future[None] | None = None
+        self.sink: Callable[[bytes], bool] | None = None
+        """``StreamCall.set_sink``'s: offered a message's body while the consumer waits with nothing queued."""
+        self.flush: Callable[[], None] | None = None
+        """``StreamCall.set_sink``'s: called after the messages of one read that the sink took."""
+
+    def offer(self, body: bytes) -> bool:
+        """A message the sink takes now (True), instead of queueing it: only while the consumer waits
+        for its next message with none queued, so that every message before it has been consumed (a
+        waiter already done was woken, or cancelled with its consumer)."""
+        waiter = self.waiter
+        return (not self.items and waiter is not None and not waiter.done() and self.sink is not None
+                and self.sink(body))
 
     def put(self, item: tuple[int, int, bytes]) -> None:
         self.items.append(item)
@@ -155,6 +168,7 @@ class _ClientConnection(_Corked):
             self.transport.abort()
             log.warning("lane: %s: %s", self.address, exc)
             return
+        sunk: list[_Inbox] | None = None
         for stream, kind, arg, _, body in frames:
             if stream == 0:
                 if kind == END:  # the server says why it ends the connection
@@ -166,7 +180,19 @@ class _ClientConnection(_Corked):
                 continue  # a call this side already gave up
             if kind == END:
                 del self.calls[stream]
+            elif kind == MESSAGE and inbox.sink is not None and inbox.offer(body):
+                if sunk is None:
+                    sunk = [inbox]
+                elif inbox is not sunk[-1] and inbox not in sunk:
+                    sunk.append(inbox)
+                continue
+            if sunk is not None and inbox in sunk:  # what the sink took of this read goes before it
+                sunk.remove(inbox)
+                inbox.flush()  # type: ignore[misc]  # (set with the sink)
             inbox.put((kind, arg, body))
+        if sunk is not None:
+            for inbox in sunk:
+                inbox.flush()  # type: ignore[misc]
 
     def _handshake(self, data: bytes) -> bytes | None:
         """The greeting and, when the server asks, the proof of the token: the bytes after them once
@@ -381,6 +407,8 @@ class _Call:
         self._timer: asyncio.TimerHandle | None = None
         self._done = False
         self._cancelled = False
+        self._sink: Callable[[bytes], bool] | None = None
+        self._flush: Callable[[], None] | None = None
 
     async def _start(self) -> _Inbox:
         if self._cancelled:
@@ -397,6 +425,7 @@ class _Call:
             timeout_ms = max(1, int(self._timeout * 1000))
         self._stream, inbox = conn.open(self._method, self._request.SerializeToString(), timeout_ms, self._meta)
         self._conn, self._inbox = conn, inbox
+        inbox.sink, inbox.flush = self._sink, self._flush
         if self._timeout is not None:
             # The worker enforces the deadline too; this covers a worker that stopped answering.
             self._timer = conn.loop.call_later(self._timeout + 1.0, self._expire)
@@ -471,6 +500,17 @@ class StreamCall(_Call, Generic[T]):
 
     def __aiter__(self) -> StreamCall[T]:
         return self
+
+    def set_sink(self, sink: Callable[[bytes], bool], flush: Callable[[], None]) -> None:
+        """Offer ``sink`` each message's body (serialized) as it arrives while the consumer waits for the
+        next one with nothing queued, before the consumer would be woken for it; a message it takes
+        (True) is not queued, one it refuses (False) is, as without a sink. After the messages of one
+        read that it took, ``flush`` (before any later message of the read is queued). The order holds:
+        a sink runs only when every earlier message has been read. Neither may raise (they run in the
+        connection's ``data_received``, for every call on it)."""
+        self._sink, self._flush = sink, flush
+        if self._inbox is not None:
+            self._inbox.sink, self._inbox.flush = sink, flush
 
     def has_waiting(self) -> bool:
         """True when a message or the call's end has arrived and not been read: the next ``__anext__``
