@@ -66,6 +66,10 @@ class LaneError(StatusError):
     """A lane call that ended with a non-OK status; ``code()`` / ``details()`` as on a gRPC error."""
 
 
+def _nothing() -> None:
+    """A call's ``flush`` without a sink."""
+
+
 class _Inbox:
     """What one call has received: frames, then at most one terminal status."""
 
@@ -77,7 +81,7 @@ class _Inbox:
         self.waiter: asyncio.Future[None] | None = None
         self.sink: Callable[[bytes], bool] | None = None
         """``StreamCall.set_sink``'s: offered a message's body while the consumer waits with nothing queued."""
-        self.flush: Callable[[], None] | None = None
+        self.flush: Callable[[], None] = _nothing
         """``StreamCall.set_sink``'s: called after the messages of one read that the sink took."""
 
     def offer(self, body: bytes) -> bool:
@@ -188,11 +192,11 @@ class _ClientConnection(_Corked):
                 continue
             if sunk is not None and inbox in sunk:  # what the sink took of this read goes before it
                 sunk.remove(inbox)
-                inbox.flush()  # type: ignore[misc]  # (set with the sink)
+                inbox.flush()
             inbox.put((kind, arg, body))
         if sunk is not None:
             for inbox in sunk:
-                inbox.flush()  # type: ignore[misc]
+                inbox.flush()
 
     def _handshake(self, data: bytes) -> bytes | None:
         """The greeting and, when the server asks, the proof of the token: the bytes after them once
@@ -408,7 +412,7 @@ class _Call:
         self._done = False
         self._cancelled = False
         self._sink: Callable[[bytes], bool] | None = None
-        self._flush: Callable[[], None] | None = None
+        self._flush: Callable[[], None] = _nothing
 
     async def _start(self) -> _Inbox:
         if self._cancelled:
