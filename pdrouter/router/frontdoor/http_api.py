@@ -375,15 +375,17 @@ class _Generation:
             pass
         self._client_lost(task)
 
-    def _pieces(self, state: PieceState | None = None) -> aclosing[AsyncGenerator[Piece, None]]:
-        """The request's pieces; ``state``: their progress, the caller's (``PieceState``), whose text it is."""
+    def _state(self) -> PieceState:
+        """A new stream's progress: its text decoder (with the request's stop strings) and the door's metrics."""
         parsed = self._parsed
+        return PieceState(TextStream(self._served.tokenizer.stream_decoder(), parsed.stop,
+                                     parsed.include_stop_str_in_output), self._door.door_metrics)
+
+    def _pieces(self, state: PieceState) -> aclosing[AsyncGenerator[Piece, None]]:
+        """The request's pieces; ``state``: their progress (``_state``), shared with the caller."""
         door = self._door
-        if state is None:
-            state = PieceState(TextStream(self._served.tokenizer.stream_decoder(), parsed.stop,
-                                          parsed.include_stop_str_in_output), door.door_metrics)
-        return aclosing(stream_pieces(door.dispatcher, self._request, state.text, door.door_metrics,
-                                      self._arrival, stop_strings=bool(parsed.stop), state=state))
+        return aclosing(stream_pieces(door.dispatcher, self._request, state.text, state.metrics,
+                                      self._arrival, stop_strings=bool(self._parsed.stop), state=state))
 
     def _sink(self, send: Send, writer: SseWriter, state: PieceState) -> TokenSink | None:
         """The request's ``TokenSink`` on this connection, when its chunks can bypass the stream; None where
@@ -426,7 +428,7 @@ class _Generation:
     async def _unary(self, send: Send) -> BaseException | None:
         texts: list[str] = []
         try:
-            async with self._pieces() as pieces:
+            async with self._pieces(self._state()) as pieces:
                 async for piece in pieces:
                     texts.append(piece.text)
                     if piece.finish_reason is not None:
@@ -445,8 +447,7 @@ class _Generation:
         parsed = self._parsed
         writer = SseWriter(parsed.chat, response_id(self._request, parsed.chat), int(time.time()),
                            self._served.name, parsed.include_usage)
-        state = PieceState(TextStream(self._served.tokenizer.stream_decoder(), parsed.stop,
-                                      parsed.include_stop_str_in_output), self._door.door_metrics)
+        state = self._state()
         # After the first delta, the worker call hands the later ones straight to ``deliver`` while this
         # loop waits (``TokenSink``): their chunks are written as the loop below would write them.
         sink = self._sink(send, writer, state)

@@ -448,7 +448,7 @@ class FastCycle:
         body = message.get("body", b"")
         more = message.get("more_body", False)
         if self.chunked:
-            data = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+            data = _chunk(body) if body else b""
             if not more:
                 data += b"0\r\n\r\n"
         else:
@@ -474,12 +474,17 @@ class FastCycle:
     def send_now(self, body: bytes) -> None:
         """A body chunk with more to come, outside the handler's ``send`` (a ``TokenSink``'s): written at
         once, as ``send`` would write it; only when :meth:`can_send_now`."""
-        self._write(b"%x\r\n%s\r\n" % (len(body), body))
+        self._write(_chunk(body))
 
     def _write(self, data: bytes) -> None:
         transport = self.protocol.transport
         if not transport.is_closing():
             getattr(transport, "write_now", transport.write)(data)  # a head with its body: no corking
+
+
+def _chunk(body: bytes) -> bytes:
+    """``body`` in HTTP/1.1's chunked transfer coding."""
+    return b"%x\r\n%s\r\n" % (len(body), body)
 
 
 _RESPONSE_HEAD = b"HTTP/1.1 "
