@@ -26,7 +26,11 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   grpc.aio itself costs per call of this shape, the floor under the ``grpc`` figures;
 * ``grpc_bare_grpclib``: the same bare servicer served by grpclib (the asyncio gRPC server on the
   ``h2`` library) instead of grpcio, measured only when ``--kinds`` names it and grpclib is
-  installed: the floor a door on the other Python gRPC server would stand on.
+  installed: the floor a door on the other Python gRPC server would stand on;
+* ``grpc_h2``, ``grpc_bare_h2``: the door's servicer and the bare one served by ``_h2_grpc.py``, a gRPC
+  server over HTTP/2 written for the purpose (frames read by hand, response headers ready-made; no TLS,
+  limits, health or interceptors), measured only when ``--kinds`` names them: what a door on such a
+  server would cost.
 
 Each kind runs at concurrency 1 and 32; phases alternate between kinds over several rounds so
 drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child CPU per request),
@@ -72,6 +76,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import _h2_grpc as h2_grpc
 import grpc
 import uvicorn
 from _load import HttpCompletions, RouterGenerate, cpu_times
@@ -96,7 +101,7 @@ PROMPT = "Hello, world"
 """13 tokens with the byte tokenizer's <bos>."""
 HOST = "127.0.0.1"
 KINDS = ("http", "http_stream", "http_uvicorn", "http_granian", "grpc", "grpc_bare",
-         "http_stream_uvicorn", "http_stream_granian", "grpc_bare_grpclib")
+         "http_stream_uvicorn", "http_stream_granian", "grpc_bare_grpclib", "grpc_h2", "grpc_bare_h2")
 DEFAULT_KINDS = KINDS[:6]
 SERVERS = {"": "hand-tuned server", "_uvicorn": "uvicorn+httptools", "_granian": "granian"}
 """Kind suffix → the HTTP server it names in the comparison figures."""
@@ -123,13 +128,19 @@ async def serve() -> None:
     tokenizers = {ECHO.name: ByteTokenizer(ECHO.vocab_size), TINY.name: ByteTokenizer(TINY.vocab_size)}
     metrics = RouterMetrics()
     config = FrontdoorConfig()
+    servicer = RouterServicer(dispatcher, tokenizers, metrics=metrics, config=config)
     grpc_server = GrpcServer(HOST, 0)
-    grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server,
-                    RouterServicer(dispatcher, tokenizers, metrics=metrics, config=config), SERVICE_NAME)
+    grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)
     await grpc_server.start()
+    bare = _BareRouter()
     bare_server = GrpcServer(HOST, 0)
-    bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, _BareRouter(), SERVICE_NAME)
+    bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, bare, SERVICE_NAME)
     await bare_server.start()
+    generate = f"/{SERVICE_NAME}/Generate"
+    h2_door = await h2_grpc.start({generate: (h2_grpc.UNARY_STREAM, router_pb2.GenerateRequest, servicer.Generate)},
+                                  HOST, 0)
+    h2_bare = await h2_grpc.start({generate: (h2_grpc.UNARY_STREAM, router_pb2.GenerateRequest, bare.Generate)},
+                                  HOST, 0)
     app = create_app(dispatcher, tokenizers, metrics=metrics, config=config)
     http_port, server, http_task = await _serve_uvicorn(lambda port: make_server(app, HOST, port))
     plain_port, plain, plain_task = await _serve_uvicorn(lambda port: _plain_uvicorn(app, port))
@@ -143,6 +154,7 @@ async def serve() -> None:
     addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
                  "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,
                  "grpc_bare_grpclib": f"{HOST}:{grpclib[0]}" if grpclib else None, "grpclib_note": grpclib_note,
+                 "grpc_h2": _address(h2_door), "grpc_bare_h2": _address(h2_bare),
                  "event_loop": type(loop).__module__.split(".")[0]}
     print(f"{_READY} {json.dumps(addresses)}", flush=True)
     if profiler is not None:
@@ -159,6 +171,8 @@ async def serve() -> None:
     if grpclib is not None:
         grpclib[1].close()
         await grpclib[1].wait_closed()
+    h2_door.close()
+    h2_bare.close()
     await asyncio.gather(http_task, plain_task, *([granian[2]] if granian else []))
 
 
@@ -270,6 +284,10 @@ async def _serve_grpclib() -> tuple[tuple[int, Any] | None, str | None]:
     return (sock.getsockname()[1], server), None
 
 
+def _address(server: asyncio.Server) -> str:
+    return "{}:{}".format(*server.sockets[0].getsockname()[:2])
+
+
 class _Discard(list[T]):
     """A list that forgets what is appended to it."""
 
@@ -360,6 +378,11 @@ async def measure(clients: dict[str, Client], plan: Plan, pids: dict[str, int], 
             own = (samples["grpc"].cpu_seconds / len(samples["grpc"].latencies)
                    - samples["grpc_bare"].cpu_seconds / len(samples["grpc_bare"].latencies))
             report.add(f"grpc_own_c{concurrency}_cpu", own * 1e6, "us/req")
+        for kind in ("grpc", "grpc_h2"):
+            if kind in samples and "http" in samples:
+                report.add(f"{kind}_vs_http_c{concurrency}_cpu_ratio",
+                           (samples[kind].cpu_seconds / len(samples[kind].latencies))
+                           / (samples["http"].cpu_seconds / len(samples["http"].latencies)), "x")
         for kind in VS_KINDS:
             if kind in samples and f"{kind}_vs" in samples:
                 mine, theirs = samples[kind], samples[f"{kind}_vs"]
@@ -442,7 +465,9 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
         make: dict[str, Callable[[], Client]] = {
             "grpc": lambda: RouterGenerate(where["grpc"], MODEL, ids, args.max_tokens),
             "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens),
-            "grpc_bare_grpclib": lambda: RouterGenerate(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens)}
+            "grpc_bare_grpclib": lambda: RouterGenerate(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens),
+            "grpc_h2": lambda: RouterGenerate(where["grpc_h2"], MODEL, ids, args.max_tokens),
+            "grpc_bare_h2": lambda: RouterGenerate(where["grpc_bare_h2"], MODEL, ids, args.max_tokens)}
         for suffix in SERVERS:
             make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
             make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)
