@@ -20,23 +20,23 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   of the router's server (``pdrouter.router.frontdoor.http_server``); ``http_stream_uvicorn`` and
   ``http_stream_granian`` likewise, measured only when ``--kinds`` names them;
 * ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
-  per token);
-* ``grpc_bare``: the same call to a bare servicer in the same process, on its own ``GrpcServer``,
-  that writes ready-made messages (as many, of the same shape) and does nothing else: what
-  grpc.aio itself costs per call of this shape, the floor under the ``grpc`` figures;
+  per token), on the door's own server (``pdrouter.wire.h2_grpc``, the router's default);
+* ``grpc_bare``: the same call to a bare servicer in the same process, on a server of the same
+  kind, that writes ready-made messages (as many, of the same shape) and does nothing else: what
+  the server itself costs per call of this shape, the floor under the ``grpc`` figures;
+* ``grpc_grpcio``, ``grpc_bare_grpcio``: the door and the bare servicer on grpcio's asyncio server
+  (``pdrouter router --grpc-server grpcio``), measured only when ``--kinds`` names them;
 * ``grpc_bare_grpclib``: the same bare servicer served by grpclib (the asyncio gRPC server on the
-  ``h2`` library) instead of grpcio, measured only when ``--kinds`` names it and grpclib is
-  installed: the floor a door on the other Python gRPC server would stand on;
-* ``grpc_h2``, ``grpc_bare_h2``: the door's servicer and the bare one served by ``_h2_grpc.py``, a gRPC
-  server over HTTP/2 written for the purpose (frames read by hand, response headers ready-made; no TLS,
-  limits, health or interceptors), measured only when ``--kinds`` names them: what a door on such a
-  server would cost.
+  ``h2`` library), measured only when ``--kinds`` names it and grpclib is installed: the floor a door
+  on the other general Python gRPC server would stand on.
 
 Each kind runs at concurrency 1 and 32; phases alternate between kinds over several rounds so
 drift hits every kind alike. Figures per kind and concurrency: ``_cpu`` (child CPU per request),
 ``_cpu_sys`` (the part of it spent in the kernel: sockets, polling), ``_p50`` / ``_p99`` latency
 and ``_rps``. With both gRPC kinds, ``grpc_own_c{1,32}_cpu`` is the gRPC door's CPU above that
-floor: its own Python (validation, tokenizing, the request's path, metrics, messages).
+floor: its own Python (validation, tokenizing, the request's path, metrics, messages) (on grpcio:
+``grpc_grpcio_own_c{1,32}_cpu``); ``<kind>_vs_http_c{1,32}_cpu_ratio`` a gRPC door's CPU over the
+HTTP door's.
 
 The HTTP servers are compared last, one figure a line: ``http door cpu per request at c=32, <server>``
 for each server measured, then for each plain server the CPU it adds per request (against the
@@ -76,7 +76,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-import _h2_grpc as h2_grpc
 import grpc
 import uvicorn
 from _load import HttpCompletions, RouterGenerate, cpu_times
@@ -86,7 +85,7 @@ from tracing_overhead import export_tree, tree_environment
 from pdrouter.cli.serve import freeze_startup_heap, space_young_collections, tune_allocator
 from pdrouter.core.aio import event_loop_factory
 from pdrouter.core.tokenizer import ByteTokenizer
-from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
+from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import create_app
 from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig
@@ -101,7 +100,7 @@ PROMPT = "Hello, world"
 """13 tokens with the byte tokenizer's <bos>."""
 HOST = "127.0.0.1"
 KINDS = ("http", "http_stream", "http_uvicorn", "http_granian", "grpc", "grpc_bare",
-         "http_stream_uvicorn", "http_stream_granian", "grpc_bare_grpclib", "grpc_h2", "grpc_bare_h2")
+         "http_stream_uvicorn", "http_stream_granian", "grpc_bare_grpclib", "grpc_grpcio", "grpc_bare_grpcio")
 DEFAULT_KINDS = KINDS[:6]
 SERVERS = {"": "hand-tuned server", "_uvicorn": "uvicorn+httptools", "_granian": "granian"}
 """Kind suffix → the HTTP server it names in the comparison figures."""
@@ -129,18 +128,20 @@ async def serve() -> None:
     metrics = RouterMetrics()
     config = FrontdoorConfig()
     servicer = RouterServicer(dispatcher, tokenizers, metrics=metrics, config=config)
-    grpc_server = GrpcServer(HOST, 0)
-    grpc_server.add(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)
-    await grpc_server.start()
     bare = _BareRouter()
-    bare_server = GrpcServer(HOST, 0)
-    bare_server.add(router_pb2_grpc.add_RouterServicer_to_server, bare, SERVICE_NAME)
-    await bare_server.start()
-    generate = f"/{SERVICE_NAME}/Generate"
-    h2_door = await h2_grpc.start({generate: (h2_grpc.UNARY_STREAM, router_pb2.GenerateRequest, servicer.Generate)},
-                                  HOST, 0)
-    h2_bare = await h2_grpc.start({generate: (h2_grpc.UNARY_STREAM, router_pb2.GenerateRequest, bare.Generate)},
-                                  HOST, 0)
+    grpc_servers = {"grpc": _door_server(), "grpc_bare": _door_server(),
+                    "grpc_grpcio": GrpcServer(HOST, 0), "grpc_bare_grpcio": GrpcServer(HOST, 0)}
+    for kind, server in grpc_servers.items():
+        if "bare" not in kind:
+            add_to_server(server, servicer)
+        elif isinstance(server, GrpcServer):
+            server.add(router_pb2_grpc.add_RouterServicer_to_server, bare, SERVICE_NAME)
+        else:
+            from pdrouter.wire.h2_grpc import UNARY_STREAM, Method
+            server.add_service(SERVICE_NAME, {"Generate": Method(UNARY_STREAM, bare.Generate,
+                                                                 router_pb2.GenerateRequest.FromString,
+                                                                 router_pb2.GenerateResponse.SerializeToString)})
+        await server.start()
     app = create_app(dispatcher, tokenizers, metrics=metrics, config=config)
     http_port, server, http_task = await _serve_uvicorn(lambda port: make_server(app, HOST, port))
     plain_port, plain, plain_task = await _serve_uvicorn(lambda port: _plain_uvicorn(app, port))
@@ -152,9 +153,8 @@ async def serve() -> None:
     freeze_startup_heap()  # as every pdrouter server process does after start-up
     space_young_collections()
     addresses = {"http": http_port, "http_uvicorn": plain_port, "http_granian": granian[0] if granian else None,
-                 "granian_note": granian_note, "grpc": grpc_server.address, "grpc_bare": bare_server.address,
+                 "granian_note": granian_note, **{kind: server.address for kind, server in grpc_servers.items()},
                  "grpc_bare_grpclib": f"{HOST}:{grpclib[0]}" if grpclib else None, "grpclib_note": grpclib_note,
-                 "grpc_h2": _address(h2_door), "grpc_bare_h2": _address(h2_bare),
                  "event_loop": type(loop).__module__.split(".")[0]}
     print(f"{_READY} {json.dumps(addresses)}", flush=True)
     if profiler is not None:
@@ -166,13 +166,11 @@ async def serve() -> None:
     server.should_exit = plain.should_exit = True
     if granian is not None:
         granian[1].stop()
-    await grpc_server.stop(0)
-    await bare_server.stop(0)
+    for server in grpc_servers.values():
+        await server.stop(0)
     if grpclib is not None:
         grpclib[1].close()
         await grpclib[1].wait_closed()
-    h2_door.close()
-    h2_bare.close()
     await asyncio.gather(http_task, plain_task, *([granian[2]] if granian else []))
 
 
@@ -284,8 +282,13 @@ async def _serve_grpclib() -> tuple[tuple[int, Any] | None, str | None]:
     return (sock.getsockname()[1], server), None
 
 
-def _address(server: asyncio.Server) -> str:
-    return "{}:{}".format(*server.sockets[0].getsockname()[:2])
+def _door_server() -> Any:
+    """The door's own server, or grpcio's in a tree from before it had one (``--vs``)."""
+    try:
+        from pdrouter.wire.h2_grpc import H2GrpcServer
+    except ImportError:
+        return GrpcServer(HOST, 0)
+    return H2GrpcServer(HOST, 0)
 
 
 class _Discard(list[T]):
@@ -374,11 +377,12 @@ async def measure(clients: dict[str, Client], plan: Plan, pids: dict[str, int], 
             report.add(f"{name}_p50", s.p(0.5) * 1e3, "ms")
             report.add(f"{name}_p99", s.p(0.99) * 1e3, "ms")
             report.add(f"{name}_rps", len(s.latencies) / s.seconds, "req/s")
-        if "grpc" in samples and "grpc_bare" in samples:
-            own = (samples["grpc"].cpu_seconds / len(samples["grpc"].latencies)
-                   - samples["grpc_bare"].cpu_seconds / len(samples["grpc_bare"].latencies))
-            report.add(f"grpc_own_c{concurrency}_cpu", own * 1e6, "us/req")
-        for kind in ("grpc", "grpc_h2"):
+        for door, floor in (("grpc", "grpc_bare"), ("grpc_grpcio", "grpc_bare_grpcio")):
+            if door in samples and floor in samples:
+                own = (samples[door].cpu_seconds / len(samples[door].latencies)
+                       - samples[floor].cpu_seconds / len(samples[floor].latencies))
+                report.add(f"{door}_own_c{concurrency}_cpu", own * 1e6, "us/req")
+        for kind in ("grpc", "grpc_grpcio"):
             if kind in samples and "http" in samples:
                 report.add(f"{kind}_vs_http_c{concurrency}_cpu_ratio",
                            (samples[kind].cpu_seconds / len(samples[kind].latencies))
@@ -466,8 +470,8 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
             "grpc": lambda: RouterGenerate(where["grpc"], MODEL, ids, args.max_tokens),
             "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens),
             "grpc_bare_grpclib": lambda: RouterGenerate(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens),
-            "grpc_h2": lambda: RouterGenerate(where["grpc_h2"], MODEL, ids, args.max_tokens),
-            "grpc_bare_h2": lambda: RouterGenerate(where["grpc_bare_h2"], MODEL, ids, args.max_tokens)}
+            "grpc_grpcio": lambda: RouterGenerate(where["grpc_grpcio"], MODEL, ids, args.max_tokens),
+            "grpc_bare_grpcio": lambda: RouterGenerate(where["grpc_bare_grpcio"], MODEL, ids, args.max_tokens)}
         for suffix in SERVERS:
             make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
             make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)

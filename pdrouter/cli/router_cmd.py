@@ -53,6 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="KV block size the workers use")
     p.add_argument("--worker-transport", choices=["lane", "grpc"], default="lane",
                    help="reach workers over their lane where they serve one (faster), or always over gRPC")
+    p.add_argument("--grpc-server", choices=["builtin", "grpcio"], default="builtin",
+                   help="the gRPC door's server: the router's own (HTTP/2 written for the door, about a sixth of "
+                        "grpcio's CPU a call) or grpcio's asyncio server; both enforce the --grpc-* limits")
     p.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="uncached prompt tokens at or below which the decode worker prefills itself")
     p.add_argument("--no-cache-aware", action="store_true", help="place prefill by load alone")
@@ -136,7 +139,7 @@ def build_config(args: argparse.Namespace) -> RouterConfig:
         mode=args.mode, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
         metrics_port=args.metrics_port, metrics_host=args.metrics_host, api_keys=api_keys, tenants=tenants,
         tls=tls, internal_token=internal_token_from_env(),
-        block_size=args.block_size, worker_transport=args.worker_transport,
+        block_size=args.block_size, worker_transport=args.worker_transport, grpc_server=args.grpc_server,
         cache_aware=not args.no_cache_aware, admission=not args.no_admission,
         dispatch=DispatchConfig(mode=args.mode, local_prefill_tokens=args.local_prefill_tokens,
                                 default_deadline_s=deadline_s),

@@ -60,6 +60,9 @@ class RouterConfig:
     worker_transport: Literal["lane", "grpc"] = "lane"
     """How requests reach the workers: the worker lane where a worker serves one (the fast path),
     else gRPC; or always gRPC."""
+    grpc_server: Literal["builtin", "grpcio"] = "builtin"
+    """The gRPC door's server: ``pdrouter.wire.h2_grpc.H2GrpcServer`` (written for the door) or grpcio's
+    asyncio server (``pdrouter.wire.grpc_util.GrpcServer``)."""
     dispatch: DispatchConfig = field(default_factory=DispatchConfig)
     placement: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     admission_config: AdmissionConfig = field(default_factory=AdmissionConfig)

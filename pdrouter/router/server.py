@@ -49,6 +49,7 @@ from pdrouter.state.registry import WorkerRegistry
 from pdrouter.state.reservations import KvReservations
 from pdrouter.state.tenant_limits import TenantLimiter
 from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.h2_grpc import H2GrpcServer
 from pdrouter.wire.security import grpc_server_credentials
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class RouterProcess:
         self.pool: WorkerPool | None = None
         self.admission: Admission | None = None
         self.dispatcher: PoolDispatcher | None = None
-        self.grpc: GrpcServer | None = None
+        self.grpc: GrpcServer | H2GrpcServer | None = None
         self._http_server: object | None = None
         self._http_task: asyncio.Task[None] | None = None
         self._metrics_server: object | None = None
@@ -130,9 +131,13 @@ class RouterProcess:
             self.gate.start()
             doors = self.gate
         keys = cfg.api_keys
-        door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
-        self.grpc = GrpcServer(cfg.host, cfg.grpc_port, interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else (),
-                               credentials=door_credentials, limits=cfg.grpc_limits)
+        if cfg.grpc_server == "builtin":
+            self.grpc = H2GrpcServer(cfg.host, cfg.grpc_port, tls=cfg.tls, limits=cfg.grpc_limits,
+                                     refusal=ApiKeyInterceptor(keys).refusal_reason if keys.enabled else None)
+        else:
+            door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
+            self.grpc = GrpcServer(cfg.host, cfg.grpc_port, credentials=door_credentials, limits=cfg.grpc_limits,
+                                   interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
         grpc_api.add_to_server(self.grpc, RouterServicer(doors, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor, tenants=cfg.tenants,
                                                          tracing=self.tracing))

@@ -29,14 +29,15 @@ from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
-from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, ApiKeyInterceptor, RouterServicer, add_to_server
+from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add_to_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoDispatcher
+from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.http import serving
-from pdrouter.wire.grpc_util import GrpcServer, check_health
+from pdrouter.wire.grpc_util import check_health
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 KEY = "k-" + "a" * 30
@@ -253,9 +254,9 @@ async def test_without_keys_the_door_is_open_and_metrics_can_move_out() -> None:
 # -- the gRPC door -----------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def grpc_address() -> AsyncIterator[str]:
-    server = GrpcServer(interceptors=[ApiKeyInterceptor(ApiKeys([KEY, OTHER_KEY]))])
+@pytest.fixture(params=DOOR_SERVERS)
+async def grpc_address(request: pytest.FixtureRequest) -> AsyncIterator[str]:
+    server = door_server(request.param, keys=ApiKeys([KEY, OTHER_KEY]))
     add_to_server(server, RouterServicer(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics()))
     await server.start()
     yield server.address

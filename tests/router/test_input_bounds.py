@@ -25,9 +25,9 @@ from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.openai_schema import MAX_STOP_CHARS
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing.echo import EchoDispatcher
+from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.http import serving
 from pdrouter.wire.convert import sampling_from_pb, sampling_to_pb
-from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 TOKENIZERS = {"echo": ByteTokenizer(512), "tiny": ByteTokenizer(512)}
@@ -154,10 +154,10 @@ async def test_values_at_the_bounds_are_served(http: Http) -> None:
 # -- gRPC ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-async def channel() -> AsyncIterator[grpc.aio.Channel]:
+@pytest.fixture(params=DOOR_SERVERS)
+async def channel(request: pytest.FixtureRequest) -> AsyncIterator[grpc.aio.Channel]:
     servicer = RouterServicer(EchoDispatcher(), TOKENIZERS, metrics=RouterMetrics())
-    server = GrpcServer()
+    server = door_server(request.param)
     add_to_server(server, servicer)
     await server.start()
     async with grpc.aio.insecure_channel(server.address) as channel:

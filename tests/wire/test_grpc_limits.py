@@ -21,11 +21,13 @@ from pdrouter.cli.limits_flags import add_grpc_limit_flags, grpc_limits_from_arg
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.auth import ApiKeys
-from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer, add_to_server
+from pdrouter.router.frontdoor.grpc_api import RouterServicer, add_to_server
 from pdrouter.testing.echo import EchoDispatcher
+from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.grpc_probe import probe
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.grpc_util import GrpcServer
+from pdrouter.wire.h2_grpc import H2GrpcServer
 from pdrouter.wire.security import TokenInterceptor
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -35,16 +37,25 @@ UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED.value[0]
 SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
 
 
-async def door(limits: GrpcLimits, interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> GrpcServer:
-    server = GrpcServer(limits=limits, interceptors=interceptors)
+async def door(limits: GrpcLimits, kind: str = "grpcio", keys: ApiKeys | None = None,
+               interceptors: tuple[grpc.aio.ServerInterceptor, ...] = ()) -> GrpcServer | H2GrpcServer:
+    """The door on server ``kind`` (``interceptors``: a grpcio server's, e.g. a worker port's)."""
+    server = GrpcServer(limits=limits, interceptors=interceptors) if interceptors else door_server(
+        kind, limits=limits, keys=keys)
     add_to_server(server, RouterServicer(EchoDispatcher(), {"echo": ByteTokenizer()}))
     await server.start()
     return server
 
 
+@pytest.fixture(params=DOOR_SERVERS)
+def kind(request: pytest.FixtureRequest) -> str:
+    """Each of the door's servers."""
+    return str(request.param)
+
+
 @pytest.fixture
-async def keyed() -> AsyncIterator[GrpcServer]:
-    server = await door(GrpcLimits.for_door(), (ApiKeyInterceptor(ApiKeys([KEY])),))
+async def keyed(kind: str) -> AsyncIterator[GrpcServer | H2GrpcServer]:
+    server = await door(GrpcLimits.for_door(), kind, ApiKeys([KEY]))
     yield server
     await server.stop(0)
 
@@ -53,12 +64,13 @@ def generate(text: str = "hi") -> router_pb2.GenerateRequest:
     return router_pb2.GenerateRequest(model="echo", text=text, sampling=common_pb2.SamplingParams(max_tokens=2))
 
 
-@pytest.mark.parametrize("kind", ["huge", "slow"])
-async def test_calls_without_a_key_are_refused_before_their_message_is_read(keyed: GrpcServer, kind: str) -> None:
+@pytest.mark.parametrize("how", ["huge", "slow"])
+async def test_calls_without_a_key_are_refused_before_their_message_is_read(keyed: GrpcServer | H2GrpcServer,
+                                                                            how: str) -> None:
     """A call announcing 60 MiB, pushed as fast as it may or a byte every half second: refused
     UNAUTHENTICATED while most of its message has not been sent (so it was not waited for)."""
     for metadata in ((), (("authorization", "Bearer wrong-key-0123456789"),)):
-        result = await probe("127.0.0.1", keyed.port, kind, metadata=metadata, wait_s=WAIT_S)
+        result = await probe("127.0.0.1", keyed.port, how, metadata=metadata, wait_s=WAIT_S)
         assert (result.outcome, result.status) == ("ended", UNAUTHENTICATED), result
         assert result.sent < 4 << 20
 
@@ -66,7 +78,7 @@ async def test_calls_without_a_key_are_refused_before_their_message_is_read(keye
 async def test_the_internal_secret_is_checked_before_the_message_too() -> None:
     """A worker port (the internal secret's interceptor) refuses the same calls the same way."""
     interceptor = TokenInterceptor("internal-secret-0123456789")
-    server = await door(GrpcLimits(), (interceptor,))
+    server = await door(GrpcLimits(), interceptors=(interceptor,))
     try:
         result = await probe("127.0.0.1", server.port, "slow", wait_s=WAIT_S)
         assert (result.outcome, result.status) == ("ended", UNAUTHENTICATED) and result.sent < 16
@@ -75,8 +87,8 @@ async def test_the_internal_secret_is_checked_before_the_message_too() -> None:
         await server.stop(0)
 
 
-async def test_handshakes_have_a_deadline_however_they_trickle() -> None:
-    server = await door(GrpcLimits(handshake_timeout_s=0.5, idle_timeout_s=60))
+async def test_handshakes_have_a_deadline_however_they_trickle(kind: str) -> None:
+    server = await door(GrpcLimits(handshake_timeout_s=0.5, idle_timeout_s=60), kind)
     try:
         silent, trickled = await asyncio.gather(
             probe("127.0.0.1", server.port, "silent", wait_s=WAIT_S),
@@ -86,15 +98,15 @@ async def test_handshakes_have_a_deadline_however_they_trickle() -> None:
         await server.stop(0)
 
 
-async def test_idle_and_old_connections_are_closed() -> None:
-    server = await door(GrpcLimits(idle_timeout_s=0.5))
+async def test_idle_and_old_connections_are_closed(kind: str) -> None:
+    server = await door(GrpcLimits(idle_timeout_s=0.5), kind)
     try:
         idle = await probe("127.0.0.1", server.port, "idle", wait_s=WAIT_S)
         assert idle.outcome == "closed"
     finally:
         await server.stop(0)
     # A connection kept busy is not idle, and still goes at its age (after the grace for its calls).
-    server = await door(GrpcLimits(max_connection_age_s=0.5, max_connection_age_grace_s=0.5))
+    server = await door(GrpcLimits(max_connection_age_s=0.5, max_connection_age_grace_s=0.5), kind)
     try:
         async with grpc.aio.insecure_channel(server.address) as channel:
             stub = router_pb2_grpc.RouterStub(channel)
@@ -112,8 +124,8 @@ async def test_idle_and_old_connections_are_closed() -> None:
         await server.stop(0)
 
 
-async def test_connections_past_the_cap_are_closed_on_arrival() -> None:
-    server = await door(GrpcLimits(max_connections=3, idle_timeout_s=60))
+async def test_connections_past_the_cap_are_closed_on_arrival(kind: str) -> None:
+    server = await door(GrpcLimits(max_connections=3, idle_timeout_s=60), kind)
     try:
         results = await asyncio.gather(*(probe("127.0.0.1", server.port, "idle", wait_s=2.0) for _ in range(5)))
         outcomes = sorted(r.outcome for r in results)
@@ -122,12 +134,12 @@ async def test_connections_past_the_cap_are_closed_on_arrival() -> None:
         await server.stop(0)
 
 
-async def test_streams_per_connection_are_announced(keyed: GrpcServer) -> None:
+async def test_streams_per_connection_are_announced(keyed: GrpcServer | H2GrpcServer) -> None:
     result = await probe("127.0.0.1", keyed.port, "idle", wait_s=1.0)
     assert result.settings.get(SETTINGS_MAX_CONCURRENT_STREAMS) == GrpcLimits.for_door().max_streams
 
 
-async def test_oversized_messages_and_headers_are_refused(keyed: GrpcServer) -> None:
+async def test_oversized_messages_and_headers_are_refused(keyed: GrpcServer | H2GrpcServer) -> None:
     auth = (("authorization", f"Bearer {KEY}"),)
     async with grpc.aio.insecure_channel(keyed.address, options=[("grpc.max_send_message_length", -1)]) as channel:
         stub = router_pb2_grpc.RouterStub(channel)

@@ -48,6 +48,7 @@ from pdrouter.router.frontdoor.spans import describe, end_span
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest, prompt_ids
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
+from pdrouter.wire.h2_grpc import UNARY_STREAM, UNARY_UNARY, H2GrpcServer, Method
 from pdrouter.wire.security import CredentialInterceptor, single_entry
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -249,21 +250,33 @@ def _decoder(message_type: type[Message]) -> Callable[[bytes], Message | Undecod
     return decode
 
 
-def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
-    """``router_pb2_grpc.add_RouterServicer_to_server``, with :func:`_decoder` s for the requests
+def router_methods(servicer: RouterServicer) -> dict[str, Method]:
+    """``pdrouter.v1.Router``'s methods on ``servicer``, with :func:`_decoder` s for the requests
     (``tests/router/test_input_bounds.py`` checks that every method of the proto is served)."""
-    handlers = {
-        "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=_decoder(router_pb2.GenerateRequest),
-            response_serializer=router_pb2.GenerateResponse.SerializeToString),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, request_deserializer=_decoder(router_pb2.ListModelsRequest),
-            response_serializer=router_pb2.ListModelsResponse.SerializeToString),
+    return {
+        "Generate": Method(UNARY_STREAM, servicer.Generate, _decoder(router_pb2.GenerateRequest),
+                           router_pb2.GenerateResponse.SerializeToString),
+        "ListModels": Method(UNARY_UNARY, servicer.ListModels, _decoder(router_pb2.ListModelsRequest),
+                             router_pb2.ListModelsResponse.SerializeToString),
     }
+
+
+_GRPCIO_HANDLERS = {UNARY_STREAM: grpc.unary_stream_rpc_method_handler,
+                    UNARY_UNARY: grpc.unary_unary_rpc_method_handler}
+
+
+def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> None:
+    """:func:`router_methods` on a grpcio server."""
+    handlers = {name: _GRPCIO_HANDLERS[m.cardinality](m.handler, request_deserializer=m.deserialize,
+                                                         response_serializer=m.serialize)
+                for name, m in router_methods(servicer).items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
 
 
-def add_to_server(server: GrpcServer, servicer: RouterServicer) -> None:
+def add_to_server(server: GrpcServer | H2GrpcServer, servicer: RouterServicer) -> None:
     """Serve ``servicer`` as ``pdrouter.v1.Router`` on ``server`` (its health service included)."""
-    server.add(_add_router_servicer, servicer, SERVICE_NAME)
+    if isinstance(server, H2GrpcServer):
+        server.add_service(SERVICE_NAME, router_methods(servicer))
+    else:
+        server.add(_add_router_servicer, servicer, SERVICE_NAME)

@@ -12,10 +12,11 @@ import grpc
 import pytest
 
 from pdrouter.core.tokenizer import ByteTokenizer
-from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer
+from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add_to_server
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing.echo import CACHED_TOKENS, EOS, EchoDispatcher
 from pdrouter.wire.grpc_util import GrpcServer, check_health
+from pdrouter.wire.h2_grpc import H2GrpcServer
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 WAIT_S = 10.0  # hang guard, not a latency bound
@@ -25,7 +26,7 @@ WAIT_S = 10.0  # hang guard, not a latency bound
 class GrpcStack:
     fake: EchoDispatcher
     servicer: RouterServicer
-    server: GrpcServer
+    server: GrpcServer | H2GrpcServer
     stub: router_pb2_grpc.RouterStub
 
     def outcome(self, outcome: str) -> float:
@@ -34,13 +35,14 @@ class GrpcStack:
         return value or 0.0
 
 
-@pytest.fixture
-async def grpc_stack() -> AsyncIterator[GrpcStack]:
+@pytest.fixture(params=["builtin", "grpcio"])
+async def grpc_stack(request: pytest.FixtureRequest) -> AsyncIterator[GrpcStack]:
+    """The door on each of its servers (``RouterConfig.grpc_server``)."""
     fake = EchoDispatcher(tokens_per_delta=2)
     servicer = RouterServicer(fake, {"echo": ByteTokenizer(512), "tiny": ByteTokenizer(512)},
                               metrics=RouterMetrics())
-    server = GrpcServer()
-    server.add(router_pb2_grpc.add_RouterServicer_to_server, servicer, SERVICE_NAME)
+    server = H2GrpcServer() if request.param == "builtin" else GrpcServer()
+    add_to_server(server, servicer)
     await server.start()
     async with grpc.aio.insecure_channel(server.address) as channel:
         yield GrpcStack(fake, servicer, server, router_pb2_grpc.RouterStub(channel))
