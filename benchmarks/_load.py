@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -137,3 +138,195 @@ class RouterGenerate:
 
     async def close(self) -> None:
         await self._channel.close()
+
+
+class GrpcGenerate:
+    """``pdrouter.v1.Router.Generate`` over one HTTP/2 connection shared by every slot: a minimal gRPC
+    client, as :class:`HttpCompletions` is a minimal HTTP/1.1 one, so that the load generator's own CPU
+    stays small next to the server's (a ``grpc.aio`` channel costs its caller several times what the
+    router spends on the call, and at 32 calls at once its queueing shows in the latencies measured).
+
+    It does what a gRPC client owes the server: the HTTP/2 preface and settings, one header block per
+    call (literals without indexing, the same bytes every call), the request as one length-prefixed
+    message, the server's settings and pings acknowledged, the answer's flow control granted per read;
+    the answer's messages are parsed and their tokens counted, and a call ends with its ``grpc-status``
+    (anything but OK raises). Same arguments and ``once`` as :class:`RouterGenerate`.
+    """
+
+    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    WINDOW = 1 << 24
+
+    def __init__(self, address: str, model: str, ids: list[int], max_tokens: int,
+                 texts: Iterator[str] | None = None) -> None:
+        from hpack import Decoder
+
+        self._host, _, port = address.rpartition(":")
+        self._port = int(port)
+        self._request = router_pb2.GenerateRequest(
+            model=model, token_ids=router_pb2.TokenIds(ids=ids),
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        self._texts = texts
+        self._max_tokens = max_tokens
+        self._headers = (b"\x83\x86" + self._literal_name(4, b"/pdrouter.v1.Router/Generate")
+                         + self._literal_name(1, address.encode()) + self._literal_name(31, b"application/grpc")
+                         + self._literal(b"te", b"trailers"))
+        self._decoder = Decoder()
+        self._remembered: dict[bytes, tuple[int, dict[str, str]]] = {}
+        self._generation = 0
+        self._lock = asyncio.Lock()
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._next_stream = 1
+        self._calls: dict[int, list[Any]] = {}  # stream → [future, start, first, tokens, buffer, headers seen]
+        self.messages = 0
+        """Responses received so far."""
+
+    @staticmethod
+    def _literal(name: bytes, value: bytes) -> bytes:
+        assert len(name) < 127 and len(value) < 127
+        return b"\x00" + bytes((len(name),)) + name + bytes((len(value),)) + value
+
+    @staticmethod
+    def _literal_name(index: int, value: bytes) -> bytes:
+        """A literal without indexing whose name is HPACK static entry ``index`` (< 142)."""
+        assert len(value) < 127
+        name = bytes((index,)) if index < 15 else bytes((15, index - 15))
+        return name + bytes((len(value),)) + value
+
+    @staticmethod
+    def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+        n = len(payload)
+        return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + stream.to_bytes(4, "big") + payload
+
+    async def _connect(self) -> None:
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        settings = b"\x00\x02\x00\x00\x00\x00" + b"\x00\x04" + self.WINDOW.to_bytes(4, "big")  # no push; window
+        writer.write(self.PREFACE + self._frame(4, 0, 0, settings)
+                     + self._frame(8, 0, 0, (self.WINDOW - 65_535).to_bytes(4, "big")))
+        self._writer = writer
+        self._reader_task = asyncio.create_task(self._read(reader, writer))
+
+    async def once(self, slot: int) -> tuple[float, float]:
+        """One request: (seconds to the stream's end, seconds to its first message)."""
+        if self._writer is None or self._writer.is_closing():
+            async with self._lock:
+                if self._writer is None or self._writer.is_closing():
+                    await self._connect()
+        writer = self._writer
+        assert writer is not None
+        request = self._request
+        if self._texts is not None:
+            request = router_pb2.GenerateRequest(model=request.model, text=next(self._texts), sampling=request.sampling)
+        body = request.SerializeToString()
+        stream = self._next_stream
+        self._next_stream += 2
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        start = time.perf_counter()
+        call = self._calls[stream] = [done, start, 0.0, 0, b"", False]
+        writer.write(self._frame(1, 0x4, stream, self._headers)
+                     + self._frame(0, 0x1, stream, b"\x00" + len(body).to_bytes(4, "big") + body))
+        await done
+        if call[3] != self._max_tokens:
+            raise RuntimeError(f"Generate returned {call[3]} tokens, expected {self._max_tokens}")
+        return time.perf_counter() - start, call[2]
+
+    def _decode(self, block: bytes) -> dict[str, str]:
+        """The header block's fields; a block that left the decoder's table as it was is remembered."""
+        known = self._remembered.get(block)
+        if known is not None and known[0] == self._generation:
+            return known[1]
+        table = self._decoder.header_table.dynamic_entries
+        before = (len(table), id(table[0]) if table else 0)
+        fields = {str(name): str(value) for name, value in self._decoder.decode(block)}
+        if (len(table), id(table[0]) if table else 0) != before:
+            self._generation += 1
+        elif len(self._remembered) < 64:
+            self._remembered[block] = (self._generation, fields)
+        return fields
+
+    def _end(self, stream: int, error: str | None) -> None:
+        call = self._calls.pop(stream, None)
+        if call is not None and not call[0].done():
+            if error is None:
+                call[0].set_result(None)
+            else:
+                call[0].set_exception(RuntimeError(error))
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        buf = b""
+        try:
+            while data := await self._read_some(reader):
+                buf += data
+                out: list[bytes] = []
+                received = 0
+                pos = 0
+                while len(buf) - pos >= 9:
+                    length = int.from_bytes(buf[pos:pos + 3], "big")
+                    if len(buf) - pos - 9 < length:
+                        break
+                    kind, flags = buf[pos + 3], buf[pos + 4]
+                    stream = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+                    payload = buf[pos + 9:pos + 9 + length]
+                    pos += 9 + length
+                    if kind == 0:  # DATA: length-prefixed messages
+                        received += length
+                        call = self._calls.get(stream)
+                        if call is not None:
+                            chunk = call[4] + payload
+                            while len(chunk) >= 5 and len(chunk) - 5 >= (n := int.from_bytes(chunk[1:5], "big")):
+                                msg = router_pb2.GenerateResponse.FromString(chunk[5:5 + n])
+                                chunk = chunk[5 + n:]
+                                if not call[2]:
+                                    call[2] = time.perf_counter() - call[1]
+                                call[3] += len(msg.token_ids)
+                                self.messages += 1
+                            call[4] = chunk
+                            if length and not flags & 0x1:
+                                out.append(self._frame(8, 0, stream, length.to_bytes(4, "big")))
+                    elif kind == 1:  # HEADERS: the answer's, or its trailers
+                        if flags & 0x8:
+                            payload = payload[1:len(payload) - payload[0]]
+                        if not flags & 0x4:
+                            raise RuntimeError("the server sent a header block in several frames (unsupported)")
+                        headers = self._decode(payload)
+                        if flags & 0x1:
+                            status = headers.get("grpc-status", "")
+                            error = (f"the call ended {status or headers.get(':status')}: "
+                                     f"{headers.get('grpc-message', '')}")
+                            self._end(stream, None if status == "0" else error)
+                    elif kind == 3:  # RST_STREAM
+                        self._end(stream, "the server reset the stream")
+                    elif kind == 4 and not flags & 0x1:  # SETTINGS
+                        out.append(self._frame(4, 0x1, 0))
+                    elif kind == 6 and not flags & 0x1:  # PING
+                        out.append(self._frame(6, 0x1, 0, payload))
+                    elif kind == 7:  # GOAWAY
+                        break
+                buf = buf[pos:]
+                if received:
+                    out.append(self._frame(8, 0, 0, received.to_bytes(4, "big")))
+                if out:
+                    writer.write(b"".join(out))
+        finally:
+            writer.close()
+            for stream in list(self._calls):
+                self._end(stream, "the connection closed")
+
+    @staticmethod
+    async def _read_some(reader: asyncio.StreamReader) -> bytes:
+        try:
+            return await reader.read(1 << 18)
+        except ConnectionError:
+            return b""
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+
+
+GRPC_CLIENTS: dict[str, type[GrpcGenerate] | type[RouterGenerate]] = {"minimal": GrpcGenerate, "grpcio": RouterGenerate}
+"""The load generators' gRPC clients by the name their ``--grpc-client`` flag takes."""

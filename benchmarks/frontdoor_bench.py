@@ -20,7 +20,9 @@ Short requests: a 13-token prompt given as token ids, ``--max-tokens`` (2) greed
   of the router's server (``pdrouter.router.frontdoor.http_server``); ``http_stream_uvicorn`` and
   ``http_stream_granian`` likewise, measured only when ``--kinds`` names them;
 * ``grpc``: ``pdrouter.v1.Router.Generate`` with the same token ids (a server stream: one message
-  per token), on the door's own server (``pdrouter.wire.h2_grpc``, the router's default);
+  per token), on the door's own server (``pdrouter.wire.h2_grpc``, the router's default), from a
+  minimal gRPC client on one HTTP/2 connection (``_load.GrpcGenerate``; ``--grpc-client grpcio``: a
+  ``grpc.aio`` channel);
 * ``grpc_bare``: the same call to a bare servicer in the same process, on a server of the same
   kind, that writes ready-made messages (as many, of the same shape) and does nothing else: what
   the server itself costs per call of this shape, the floor under the ``grpc`` figures;
@@ -78,7 +80,7 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 import uvicorn
-from _load import HttpCompletions, RouterGenerate, cpu_times
+from _load import GRPC_CLIENTS, HttpCompletions, cpu_times
 from _report import Report, base_parser
 from tracing_overhead import export_tree, tree_environment
 
@@ -462,16 +464,17 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
         print(f"note: skipping grpc_bare_grpclib: {where['grpclib_note']}", file=sys.stderr if args.json else None,
               flush=True)
         kinds.remove("grpc_bare_grpclib")
+    grpc_client = GRPC_CLIENTS[args.grpc_client]
     try:
         def http(port_of: str, stream: bool) -> Callable[[], Client]:
             return lambda: HttpCompletions(HOST, where[port_of], MODEL, ids, args.max_tokens, stream=stream)
 
         make: dict[str, Callable[[], Client]] = {
-            "grpc": lambda: RouterGenerate(where["grpc"], MODEL, ids, args.max_tokens),
-            "grpc_bare": lambda: RouterGenerate(where["grpc_bare"], MODEL, ids, args.max_tokens),
-            "grpc_bare_grpclib": lambda: RouterGenerate(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens),
-            "grpc_grpcio": lambda: RouterGenerate(where["grpc_grpcio"], MODEL, ids, args.max_tokens),
-            "grpc_bare_grpcio": lambda: RouterGenerate(where["grpc_bare_grpcio"], MODEL, ids, args.max_tokens)}
+            "grpc": lambda: grpc_client(where["grpc"], MODEL, ids, args.max_tokens),
+            "grpc_bare": lambda: grpc_client(where["grpc_bare"], MODEL, ids, args.max_tokens),
+            "grpc_bare_grpclib": lambda: grpc_client(where["grpc_bare_grpclib"], MODEL, ids, args.max_tokens),
+            "grpc_grpcio": lambda: grpc_client(where["grpc_grpcio"], MODEL, ids, args.max_tokens),
+            "grpc_bare_grpcio": lambda: grpc_client(where["grpc_bare_grpcio"], MODEL, ids, args.max_tokens)}
         for suffix in SERVERS:
             make[f"http{suffix}"] = http(f"http{suffix}", stream=False)
             make[f"http_stream{suffix}"] = http(f"http{suffix}", stream=True)
@@ -482,7 +485,7 @@ async def drive(args: argparse.Namespace, kinds: list[str]) -> None:
             make_vs: dict[str, Callable[[], Client]] = {
                 "http_vs": lambda: HttpCompletions(HOST, there["http"], MODEL, ids, args.max_tokens, False),
                 "http_stream_vs": lambda: HttpCompletions(HOST, there["http"], MODEL, ids, args.max_tokens, True),
-                "grpc_vs": lambda: RouterGenerate(there["grpc"], MODEL, ids, args.max_tokens)}
+                "grpc_vs": lambda: grpc_client(there["grpc"], MODEL, ids, args.max_tokens)}
             for kind in VS_KINDS:
                 if kind in clients:
                     clients[f"{kind}_vs"] = make_vs[f"{kind}_vs"]()
@@ -508,6 +511,9 @@ def main() -> None:
     parser.add_argument("--profile", metavar="PATH", help="run the child under cProfile, stats to PATH")
     parser.add_argument("--vs", default=None, metavar="REV",
                         help="also serve the doors of commit REV, measured in turn with this tree's")
+    parser.add_argument("--grpc-client", choices=sorted(GRPC_CLIENTS), default="minimal",
+                        help="the load generator's gRPC client: minimal (one HTTP/2 connection, little "
+                             "client-side CPU) or grpcio (a grpc.aio channel)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the child mode
     args = parser.parse_args()
     if args.serve:

@@ -9,7 +9,9 @@ this script is the load generator. For each mode it measures, at concurrency 1 a
   client makes to put a request through the prefill and decode pools. (The router makes one,
   ``DecodeWorker.Serve``, and the decode worker calls the prefill worker; the router runs with
   ``--local-prefill-tokens 0`` so the prompt is computed on the prefill worker, as here);
-* ``grpc``: the same prompt ids through the router's gRPC front door (``pdrouter.v1.Router``);
+* ``grpc``: the same prompt ids through the router's gRPC front door (``pdrouter.v1.Router``), with a
+  minimal gRPC client on one HTTP/2 connection (``_load.GrpcGenerate``; ``--grpc-client grpcio``: a
+  ``grpc.aio`` channel, which costs the load generator several times the router's CPU per call);
 * ``http``: the same prompt ids through the OpenAI front door (``POST /v1/completions``) over
   persistent keep-alive connections, with a minimal HTTP/1.1 client (little client-side noise).
 
@@ -88,7 +90,7 @@ from pathlib import Path
 from typing import Protocol
 
 import grpc
-from _load import HttpCompletions, RouterGenerate, cpu_seconds
+from _load import GRPC_CLIENTS, GrpcGenerate, HttpCompletions, RouterGenerate, cpu_seconds
 from _report import Report, base_parser
 from tracing_overhead import export_tree, tree_environment
 
@@ -473,7 +475,7 @@ def vs_clients(bench: Bench, router: ManagedProcess | None) -> tuple[dict[str, C
     assert router.grpc_address is not None
     host, port = _split(router.address)
     clients: dict[str, Client] = {
-        "grpc_vs": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+        "grpc_vs": GRPC_CLIENT(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
         "http_vs": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False)}
     return clients, {kind: router.proc.pid for kind in clients}
 
@@ -500,9 +502,9 @@ async def colocated(bench: Bench) -> None:
             vs, vs_pids = vs_clients(bench, other)
             clients: dict[str, Client] = {
                 "direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.ids, bench.sampling),
-                "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+                "grpc": GRPC_CLIENT(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
                 "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False),
-                "grpc_floor": RouterGenerate(floor_address, MODEL, bench.ids, bench.max_tokens), **vs}
+                "grpc_floor": GRPC_CLIENT(floor_address, MODEL, bench.ids, bench.max_tokens), **vs}
             await measure_mode(bench, "colocated", clients, router.proc.pid, {"grpc_floor": floor_pid, **vs_pids})
             await _closing(clients)
         add_vs_ratios(bench, "colocated")
@@ -512,7 +514,7 @@ async def colocated(bench: Bench) -> None:
                          / bench.figure("colocated_c32_http_router_cpu"), "x")
         sampling = SamplingParams(max_tokens=STREAM_TOKENS, temperature=0.0, ignore_eos=True)
         clients = {"direct": ColocatedDirect(WorkerLink(info, bench.transport), bench.stream_ids, sampling),
-                   "grpc": RouterGenerate(router.grpc_address, MODEL, bench.stream_ids, STREAM_TOKENS),
+                   "grpc": GRPC_CLIENT(router.grpc_address, MODEL, bench.stream_ids, STREAM_TOKENS),
                    "http": HttpCompletions(host, port, MODEL, bench.stream_ids, STREAM_TOKENS, stream=True)}
         await measure_stream(bench, clients)
         await _closing(clients)
@@ -530,7 +532,7 @@ async def disaggregated(bench: Bench) -> None:
         clients: dict[str, Client] = {
             "direct": PdDirect(WorkerLink(p_info, bench.transport), WorkerLink(d_info, bench.transport), bench.ids,
                                bench.sampling, d_info.model_compat_hash),
-            "grpc": RouterGenerate(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
+            "grpc": GRPC_CLIENT(router.grpc_address, MODEL, bench.ids, bench.max_tokens),
             "http": HttpCompletions(host, port, MODEL, bench.ids, bench.max_tokens, stream=False), **vs}
         await measure_mode(bench, "disaggregated", clients, router.proc.pid, vs_pids)
         await _closing(clients)
@@ -577,10 +579,10 @@ async def peers(bench: Bench, tmp: Path) -> None:
                     clients[name] = HttpCompletions(host, port, MODEL, [], tokens, stream,
                                                     prompts=peer_prompts(prompt, len(clients)), connections=connections)
         for tokens in PEER_TOKENS[1:]:
-            clients[f"grpc_short_stream_{tokens}"] = RouterGenerate(
+            clients[f"grpc_short_stream_{tokens}"] = GRPC_CLIENT(
                 router.grpc_address, MODEL, [], tokens, texts=peer_prompts("short", len(clients)))
         for kind, client in clients.items():  # the HTTP kinds share their connections: warm them once
-            if isinstance(client, RouterGenerate) or kind in ("short_unary_2", "short_stream_2", "long_unary_2"):
+            if kind.startswith("grpc_") or kind in ("short_unary_2", "short_stream_2", "long_unary_2"):
                 await run_phase(client, 32, 32, Samples(), None)
         freeze_startup_heap()
         samples = {kind: Samples() for kind in clients}
@@ -673,6 +675,10 @@ def add_targets(bench: Bench, workloads: str) -> None:
     bench.report.add("target_met_stream", int(stall_free), "bool")
 
 
+GRPC_CLIENT: type[GrpcGenerate] | type[RouterGenerate] = GrpcGenerate
+"""The load generator's gRPC client (``--grpc-client``)."""
+
+
 async def main_async() -> None:
     parser = base_parser(__doc__ or "")
     parser.add_argument("--max-tokens", type=int, default=2, help="tokens per short request (1 or 2)")
@@ -686,7 +692,12 @@ async def main_async() -> None:
                              "on the peers' workload, or both")
     parser.add_argument("--vs", default=None, metavar="REV",
                         help="also run the router of commit REV beside this tree's on the short requests")
+    parser.add_argument("--grpc-client", choices=sorted(GRPC_CLIENTS), default="minimal",
+                        help="the load generator's gRPC client: minimal (one HTTP/2 connection, little "
+                             "client-side CPU) or grpcio (a grpc.aio channel)")
     args = parser.parse_args()
+    global GRPC_CLIENT
+    GRPC_CLIENT = GRPC_CLIENTS[args.grpc_client]
     # Prefill and decode workers refuse to start without the deployment's KV secret: the ones
     # started here (they inherit this environment) share one made for the run.
     if not (os.environ.get("PDROUTER_KV_TOKEN") or os.environ.get("PDROUTER_KV_TOKEN_FILE")):

@@ -77,6 +77,9 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 _SKIPPED = frozenset(("content-type", "te", "grpc-accept-encoding", "user-agent", "grpc-timeout", "grpc-encoding"))
 """Request headers that are the transport's, not the call's metadata (grpcio leaves them out too)."""
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
+_REMEMBERED_BLOCKS, _REMEMBERED_BLOCK_BYTES = 64, 512
+"""Header blocks remembered per connection, and the largest remembered: a gRPC client's steady block is
+a few dozen bytes; the bound keeps a connection's memo under 32 KiB whatever a client sends."""
 _MAX_BLOCK_FACTOR = 4
 """A header block (with its CONTINUATIONs) past this many times the metadata limit closes the connection."""
 
@@ -494,7 +497,7 @@ class _Connection(asyncio.Protocol):
             raise _ProtocolError(COMPRESSION_ERROR, f"header block not decodable ({type(exc).__name__})") from None
         if (len(table), id(table[0]) if table else 0) != before:
             self.generation += 1
-        elif len(self.remembered) < 256:
+        elif len(block) <= _REMEMBERED_BLOCK_BYTES and len(self.remembered) < _REMEMBERED_BLOCKS:
             self.remembered[block] = (self.generation, headers)
         return headers
 
@@ -613,10 +616,12 @@ class _Connection(asyncio.Protocol):
         if int.from_bytes(body[1:5], "big") != len(body) - 5:
             self._finish(call, _code(grpc.StatusCode.INTERNAL), "the request is not exactly one message")
             return
-        self.server.inflight += 1
         call.task = self.loop.create_task(self._run(call, method, body[5:]))
 
     async def _run(self, call: _Call, method: Method, message: bytes) -> None:
+        # Counted here, not when the task is made: a task cancelled before its first step (a stream
+        # reset in the read that ended it) never runs its body, so it must not have been counted.
+        self.server.inflight += 1
         code, details = 0, ""
         try:
             request = method.deserialize(message)

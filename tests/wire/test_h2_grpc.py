@@ -175,6 +175,36 @@ async def test_calls_past_the_cap_in_flight_are_resource_exhausted() -> None:
         await server.stop(0)
 
 
+async def test_calls_reset_as_they_are_sent_leave_nothing_counted() -> None:
+    """Streams opened and reset in the same write, many times (a "rapid reset"): no call stays counted
+    in flight, so a server with a cap of one call serves the next."""
+    import h2.config
+    import h2.connection
+
+    server, _ = await _door(GrpcLimits(max_inflight=1))
+    try:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        message = _request([1], 1).SerializeToString()
+        for _ in range(200):
+            stream = conn.get_next_available_stream_id()
+            conn.send_headers(stream, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                                       (":path", f"/{SERVICE_NAME}/Generate"), ("content-type", "application/grpc")])
+            conn.send_data(stream, b"\0" + len(message).to_bytes(4, "big") + message, end_stream=True)
+            conn.reset_stream(stream)
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(conn.data_to_send())
+        await writer.drain()
+        await _wait(lambda: server.inflight == 0)
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for _ in range(3):
+                assert len([r async for r in stub.Generate(_request([1], 1), timeout=WAIT_S)]) == 1
+        writer.close()
+    finally:
+        await server.stop(0)
+
+
 async def test_stop_lets_calls_finish_within_the_grace_then_ends_the_rest() -> None:
     server, fake = await _door()
     async with grpc.aio.insecure_channel(server.address) as channel:
