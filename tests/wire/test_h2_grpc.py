@@ -6,6 +6,8 @@ behaviour on both servers: ``tests/router/frontdoor/test_frontdoor_grpc.py``, ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import random
 import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -275,3 +277,40 @@ def test_a_taken_port_is_a_clear_error() -> None:
             await first.stop(0)
 
     asyncio.run(bind_twice())
+
+
+async def test_random_frames_never_break_the_server(door: Door) -> None:
+    """600 connections, each sending a valid call's headers or not and then random frames (every
+    type, flag and stream id, payloads of any length): no exception escapes the server's reading,
+    and it serves a real call after them."""
+    import h2.config
+    import h2.connection
+
+    loop = asyncio.get_running_loop()
+    escaped: list[object] = []
+    loop.set_exception_handler(lambda _, context: escaped.append(context))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()
+    client.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                            (":path", f"/{SERVICE_NAME}/Generate"), ("content-type", "application/grpc")])
+    start = client.data_to_send()  # the preface, settings and one call's headers
+    rng = random.Random(7)
+    try:
+        for n in range(600):
+            data = start if n % 2 else start[:len(PREFACE) + 9]  # a call opened, or just the preface
+            for _ in range(rng.randrange(1, 6)):
+                payload = rng.randbytes(rng.choice([0, 1, 4, 5, 6, 8, 9, rng.randrange(64)]))
+                kind, flags = rng.randrange(12), rng.choice([0, 1, 4, 5, 8, 0x20, 0x2D, rng.randrange(256)])
+                stream = rng.choice([0, 1, 2, 3, rng.randrange(1 << 31)])
+                data += len(payload).to_bytes(3, "big") + bytes((kind, flags)) + stream.to_bytes(4, "big") + payload
+            reader, writer = await asyncio.open_connection("127.0.0.1", door.server.port)
+            writer.write(data)
+            with contextlib.suppress(TimeoutError, ConnectionError):  # until it closes, or 20 ms of quiet
+                while await asyncio.wait_for(reader.read(65536), 0.02):
+                    pass
+            writer.close()
+        assert len([r async for r in door.stub.Generate(_request([1], 1), timeout=WAIT_S)]) == 1
+        await asyncio.sleep(0.1)
+        assert not escaped, escaped[:3]
+    finally:
+        loop.set_exception_handler(None)
