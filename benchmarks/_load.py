@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
+from pdrouter.wire.h2_grpc import PREFACE, frame, literal
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -153,7 +154,6 @@ class GrpcGenerate:
     (anything but OK raises). Same arguments and ``once`` as :class:`RouterGenerate`.
     """
 
-    PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
     WINDOW = 1 << 24
 
     def __init__(self, address: str, model: str, ids: list[int], max_tokens: int,
@@ -167,9 +167,10 @@ class GrpcGenerate:
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         self._texts = texts
         self._max_tokens = max_tokens
-        self._headers = (b"\x83\x86" + self._literal_name(4, b"/pdrouter.v1.Router/Generate")
-                         + self._literal_name(1, address.encode()) + self._literal_name(31, b"application/grpc")
-                         + self._literal(b"te", b"trailers"))
+        # :method POST and :scheme http are HPACK static entries 3 and 6; :authority 1, :path 4 and
+        # content-type 31 name theirs.
+        self._headers = (b"\x83\x86" + literal(4, b"/pdrouter.v1.Router/Generate") + literal(1, address.encode())
+                         + literal(31, b"application/grpc") + literal(b"te", b"trailers"))
         self._decoder = Decoder()
         self._remembered: dict[bytes, tuple[int, dict[str, str]]] = {}
         self._generation = 0
@@ -181,28 +182,11 @@ class GrpcGenerate:
         self.messages = 0
         """Responses received so far."""
 
-    @staticmethod
-    def _literal(name: bytes, value: bytes) -> bytes:
-        assert len(name) < 127 and len(value) < 127
-        return b"\x00" + bytes((len(name),)) + name + bytes((len(value),)) + value
-
-    @staticmethod
-    def _literal_name(index: int, value: bytes) -> bytes:
-        """A literal without indexing whose name is HPACK static entry ``index`` (< 142)."""
-        assert len(value) < 127
-        name = bytes((index,)) if index < 15 else bytes((15, index - 15))
-        return name + bytes((len(value),)) + value
-
-    @staticmethod
-    def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
-        n = len(payload)
-        return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + stream.to_bytes(4, "big") + payload
-
     async def _connect(self) -> None:
         reader, writer = await asyncio.open_connection(self._host, self._port)
         settings = b"\x00\x02\x00\x00\x00\x00" + b"\x00\x04" + self.WINDOW.to_bytes(4, "big")  # no push; window
-        writer.write(self.PREFACE + self._frame(4, 0, 0, settings)
-                     + self._frame(8, 0, 0, (self.WINDOW - 65_535).to_bytes(4, "big")))
+        writer.write(PREFACE + frame(4, 0, 0, settings)
+                     + frame(8, 0, 0, (self.WINDOW - 65_535).to_bytes(4, "big")))
         self._writer = writer
         self._reader_task = asyncio.create_task(self._read(reader, writer))
 
@@ -223,8 +207,8 @@ class GrpcGenerate:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         start = time.perf_counter()
         call = self._calls[stream] = [done, start, 0.0, 0, b"", False]
-        writer.write(self._frame(1, 0x4, stream, self._headers)
-                     + self._frame(0, 0x1, stream, b"\x00" + len(body).to_bytes(4, "big") + body))
+        writer.write(frame(1, 0x4, stream, self._headers)
+                     + frame(0, 0x1, stream, b"\x00" + len(body).to_bytes(4, "big") + body))
         await done
         if call[3] != self._max_tokens:
             raise RuntimeError(f"Generate returned {call[3]} tokens, expected {self._max_tokens}")
@@ -282,7 +266,7 @@ class GrpcGenerate:
                                 self.messages += 1
                             call[4] = chunk
                             if length and not flags & 0x1:
-                                out.append(self._frame(8, 0, stream, length.to_bytes(4, "big")))
+                                out.append(frame(8, 0, stream, length.to_bytes(4, "big")))
                     elif kind == 1:  # HEADERS: the answer's, or its trailers
                         if flags & 0x8:
                             payload = payload[1:len(payload) - payload[0]]
@@ -297,14 +281,14 @@ class GrpcGenerate:
                     elif kind == 3:  # RST_STREAM
                         self._end(stream, "the server reset the stream")
                     elif kind == 4 and not flags & 0x1:  # SETTINGS
-                        out.append(self._frame(4, 0x1, 0))
+                        out.append(frame(4, 0x1, 0))
                     elif kind == 6 and not flags & 0x1:  # PING
-                        out.append(self._frame(6, 0x1, 0, payload))
+                        out.append(frame(6, 0x1, 0, payload))
                     elif kind == 7:  # GOAWAY
                         break
                 buf = buf[pos:]
                 if received:
-                    out.append(self._frame(8, 0, 0, received.to_bytes(4, "big")))
+                    out.append(frame(8, 0, 0, received.to_bytes(4, "big")))
                 if out:
                     writer.write(b"".join(out))
         finally:

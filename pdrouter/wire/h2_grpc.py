@@ -84,7 +84,8 @@ _MAX_BLOCK_FACTOR = 4
 """A header block (with its CONTINUATIONs) past this many times the metadata limit closes the connection."""
 
 
-def _frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
+    """One HTTP/2 frame."""
     n = len(payload)
     return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + stream.to_bytes(4, "big") + payload
 
@@ -103,22 +104,25 @@ def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
     return bytes(out)
 
 
-def _literal(name: bytes, value: bytes) -> bytes:
-    """One header field as a literal without indexing, a new name, no Huffman coding."""
-    return b"\x00" + _integer(len(name), 7) + name + _integer(len(value), 7) + value
+def literal(name: bytes | int, value: bytes) -> bytes:
+    """One header field as an HPACK literal without indexing (no Huffman coding): it leaves the peer's
+    table as it was, so a block of them is the same bytes every time. ``name``: the name, or its
+    index in HPACK's static table."""
+    head = _integer(name, 4) if isinstance(name, int) else b"\x00" + _integer(len(name), 7) + name
+    return head + _integer(len(value), 7) + value
 
 
-# ``:status: 200`` is HPACK's static entry 8; ``content-type`` entry 31, its value a literal.
-_RESPONSE_HEADERS = b"\x88" + b"\x0f\x10" + _integer(16, 7) + b"application/grpc"
-_OK_TRAILERS = _literal(b"grpc-status", b"0")
+# ``:status: 200`` is HPACK's static entry 8 (indexed); ``content-type`` entry 31.
+_RESPONSE_HEADERS = b"\x88" + literal(31, b"application/grpc")
+_OK_TRAILERS = literal(b"grpc-status", b"0")
 
 
 def _trailers(code: int, message: str) -> bytes:
     if code == 0:
         return _OK_TRAILERS
-    block = _literal(b"grpc-status", str(code).encode())
+    block = literal(b"grpc-status", str(code).encode())
     if message:
-        block += _literal(b"grpc-message", urllib.parse.quote(message[:4096], safe=_MESSAGE_SAFE).encode())
+        block += literal(b"grpc-message", urllib.parse.quote(message[:4096], safe=_MESSAGE_SAFE).encode())
     return block
 
 
@@ -254,8 +258,8 @@ class _Connection(asyncio.Protocol):
         settings = struct.pack(">HIHIHI", SETTINGS_MAX_CONCURRENT_STREAMS, limits.max_streams,
                                SETTINGS_INITIAL_WINDOW_SIZE, STREAM_WINDOW,
                                SETTINGS_MAX_HEADER_LIST_SIZE, limits.max_metadata_bytes)
-        transport.write(_frame(SETTINGS, 0, 0, settings)  # type: ignore[attr-defined]
-                        + _frame(WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
+        transport.write(frame(SETTINGS, 0, 0, settings)  # type: ignore[attr-defined]
+                        + frame(WINDOW_UPDATE, 0, 0, (CONNECTION_WINDOW - DEFAULT_WINDOW).to_bytes(4, "big")))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.server.connections.discard(self)
@@ -300,7 +304,7 @@ class _Connection(asyncio.Protocol):
         """Tell the client that no stream past the last one it opened will be served."""
         if not self.going_away:
             self.going_away = True
-            self.send(_frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, code) + reason.encode()[:256]))
+            self.send(frame(GOAWAY, 0, 0, struct.pack(">II", self.last_stream, code) + reason.encode()[:256]))
             self.flush()
         if not self.calls:
             self.loop.call_soon(self.close)
@@ -329,7 +333,7 @@ class _Connection(asyncio.Protocol):
         """``data`` on ``call``'s stream, within the client's windows (waiting for them to open)."""
         if not call.headers_sent:
             call.headers_sent = True
-            self.send(_frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS))
+            self.send(frame(HEADERS, END_HEADERS, call.id, _RESPONSE_HEADERS))
         view = memoryview(data)
         while view:
             if self.calls.get(call.id) is not call:
@@ -345,7 +349,7 @@ class _Connection(asyncio.Protocol):
                 continue
             self.window -= n
             call.window -= n
-            self.send(_frame(DATA, 0, call.id, bytes(view[:n])))
+            self.send(frame(DATA, 0, call.id, bytes(view[:n])))
             view = view[n:]
 
     def _unblock(self) -> None:
@@ -390,7 +394,7 @@ class _Connection(asyncio.Protocol):
                 self._frame(kind, flags, stream_id, payload)
             self.buffer = buf[pos:]
             if self.received:
-                self.pending.append(_frame(WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big")))
+                self.pending.append(frame(WINDOW_UPDATE, 0, 0, self.received.to_bytes(4, "big")))
                 self.received = 0
         except _ProtocolError as exc:
             self.buffer = b""
@@ -442,7 +446,7 @@ class _Connection(asyncio.Protocol):
             if len(payload) != 8 or stream_id:
                 raise _ProtocolError(FRAME_SIZE_ERROR, "PING of the wrong size")
             if not flags & ACK:
-                self.pending.append(_frame(PING, ACK, 0, payload))
+                self.pending.append(frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             call = self.calls.get(stream_id)
             if call is not None:
@@ -476,7 +480,7 @@ class _Connection(asyncio.Protocol):
                 if not MAX_FRAME <= value < 1 << 24:
                     raise _ProtocolError(PROTOCOL_ERROR, "bad maximum frame size")
                 self.max_frame = value
-        self.pending.append(_frame(SETTINGS, ACK, 0))
+        self.pending.append(frame(SETTINGS, ACK, 0))
         self.handshaken = True
 
     def _block_start(self, stream_id: int, flags: int, block: bytes) -> None:
@@ -510,10 +514,10 @@ class _Connection(asyncio.Protocol):
             return
         self.last_stream = stream_id
         if self.going_away:
-            self.send(_frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
+            self.send(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
             return
         if len(self.calls) >= self.limits.max_streams:
-            self.send(_frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
+            self.send(frame(RST_STREAM, 0, stream_id, REFUSED_STREAM.to_bytes(4, "big")))
             return
         call = _Call(self, stream_id, self.initial_window)
         self.calls[stream_id] = call
@@ -597,7 +601,7 @@ class _Connection(asyncio.Protocol):
         if flags & END_STREAM:
             self._ended(call)
         elif payload:
-            self.pending.append(_frame(WINDOW_UPDATE, 0, stream_id, len(payload).to_bytes(4, "big")))
+            self.pending.append(frame(WINDOW_UPDATE, 0, stream_id, len(payload).to_bytes(4, "big")))
 
     def _ended(self, call: _Call) -> None:
         """The client sent its whole request: run the handler."""
@@ -650,9 +654,9 @@ class _Connection(asyncio.Protocol):
     def _finish(self, call: _Call, code: int, details: str) -> None:
         """End ``call`` with its status (trailers, or headers and status together when nothing was sent)."""
         block = _trailers(code, details) if call.headers_sent else _RESPONSE_HEADERS + _trailers(code, details)
-        self.send(_frame(HEADERS, END_HEADERS | END_STREAM, call.id, block))
+        self.send(frame(HEADERS, END_HEADERS | END_STREAM, call.id, block))
         if not call.ended_by_client:  # answered before the request was whole: the client stops sending
-            self.send(_frame(RST_STREAM, 0, call.id, NO_ERROR.to_bytes(4, "big")))
+            self.send(frame(RST_STREAM, 0, call.id, NO_ERROR.to_bytes(4, "big")))
         self._drop(call)
 
     def _drop(self, call: _Call) -> None:
