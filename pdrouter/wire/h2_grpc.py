@@ -235,6 +235,7 @@ class _Connection(asyncio.Protocol):
         self.going_away = False
         self.paused: asyncio.Future[None] | None = None
         self.writes_paused = False
+        self.any_blocked = False
         self.timers: list[asyncio.TimerHandle] = []
         self.idle: asyncio.TimerHandle | None = None
 
@@ -345,6 +346,7 @@ class _Connection(asyncio.Protocol):
             n = min(len(view), self.window, call.window, self.max_frame)
             if n <= 0:
                 call.blocked = self.loop.create_future()
+                self.any_blocked = True
                 await call.blocked
                 continue
             self.window -= n
@@ -353,6 +355,10 @@ class _Connection(asyncio.Protocol):
             view = view[n:]
 
     def _unblock(self) -> None:
+        """Wake the writes waiting for a window (a WINDOW_UPDATE or new settings came)."""
+        if not self.any_blocked:
+            return
+        self.any_blocked = False
         for call in self.calls.values():
             waiter = call.blocked
             if waiter is not None:
