@@ -32,7 +32,7 @@ from pdrouter.router.admission import Admission
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.dispatch import PoolDispatcher
 from pdrouter.router.frontdoor import grpc_api
-from pdrouter.router.frontdoor.grpc_api import ApiKeyInterceptor, RouterServicer
+from pdrouter.router.frontdoor.grpc_api import RouterServicer
 from pdrouter.router.frontdoor.http_api import create_app, metrics_app
 from pdrouter.router.frontdoor.http_server import bind_socket, make_server
 from pdrouter.router.frontdoor.limits import HttpLimits
@@ -50,7 +50,6 @@ from pdrouter.state.reservations import KvReservations
 from pdrouter.state.tenant_limits import TenantLimiter
 from pdrouter.wire.grpc_util import GrpcServer
 from pdrouter.wire.h2_grpc import H2GrpcServer
-from pdrouter.wire.security import grpc_server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -131,13 +130,8 @@ class RouterProcess:
             self.gate.start()
             doors = self.gate
         keys = cfg.api_keys
-        if cfg.grpc_server == "builtin":
-            self.grpc = H2GrpcServer(cfg.host, cfg.grpc_port, tls=cfg.tls, limits=cfg.grpc_limits,
-                                     refusal=ApiKeyInterceptor(keys).refusal_reason if keys.enabled else None)
-        else:
-            door_credentials = None if cfg.tls is None else grpc_server_credentials(cfg.tls, require_client_cert=False)
-            self.grpc = GrpcServer(cfg.host, cfg.grpc_port, credentials=door_credentials, limits=cfg.grpc_limits,
-                                   interceptors=[ApiKeyInterceptor(keys)] if keys.enabled else ())
+        self.grpc = grpc_api.door_server(cfg.grpc_server, cfg.host, cfg.grpc_port, tls=cfg.tls, limits=cfg.grpc_limits,
+                                         keys=keys)
         grpc_api.add_to_server(self.grpc, RouterServicer(doors, tokenizers, metrics=self.metrics,
                                                          config=cfg.frontdoor, tenants=cfg.tenants,
                                                          tracing=self.tracing))

@@ -218,11 +218,13 @@ async def test_unauthenticated_connections_cannot_lock_keyed_clients_out(
                 writer.close()
 
 
-async def test_grpc_calls_without_a_key_are_refused_before_their_message(start_door: Callable[..., Door]) -> None:
+@pytest.mark.parametrize("server", ["builtin", "grpcio"])
+async def test_grpc_calls_without_a_key_are_refused_before_their_message(start_door: Callable[..., Door],
+                                                                         server: str) -> None:
     """Calls announcing 60 MiB, sent as fast as flow control lets them or a byte every half second,
     without a key or with a wrong one: each is refused UNAUTHENTICATED with most of its message
-    unsent, and the router holds nothing of them."""
-    door = start_door()
+    unsent, and the router holds nothing of them (on either of the door's servers)."""
+    door = start_door("--grpc-server", server)
     baseline = door.rss()
     probes = [probe("127.0.0.1", door.grpc_port, kind, metadata=metadata, wait_s=WAIT_S)
               for kind in ("huge", "slow") for metadata in ((), (("authorization", "Bearer " + "w" * 32),))

@@ -29,13 +29,12 @@ from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.engine.model_folder import write_config_folder
 from pdrouter.router.config import RouterConfig
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
-from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add_to_server
+from pdrouter.router.frontdoor.grpc_api import DOOR_SERVERS, SERVICE_NAME, RouterServicer, add_to_server, door_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.http_server import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoDispatcher
-from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.http import serving
 from pdrouter.wire.grpc_util import check_health
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc

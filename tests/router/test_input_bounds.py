@@ -20,12 +20,11 @@ from hypothesis import strategies as st
 from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.sampling import MAX_STOP_TOKEN_IDS, MAX_TOP_K, SamplingParams
 from pdrouter.core.tokenizer import ByteTokenizer
-from pdrouter.router.frontdoor.grpc_api import SERVICE_NAME, RouterServicer, add_to_server
+from pdrouter.router.frontdoor.grpc_api import DOOR_SERVERS, SERVICE_NAME, RouterServicer, add_to_server, door_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
 from pdrouter.router.frontdoor.openai_schema import MAX_STOP_CHARS
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing.echo import EchoDispatcher
-from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.http import serving
 from pdrouter.wire.convert import sampling_from_pb, sampling_to_pb
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc

@@ -21,9 +21,8 @@ from pdrouter.cli.limits_flags import add_grpc_limit_flags, grpc_limits_from_arg
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.auth import ApiKeys
-from pdrouter.router.frontdoor.grpc_api import RouterServicer, add_to_server
+from pdrouter.router.frontdoor.grpc_api import DOOR_SERVERS, RouterServicer, add_to_server, door_server
 from pdrouter.testing.echo import EchoDispatcher
-from pdrouter.testing.grpc_doors import DOOR_SERVERS, door_server
 from pdrouter.testing.grpc_probe import probe
 from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.grpc_util import GrpcServer

@@ -37,6 +37,7 @@ from pdrouter.core.hashing import cache_salt_key
 from pdrouter.core.ids import new_request_id
 from pdrouter.core.sampling import SamplingParams
 from pdrouter.core.tenants import Tenant, Tenants
+from pdrouter.core.tls import TlsFiles
 from pdrouter.core.tokenizer import Tokenizer
 from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError
@@ -47,9 +48,10 @@ from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegist
 from pdrouter.router.frontdoor.spans import describe, end_span
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.request import Dispatcher, FinishReason, RouterRequest, prompt_ids
+from pdrouter.wire.grpc_limits import GrpcLimits
 from pdrouter.wire.grpc_util import GrpcServer, grpc_errors
 from pdrouter.wire.h2_grpc import UNARY_STREAM, UNARY_UNARY, H2GrpcServer, Method
-from pdrouter.wire.security import CredentialInterceptor, single_entry
+from pdrouter.wire.security import CredentialInterceptor, grpc_server_credentials, single_entry
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -272,6 +274,25 @@ def _add_router_servicer(servicer: RouterServicer, server: grpc.aio.Server) -> N
                 for name, m in router_methods(servicer).items()}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
+
+
+DOOR_SERVERS = ("builtin", "grpcio")
+"""The door's servers (``RouterConfig.grpc_server``): its own (``pdrouter.wire.h2_grpc``) and grpcio's."""
+
+
+def door_server(kind: str, host: str = "127.0.0.1", port: int = 0, *, tls: TlsFiles | None = None,
+                limits: GrpcLimits | None = None, keys: ApiKeys | None = None) -> GrpcServer | H2GrpcServer:
+    """An unstarted door server of ``kind`` (:data:`DOOR_SERVERS`) bound to ``host:port`` (0: a free
+    port): TLS with ``tls`` (no client certificate asked); with ``keys``, every call but the health
+    service's needs one of them (UNAUTHENTICATED, before its message is read)."""
+    check = ApiKeyInterceptor(keys) if keys is not None and keys.enabled else None
+    if kind == "builtin":
+        return H2GrpcServer(host, port, tls=tls, limits=limits, refusal=None if check is None else check.refusal_reason)
+    if kind == "grpcio":
+        credentials = None if tls is None else grpc_server_credentials(tls, require_client_cert=False)
+        return GrpcServer(host, port, credentials=credentials, limits=limits,
+                          interceptors=() if check is None else (check,))
+    raise ValueError(f"the gRPC door's server is one of {DOOR_SERVERS}, not {kind!r}")
 
 
 def add_to_server(server: GrpcServer | H2GrpcServer, servicer: RouterServicer) -> None:
