@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from pdrouter.wire.grpc_util import CHANNEL_OPTIONS
-from pdrouter.wire.h2_grpc import PREFACE, frame, literal
+from pdrouter.wire.h2_grpc import PREFACE, HeaderDecoder, frame, literal
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
@@ -158,8 +158,6 @@ class GrpcGenerate:
 
     def __init__(self, address: str, model: str, ids: list[int], max_tokens: int,
                  texts: Iterator[str] | None = None) -> None:
-        from hpack import Decoder
-
         self._host, _, port = address.rpartition(":")
         self._port = int(port)
         self._request = router_pb2.GenerateRequest(
@@ -171,9 +169,7 @@ class GrpcGenerate:
         # content-type 31 name theirs.
         self._headers = (b"\x83\x86" + literal(4, b"/pdrouter.v1.Router/Generate") + literal(1, address.encode())
                          + literal(31, b"application/grpc") + literal(b"te", b"trailers"))
-        self._decoder = Decoder()
-        self._remembered: dict[bytes, tuple[int, dict[str, str]]] = {}
-        self._generation = 0
+        self._decoder = HeaderDecoder()
         self._lock = asyncio.Lock()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -213,20 +209,6 @@ class GrpcGenerate:
         if call[3] != self._max_tokens:
             raise RuntimeError(f"Generate returned {call[3]} tokens, expected {self._max_tokens}")
         return time.perf_counter() - start, call[2]
-
-    def _decode(self, block: bytes) -> dict[str, str]:
-        """The header block's fields; a block that left the decoder's table as it was is remembered."""
-        known = self._remembered.get(block)
-        if known is not None and known[0] == self._generation:
-            return known[1]
-        table = self._decoder.header_table.dynamic_entries
-        before = (len(table), id(table[0]) if table else 0)
-        fields = {str(name): str(value) for name, value in self._decoder.decode(block)}
-        if (len(table), id(table[0]) if table else 0) != before:
-            self._generation += 1
-        elif len(self._remembered) < 64:
-            self._remembered[block] = (self._generation, fields)
-        return fields
 
     def _end(self, stream: int, error: str | None) -> None:
         call = self._calls.pop(stream, None)
@@ -272,7 +254,7 @@ class GrpcGenerate:
                             payload = payload[1:len(payload) - payload[0]]
                         if not flags & 0x4:
                             raise RuntimeError("the server sent a header block in several frames (unsupported)")
-                        headers = self._decode(payload)
+                        headers = dict(self._decoder.decode(payload))
                         if flags & 0x1:
                             status = headers.get("grpc-status", "")
                             error = (f"the call ended {status or headers.get(':status')}: "

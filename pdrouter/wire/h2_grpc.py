@@ -77,9 +77,6 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 _SKIPPED = frozenset(("content-type", "te", "grpc-accept-encoding", "user-agent", "grpc-timeout", "grpc-encoding"))
 """Request headers that are the transport's, not the call's metadata (grpcio leaves them out too)."""
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
-_REMEMBERED_BLOCKS, _REMEMBERED_BLOCK_BYTES = 64, 512
-"""Header blocks remembered per connection, and the largest remembered: a gRPC client's steady block is
-a few dozen bytes; the bound keeps a connection's memo under 32 KiB whatever a client sends."""
 _MAX_BLOCK_FACTOR = 4
 """A header block (with its CONTINUATIONs) past this many times the metadata limit closes the connection."""
 
@@ -90,12 +87,12 @@ def frame(kind: int, flags: int, stream: int, payload: bytes = b"") -> bytes:
     return bytes((n >> 16, (n >> 8) & 0xFF, n & 0xFF, kind, flags)) + stream.to_bytes(4, "big") + payload
 
 
-def _integer(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """HPACK's integer with a ``prefix_bits`` prefix, ``first`` holding the byte's other bits."""
+def _integer(value: int, prefix_bits: int) -> bytes:
+    """HPACK's integer with a ``prefix_bits`` prefix (the byte's other bits 0)."""
     limit = (1 << prefix_bits) - 1
     if value < limit:
-        return bytes((first | value,))
-    out = bytearray((first | limit,))
+        return bytes((value,))
+    out = bytearray((limit,))
     value -= limit
     while value >= 128:
         out.append((value & 0x7F) | 0x80)
@@ -124,6 +121,34 @@ def _trailers(code: int, message: str) -> bytes:
     if message:
         block += literal(b"grpc-message", urllib.parse.quote(message[:4096], safe=_MESSAGE_SAFE).encode())
     return block
+
+
+class HeaderDecoder:
+    """An HPACK decoder (``hpack``'s) that remembers the blocks that left its table as they were, with
+    the table's generation: a gRPC peer repeats one block per call once its fields are in its table,
+    and a remembered block costs a dict look-up instead of a decode. At most ``blocks`` blocks of at
+    most ``block_bytes`` bytes each are remembered, whatever a peer sends. ``decode`` raises what
+    ``hpack`` raises for a block it cannot decode."""
+
+    def __init__(self, blocks: int = 64, block_bytes: int = 512) -> None:
+        self._decoder = Decoder()
+        self._decoder.max_allowed_table_size = 4096  # HTTP/2's default SETTINGS_HEADER_TABLE_SIZE
+        self._blocks, self._block_bytes = blocks, block_bytes
+        self._remembered: dict[bytes, tuple[int, list[tuple[str, str]]]] = {}
+        self._generation = 0
+
+    def decode(self, block: bytes) -> list[tuple[str, str]]:
+        known = self._remembered.get(block)
+        if known is not None and known[0] == self._generation:
+            return known[1]
+        table = self._decoder.header_table.dynamic_entries
+        before = (len(table), id(table[0]) if table else 0)
+        fields = [(str(name), str(value)) for name, value in self._decoder.decode(block)]
+        if (len(table), id(table[0]) if table else 0) != before:
+            self._generation += 1
+        elif len(block) <= self._block_bytes and len(self._remembered) < self._blocks:
+            self._remembered[block] = (self._generation, fields)
+        return fields
 
 
 class Abort(Exception):
@@ -218,10 +243,7 @@ class _Connection(asyncio.Protocol):
         self.buffer = b""
         self.started = False
         self.handshaken = False
-        self.decoder = Decoder()
-        self.decoder.max_allowed_table_size = 4096
-        self.generation = 0
-        self.remembered: dict[bytes, tuple[int, list[tuple[str, str]]]] = {}
+        self.decoder = HeaderDecoder()
         self.calls: dict[int, _Call] = {}
         self.last_stream = 0
         self.window = DEFAULT_WINDOW
@@ -495,24 +517,11 @@ class _Connection(asyncio.Protocol):
         else:
             self.block = (stream_id, flags, [block], len(block))
 
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        known = self.remembered.get(block)
-        if known is not None and known[0] == self.generation:
-            return known[1]
-        table = self.decoder.header_table.dynamic_entries
-        before = (len(table), id(table[0]) if table else 0)
+    def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
         try:
-            headers = [(str(name), str(value)) for name, value in self.decoder.decode(block)]
+            headers = self.decoder.decode(block)
         except (HPACKError, UnicodeDecodeError, ValueError) as exc:
             raise _ProtocolError(COMPRESSION_ERROR, f"header block not decodable ({type(exc).__name__})") from None
-        if (len(table), id(table[0]) if table else 0) != before:
-            self.generation += 1
-        elif len(block) <= _REMEMBERED_BLOCK_BYTES and len(self.remembered) < _REMEMBERED_BLOCKS:
-            self.remembered[block] = (self.generation, headers)
-        return headers
-
-    def _headers(self, stream_id: int, flags: int, block: bytes) -> None:
-        headers = self._decode(block)
         call = self.calls.get(stream_id)
         if call is not None or stream_id <= self.last_stream:  # trailers of a request (none expected)
             if call is not None and flags & END_STREAM:

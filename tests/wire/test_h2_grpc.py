@@ -23,7 +23,7 @@ from pdrouter.testing.echo import ECHO, EchoDispatcher
 from pdrouter.testing.grpc_probe import probe
 from pdrouter.testing.pki import TestCa
 from pdrouter.wire.grpc_limits import GrpcLimits
-from pdrouter.wire.h2_grpc import PREFACE, UNARY_STREAM, H2Context, H2GrpcServer, Method
+from pdrouter.wire.h2_grpc import PREFACE, UNARY_STREAM, H2Context, H2GrpcServer, HeaderDecoder, Method
 from pdrouter.wire.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 WAIT_S = 20.0  # hang guard, not a latency bound
@@ -314,3 +314,17 @@ async def test_random_frames_never_break_the_server(door: Door) -> None:
         assert not escaped, escaped[:3]
     finally:
         loop.set_exception_handler(None)
+
+
+def test_a_remembered_header_block_is_decoded_anew_once_the_table_changed() -> None:
+    """The same bytes mean other fields after an insertion shifts the table's indices: a block is
+    taken from memory only while the table is as it was when the block was remembered."""
+    from hpack import Encoder
+
+    encoder, decoder = Encoder(), HeaderDecoder()
+    first = [("x-a", "1")]
+    assert decoder.decode(encoder.encode(first)) == first  # inserts x-a: 1 (index 62)
+    indexed = encoder.encode(first)  # now one byte naming index 62: leaves the table as it was
+    assert decoder.decode(indexed) == first and decoder.decode(indexed) == first  # the second from memory
+    assert decoder.decode(encoder.encode([("x-b", "2")])) == [("x-b", "2")]  # inserts: 62 is now x-b
+    assert decoder.decode(indexed) == [("x-b", "2")]
