@@ -192,14 +192,20 @@ def rewrite_report(folder: Path) -> None:
 
 
 def behind_points(results: list[LayoutResult], case: dict[str, Any]) -> list[str]:
-    """The points whose ITL p50 is under half the modeled decode step of one sequence: no engine step is
-    that short, so the client read chunks that had queued up behind a late router or a late client."""
+    """The points whose ITL p50 is under half the modeled decode step of one sequence (no engine step is
+    that short, so the client read chunks that had queued up behind a late router or a late client),
+    and those the run found host-bound (``pdrouter.bench.host``: this machine's CPUs busy throughout)."""
     step_ms = (case.get("timing_model") or {}).get("decode_step_1_ms")
-    if not step_ms:
-        return []
-    return [f"{r.layout.name} at {float(p['rate']):g} (ITL p50 {1e3 * p['summary']['itl']['p50']:.1f} ms)"
-            for r in results for p in r.points
-            if p["summary"]["itl"].get("p50") is not None and 1e3 * p["summary"]["itl"]["p50"] < step_ms / 2]
+    out = []
+    for r in results:
+        for p in r.points:
+            p50 = p["summary"]["itl"].get("p50")
+            host = p.get("host") or {}
+            if step_ms and p50 is not None and 1e3 * p50 < step_ms / 2:
+                out.append(f"{r.layout.name} at {float(p['rate']):g} (ITL p50 {1e3 * p50:.1f} ms)")
+            elif host.get("host_bound"):
+                out.append(f"{r.layout.name} at {float(p['rate']):g} ({host['reason']})")
+    return out
 
 
 def best(kept: dict[str, float | None]) -> str:
@@ -279,10 +285,12 @@ def summary() -> Path:
                       f"(median point {100 * sorted(late)[len(late) // 2]:.2f}%).", ""]
         behind = behind_points(results, case)
         if behind:
-            lines += ["Chunks reached the client in bursts (ITL p50 under half the modeled decode step of one "
-                      f"sequence, {case['timing_model']['decode_step_1_ms']:g} ms): the router or the load generator "
-                      "fell behind on this machine, which `sim_late_share` does not see, so these points' TTFT and "
-                      f"ITL measure the machine as well: {', '.join(behind)}.", ""]
+            step = (case.get("timing_model") or {}).get("decode_step_1_ms")
+            bursts = f" (ITL p50 under half the modeled decode step of one sequence, {step:g} ms)" if step else ""
+            lines += [f"Chunks reached the client in bursts{bursts}, or this machine's CPUs were busy throughout the "
+                      "window: the router or the load generator fell behind on this machine, which `sim_late_share` "
+                      f"does not see, so these points' TTFT and ITL measure the machine as well: {', '.join(behind)}.",
+                      ""]
     path = STUDY / "README.md"
     path.write_text("\n".join(lines))
     return path

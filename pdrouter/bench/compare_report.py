@@ -4,7 +4,10 @@ The report reads the figures of each point's measured window (``pdrouter.bench.w
 the SLO attainment and the layout keeping the most requests within the SLO (within ``TIE``: a tie),
 why, the crossovers, each layout's highest rate at the attainment target, goodput and throughput
 against the offered rate, the tails, and per point its requests, window, whether it reached steady
-state, and the prefix hit rate it measured beside the one its workload allows.
+state, the prefix hit rate it measured beside the one its workload allows, and this machine's CPU
+over its window. A host-bound point (``pdrouter.bench.host``: the machine's CPUs or the load
+generator busy all the time) is marked ‡: its figures hold this machine's queueing too, a bound on the
+layout's.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def point_rows(results: Sequence[LayoutResult]) -> list[str]:
     """One row per point: requests sent, the window, the measured requests, steady or not, what it
     served against what it was offered, the prefix hit rate measured and allowed."""
     rows = ["| layout | rate | requests | window (s) | measured | steady state | served / offered (req/s) | "
-            "prefix hits: measured / expected |", "| --- |" + " --- |" * 7]
+            "prefix hits: measured / expected | this machine: CPUs busy, load generator (CPUs) |",
+            "| --- |" + " --- |" * 8]
     for r in results:
         for p in r.points:
             w = p.get("window") or {}
@@ -80,11 +84,20 @@ def point_rows(results: Sequence[LayoutResult]) -> list[str]:
             if prefix.get("flagged"):
                 hits += " **above the workload's**"
             window = f"{w['start_s']:.3g}–{w['end_s']:.3g}" if w else "–"
+            host = p.get("host") or {}
+            machine = "–" if not host else (f"{_pct(host.get('busy_share'))}, {host['load_generator_cpu']:.2f}"
+                                            + (" **‡**" if host.get("host_bound") else ""))
             rows.append(f"| {r.layout.name} | {p['rate']:g} | {p.get('requests', '–')} | {window} | "
                         f"{w.get('requests', '–')} | {steady} | "
                         f"{'–' if served is None else f'{served:.3g}'} / {'–' if offered is None else f'{offered:.3g}'}"
-                        f" | {hits} |")
+                        f" | {hits} | {machine} |")
     return rows
+
+
+def host_bound_points(results: Sequence[LayoutResult]) -> dict[tuple[str, float], str]:
+    """The host-bound points, (layout, rate) → why (``pdrouter.bench.host``)."""
+    return {(r.layout.name, p["rate"]): str((p.get("host") or {}).get("reason") or "")
+            for r in results for p in r.points if (p.get("host") or {}).get("host_bound")}
 
 
 def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareSetup,
@@ -106,9 +119,10 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
     short = [(r.layout.name, p["rate"]) for r in results for p in r.points
              if not (p.get("window") or {}).get("steady", True)]
     flagged = [(r.layout.name, p["rate"]) for r in results for p in r.points if (p.get("prefix") or {}).get("flagged")]
+    bound = host_bound_points(results)
 
     def mark(name: str, rate: float) -> str:
-        return "†" if (name, rate) in short else ""
+        return ("†" if (name, rate) in short else "") + ("‡" if (name, rate) in bound else "")
 
     def table(key: str, fmt: Any) -> list[str]:
         rows = ["| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
@@ -124,6 +138,13 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
     if short:
         lines += ["† **too short to reach steady state**: " + ", ".join(f"{n} at {r:g} req/s" for n, r in short)
                   + " (see the points below); their figures are less sure.", ""]
+    if bound:
+        lines += ["‡ **this machine was busy throughout** (host-bound): " + "; ".join(
+            f"{n} at {r:g} req/s ({reason})" for (n, r), reason in bound.items()) + ". Requests also queued in the "
+                  "processes on this machine (the router's, the workers', the load generator's), so these points' "
+                  "figures hold its queueing too: the layout alone would do at least as well, and a rate a layout "
+                  "missed there may be this machine's limit, not the layout's. With simulated GPUs, raise "
+                  "--time-scale.", ""]
     if flagged:
         lines += ["**Prefix hits above what the workload allows** (prompts served from a cache they should not "
                   "have been in): " + ", ".join(f"{n} at {r:g} req/s" for n, r in flagged) + ".", ""]
@@ -132,8 +153,9 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
               "| rate | " + " | ".join(names) + " | best | why |", "| --- |" + " --- |" * (len(names) + 2)]
     for rate, winner in winners:
         cells = [(dict(r.curve("slo_met_percent")).get(rate), r.layout.name) for r in results]
+        caveat = "; ‡: this machine was measured at this rate too" if any(rate == r for _, r in bound) else ""
         lines.append(f"| {rate:g} | " + " | ".join("–" if v is None else f"{v:.0f}%{mark(n, rate)}" for v, n in cells)
-                     + f" | {winner} | {why(results, rate, winner)} |")
+                     + f" | {winner} | {why(results, rate, winner)}{caveat} |")
     skipped = {n: rates for n, rates in setup.skipped.items() if rates}
     if skipped:
         lines += ["", f"–: not run (the layout kept under {setup.stop_below:g}% within the SLO at a lower rate): "
@@ -145,19 +167,28 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
     lines += [f"Highest rate each layout served with at least {setup.attainment:g}% of requests within the SLO "
               "(DistServe's goodput; every lower rate of the sweep held it too):", "",
               "| layout | GPUs | highest rate | per GPU |", "| --- | --- | --- | --- |"]
+    machine_limited = []
     for r in results:
         v = kept[r.layout.name]
         held_all = v is not None and v >= max(rates_tried)
+        missed = [p["rate"] for p in sorted(r.points, key=lambda p: p["rate"]) if v is None or p["rate"] > v][:1]
+        limit = ""
+        if missed and (r.layout.name, missed[0]) in bound:
+            limit = "; the rate it missed ‡: host-bound, maybe this machine's limit"
+            machine_limited.append(r.layout.name)
         lines.append(f"| {r.layout.name} | {r.layout.gpus} | "
-                     + ("below the lowest rate | – |" if v is None else
-                        f"{'≥ ' if held_all else ''}{v:g} req/s{' (the highest tried)' if held_all else ''} | "
+                     + ("below the lowest rate" + limit + " | – |" if v is None else
+                        f"{'≥ ' if held_all else ''}{v:g} req/s{' (the highest tried)' if held_all else ''}{limit} | "
                         f"{v / r.layout.gpus:.3g} |"))
     served = [(v, n) for n, v in kept.items() if v is not None]
     if served:
         top = max(v for v, _ in served)
         best = [n for v, n in served if v == top]
         lines += ["", f"**{' and '.join(best)}** {'serve' if len(best) > 1 else 'serves'} the highest rate "
-                      f"at {setup.attainment:g}% attainment ({top:g} req/s)."]
+                      f"at {setup.attainment:g}% attainment ({top:g} req/s)."
+                  + (f" Not shown here: how far {' and '.join(machine_limited)} would go on a machine that keeps "
+                     f"up (the rate {'they' if len(machine_limited) > 1 else 'it'} missed was host-bound ‡)."
+                     if machine_limited else "")]
     lines += ["", "Goodput over the measured window (requests that met the SLO and ended in it ÷ its length), "
                   "req/s:", "", *table("goodput", lambda v: f"{v:.2f}")]
     lines += ["", "Throughput over the measured window (requests that ended in it ÷ its length), req/s; a layout "

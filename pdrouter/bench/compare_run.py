@@ -75,7 +75,7 @@ def run_comparison(plan: ComparePlan, prep: Prepared, progress: Progress) -> Pat
                       extra=plan.up_extra) as cluster:
             at = RunConfig(base_url=cluster.url, model=prep.model, burstiness=plan.burstiness, seed=plan.seed,
                            metrics_url=metrics_url_beside(cluster.url), timeout_s=plan.timeout_s,
-                           time_scale=plan.time_scale)
+                           time_scale=plan.time_scale, cluster_pid=cluster.pid)
             warm_up(at, prep, layout, plan.warmup)
             for ri, rate in enumerate(rates):
                 if result.points and plan.stop_below is not None and \

@@ -14,8 +14,9 @@ The plots are built not to mislead:
 * every y axis starts at 0 (a log axis only when the values span more than ``LOG_SPAN`` ×), so noise
   between close values is not drawn as a trend; each layout has its own marker and line style, later
   layouts drawn smaller on top, and a note names the points where layouts coincide; a point too
-  short to reach steady state is drawn hollow; the footer gives the requests per point, the measured
-  window and the time scale.
+  short to reach steady state is drawn hollow, and one over which this machine was busy throughout
+  (host-bound, ``pdrouter.bench.host``: a bound on the layout's figure) is crossed; the footer gives
+  the requests per point, the measured window and the time scale.
 """
 
 from __future__ import annotations
@@ -53,14 +54,19 @@ def _series(results: Sequence[LayoutResult], key: str, scale: float, *,
         for p, (x, y) in zip(r.points, r.curve(key), strict=True):
             if y is None or not math.isfinite(y):
                 continue
-            point: dict[str, Any] = {"x": x, "y": y * scale,
-                                     "steady": bool((p.get("window") or {}).get("steady", True))}
+            point: dict[str, Any] = {"x": x, "y": y * scale, **_marks(p)}
             offered = p.get("offered_rate")
             if x_offered and offered is not None and math.isfinite(offered):
                 point |= {"x": offered, "label": f"{x:g}/s"}
             points.append(point)
         out.append({"layout": r.layout.name, "points": points})
     return out
+
+
+def _marks(p: dict[str, Any]) -> dict[str, bool]:
+    """How a point is drawn: ``steady`` (else hollow) and ``host_bound`` (crossed)."""
+    return {"steady": bool((p.get("window") or {}).get("steady", True)),
+            "host_bound": bool((p.get("host") or {}).get("host_bound"))}
 
 
 def _ties(series: Sequence[dict[str, Any]]) -> list[str]:
@@ -131,8 +137,7 @@ def plot_specs(results: Sequence[LayoutResult], *, title: str, slo: Slo, attainm
             tpot = s["tpot"]["mean"]
             if tpot and math.isfinite(tpot) and s.get("output_tokens_per_s") is not None:
                 points.append({"x": 1.0 / tpot, "y": s["output_tokens_per_s"] / r.layout.gpus,
-                               "label": f"{p['rate']:g}/s",
-                               "steady": bool((p.get("window") or {}).get("steady", True))})
+                               "label": f"{p['rate']:g}/s", **_marks(p)})
         pareto.append({"layout": r.layout.name, "points": points})
     lines = []
     if slo.tpot_s is not None:
@@ -148,6 +153,7 @@ def plot_specs(results: Sequence[LayoutResult], *, title: str, slo: Slo, attainm
         spec["title"] = title
         spec["footer"] = footer
         spec["hollow_means"] = "too short to reach steady state"
+        spec["crossed_means"] = "this machine was busy throughout (host-bound): a bound on the layout's figure"
     return specs
 
 
@@ -160,7 +166,7 @@ def draw(spec: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.2, 5.0), dpi=100)
     count = len(spec["series"])
-    hollow_seen = False
+    hollow_seen = crossed_seen = False
     for i, s in enumerate(spec["series"]):
         pts = s["points"]
         if not pts:
@@ -174,6 +180,10 @@ def draw(spec: dict[str, Any], path: Path) -> None:
                 hollow_seen = True
                 ax.plot([p["x"]], [p["y"]], marker=marker, markersize=size, color=line.get_color(),
                         markerfacecolor="white", zorder=3 + i)
+            if p.get("host_bound"):
+                crossed_seen = True
+                ax.plot([p["x"]], [p["y"]], marker="x", markersize=size + 3, color="black", linestyle="none",
+                        zorder=4 + count)
             if "label" in p:
                 ax.annotate(p["label"], (p["x"], p["y"]), textcoords="offset points",
                             xytext=(6, 6) if i % 2 == 0 else (6, -12), fontsize=7, color=line.get_color())
@@ -202,6 +212,8 @@ def draw(spec: dict[str, Any], path: Path) -> None:
     notes = [spec["footer"]]
     if hollow_seen:
         notes.append(f"Hollow markers: {spec['hollow_means']}.")
+    if crossed_seen:
+        notes.append(f"Crossed markers: {spec['crossed_means']}.")
     if spec["notes"]:
         notes.append("Coinciding (within 1%): " + "; ".join(spec["notes"]) + ".")
     fig.text(0.01, 0.01, textwrap.fill(" ".join(notes), 130), fontsize=6.5, va="bottom")

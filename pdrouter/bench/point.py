@@ -75,6 +75,7 @@ def run_point(run_config: RunConfig, out: Path, prep: Prepared, rate: float | No
               specs: list[RequestSpec], progress: Progress | None = None) -> Outcome:
     """Point ``point`` at ``rate`` (None: closed loop) with ``specs``, sent as ``run_config`` says (its
     seed moved by the point), written as ``{stem}.json`` / ``.md`` under ``out``."""
+    from pdrouter.bench.host import host_figures
     from pdrouter.bench.report import (
         markdown,
         measured_hit_rate,
@@ -107,8 +108,11 @@ def run_point(run_config: RunConfig, out: Path, prep: Prepared, rate: float | No
            "concurrency": s.concurrency, "max_concurrency": s.max_concurrency, "duration_s": s.duration_s,
            "slo": prep.slo.describe() if prep.slo else None, "time_scale": s.time_scale, "seed": s.seed,
            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    wall = s.wall_per_sim_s  # the window is in the records' (simulated) seconds; the host's samples in wall ones
+    host = host_figures(result.host, window.start_s * wall, window.end_s * wall)
     document = run_document(cfg, summary, [r.to_dict() for r in records], result.samples, result.interrupted,
-                            steady=steady_figures(window, steady, offered_rate(records, window)), prefix=prefix)
+                            steady=steady_figures(window, steady, offered_rate(records, window)), prefix=prefix,
+                            host=host)
     path = write_json(out / f"{stem}.json", document)
     (out / f"{stem}.md").write_text(markdown(document))
     return Outcome(summary, steady, window, document, path, result.interrupted)
@@ -165,6 +169,9 @@ def point_line(name: str, outcome: Outcome) -> str:
     if prefix.get("flagged"):
         text += (f" [prefix hits {100 * prefix['measured_hit_rate']:.1f}% above the workload's "
                  f"{100 * prefix['expected_hit_rate']:.1f}%]")
+    host = outcome.document.get("host") or {}
+    if host.get("host_bound"):
+        text += f" [host-bound: {host['reason']}]"
     return text
 
 
@@ -176,7 +183,7 @@ def point_entry(rate: float, outcome: Outcome, point: int) -> dict[str, Any]:
     return {"rate": rate, "point": point, "requests": doc["config"]["num_requests"],
             "summary": doc["steady"]["summary"], "run_summary": doc["summary"], "window": doc["steady"]["window"],
             "offered_rate": doc["steady"]["offered_rate"], "saturated": doc["steady"]["saturated"],
-            "prefix": doc["prefix"], "router": doc["router"],
+            "prefix": doc["prefix"], "router": doc["router"], "host": doc.get("host") or {},
             "slo_met_percent": slo_attainment(doc["steady"]["summary"]), "file": str(outcome.path)}
 
 

@@ -4,7 +4,9 @@ The document holds two summaries: ``summary``, over the whole run with ``vllm be
 definitions (what other tools report for the same run), and ``steady``, over the measured window
 (``pdrouter.bench.window``), which sweeps and comparisons score. ``prefix`` sets the prefix hit
 rate the workload allows (``expected``) beside the one the server reported for the measured
-requests (``measured``) and flags a point where the second exceeds the first.
+requests (``measured``) and flags a point where the second exceeds the first. ``host`` is this
+machine's CPU over the measured window (``pdrouter.bench.host``) and says whether the point was
+host-bound: then its figures are the machine's, not the server's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pdrouter.bench.host import describe as describe_host
 from pdrouter.bench.scrape import MetricsSample, counter_growth, prefix_hit_rate, sim_late_share
 from pdrouter.bench.stats import RequestRecord, Summary
 from pdrouter.bench.window import Window, saturated
@@ -80,9 +83,10 @@ def _clean(value: Any) -> Any:
 
 def run_document(config: dict[str, Any], summary: Summary, records: list[dict[str, object]],
                  samples: list[MetricsSample], interrupted: bool, *, steady: dict[str, Any] | None = None,
-                 prefix: dict[str, Any] | None = None) -> dict[str, Any]:
+                 prefix: dict[str, Any] | None = None, host: dict[str, Any] | None = None) -> dict[str, Any]:
     return _clean({"config": config, "summary": summary.to_dict(), "steady": steady or {},
-                   "prefix": prefix or {}, "router": router_figures(samples), "interrupted": interrupted,
+                   "prefix": prefix or {}, "router": router_figures(samples), "host": host or {},
+                   "interrupted": interrupted,
                    "requests": records, "metrics_samples": [s.to_dict() for s in samples]})
 
 
@@ -106,14 +110,20 @@ def markdown(document: dict[str, Any]) -> str:
              + (" (every time below is simulated: wall-clock time ÷ the scale)." if scale not in (0, 1) else ".")
              + (" **Interrupted**: figures cover what was measured." if document.get("interrupted") else ""), ""]
     steady = document.get("steady") or {}
+    host = document.get("host") or {}
+    host_bound = bool(host.get("host_bound"))
     if steady:
         w = steady["window"]
         verdict = ("steady" if w["steady"] else f"**too short** to reach steady state: {w['reason']}")
+        saturation = ""
+        if steady.get("saturated"):  # (on a host-bound point, the sentence below says whose limit it was)
+            saturation = (" Less than 90% of the rate offered was served in the window." if host_bound else
+                          " The server was **saturated**: it served less than 90% of the rate offered in the window.")
         lines += [f"Measured window: {w['start_s']:.3g}–{w['end_s']:.3g} s of the run ({w['length_s']:.3g} s, "
                   f"{w['requests']} requests arrived in it; warm-up {w['warmup_s']:.3g} s, the drain after the last "
-                  f"arrival left out): {verdict}."
-                  + (" The server was **saturated**: it served less than 90% of the rate offered in the window."
-                     if steady.get("saturated") else ""), ""]
+                  f"arrival left out): {verdict}.{saturation}", ""]
+    if host:
+        lines += [describe_host(host), ""]
     prefix = document.get("prefix") or {}
     if prefix:
         lines += [f"Prefix hit rate: {_pct(prefix.get('measured_hit_rate'))} measured (cached ÷ prompt tokens the "

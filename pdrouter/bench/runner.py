@@ -16,6 +16,9 @@ turns them into simulated time).
 A run ends when every request was sent and answered, or ``duration_s`` after the start (nothing is
 sent after it; requests in flight are awaited). Cancelling the run (Ctrl-C) keeps what was
 measured: requests in flight end as ``cancelled``.
+
+Beside the requests, the run samples this machine's CPU once a second (``pdrouter.bench.host``): a
+run can only be trusted as a measure of its server while the machine sending it keeps up.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pdrouter.bench.arrivals import arrival_times
 from pdrouter.bench.client import CompletionsClient
+from pdrouter.bench.host import HostSample, HostSampler, cluster_parts
 from pdrouter.bench.progress import Progress
 from pdrouter.bench.scrape import MetricsSample, MetricsScraper
 from pdrouter.bench.stats import RequestRecord
@@ -52,6 +56,10 @@ class RunConfig:
     timeout_s: float = 600.0
     time_scale: float = 1.0
     """The simulated workers' time scale (0 or 1: wall time)."""
+    cluster_pid: int | None = None
+    """The pid of the ``pdrouter up`` serving ``base_url`` on this machine, when known (``pdrouter bench
+    compare``'s own cluster): its router's, workers' and Redis's CPU is sampled with the machine's
+    (``pdrouter.bench.host``)."""
 
     @property
     def wall_per_sim_s(self) -> float:
@@ -76,6 +84,8 @@ class RunResult:
     duration_s: float
     samples: list[MetricsSample] = field(default_factory=list)
     interrupted: bool = False
+    host: list[HostSample] = field(default_factory=list)
+    """This machine's CPU readings (``pdrouter.bench.host``), a second apart."""
 
 
 async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
@@ -150,6 +160,8 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
             p.tick()
 
     interrupted = False
+    host = HostSampler(cluster_parts(config.cluster_pid) if config.cluster_pid is not None else None)
+    host.start(zero)
     if scraper is not None:
         scraper.start(zero)
     ticking = asyncio.create_task(ticker(progress)) if progress is not None else None
@@ -174,6 +186,7 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
             await asyncio.gather(ticking, return_exceptions=True)
         if scraper is not None:
             await scraper.stop()
+        await host.stop()
         await client.close()
     records.sort(key=lambda r: r.index)
-    return RunResult(records, duration, scraper.samples if scraper is not None else [], interrupted)
+    return RunResult(records, duration, scraper.samples if scraper is not None else [], interrupted, host.samples)

@@ -84,6 +84,10 @@ def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_pat
     assert p_value > 0.01, p_value
     summary = doc["summary"]
     assert isinstance(summary, dict) and summary["completed"] == n and summary["slo_met"] == n
+    # This machine's CPU over the measured window; the server's processes are not known to `bench run`.
+    host = doc["host"]
+    assert host["cpus"] >= 1 and 0 < host["busy_share"] <= 1 and host["processes"] == {}
+    assert "This machine (" in (tmp_path / next(tmp_path.glob("*.json")).with_suffix(".md").name).read_text()
     assert "request_throughput:" in done.stdout and "goodput:" in done.stdout
 
 

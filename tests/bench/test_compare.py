@@ -103,6 +103,14 @@ def test_compare_quick_sends_fresh_prompts_to_every_point_and_measures_steady_wi
             assert p["slo_met_percent"] == pytest.approx(100.0 * met / p["window"]["requests"])
             # Simulated workers report how much of their modeled time this machine made late.
             assert p["router"]["sim_late_share"] is not None and 0 <= p["router"]["sim_late_share"] < 1
+            # This machine's CPU over the window, with the cluster's own processes by part.
+            host = p["host"]
+            assert host["cpus"] >= 1 and 0 < host["busy_share"] <= 1 and host["load_generator_cpu"] > 0
+            workers = ("workers",) if layout["name"].startswith("colocated") else ("prefill", "decode")
+            parts = {"router", "redis", *workers}
+            assert parts <= set(host["processes"]), host
+            assert all(cpu >= 0 for cpu in host["processes"].values()) and host["processes"]["router"] > 0
+            assert doc["host"] == host
     assert len(digests) == 6 * (10 + 20) * 2 and len(set(digests)) == len(digests)  # no prompt sent twice
     check_plots(folder, slo_ms={"ttft_p99": 1000.0, "tpot_p99": 50.0, "itl_p99": 50.0}, target=90.0)
 
@@ -174,6 +182,35 @@ def test_prefix_hits_above_the_workloads_are_flagged(tmp_path: Path) -> None:
     assert "Prefix hits above what the workload allows** (prompts served from a cache they should not have been " \
            "in): 1p1d at 4 req/s" in text
     assert "93.0% / 0.0% **above the workload's**" in text
+
+
+def test_a_host_bound_point_is_marked_and_not_taken_for_the_layouts_limit(tmp_path: Path) -> None:
+    """A point over whose window this machine's CPUs were busy all the time measured the machine too: it
+    is marked ‡ in the tables, named with its reason, crossed in the plots, and the rate a layout missed
+    there is not taken for the layout's limit."""
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
+    from pdrouter.bench.stats import Slo
+
+    results = [result("colocated-2", [(4, 4.0), (8, 5.0)]), result("1p1d", [(4, 4.0), (8, 8.0)])]
+    quiet = {"cpus": 2, "busy_share": 0.5, "load_generator_cpu": 0.2, "processes": {}, "host_bound": False,
+             "reason": ""}
+    for r in results:
+        for p in r.points:
+            p["host"] = quiet
+    results[0].points[1]["host"] = quiet | {"busy_share": 0.97, "host_bound": True,
+                                            "reason": "its 2 CPUs were 97% busy"}
+    text = write_compare_report(results, tmp_path, CompareSetup("t", Slo.parse("ttft=1s"), 90.0)).read_text()
+    assert "‡ **this machine was busy throughout** (host-bound): colocated-2 at 8 req/s (its 2 CPUs were 97% busy)" \
+        in text
+    assert "| 8 | 62%‡ | 100% | 1p1d |" in text and "; ‡: this machine was measured at this rate too |" in text
+    assert "| colocated-2 | 2 | 4 req/s; the rate it missed ‡: host-bound, maybe this machine's limit | 2 |" in text
+    assert "| 1p1d | 2 | ≥ 8 req/s (the highest tried) | 4 |" in text
+    assert "Not shown here: how far colocated-2 would go on a machine that keeps up" in text
+    assert "| 97.0%, 0.20 **‡** |" in text and "| 50.0%, 0.20 |" in text  # the points' table
+    specs = json.loads((tmp_path / "plots.json").read_text())
+    crossed = {s["layout"]: [p["host_bound"] for p in s["points"]] for s in specs["goodput"]["series"]}
+    assert crossed == {"colocated-2": [False, True], "1p1d": [False, False]}
+    assert specs["goodput"]["crossed_means"].startswith("this machine was busy throughout")
 
 
 def test_a_point_too_small_for_a_steady_window_is_refused_before_any_cluster(tmp_path: Path) -> None:
