@@ -287,7 +287,7 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
     document = outcome.document
     if as_json:
         print(json.dumps({"summary": document["summary"], "steady": document["steady"], "prefix": document["prefix"],
-                          "router": document["router"], "file": str(outcome.path)}))
+                          "router": document["router"], "host": document["host"], "file": str(outcome.path)}))
         return
     for line in outcome.summary.lines():
         print(line)
@@ -308,6 +308,12 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
             value = max(value.values(), default=None)
             key += "_max_worker"
         print(f"{key}: {'–' if value is None else (f'{value:.4g}' if isinstance(value, float) else value)}")
+    host = document["host"]
+    if host:  # this machine over the window (pdrouter.bench.host)
+        busy = host["busy_share"]
+        print(f"host_cpus_busy: {'–' if busy is None else f'{100 * busy:.3g}'} %")
+        print(f"host_load_generator_cpu: {host['load_generator_cpu']:.3g} CPUs")
+        print(f"host_bound: {'yes: ' + host['reason'] if host['host_bound'] else 'no'}")
     print(f"results: {outcome.path}")
 
 

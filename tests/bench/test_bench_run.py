@@ -89,6 +89,7 @@ def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_pat
     assert host["cpus"] >= 1 and 0 < host["busy_share"] <= 1 and host["processes"] == {}
     assert "This machine (" in (tmp_path / next(tmp_path.glob("*.json")).with_suffix(".md").name).read_text()
     assert "request_throughput:" in done.stdout and "goodput:" in done.stdout
+    assert "host_cpus_busy: " in done.stdout and "host_bound: " in done.stdout
 
 
 def test_tpot_and_itl_are_the_modeled_decode_steps(cluster: str, tmp_path: Path) -> None:
