@@ -67,7 +67,8 @@ def _pct(v: float | None) -> str:
 
 def point_rows(results: Sequence[LayoutResult]) -> list[str]:
     """One row per point: requests sent, the window, the measured requests, steady or not, what it
-    served against what it was offered, the prefix hit rate measured and allowed."""
+    served against what it was offered, the prefix hit rate measured and allowed, and this machine's
+    CPUs busy and the load generator's CPU over the window (‡: host-bound)."""
     rows = ["| layout | rate | requests | window (s) | measured | steady state | served / offered (req/s) | "
             "prefix hits: measured / expected | this machine: CPUs busy, load generator (CPUs) |",
             "| --- |" + " --- |" * 8]
@@ -167,7 +168,7 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
     lines += [f"Highest rate each layout served with at least {setup.attainment:g}% of requests within the SLO "
               "(DistServe's goodput; every lower rate of the sweep held it too):", "",
               "| layout | GPUs | highest rate | per GPU |", "| --- | --- | --- | --- |"]
-    machine_limited = []
+    missed_host_bound = []
     for r in results:
         v = kept[r.layout.name]
         held_all = v is not None and v >= max(rates_tried)
@@ -175,7 +176,7 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
         limit = ""
         if missed and (r.layout.name, missed[0]) in bound:
             limit = "; the rate it missed ‡: host-bound, maybe this machine's limit"
-            machine_limited.append(r.layout.name)
+            missed_host_bound.append(r.layout.name)
         lines.append(f"| {r.layout.name} | {r.layout.gpus} | "
                      + ("below the lowest rate" + limit + " | – |" if v is None else
                         f"{'≥ ' if held_all else ''}{v:g} req/s{' (the highest tried)' if held_all else ''}{limit} | "
@@ -186,9 +187,9 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
         best = [n for v, n in served if v == top]
         lines += ["", f"**{' and '.join(best)}** {'serve' if len(best) > 1 else 'serves'} the highest rate "
                       f"at {setup.attainment:g}% attainment ({top:g} req/s)."
-                  + (f" Not shown here: how far {' and '.join(machine_limited)} would go on a machine that keeps "
-                     f"up (the rate {'they' if len(machine_limited) > 1 else 'it'} missed was host-bound ‡)."
-                     if machine_limited else "")]
+                  + (f" Not shown here: how far {' and '.join(missed_host_bound)} would go on a machine that keeps "
+                     f"up (the rate {'they' if len(missed_host_bound) > 1 else 'it'} missed was host-bound ‡)."
+                     if missed_host_bound else "")]
     lines += ["", "Goodput over the measured window (requests that met the SLO and ended in it ÷ its length), "
                   "req/s:", "", *table("goodput", lambda v: f"{v:.2f}")]
     lines += ["", "Throughput over the measured window (requests that ended in it ÷ its length), req/s; a layout "

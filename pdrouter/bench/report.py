@@ -6,7 +6,7 @@ definitions (what other tools report for the same run), and ``steady``, over the
 rate the workload allows (``expected``) beside the one the server reported for the measured
 requests (``measured``) and flags a point where the second exceeds the first. ``host`` is this
 machine's CPU over the measured window (``pdrouter.bench.host``) and says whether the point was
-host-bound: then its figures are the machine's, not the server's.
+host-bound: then its figures hold this machine's queueing too, a bound on the server's.
 """
 
 from __future__ import annotations
