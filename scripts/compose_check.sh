@@ -369,32 +369,50 @@ step_restart_redis() {
 leaked bookings $(no_bookings_left)"
 }
 
+kv_received() {  # '<decode worker> <KV bytes received>' lines, from the router's /metrics
+  local out
+  out=$("$PY" scripts/compose_probe.py kv-received --key "$KEY" --http "$HTTP") || fail "${out#FAIL: }"
+  printf '%s\n' "$out"
+}
+
 step_scale() {
   local out id n grown=() idle=() sent=0 batch
   compose_up "up --scale prefill=2 --scale decode=2" up -d --no-build --scale prefill=2 --scale decode=2
   wait_healthy 300
   wait_workers 2 2
   prefix_entries >"$WORK/px-before"
-  # A worker that computes (prefill) or receives (decode) a prompt caches its blocks and publishes
-  # them to the prefix index: new entries under its id are requests that landed there (about 10
-  # blocks a prompt; counted as new hashes, since a full pool evicts as many as it adds). Routers
-  # book decode KV ahead in chunks (--admission-credit), so a few requests may all go to one decode
-  # worker: send batches until every worker got some.
+  sleep 2  # a heartbeat of every decode worker since it registered
+  kv_received >"$WORK/kv-before"
+  # A prefill worker that computes a prompt caches its blocks and publishes them to the prefix index:
+  # new entries under its id are requests that landed there (about 10 blocks a prompt; counted as new
+  # hashes, since a full pool evicts as many as it adds). A decode worker publishes nothing; the KV
+  # bytes it received (its heartbeats, in the router's /metrics) grow with the requests it took.
+  # Routers book decode KV ahead in chunks (--admission-credit), so a few requests may all go to one
+  # decode worker: send batches until every worker got some.
   for batch in 1 2 3 4 5 6 7 8; do
     out=$("$PY" scripts/compose_probe.py served --key "$KEY" --http "$HTTP" --count 16 --concurrency 6 \
           --first $((3000 + sent)) --retry-s 30) || fail "with 2 + 2 workers: ${out#FAIL: }"
     sent=$((sent + 16))
     prefix_entries >"$WORK/px-after"
+    sleep 2  # the decode workers' next heartbeats
+    kv_received >"$WORK/kv-after"
     grown=()
     idle=()
     for id in $(live_workers); do
-      n=$(LC_ALL=C comm -13 "$WORK/px-before" "$WORK/px-after" | awk -v w="$id" 'index($1, w ":") == 1' | wc -l)
-      if [ "$n" -ge 5 ]; then grown+=("$id +$n"); else idle+=("$id"); fi
+      case "$id" in
+        decode-*)
+          n=$(awk -v w="$id" '$1 == w { if (FILENAME == ARGV[1]) b = $2; else a = $2 } END { print a - b + 0 }' \
+              "$WORK/kv-before" "$WORK/kv-after")
+          if [ "$n" -gt 0 ]; then grown+=("$id +$((n / 1024)) KiB of KV"); else idle+=("$id"); fi ;;
+        *)
+          n=$(LC_ALL=C comm -13 "$WORK/px-before" "$WORK/px-after" | awk -v w="$id" 'index($1, w ":") == 1' | wc -l)
+          if [ "$n" -ge 5 ]; then grown+=("$id +$n prefix blocks"); else idle+=("$id"); fi ;;
+      esac
     done
     [ "${#idle[@]}" -gt 0 ] || break
   done
-  [ "${#idle[@]}" = 0 ] || fail "after $sent requests none landed on ${idle[*]} (new prefix blocks: ${grown[*]:-none})"
-  DETAIL="$sent of $sent served in $batch batch(es); new prefix blocks per worker: $(join , "${grown[@]}" \
+  [ "${#idle[@]}" = 0 ] || fail "after $sent requests none landed on ${idle[*]} (${grown[*]:-none grew})"
+  DETAIL="$sent of $sent served in $batch batch(es); per worker: $(join , "${grown[@]}" \
 | sed 's/,/, /g'); leaked bookings $(no_bookings_left)"
 }
 

@@ -9,6 +9,8 @@ Each subcommand prints one line saying what it saw and exits 0, or prints one li
     compose_probe.py models      --http URL --key KEY     # /v1/models (openai)
     compose_probe.py grpc        --grpc HOST:PORT --key KEY   # pdrouter.v1.Router/Generate
     compose_probe.py metrics     --http URL --key KEY     # GET /metrics, Prometheus text
+    compose_probe.py kv-received --http URL --key KEY     # per decode worker, the KV bytes it received
+                                                          # (the router's /metrics, from heartbeats)
     compose_probe.py served      --http URL --key KEY [--count N]   # N completions, all 200 (retried
                                                           # while the cluster comes back)
     compose_probe.py load        --http URL --key KEY --stop-file F  # completions until F exists;
@@ -128,6 +130,23 @@ def probe_metrics(args: argparse.Namespace) -> str:
     return f"{len(samples)} samples, pdrouter_requests_total {finished:g}, workers {workers}; without a key 401"
 
 
+def probe_kv_received(args: argparse.Namespace) -> str:
+    """``<worker> <bytes>`` for every decode worker the router reports, one a line (KV bytes received into
+    its blocks since it started: ``pdrouter_worker_kv_transfer_bytes``, as of its last heartbeat)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reply = httpx.get(f"{args.http}/metrics", headers={"Authorization": f"Bearer {args.key}"}, timeout=30)
+    if reply.status_code != 200:
+        raise ProbeError(f"/metrics answered HTTP {reply.status_code}")
+    received = {s.labels["worker"]: s.value for family in text_string_to_metric_families(reply.text)
+                for s in family.samples if s.name == "pdrouter_worker_kv_transfer_bytes"
+                and s.labels.get("role") == "decode" and s.labels.get("direction") == "received"}
+    if not received:
+        raise ProbeError("/metrics reports no decode worker's received KV bytes")
+    return "\n".join(f"{worker} {value:.0f}" for worker, value in sorted(received.items()))
+
+
 # -- load --------------------------------------------------------------------------------------
 
 
@@ -223,7 +242,8 @@ def probe_served(args: argparse.Namespace) -> str:
 
 
 PROBES = {"completion": probe_completion, "chat-stream": probe_chat_stream, "models": probe_models,
-          "grpc": probe_grpc, "metrics": probe_metrics, "load": probe_load, "served": probe_served}
+          "grpc": probe_grpc, "metrics": probe_metrics, "load": probe_load, "served": probe_served,
+          "kv-received": probe_kv_received}
 
 
 def main(argv: list[str] | None = None) -> int:

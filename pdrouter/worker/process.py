@@ -15,6 +15,11 @@ health turns NOT_SERVING for every service (what Kubernetes' probes read), and a
 out with ``WorkerLoad.engine_failed`` (what routers read: they place nothing there), as will every
 later one. Restarting the process brings it back as a new incarnation.
 
+The prefix index is fed by the workers that prefill: prefill and colocated workers publish their
+engine's block events (``RedisBlockPublisher``); a decode worker does not, since only prefill (and
+colocated) placement reads the index, and its events were most of the index's writes in a
+disaggregated fleet (``docs/benchmarks.md``).
+
 Every request RPC is served twice: over gRPC (the contract, for any client) and over the worker
 lane (``pdrouter.wire.lane``, the same messages; the router's fast path) unless ``lane_port`` is None.
 
@@ -121,14 +126,16 @@ class WorkerProcess:
             shared = self._shared_redis
             self.redis = shared if shared is not None else await connect_redis(cfg.redis_url)
             self.registry = WorkerRegistry(self.redis, pool_name, heartbeat_ttl_ms=cfg.heartbeat_ttl_ms)
-            # The block publisher's writes go over one pipelined connection (half the CPU of redis-py's
-            # pipeline per flush, ``docs/benchmarks.md``); a fleet's workers share the fleet's.
-            if shared is None:
-                self._pipelined = PipelinedRedis.of(self.redis)
-            self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms),
-                                     pipelined=self._pipelined if shared is None else self._shared_pipelined)
             self.epoch = await self.registry.new_epoch()
-            self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch, sweep_turn=self._sweep_turn)
+            if cfg.role is not WorkerRole.DECODE:  # (see the module docstring)
+                # The block publisher's writes go over one pipelined connection (half the CPU of redis-py's
+                # pipeline per flush, ``docs/benchmarks.md``); a fleet's workers share the fleet's.
+                if shared is None:
+                    self._pipelined = PipelinedRedis.of(self.redis)
+                self.index = PrefixIndex(self.redis, pool_name, ttl_ms=max(10_000, 3 * cfg.heartbeat_ttl_ms),
+                                         pipelined=self._pipelined if shared is None else self._shared_pipelined)
+                self.publisher = RedisBlockPublisher(self.index, cfg.worker_id, self.epoch,
+                                                     sweep_turn=self._sweep_turn)
         else:
             self.epoch = Epoch(time.time_ns())
         engine_config = cfg.engine

@@ -136,6 +136,30 @@ async def test_disaggregated_outputs_equal_colocated(pd: Stubs, tiny_model: Path
     assert await pd.settle(pd.decode_info, start_free) == (start_free, 0)
 
 
+async def test_the_prefill_worker_feeds_the_prefix_index_and_the_decode_worker_does_not(
+        pd: Stubs, redis_url: str) -> None:
+    """Both workers cache the prompt's blocks; only the prefill worker's go to the index (only prefill
+    placement reads it): the decode worker holds no entry, and no liveness either."""
+    await asyncio.gather(*(pd.generate(f"r{i}", p) for i, p in enumerate(PROMPTS)))
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        index = PrefixIndex(client, "tiny")
+        live = {w.record.role.value: w.record for w in await WorkerRegistry(client, "tiny").live_workers()}
+        prefill, decode = live["prefill"], live["decode"]
+        deadline = time.monotonic() + 10
+        while await index.size(prefill.worker_id, prefill.epoch) == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)  # the publisher flushes every 10 ms
+        assert await index.size(prefill.worker_id, prefill.epoch) >= sum(len(p) // 16 for p in PROMPTS[:3])
+        assert await index.size(decode.worker_id, decode.epoch) == 0
+        hashes = hash_blocks(PROMPTS[1], 16)
+        matches = await index.lookup(hashes, [(WorkerId(r.worker_id), Epoch(r.epoch)) for r in (prefill, decode)])
+        assert {m.worker_id: m.blocks for m in matches} == {prefill.worker_id: len(hashes), decode.worker_id: 0}
+        assert await client.zscore(index.keys.prefix_live, f"{prefill.worker_id}:{prefill.epoch}")
+        assert not await client.zscore(index.keys.prefix_live, f"{decode.worker_id}:{decode.epoch}")
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.parametrize("pd", ["tcp", "tcp+lane"], indirect=True)
 @pytest.mark.parametrize("backend", BACKENDS)
 async def test_cancel_at_every_stage_frees_everything(pd: Stubs) -> None:
