@@ -39,6 +39,10 @@ event loop is then nearly never idle, so responses wait for it before they are t
 
 SAMPLE_PERIOD_S = 1.0
 
+MIN_JUDGED_S = 2 * SAMPLE_PERIOD_S
+"""A window shorter than this is not judged host-bound: its figures are mostly the run's start (the
+client's imports and first connections), not the load it measured."""
+
 PROC = Path("/proc")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -205,10 +209,11 @@ def host_figures(samples: Sequence[HostSample], start_s: float, end_s: float,
     processes = {name: (b.parts.get(name, 0.0) - a.parts.get(name, 0.0)) / span for name in b.parts}
     n = cpus if cpus is not None else (os.cpu_count() or 1)
     reasons = []
-    if busy is not None and busy >= HOST_BUSY:
-        reasons.append(f"its {n} CPUs were {100 * busy:.0f}% busy")
-    if client >= CLIENT_BUSY:
-        reasons.append(f"the load generator used {client:.2f} of a CPU")
+    if span >= MIN_JUDGED_S:  # (a shorter one: a run that failed at once, or a handful of requests)
+        if busy is not None and busy >= HOST_BUSY:
+            reasons.append(f"its {n} CPUs were {100 * busy:.0f}% busy")
+        if client >= CLIENT_BUSY:
+            reasons.append(f"the load generator used {client:.2f} of a CPU")
     return {"cpus": n, "span_s": span, "busy_share": busy, "load_generator_cpu": client, "processes": processes,
             "host_bound": bool(reasons), "reason": " and ".join(reasons)}
 

@@ -17,6 +17,7 @@ import pytest
 from pdrouter.bench.host import (
     CLIENT_BUSY,
     HOST_BUSY,
+    MIN_JUDGED_S,
     HostSample,
     HostSampler,
     cluster_parts,
@@ -181,3 +182,11 @@ def test_the_run_report_says_whose_limit_a_saturated_point_was() -> None:
     text = markdown(doc | {"host": quiet})
     assert "The server was **saturated**" in text and "This machine (2 CPUs): 50% busy" in text
     assert "busy throughout" not in text
+
+
+def test_a_window_too_short_to_judge_is_not_called_host_bound() -> None:
+    """A run that failed at once spans its start alone (imports, first connects): not judged."""
+    samples = [HostSample(0.0, 0.0, 0.0, 0.0), HostSample(MIN_JUDGED_S / 2, 1.0, 1.0, MIN_JUDGED_S / 2)]
+    figures = host_figures(samples, 0.0, 0.1, cpus=2)
+    assert figures["load_generator_cpu"] == 1.0 and figures["busy_share"] == 1.0
+    assert figures["host_bound"] is False and figures["reason"] == ""
