@@ -16,6 +16,13 @@ is encoded before the clock starts):
 
 A chunk's time is when the bytes holding it were read: chunks that arrive in one read share it.
 
+The connection is read by an asyncio protocol over ``httptools``' response parser: each read is parsed
+and its events timed in the protocol's callback, and the request's coroutine wakes once, when its
+response ends, instead of once per read (as a client's stream reader wakes it): much less CPU per token
+when a stream arrives a token at a time (measured in ``docs/benchmarks.md``), CPU otherwise taken from
+the servers it measures on the same machine. Through a proxy (the environment's ``*_PROXY``)
+requests go through aiohttp instead.
+
 Failures do not raise: the record says what happened (``http_429``, ``connect``, ``timeout``,
 ``protocol``, ``stream_error``…).
 """
@@ -27,11 +34,13 @@ import base64
 import json
 import netrc
 import os
+import ssl
 import time
 import urllib.parse
 import urllib.request
 
 import aiohttp
+import httptools
 
 from pdrouter.bench.stats import RequestRecord
 from pdrouter.bench.workload import RequestSpec
@@ -74,13 +83,31 @@ MAX_EVENT_BYTES = 1 << 20
 class _Events:
     """One response's ``data:`` lines into its record: the token steps' times, the usage, an error event."""
 
-    __slots__ = ("chunks", "last", "record", "sent")
+    __slots__ = ("chunks", "last", "pending", "record", "sent")
 
     def __init__(self, record: RequestRecord, sent: float) -> None:
         self.record = record
         self.sent = sent
         self.last: float | None = None
         self.chunks = 0
+        self.pending = b""
+        """The start of a line that the next read ends."""
+
+    def feed(self, piece: bytes, now: float) -> bool:
+        """Take the bytes of one read, which arrived at ``now``: split into lines here, one call per read,
+        not one per line (most reads under load hold several events), the events of one read sharing its
+        time. True when an event ended the request (an error event); ValueError when the server broke
+        the protocol (a line past ``MAX_EVENT_BYTES``, an event that is not JSON)."""
+        lines = (self.pending + piece).split(b"\n") if self.pending else piece.split(b"\n")
+        pending = self.pending = lines.pop()
+        if len(pending) > MAX_EVENT_BYTES:
+            raise ValueError(f"a streamed line longer than {MAX_EVENT_BYTES} bytes")
+        return any(self.line(line, now) for line in lines)
+
+    def end(self, now: float) -> bool:
+        """The body ended: its last line, when no newline followed it (as ``feed``)."""
+        pending, self.pending = self.pending, b""
+        return bool(pending) and self.line(pending, now)
 
     def line(self, line: bytes, now: float) -> bool:
         """Take one line that arrived at ``now``; True when it ended the request (an error event)."""
@@ -170,13 +197,141 @@ class _Silence:
         self._handle.cancel()
 
 
-class CompletionsClient:
-    """Sends ``RequestSpec`` s to ``{base_url}/completions`` over one pooled HTTP client.
+MAX_ERROR_BODY = 64 << 10
+"""The most bytes of an error response's body kept (its message is in the first few hundred)."""
 
-    The client is aiohttp's, as in ``vllm bench serve``: its C parsers read a streamed response for
-    less CPU per token than httpx's pure-Python HTTP stack (measured by ``benchmarks/bench_client_cpu.py``;
-    the figures are in ``docs/benchmarks.md``). The load generator shares the machine with what it
-    measures, so what it spends per token is taken from the servers under test.
+
+class _Failure(Exception):
+    """A request's failure found on its connection: ``kind`` (``protocol``) and the reason."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(detail)
+        self.kind = kind
+        self.detail = detail
+
+
+class _Connection(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection of the client, one request at a time.
+
+    Written by hand over ``httptools``' parser (the HTTP parser uvicorn and this router use) rather than
+    read through a client library's stream: here each read is parsed and its events are timed in this
+    protocol's callbacks, and the request's coroutine wakes once, when the response has ended. A stream
+    read a token at a time costs much less CPU a token so than through aiohttp's reader
+    (``benchmarks/bench_client_cpu.py --burst 1 --gap-ms 10``; the figures are in ``docs/benchmarks.md``)."""
+
+    __slots__ = ("_body", "_events", "_parser", "_silence", "_status", "done", "idle_since",
+                 "keep_alive", "lost", "transport")
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.keep_alive = False
+        self.idle_since = 0.0
+        self.done: asyncio.Future[None] | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._events: _Events | None = None
+        self._silence: _Silence | None = None
+        self._status = 0
+        self._body: list[bytes] = []
+
+    # -- one request ------------------------------------------------------------------------
+    def start(self, data: bytes, events: _Events, silence: _Silence) -> asyncio.Future[None]:
+        """Write a request; the future ends with its response (``_Failure`` when the connection broke it)."""
+        assert self.transport is not None
+        self.done = asyncio.get_running_loop().create_future()
+        self._parser = httptools.HttpResponseParser(self)
+        self._events, self._silence = events, silence
+        self._status, self._body = 0, []
+        self.keep_alive = False
+        self.transport.write(data)
+        return self.done
+
+    @property
+    def status(self) -> int:
+        return self._status
+
+    def error_body(self) -> bytes:
+        return b"".join(self._body)
+
+    def _end(self, failure: _Failure | None = None) -> None:
+        done = self.done
+        if done is not None and not done.done():
+            if failure is None:
+                done.set_result(None)
+            else:
+                done.set_exception(failure)
+        self._events = self._silence = None
+
+    def _fail(self, failure: _Failure) -> None:
+        self.keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+        self._end(failure)
+
+    # -- asyncio ----------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (asyncio's or uvloop's)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self._events is None:
+            return
+        # An error body may end with the connection; a stream that sent [DONE] was whole.
+        if (self._status and self._status != 200) or self._events.record.e2e_s is not None:
+            self._end()
+        else:
+            self._end(_Failure("protocol", "the server closed the connection before the response ended"
+                               + (f" ({exc})" if exc else "")))
+
+    def data_received(self, data: bytes) -> None:
+        if self._events is None:
+            return  # bytes after a response that ended early (an error event): the connection is closing
+        if self._silence is not None:
+            self._silence.heard = time.perf_counter()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            if self._events is not None:  # (a failure a callback raised has ended the request already)
+                self._fail(_Failure("protocol", f"the response is not HTTP/1.1: {exc}"[:MAX_DETAIL]))
+
+    # -- httptools' callbacks ---------------------------------------------------------------------
+    def on_headers_complete(self) -> None:
+        self._status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()
+
+    def on_body(self, body: bytes) -> None:
+        events = self._events
+        if events is None:
+            return
+        if self._status != 200:
+            if sum(map(len, self._body)) < MAX_ERROR_BODY:
+                self._body.append(body)
+            return
+        try:
+            if events.feed(body, time.perf_counter()):  # an error event: the request ends here
+                self._fail(_Failure("", ""))
+        except Exception as exc:  # the server broke the protocol (its JSON, or events of another shape)
+            self._fail(_Failure("protocol", _reason(exc)))
+
+    def on_message_complete(self) -> None:
+        events = self._events
+        if events is None:
+            return
+        if self._status == 200:
+            try:
+                events.end(time.perf_counter())
+            except Exception as exc:
+                self._fail(_Failure("protocol", _reason(exc)))
+                return
+        self._end()
+
+
+class CompletionsClient:
+    """Sends ``RequestSpec`` s to ``{base_url}/completions`` over kept-alive connections.
+
+    Each connection is a ``_Connection`` (``httptools``' parser; see its docstring for why not a client
+    library's stream), at most ``max_connections`` at once, the idle ones kept ``CLIENT_IDLE_S``. Through
+    a proxy the environment names, requests go by aiohttp, as in ``vllm bench serve``.
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None, timeout_s: float = 600.0,
@@ -193,6 +348,22 @@ class CompletionsClient:
                                               sock_connect=min(CONNECT_TIMEOUT_S, timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        parts = urllib.parse.urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"the URL must be http:// or https:// with a host, not {base_url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        default_port = parts.port is None or parts.port == (443 if parts.scheme == "https" else 80)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        self._head = "".join([f"POST {target} HTTP/1.1\r\n",
+                              f"Host: {host if default_port else f'{host}:{self._port}'}\r\n",
+                              "User-Agent: pdrouter-bench\r\nAccept: text/event-stream\r\n",
+                              *(f"{name}: {value}\r\n" for name, value in self._headers.items())])
+        self._idle: list[_Connection] = []
+        self._slots: asyncio.Semaphore | None = None
+        self._open: set[_Connection] = set()
 
     def _http(self) -> aiohttp.ClientSession:
         """The session, made on first use (on the running event loop, as aiohttp wants)."""
@@ -218,37 +389,23 @@ class CompletionsClient:
         # Encoded before the clock starts: the body is the client's work, not the server's (a
         # 8k-token prompt takes milliseconds to encode on a small machine).
         body = json.dumps(self.body(spec), separators=(",", ":")).encode()
-        http = self._http()
+        exchange = self._exchange if self._proxy is None else self._exchange_proxied
         sent = time.perf_counter()
         events = _Events(record, sent)
         silence = _Silence(self.timeout_s, sent)
         try:
-            async with http.post(self.url, data=body, proxy=self._proxy) as response:
-                record.status = response.status
-                if response.status != 200:
-                    record.error = f"http_{response.status}"
-                    record.detail = server_reason(await response.read())
-                    return record
-                # The bytes as they arrive, split into lines here: one call per read, not one per line
-                # (most reads under load hold several events). The events of one read share its time.
-                pending = b""
-                async for piece in response.content.iter_any():
-                    now = silence.heard = time.perf_counter()
-                    lines = (pending + piece).split(b"\n") if pending else piece.split(b"\n")
-                    pending = lines.pop()  # the start of a line the next read ends
-                    if len(pending) > MAX_EVENT_BYTES:
-                        raise ValueError(f"a streamed line longer than {MAX_EVENT_BYTES} bytes")
-                    for line in lines:
-                        if events.line(line, now):
-                            return record
-                if pending and events.line(pending, time.perf_counter()):
-                    return record
-        except aiohttp.ClientConnectorError as exc:  # nothing listens there, or the name does not resolve
-            record.error, record.detail = "connect", _reason(exc)
-        except TimeoutError as exc:  # a connect, a pooled connection or a read that took too long
+            await exchange(body, events, silence)
+        except _Failure as exc:
+            if exc.kind:
+                record.error, record.detail = exc.kind, exc.detail
+        except TimeoutError as exc:  # a connect, or (aiohttp) taking a pooled connection, took too long
             record.error, record.detail = "timeout", _reason(exc)
+        except (aiohttp.ClientConnectorError, ssl.SSLError) as exc:  # the proxy does not answer; TLS refused
+            record.error, record.detail = "connect", _reason(exc)
         except (aiohttp.ClientError, ValueError) as exc:  # the server broke the protocol (JSON included)
             record.error, record.detail = "protocol", _reason(exc)
+        except OSError as exc:  # nothing listens there, or the name does not resolve
+            record.error, record.detail = "connect", _reason(exc)
         except asyncio.CancelledError:
             if not silence.ended():  # cancelled from outside, not by the silence
                 record.error = "cancelled"
@@ -262,7 +419,68 @@ class CompletionsClient:
             record.error, record.detail = "protocol", "the stream ended without data: [DONE]"
         return record
 
+    async def _exchange(self, body: bytes, events: _Events, silence: _Silence) -> None:
+        """The request on a kept-alive connection of this client's own; the events are read into
+        ``events`` as they arrive. Raises ``_Failure`` when the connection broke the response."""
+        record = events.record
+        data = f"{self._head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._max_connections)
+        conn: _Connection | None = None
+        try:
+            async with self._slots:  # a request waiting for a connection: the wait is in its times
+                conn = await self._connection()
+                await conn.start(data, events, silence)
+            if conn.keep_alive and not conn.lost:  # the response ended whole: the connection serves on
+                conn.idle_since = time.monotonic()
+                self._idle.append(conn)
+            answered, conn = conn, None
+            record.status = answered.status
+            if answered.status != 200:
+                record.error, record.detail = f"http_{answered.status}", server_reason(answered.error_body())
+        finally:
+            if conn is not None:  # not back in the pool: mid-response, broken or not to be kept
+                self._discard(conn)
+
+    async def _connection(self) -> _Connection:
+        """An idle kept-alive connection, else a new one (a connect within ``CONNECT_TIMEOUT_S``)."""
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.lost and now - conn.idle_since < CLIENT_IDLE_S:
+                return conn
+            self._discard(conn)
+        loop = asyncio.get_running_loop()
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(_Connection, self._host, self._port, ssl=self._ssl),
+            min(CONNECT_TIMEOUT_S, self.timeout_s))
+        self._open.add(conn)
+        return conn
+
+    def _discard(self, conn: _Connection) -> None:
+        self._open.discard(conn)
+        if conn.transport is not None and not conn.lost:
+            conn.transport.close()
+
+    async def _exchange_proxied(self, body: bytes, events: _Events, silence: _Silence) -> None:
+        """``_exchange`` through the environment's proxy, by aiohttp."""
+        record = events.record
+        async with self._http().post(self.url, data=body, proxy=self._proxy) as response:
+            record.status = response.status
+            if response.status != 200:
+                record.error = f"http_{response.status}"
+                record.detail = server_reason(await response.read())
+                return
+            async for piece in response.content.iter_any():
+                now = silence.heard = time.perf_counter()
+                if events.feed(piece, now):
+                    return
+            events.end(time.perf_counter())
+
     async def close(self) -> None:
+        for conn in list(self._open):
+            self._discard(conn)
+        self._idle.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None

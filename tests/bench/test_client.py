@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import ssl
 from pathlib import Path
 
 import pytest
 
-from pdrouter.bench.client import CompletionsClient, environment_for
+from pdrouter.bench.client import CLIENT_IDLE_S, CompletionsClient, environment_for
 from pdrouter.bench.workload import RequestSpec
 
 GAP_S = 0.3
@@ -276,3 +277,159 @@ def test_the_environment_is_read_once_as_a_client_trusting_it_reads_it(
     assert environment_for("http://gpu-box.internal:8000/v1/completions")[0] is None
     monkeypatch.setenv("NETRC", str(tmp_path / "absent"))
     assert environment_for("http://gpu-box.internal:8000/v1/completions") == (None, None)
+
+
+def _stream_head() -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _chunked(*pieces: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces)
+
+
+async def test_a_connection_closed_mid_stream_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(_stream_head() + _chunked(_event("a")))  # then the connection closes: no last chunk
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert record.error == "protocol" and "closed the connection" in (record.detail or "")
+    assert record.output_tokens == 1 and record.ttft_s is not None
+
+
+async def test_a_response_that_is_not_http_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+    record, _ = await _send_with(serve)
+    assert record.error == "protocol" and "not HTTP" in (record.detail or "")
+
+
+async def test_an_event_of_another_shape_is_a_protocol_error() -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(_stream_head() + _chunked(_event("a"), b"data: [1, 2, 3]\n\n", b"data: [DONE]\n\n", b""))
+        await writer.drain()
+
+    record, _ = await _send_with(serve)
+    assert record.error == "protocol" and "AttributeError" in (record.detail or "")
+
+
+async def test_a_connection_is_kept_after_an_error_status_and_dropped_when_the_server_closes_it() -> None:
+    """An error answered whole leaves its connection reusable; one the server closed while idle is not
+    reused, nor one idle for longer than the client keeps them."""
+    accepted = 0
+    close_after: set[int] = set()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        this = accepted
+        answered = 0
+        try:
+            while True:
+                await _read_request(reader)
+                answered += 1
+                if answered == 1 and this == 1:
+                    body = b'{"error": {"message": "busy"}}'
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: %d\r\n\r\n%s"
+                                 % (len(body), body))
+                else:
+                    writer.write(_stream_head() + _chunked(_event("a", "length"), b"data: [DONE]\n\n", b""))
+                await writer.drain()
+                if this in close_after:
+                    break
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    client = CompletionsClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1", "m")
+    try:
+        first = await client.send(RequestSpec(0, (1,), 1), 0.0, 0.0)
+        second = await client.send(RequestSpec(1, (1,), 1), 0.0, 0.0)
+        assert (first.error, first.detail, second.ok, accepted) == ("http_503", "busy", True, 1)
+        close_after.add(1)
+        assert (await client.send(RequestSpec(2, (1,), 1), 0.0, 0.0)).ok  # the server closes after it
+        await asyncio.sleep(0.1)
+        assert (await client.send(RequestSpec(3, (1,), 1), 0.0, 0.0)).ok and accepted == 2
+        await asyncio.sleep(CLIENT_IDLE_S + 0.2)  # idle for longer than the client keeps a connection
+        assert (await client.send(RequestSpec(4, (1,), 1), 0.0, 0.0)).ok and accepted == 3
+    finally:
+        await client.close()
+        server.close()
+
+
+async def test_https_is_verified_against_the_trusted_cas(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """An https URL speaks TLS and checks the server's certificate against the default trust store
+    (``SSL_CERT_FILE`` adds a CA): refused without its CA, answered with it."""
+    from pdrouter.testing.pki import TestCa
+
+    tls = TestCa(tmp_path).issue("server")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    assert tls.cert and tls.key and tls.ca
+    context.load_cert_chain(tls.cert, tls.key)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await _read_request(reader)
+            writer.write(_stream_head() + _chunked(_event("a", "length"), b"data: [DONE]\n\n", b""))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, ssl.SSLError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=context)
+    url = f"https://localhost:{server.sockets[0].getsockname()[1]}/v1"
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    try:
+        client = CompletionsClient(url, "m")
+        refused = await client.send(RequestSpec(0, (1,), 1), 0.0, 0.0)
+        await client.close()
+        monkeypatch.setenv("SSL_CERT_FILE", tls.ca)
+        client = CompletionsClient(url, "m")
+        answered = await client.send(RequestSpec(1, (1,), 1), 0.0, 0.0)
+        await client.close()
+    finally:
+        server.close()
+    assert refused.error == "connect" and "CERTIFICATE_VERIFY_FAILED" in (refused.detail or "")
+    assert answered.ok and answered.output_tokens == 1
+
+
+async def test_through_a_proxy_requests_go_in_absolute_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the environment's HTTP proxy the request goes to the proxy, naming the server's URL."""
+    lines: list[bytes] = []
+
+    async def proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines.append(head.split(b"\r\n")[0])
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        await reader.readexactly(length)
+        writer.write(_stream_head() + _chunked(_event("a", "length"), b"data: [DONE]\n\n", b""))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(proxy, "127.0.0.1", 0)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    client = CompletionsClient("http://gpu-box.invalid:8000/v1", "m")
+    try:
+        record = await client.send(RequestSpec(0, (1,), 1), 0.0, 0.0)
+    finally:
+        await client.close()
+        server.close()
+    assert record.ok, record.detail
+    assert lines == [b"POST http://gpu-box.invalid:8000/v1/completions HTTP/1.1"]
+
+
+def test_a_url_that_is_not_http_is_refused() -> None:
+    with pytest.raises(ValueError, match="http:// or https://"):
+        CompletionsClient("ftp://example.invalid/v1", "m")
