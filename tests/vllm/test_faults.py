@@ -96,6 +96,11 @@ def test_clients_cancelling_mid_stream_leave_nothing_behind(vllm_pool: VllmPool)
     # vLLM's own KV usage with one request running: that request's blocks and nothing else.
     run(_one_request_counted_alone(vllm_pool))
     # The index holds what vLLM holds: a prompt sent again finds exactly the indexed blocks in vLLM's cache.
+    # Placement weighs the workers' loads (their heartbeats, a second apart) and bookings: the probes start
+    # once both workers report nothing running or queued and nothing is booked, so a prefix decides.
+    poll(lambda: (booked_blocks(vllm_pool), {w: v["load"] for w, v in live_workers(vllm_pool).items()}),
+         lambda got: len(got[1]) == 2 and not any(got[0].values())
+         and all(load["running"] == load["waiting"] == 0 for load in got[1].values()), "both workers idle")
     hasher = BlockHasher(BLOCK, 0)
     for prompt in random.Random(7).sample(prompts, 6):
         hashes = hasher.hash_blocks(prompt_ids(prompt))
@@ -105,7 +110,8 @@ def test_clients_cancelling_mid_stream_leave_nothing_behind(vllm_pool: VllmPool)
         cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert cached in {blocks * BLOCK for blocks in depths.values()} | {0}, (depths, cached)
         if max(depths.values()) * BLOCK >= 2 * BLOCK:  # worth placing by: the router sent it to the holder
-            assert cached == max(depths.values()) * BLOCK, (depths, cached)
+            assert cached == max(depths.values()) * BLOCK, (depths, cached, booked_blocks(vllm_pool),
+                                                             {w: v["load"] for w, v in live_workers(vllm_pool).items()})
 
 
 async def _one_request_counted_alone(pool: VllmPool) -> None:

@@ -4,9 +4,11 @@ A worker started with ``--host 127.0.0.1 --advertise-host 127.0.0.2`` and fixed 
 ``127.0.0.2:PORT`` for its gRPC, lane and KV receiver ports; ``WorkerRelay`` listens there and
 forwards each connection to ``127.0.0.1:PORT``, so the router's calls and the prefill workers' KV
 reach the worker through it, as through a network. ``arm`` makes it break the next DATA message a
-sender writes to the KV port (any connection, opened before or after): flip one of its bytes, or cut
-the connection in the middle of it. The sender's stream is parsed message by message with the wire
-format's own prefix (``pdrouter.transfer.frames``), so payload bytes are never taken for a header.
+sender writes to the KV port (any connection, opened before or after): flip one of its bytes, cut
+the connection in the middle of it, or hold the rest of it back until ``release`` (so that a sender
+killed meanwhile dies in the middle of a transfer, whatever its timing). The sender's stream is
+parsed message by message with the wire format's own prefix (``pdrouter.transfer.frames``), so
+payload bytes are never taken for a header.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from pdrouter.transfer.frames import PREFIX, TAG_BYTES, Flag, Kind
 @dataclass(frozen=True)
 class Fault:
     action: str
-    """``flip`` (XOR 0x5A into one byte) or ``cut`` (forward up to that byte, then close both sides)."""
+    """``flip`` (XOR 0x5A into one byte), ``cut`` (forward up to that byte, then close both sides) or
+    ``hold`` (forward up to that byte, then nothing more of that connection until ``release``)."""
     offset: int
     """Bytes into the DATA message, from its prefix's first byte; past the prefix (44 bytes)."""
 
@@ -73,6 +76,7 @@ class WorkerRelay:
         self._fault: Fault | None = None
         self.fired = threading.Event()
         """Set once the armed fault was applied."""
+        self._released = threading.Event()
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._listeners = [socket.create_server((listen_host, port)) for port in ports]
@@ -84,8 +88,14 @@ class WorkerRelay:
         with self._lock:
             self._fault = fault
             self.fired.clear()
+            self._released.clear()
+
+    def release(self) -> None:
+        """Let a held connection go on (what its sender wrote before dying, then its end)."""
+        self._released.set()
 
     def close(self) -> None:
+        self._released.set()
         for sock in (*self._listeners, *self._socks):
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
@@ -134,6 +144,11 @@ class WorkerRelay:
                     index = at - first
                     if fault.action == "flip":
                         buf[index] ^= 0x5A
+                    elif fault.action == "hold":
+                        dst.sendall(buf[:index])
+                        del buf[:index]
+                        self.fired.set()
+                        self._released.wait(300)
                     else:
                         dst.sendall(buf[:index])
                         self.fired.set()

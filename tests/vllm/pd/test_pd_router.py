@@ -542,9 +542,11 @@ def test_a_broken_transfer_is_computed_on_the_decode_worker(cluster: PdCluster, 
     run(idle(cluster))
 
 
-def fault_load(cluster: PdCluster, victim: str, *, tokens: int, max_tokens: int, after_s: float) -> Outcomes:
+def fault_load(cluster: PdCluster, victim: str, *, tokens: int, max_tokens: int, after_s: float = 0.0,
+               held: WorkerRelay | None = None) -> Outcomes:
     """Four clients sending prompts with known colocated answers, streamed and not, while ``victim`` is
-    killed (SIGKILL, its vLLM processes with it) ``after_s`` seconds in; how their answers ended."""
+    killed (SIGKILL, its vLLM processes with it) ``after_s`` seconds in, or (``held``: a relay armed to
+    hold a DATA message) once the relay holds one, then the relay released; how their answers ended."""
     rng = random.Random(victim)
     prompts = [random_prompt(rng, tokens) for _ in range(4)]
     references = [run(grpc_tokens(cluster.grpc("reference"), p, max_tokens))[1] for p in prompts]
@@ -558,7 +560,11 @@ def fault_load(cluster: PdCluster, victim: str, *, tokens: int, max_tokens: int,
 
         async def killer() -> None:
             await asyncio.sleep(after_s)
+            if held is not None:
+                assert await asyncio.to_thread(held.fired.wait, BOUND_S), "no KV transfer began"
             await asyncio.to_thread(cluster.kill, victim)
+            if held is not None:
+                held.release()
 
         started = time.monotonic()
         await asyncio.gather(*(client(i) for i in range(4)), killer())
@@ -581,8 +587,13 @@ def test_kill_9_of_the_decode_worker_mid_stream(cluster: PdCluster) -> None:
 
 
 def test_kill_9_of_the_prefill_worker_mid_transfer(cluster: PdCluster) -> None:
+    """Killed while the decode worker's relay holds the rest of a DATA message it sent: the transfer is
+    cut in its middle whatever the machine's speed (a kill at a fixed moment could fall between
+    transfers, the prompts of later rounds being computed on the decode worker, which holds them)."""
     failed = metric(cluster, "pdrouter_kv_transfer_failures_total")
-    outcomes = fault_load(cluster, "prefill-0", tokens=1500, max_tokens=8, after_s=2.0)
+    relay = cluster.relays["decode-0"]
+    relay.arm(Fault("hold", 4000))
+    outcomes = fault_load(cluster, "prefill-0", tokens=1500, max_tokens=8, held=relay)
     assert outcomes.wrong == [], outcomes
     assert outcomes.correct >= 1, outcomes
     assert metric(cluster, "pdrouter_kv_transfer_failures_total") > failed  # attempts it was in the middle of
