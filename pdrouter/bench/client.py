@@ -216,7 +216,7 @@ class _Connection(asyncio.Protocol):
     Written by hand over ``httptools``' parser (the HTTP parser uvicorn and this router use) rather than
     read through a client library's stream: here each read is parsed and its events are timed in this
     protocol's callbacks, and the request's coroutine wakes once, when the response has ended. A stream
-    read a token at a time costs much less CPU a token so than through aiohttp's reader
+    read a token at a time costs much less CPU a token than through aiohttp's reader
     (``benchmarks/bench_client_cpu.py --burst 1 --gap-ms 10``; the figures are in ``docs/benchmarks.md``)."""
 
     __slots__ = ("_body", "_events", "_parser", "_silence", "_status", "done", "idle_since",
@@ -430,12 +430,14 @@ class CompletionsClient:
         try:
             async with self._slots:  # a request waiting for a connection: the wait is in its times
                 conn = await self._connection()
-                await conn.start(data, events, silence)
+                try:
+                    await conn.start(data, events, silence)
+                finally:  # (a response broken after its head has its status too)
+                    record.status = conn.status or record.status
             if conn.keep_alive and not conn.lost:  # the response ended whole: the connection serves on
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)
             answered, conn = conn, None
-            record.status = answered.status
             if answered.status != 200:
                 record.error, record.detail = f"http_{answered.status}", server_reason(answered.error_body())
         finally:

@@ -295,7 +295,7 @@ async def test_a_connection_closed_mid_stream_is_a_protocol_error() -> None:
 
     record, _ = await _send_with(serve)
     assert record.error == "protocol" and "closed the connection" in (record.detail or "")
-    assert record.output_tokens == 1 and record.ttft_s is not None
+    assert record.status == 200 and record.output_tokens == 1 and record.ttft_s is not None
 
 
 async def test_a_response_that_is_not_http_is_a_protocol_error() -> None:
