@@ -112,13 +112,20 @@ def probe_grpc(args: argparse.Namespace) -> str:
             f"without a key UNAUTHENTICATED")
 
 
-def probe_metrics(args: argparse.Namespace) -> str:
+def _metrics_text(args: argparse.Namespace) -> str:
+    """The router's ``/metrics`` page, asked with the key."""
     import httpx
 
     reply = httpx.get(f"{args.http}/metrics", headers={"Authorization": f"Bearer {args.key}"}, timeout=30)
     if reply.status_code != 200:
         raise ProbeError(f"/metrics answered HTTP {reply.status_code}")
-    samples = [line for line in reply.text.splitlines() if line and not line.startswith("#")]
+    return reply.text
+
+
+def probe_metrics(args: argparse.Namespace) -> str:
+    import httpx
+
+    samples = [line for line in _metrics_text(args).splitlines() if line and not line.startswith("#")]
     finished = sum(float(line.rsplit(" ", 1)[1]) for line in samples if line.startswith("pdrouter_requests_total{"))
     workers = sorted({line.split('worker="', 1)[1].split('"', 1)[0] for line in samples
                       if line.startswith("pdrouter_worker_info{")})
@@ -133,13 +140,9 @@ def probe_metrics(args: argparse.Namespace) -> str:
 def probe_kv_received(args: argparse.Namespace) -> str:
     """``<worker> <bytes>`` for every decode worker the router reports, one a line (KV bytes received into
     its blocks since it started: ``pdrouter_worker_kv_transfer_bytes``, as of its last heartbeat)."""
-    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    reply = httpx.get(f"{args.http}/metrics", headers={"Authorization": f"Bearer {args.key}"}, timeout=30)
-    if reply.status_code != 200:
-        raise ProbeError(f"/metrics answered HTTP {reply.status_code}")
-    received = {s.labels["worker"]: s.value for family in text_string_to_metric_families(reply.text)
+    received = {s.labels["worker"]: s.value for family in text_string_to_metric_families(_metrics_text(args))
                 for s in family.samples if s.name == "pdrouter_worker_kv_transfer_bytes"
                 and s.labels.get("role") == "decode" and s.labels.get("direction") == "received"}
     if not received:
