@@ -38,12 +38,14 @@ import ssl
 import time
 import urllib.parse
 import urllib.request
+from dataclasses import dataclass
 
 import aiohttp
 import httptools
 
 from pdrouter.bench.stats import RequestRecord
 from pdrouter.bench.workload import RequestSpec
+from pdrouter.core.net import raise_open_file_limit
 
 
 def server_reason(body: bytes) -> str:
@@ -70,8 +72,13 @@ _JSON = {"Content-Type": "application/json"}
 
 MAX_DETAIL = 300
 """Characters of a server's error message kept per failed request."""
-CLIENT_CONNECTIONS = 1024
-"""Connections the client opens at most: the requests it has in flight at once (one a connection)."""
+CLIENT_CONNECTIONS = 8192
+"""Connections the client opens at most: the requests it has in flight at once (one a connection). An
+open-loop point keeps rate × lifetime requests in flight (144 req/s of 8B chat at time scale 1: about
+1,300 at its peak), and one that finds every connection taken waits for one, inside its TTFT: the
+client would measure its own cap. ``vllm bench serve`` sets none without ``--max-concurrency``; this
+one is far above what a point here reaches, and only keeps a server that stops answering from taking
+every descriptor of the client. A run reports the requests that waited (``ClientFigures``)."""
 CLIENT_IDLE_S = 2.0
 """Seconds an idle kept-alive connection stays in the client's pool."""
 CONNECT_TIMEOUT_S = 10.0
@@ -326,6 +333,23 @@ class _Connection(asyncio.Protocol):
         self._end()
 
 
+@dataclass
+class ClientFigures:
+    """What a client's connection pool saw during a run (its own connections, not the proxied ones)."""
+
+    connections: int
+    """The cap (``max_connections``)."""
+    peak_in_flight: int = 0
+    """The most requests on a connection at once."""
+    waited: int = 0
+    """Requests that found every connection taken and waited for one (their TTFT holds the wait)."""
+    in_flight: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return {"connections": self.connections, "peak_in_flight": self.peak_in_flight,
+                "waited_for_a_connection": self.waited}
+
+
 class CompletionsClient:
     """Sends ``RequestSpec`` s to ``{base_url}/completions`` over kept-alive connections.
 
@@ -364,6 +388,8 @@ class CompletionsClient:
         self._idle: list[_Connection] = []
         self._slots: asyncio.Semaphore | None = None
         self._open: set[_Connection] = set()
+        self.figures = ClientFigures(max_connections)
+        raise_open_file_limit(max_connections + 64)  # (and a few for the scrapes, the logs, the loop)
 
     def _http(self) -> aiohttp.ClientSession:
         """The session, made on first use (on the running event loop, as aiohttp wants)."""
@@ -427,13 +453,21 @@ class CompletionsClient:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._max_connections)
         conn: _Connection | None = None
+        figures = self.figures
+        if self._slots.locked():
+            figures.waited += 1
         try:
             async with self._slots:  # a request waiting for a connection: the wait is in its times
-                conn = await self._connection()
+                figures.in_flight += 1
+                figures.peak_in_flight = max(figures.peak_in_flight, figures.in_flight)
                 try:
-                    await conn.start(data, events, silence)
-                finally:  # (a response broken after its head has its status too)
-                    record.status = conn.status or record.status
+                    conn = await self._connection()
+                    try:
+                        await conn.start(data, events, silence)
+                    finally:  # (a response broken after its head has its status too)
+                        record.status = conn.status or record.status
+                finally:
+                    figures.in_flight -= 1
             if conn.keep_alive and not conn.lost:  # the response ended whole: the connection serves on
                 conn.idle_since = time.monotonic()
                 self._idle.append(conn)

@@ -128,8 +128,9 @@ def bring_up(layout: Layout, folder: Path, *, gpu: str, time_scale: float, backe
               if backend == "sim" else ["--backend", backend])
     # The comparison's own cluster, on loopback only: its doors are open to this machine (no API key). Its
     # router takes every request the client can have in flight (one a connection): at its default cap (512)
-    # a rate whose requests last long enough (144 req/s of 8B chat at time scale 1: about 680 at once) was
-    # refused in part with 503s, the router's limit measured instead of the layout.
+    # a rate whose requests last long enough (144 req/s of 8B chat at time scale 1: 680 at once in one
+    # run, 1,300 at the peak in a later one) was refused in part with 503s, the router's limit measured
+    # instead of the layout.
     # (Connections: the client's, and a few for the harness's own probes.)
     limits = ["--http-max-inflight", str(CLIENT_CONNECTIONS), "--http-max-connections", str(CLIENT_CONNECTIONS + 64)]
     argv = [sys.executable, "-m", "pdrouter", "up", *engine, "--model", str(folder), "--http-port", "0",

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 HOST_BUSY = 0.9
 """A window over which the machine's CPUs were at least this busy is host-bound: runnable work then
@@ -61,6 +61,11 @@ class HostSample:
     """This process's (the load generator's)."""
     parts: dict[str, float] = field(default_factory=dict)
     """The server's processes by part (``router``, ``workers``, ``prefill``, ``decode``, ``redis``, ``other``)."""
+    own_wait: tuple[float, int] | None = None
+    """This process's threads' seconds runnable but waiting for a CPU, and the times they were run
+    (:class:`WaitCounter`); None where they cannot be read."""
+    waits: dict[str, tuple[float, int]] = field(default_factory=dict)
+    """The same, for the server's processes by part (a part none of whose could be read is left out)."""
 
 
 def read_host_cpu(proc: Path = PROC) -> tuple[float, float] | None:
@@ -87,6 +92,41 @@ def process_cpu_s(pid: int, proc: Path = PROC) -> float | None:
         return None
     fields = raw[raw.rfind(b")") + 2:].split()  # after the command, which may hold spaces
     return (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14 and 15 of stat)
+
+
+class WaitCounter:
+    """How long the threads of some processes waited for a CPU, and how often they were put on one.
+
+    Linux's ``/proc/<pid>/task/<tid>/schedstat`` holds a thread's time on a CPU, its time runnable
+    but waiting in a run queue, and how many times it was put on a CPU (nanoseconds, a count). A
+    thread that has ended keeps what it was last seen with (threads come and go: vLLM's, a thread
+    pool's), so the sums only grow. Over a window, the wait over the number of runs is the mean
+    delay between a thread having work (a response arrived, a timer fired) and doing it.
+    """
+
+    def __init__(self, proc: Path = PROC) -> None:
+        self.proc = proc
+        self._last: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def read(self, pids: Sequence[int]) -> tuple[float, int] | None:
+        """(seconds waited, times run) of the threads of ``pids`` together; None where none could be read."""
+        for pid in pids:
+            try:
+                tids = os.listdir(self.proc / str(pid) / "task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(self.proc / str(pid) / "task" / tid / "schedstat", "rb") as f:
+                        fields = f.read().split()
+                    self._last[(pid, int(tid))] = (int(fields[1]), int(fields[2]))
+                except (OSError, ValueError, IndexError):
+                    continue
+        wanted = set(pids)
+        seen = [v for (pid, _), v in self._last.items() if pid in wanted]
+        if not seen:
+            return None
+        return sum(w for w, _ in seen) / 1e9, sum(n for _, n in seen)
 
 
 def _part_of(cmdline: list[str]) -> str | None:
@@ -144,6 +184,8 @@ class HostSampler:
         self.proc = proc
         self.samples: list[HostSample] = []
         self._last: dict[int, float] = {}
+        self._waits = WaitCounter(proc)
+        self._own = [os.getpid()]
         self._zero = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -159,8 +201,10 @@ class HostSampler:
                     self._last[pid] = cpu
                 total += self._last.get(pid, 0.0)
             parts[name] = total
+        waits = {name: w for name, pids in self.parts.items() if (w := self._waits.read(pids)) is not None}
         s = HostSample(time.perf_counter() - self._zero, None if host is None else host[0],
-                       None if host is None else host[1], time.process_time(), parts)
+                       None if host is None else host[1], time.process_time(), parts,
+                       self._waits.read(self._own), waits)
         self.samples.append(s)
         return s
 
@@ -184,6 +228,24 @@ class HostSampler:
         self.sample()
 
 
+class _Timed(Protocol):
+    @property
+    def t_s(self) -> float: ...
+
+
+S = TypeVar("S", bound=_Timed)
+
+
+def enclosing(samples: Sequence[S], start_s: float, end_s: float) -> tuple[S, S]:
+    """Of samples taken during a run (two or more), the last at or before ``start_s`` and the first at or
+    after ``end_s``: the readings that enclose the stretch most closely (the first and the last sample
+    where none does)."""
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    before = [s for s in ordered if s.t_s <= start_s]
+    after = [s for s in ordered if s.t_s >= end_s]
+    return (before[-1] if before else ordered[0]), (after[0] if after else ordered[-1])
+
+
 def host_figures(samples: Sequence[HostSample], start_s: float, end_s: float,
                  cpus: int | None = None) -> dict[str, Any]:
     """The machine over the wall-clock stretch ``start_s`` … ``end_s`` of a run (seconds after its start),
@@ -193,11 +255,7 @@ def host_figures(samples: Sequence[HostSample], start_s: float, end_s: float,
     than two samples."""
     if len(samples) < 2:
         return {}
-    ordered = sorted(samples, key=lambda s: s.t_s)
-    before = [s for s in ordered if s.t_s <= start_s]
-    after = [s for s in ordered if s.t_s >= end_s]
-    a = before[-1] if before else ordered[0]
-    b = after[0] if after else ordered[-1]
+    a, b = enclosing(samples, start_s, end_s)
     span = b.t_s - a.t_s
     if span <= 0:
         return {}
@@ -207,6 +265,8 @@ def host_figures(samples: Sequence[HostSample], start_s: float, end_s: float,
         busy = (b.busy_s - a.busy_s) / (b.total_s - a.total_s)
     client = (b.own_s - a.own_s) / span
     processes = {name: (b.parts.get(name, 0.0) - a.parts.get(name, 0.0)) / span for name in b.parts}
+    client_wait = _waited(a.own_wait, b.own_wait, span)
+    waits = {name: w for name in b.waits if (w := _waited(a.waits.get(name), b.waits[name], span)) is not None}
     n = cpus if cpus is not None else (os.cpu_count() or 1)
     reasons = []
     if span >= MIN_JUDGED_S:  # (a shorter one: a run that failed at once, or a handful of requests)
@@ -215,7 +275,18 @@ def host_figures(samples: Sequence[HostSample], start_s: float, end_s: float,
         if client >= CLIENT_BUSY:
             reasons.append(f"the load generator used {client:.2f} of a CPU")
     return {"cpus": n, "span_s": span, "busy_share": busy, "load_generator_cpu": client, "processes": processes,
+            "load_generator_wait": client_wait, "processes_wait": waits,
             "host_bound": bool(reasons), "reason": " and ".join(reasons)}
+
+
+def _waited(a: tuple[float, int] | None, b: tuple[float, int] | None, span: float) -> dict[str, float | None] | None:
+    """Between two readings of a :class:`WaitCounter`: ``cpus``, the seconds waited for a CPU over the
+    wall seconds (threads waiting together count each), and ``delay_ms``, the mean wait each time a
+    thread was run (None when none was)."""
+    if a is None or b is None:
+        return None
+    waited, runs = b[0] - a[0], b[1] - a[1]
+    return {"cpus": waited / span, "delay_ms": 1e3 * waited / runs if runs > 0 else None}
 
 
 def describe(host: Mapping[str, Any]) -> str:
@@ -231,6 +302,14 @@ def describe(host: Mapping[str, Any]) -> str:
     if shown:
         text += "; the server's processes, in CPUs: " + ", ".join(shown)
     text += "."
+    parts_waited = sorted(((name, w) for name, w in (host.get("processes_wait") or {}).items() if name != "other"),
+                          key=lambda kv: -kv[1]["cpus"])
+    waits = [("the load generator", host.get("load_generator_wait")), *parts_waited]
+    known = [f"{name} {w['cpus']:.2f}" + ("" if w["delay_ms"] is None else f" ({w['delay_ms']:.1f} ms a wake-up)")
+             for name, w in waits if w is not None]
+    if known:
+        text += " Runnable but waited for a CPU, in CPUs (and the mean wait each time a thread was run): " \
+            + ", ".join(known) + "."
     if host.get("host_bound"):
         text += (f" **This machine was busy throughout** ({host['reason']}): requests also queued in the processes"
                  " on it (the load generator's included), so the point's latencies and served rate hold this"

@@ -85,6 +85,7 @@ def run_point(run_config: RunConfig, out: Path, prep: Prepared, rate: float | No
         write_json,
     )
     from pdrouter.bench.runner import run
+    from pdrouter.bench.scrape import histogram_quantiles
     from pdrouter.bench.stats import summarize
     from pdrouter.bench.window import measure_window, offered_rate, window_summary
     from pdrouter.bench.workload import expected_hit_rate
@@ -110,9 +111,11 @@ def run_point(run_config: RunConfig, out: Path, prep: Prepared, rate: float | No
            "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     wall = s.wall_per_sim_s  # the window is in the records' (simulated) seconds; the host's samples in wall ones
     host = host_figures(result.host, window.start_s * wall, window.end_s * wall)
+    router_ttft = {k: v if k == "count" else v / wall for k, v in  # (in the records' seconds, as the client's)
+                   histogram_quantiles(result.samples, window.start_s * wall, window.end_s * wall).items()}
     document = run_document(cfg, summary, [r.to_dict() for r in records], result.samples, result.interrupted,
-                            steady=steady_figures(window, steady, offered_rate(records, window)), prefix=prefix,
-                            host=host)
+                            steady=steady_figures(window, steady, offered_rate(records, window), router_ttft),
+                            prefix=prefix, host=host, client=result.client)
     path = write_json(out / f"{stem}.json", document)
     (out / f"{stem}.md").write_text(markdown(document))
     return Outcome(summary, steady, window, document, path, result.interrupted)
@@ -169,6 +172,9 @@ def point_line(name: str, outcome: Outcome) -> str:
     if prefix.get("flagged"):
         text += (f" [prefix hits {100 * prefix['measured_hit_rate']:.1f}% above the workload's "
                  f"{100 * prefix['expected_hit_rate']:.1f}%]")
+    waited = (outcome.document.get("client") or {}).get("waited_for_a_connection")
+    if waited:
+        text += f" [{waited} requests waited for a client connection]"
     host = outcome.document.get("host") or {}
     if host.get("host_bound"):
         text += f" [host-bound: {host['reason']}]"

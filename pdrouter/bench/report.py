@@ -48,6 +48,22 @@ def router_figures(samples: list[MetricsSample]) -> dict[str, Any]:
     }
 
 
+def router_ttft_sentence(router: dict[str, float], client: dict[str, Any]) -> str:
+    """The router's own TTFT over the window beside the client's: where the client's is far above it, the
+    time went outside the router (the client, this machine's queues, the network)."""
+    def ms(value: float | None) -> str:
+        return "–" if value is None else f"{1e3 * value:.0f} ms"
+
+    quantiles = ("p50", "p90", "p99")
+    return (f"The router's own TTFT over the window (its `pdrouter_time_to_first_token_seconds`, from a request's "
+            f"arrival at its door to its first token leaving it, read between its histogram's buckets; "
+            f"{router['count']:.0f} requests): " + ", ".join(f"{q} {ms(router.get(f'{q}_s'))}" for q in quantiles)
+            + "; the client's: " + ", ".join(f"{q} {ms(client.get(q))}" for q in quantiles)
+            + ". What the client's holds above the router's was spent outside the router: in the client, in this "
+              "machine's queues before the router read a request or after the client's socket had its token, "
+              "or on the network.")
+
+
 def measured_hit_rate(records: Sequence[RequestRecord]) -> float | None:
     """Cached prompt tokens ÷ prompt tokens over the completed ``records`` whose server reported
     ``cached_tokens`` (None: it reported none)."""
@@ -64,10 +80,12 @@ def prefix_figures(expected: float | None, measured: float | None) -> dict[str, 
     return {"expected_hit_rate": expected, "measured_hit_rate": measured, "flagged": flagged}
 
 
-def steady_figures(window: Window, summary: Summary, offered: float) -> dict[str, Any]:
-    """The ``steady`` part of a run document."""
+def steady_figures(window: Window, summary: Summary, offered: float,
+                   router_ttft: dict[str, float] | None = None) -> dict[str, Any]:
+    """The ``steady`` part of a run document; ``router_ttft``: the router's own TTFT over the window
+    (``scrape.histogram_quantiles``), where it exports one."""
     return {"window": window.to_dict(), "summary": summary.to_dict(), "offered_rate": offered,
-            "saturated": saturated(summary, offered)}
+            "saturated": saturated(summary, offered), "router_ttft": router_ttft or {}}
 
 
 def _clean(value: Any) -> Any:
@@ -83,9 +101,11 @@ def _clean(value: Any) -> Any:
 
 def run_document(config: dict[str, Any], summary: Summary, records: list[dict[str, object]],
                  samples: list[MetricsSample], interrupted: bool, *, steady: dict[str, Any] | None = None,
-                 prefix: dict[str, Any] | None = None, host: dict[str, Any] | None = None) -> dict[str, Any]:
+                 prefix: dict[str, Any] | None = None, host: dict[str, Any] | None = None,
+                 client: dict[str, int] | None = None) -> dict[str, Any]:
     return _clean({"config": config, "summary": summary.to_dict(), "steady": steady or {},
                    "prefix": prefix or {}, "router": router_figures(samples), "host": host or {},
+                   "client": client or {},
                    "interrupted": interrupted,
                    "requests": records, "metrics_samples": [s.to_dict() for s in samples]})
 
@@ -122,8 +142,17 @@ def markdown(document: dict[str, Any]) -> str:
         lines += [f"Measured window: {w['start_s']:.3g}–{w['end_s']:.3g} s of the run ({w['length_s']:.3g} s, "
                   f"{w['requests']} requests arrived in it; warm-up {w['warmup_s']:.3g} s, the drain after the last "
                   f"arrival left out): {verdict}.{saturation}", ""]
+        theirs = steady.get("router_ttft") or {}
+        ours = (steady.get("summary") or {}).get("ttft") or {}
+        if theirs.get("count") and ours.get("count"):
+            lines += [router_ttft_sentence(theirs, ours), ""]
     if host:
         lines += [describe_host(host), ""]
+    client = document.get("client") or {}
+    if client.get("waited_for_a_connection"):
+        lines += [f"**{client['waited_for_a_connection']} requests waited for a connection of the client's own** "
+                  f"(all {client['connections']} in use; at most {client['peak_in_flight']} requests in flight): their "
+                  "TTFT and E2E hold that wait, which is the client's limit, not the server's.", ""]
     prefix = document.get("prefix") or {}
     if prefix:
         lines += [f"Prefix hit rate: {_pct(prefix.get('measured_hit_rate'))} measured (cached ÷ prompt tokens the "

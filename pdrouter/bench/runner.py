@@ -86,6 +86,8 @@ class RunResult:
     interrupted: bool = False
     host: list[HostSample] = field(default_factory=list)
     """This machine's CPU readings (``pdrouter.bench.host``), a second apart."""
+    client: dict[str, int] = field(default_factory=dict)
+    """The client's connection pool over the run (``ClientFigures.to_dict``)."""
 
 
 async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
@@ -189,4 +191,5 @@ async def run(config: RunConfig, specs: Sequence[RequestSpec], *,
         await host.stop()
         await client.close()
     records.sort(key=lambda r: r.index)
-    return RunResult(records, duration, scraper.samples if scraper is not None else [], interrupted, host.samples)
+    return RunResult(records, duration, scraper.samples if scraper is not None else [], interrupted, host.samples,
+                     client.figures.to_dict())

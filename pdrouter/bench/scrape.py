@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdrouter.bench.host import enclosing
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class MetricsSample:
     """Simulated GPUs' modeled step seconds, summed over workers (``pdrouter_worker_sim_modeled_seconds``)."""
     sim_late_s: float | None = None
     """Of which late because the machine was too slow (``pdrouter_worker_sim_late_seconds``)."""
+    ttft_buckets: dict[float, float] = field(default_factory=dict)
+    """The router's own time to first token so far, as its histogram's cumulative counts by upper bound
+    (``pdrouter_time_to_first_token_seconds``, both doors together); empty where it exports none."""
 
     @property
     def water_level(self) -> dict[str, float]:
@@ -53,6 +59,7 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
     reserved: dict[str, float] = {}
     capacity: dict[str, float] = {}
     scalars: dict[str, float] = {}
+    ttft: dict[float, float] = {}
     wanted = {"pdrouter_admission_queue_length": "queue", "pdrouter_prefix_cache_query_tokens_total": "query",
               "pdrouter_prefix_cache_hit_tokens_total": "hit", "pdrouter_kv_transfer_bytes_total": "bytes",
               "pdrouter_worker_sim_modeled_seconds": "modeled", "pdrouter_worker_sim_late_seconds": "late"}
@@ -65,11 +72,14 @@ def parse_metrics(text: str, t_s: float) -> MetricsSample:
                 reserved[s.labels.get("worker", "")] = s.value
             elif s.name == "pdrouter_kv_capacity_blocks":
                 capacity[s.labels.get("worker", "")] = s.value
+            elif s.name == "pdrouter_time_to_first_token_seconds_bucket":
+                le = float(s.labels.get("le", "inf"))
+                ttft[le] = ttft.get(le, 0.0) + s.value
             elif s.name in wanted:
                 key = wanted[s.name]
                 scalars[key] = scalars.get(key, 0.0) + s.value
     return MetricsSample(t_s, reserved, capacity, scalars.get("queue"), scalars.get("query"), scalars.get("hit"),
-                         scalars.get("bytes"), scalars.get("modeled"), scalars.get("late"))
+                         scalars.get("bytes"), scalars.get("modeled"), scalars.get("late"), ttft)
 
 
 def _growth(samples: Iterable[MetricsSample], part: str, whole: str) -> float | None:
@@ -104,6 +114,36 @@ def sim_late_share(samples: Iterable[MetricsSample]) -> float | None:
     return _growth(samples, "sim_late_s", "sim_modeled_s")
 
 
+def histogram_quantiles(samples: Sequence[MetricsSample], start_s: float, end_s: float,
+                        qs: Sequence[float] = (0.5, 0.9, 0.99)) -> dict[str, float]:
+    """The router's own TTFT over ``start_s`` … ``end_s`` (seconds after the run's start), from the two
+    samples that enclose it most closely: ``count`` (requests whose first token left the router
+    between them) and ``p50_s``… for each of ``qs``, interpolated within the histogram's buckets the
+    way Prometheus's ``histogram_quantile`` does (a quantile past the last finite bound reads that
+    bound). Empty without two such samples or without a request between them."""
+    seen = [s for s in samples if s.ttft_buckets]
+    if len(seen) < 2:
+        return {}
+    a, b = enclosing(seen, start_s, end_s)
+    bounds = sorted(b.ttft_buckets)
+    counts = [b.ttft_buckets[le] - a.ttft_buckets.get(le, 0.0) for le in bounds]
+    total = counts[-1] if counts else 0.0
+    if b.t_s <= a.t_s or total <= 0:
+        return {}
+    out = {"count": total}
+    for q in qs:
+        rank = q * total
+        i = next(k for k, c in enumerate(counts) if c >= rank)
+        if math.isinf(bounds[i]):
+            value = bounds[i - 1] if i > 0 else 0.0
+        else:
+            low, below = (bounds[i - 1], counts[i - 1]) if i > 0 else (0.0, 0.0)
+            inside = counts[i] - below
+            value = low + (bounds[i] - low) * ((rank - below) / inside if inside > 0 else 1.0)
+        out[f"p{100 * q:g}_s"] = value
+    return out
+
+
 def _wanted_lines(text: str) -> str:
     """The lines of a page that :func:`parse_metrics` reads (a router's page is mostly histograms it
     does not): a few hundred microseconds to parse instead of tens of milliseconds."""
@@ -113,7 +153,8 @@ def _wanted_lines(text: str) -> str:
 
 _PREFIXES = ("pdrouter_kv_reserved_blocks", "pdrouter_kv_capacity_blocks", "pdrouter_admission_queue_length",
              "pdrouter_prefix_cache_query_tokens_total", "pdrouter_prefix_cache_hit_tokens_total",
-             "pdrouter_kv_transfer_bytes", "pdrouter_worker_sim_modeled_seconds", "pdrouter_worker_sim_late_seconds")
+             "pdrouter_kv_transfer_bytes", "pdrouter_worker_sim_modeled_seconds", "pdrouter_worker_sim_late_seconds",
+             "pdrouter_time_to_first_token_seconds_bucket")
 
 
 class MetricsScraper:

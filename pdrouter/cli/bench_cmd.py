@@ -300,6 +300,10 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
         print(f"window_goodput: {steady.goodput:.6g} req/s")
     if steady.slo_met is not None and steady.requests:
         print(f"window_slo_attainment: {100 * steady.slo_met / steady.requests:.4g} %")
+    router_ttft = document["steady"].get("router_ttft") or {}
+    for key in ("p50", "p90", "p99"):  # the router's own, from its /metrics histogram (pdrouter.bench.scrape)
+        if f"{key}_s" in router_ttft:
+            print(f"window_router_ttft_{key}: {1e3 * router_ttft[f'{key}_s']:.4g} ms")
     for key in ("measured_hit_rate", "expected_hit_rate"):
         value = document["prefix"].get(key)
         print(f"prefix_{key}: {'–' if value is None else f'{value:.4g}'}")
@@ -313,6 +317,13 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
         busy = host["busy_share"]
         print(f"host_cpus_busy: {'–' if busy is None else f'{100 * busy:.3g}'} %")
         print(f"host_load_generator_cpu: {host['load_generator_cpu']:.3g} CPUs")
+        waits = {"load_generator": host.get("load_generator_wait"), **(host.get("processes_wait") or {})}
+        for part, cpu in sorted((host.get("processes") or {}).items()):
+            print(f"host_{part}_cpu: {cpu:.3g} CPUs")
+        for part, wait in sorted(waits.items()):  # how long each waited for a CPU (pdrouter.bench.host.WaitCounter)
+            cpus, delay = (None, None) if wait is None else (wait["cpus"], wait["delay_ms"])
+            print(f"host_{part}_cpu_wait: {'–' if cpus is None else f'{cpus:.3g}'} CPUs")
+            print(f"host_{part}_cpu_delay: {'–' if delay is None else f'{delay:.3g}'} ms")
         print(f"host_bound: {'yes: ' + host['reason'] if host['host_bound'] else 'no'}")
     print(f"results: {outcome.path}")
 

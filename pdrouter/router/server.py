@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.model_spec import ModelSpec
-from pdrouter.core.net import is_loopback
+from pdrouter.core.net import is_loopback, raise_open_file_limit
 from pdrouter.core.redact import redact_url
 from pdrouter.core.tls import TlsFiles
 from pdrouter.core.tokenizer import load_tokenizer
@@ -136,6 +136,9 @@ class RouterProcess:
                                                          config=cfg.frontdoor, tenants=cfg.tenants,
                                                          tracing=self.tracing))
         await self.grpc.start()
+        # Each HTTP connection the door admits is a descriptor; a soft limit of 1,024 (common) would refuse
+        # them far below the door's own cap. (Workers, Redis and the gRPC door take a few hundred more.)
+        raise_open_file_limit(cfg.http_limits.max_connections + 512)
         app = create_app(doors, tokenizers, metrics=self.metrics, config=cfg.frontdoor, api_keys=keys,
                          serve_metrics=cfg.metrics_port is None, tenants=cfg.tenants, tracing=self.tracing)
         self._http_server, self._http_task, self.http_port = await _serve(app, cfg.host, cfg.http_port, "router-http",

@@ -90,6 +90,14 @@ def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_pat
     assert "This machine (" in (tmp_path / next(tmp_path.glob("*.json")).with_suffix(".md").name).read_text()
     assert "request_throughput:" in done.stdout and "goodput:" in done.stdout
     assert "host_cpus_busy: " in done.stdout and "host_bound: " in done.stdout
+    assert host["load_generator_wait"]["cpus"] >= 0 and "host_load_generator_cpu_delay: " in done.stdout
+    # The router's own TTFT over the window, from its histogram: as many requests, no slower than the client saw.
+    router_ttft = doc["steady"]["router_ttft"]
+    window = doc["steady"]["summary"]["ttft"]
+    assert router_ttft["count"] >= 0.8 * window["count"], (router_ttft, window)
+    assert 0 < router_ttft["p50_s"] <= 2 * window["p50"] + 0.01, (router_ttft, window)
+    assert "window_router_ttft_p50: " in done.stdout
+    assert doc["client"]["waited_for_a_connection"] == 0 and doc["client"]["peak_in_flight"] >= 1
 
 
 def test_tpot_and_itl_are_the_modeled_decode_steps(cluster: str, tmp_path: Path) -> None:

@@ -433,3 +433,60 @@ async def test_through_a_proxy_requests_go_in_absolute_form(monkeypatch: pytest.
 def test_a_url_that_is_not_http_is_refused() -> None:
     with pytest.raises(ValueError, match="http:// or https://"):
         CompletionsClient("ftp://example.invalid/v1", "m")
+
+
+async def test_requests_that_found_every_connection_taken_are_counted() -> None:
+    """Two connections, five requests at once: three wait for one (the wait is in their TTFT), and the
+    figures say so; the same five with room for all wait for none."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await _read_request(reader)
+                await asyncio.sleep(0.2)
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                             b"transfer-encoding: chunked\r\n\r\n")
+                for data in (_event("a", "length"), b"data: [DONE]\n\n"):
+                    writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for cap, waited in ((2, 3), (8, 0)):
+            client = CompletionsClient(f"http://127.0.0.1:{port}/v1", "m", max_connections=cap)
+            try:
+                records = await asyncio.gather(*(client.send(RequestSpec(i, (1, 2), 1), 0.0, 0.0) for i in range(5)))
+            finally:
+                await client.close()
+            assert all(r.ok for r in records), [r.detail for r in records]
+            assert client.figures.to_dict() == {"connections": cap, "peak_in_flight": min(cap, 5),
+                                                "waited_for_a_connection": waited}
+            slowest = max(r.ttft_s or 0.0 for r in records)
+            assert (slowest >= 0.35) is (waited > 0), slowest  # a third wave of 0.2 s each, or one
+    finally:
+        server.close()
+
+
+def test_the_soft_limit_on_open_files_is_raised_up_to_the_hard_one() -> None:
+    import resource
+
+    from pdrouter.core.net import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+        raise_open_file_limit(128)  # already enough: unchanged
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (256, hard)
+        raise_open_file_limit(900)
+        assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == (900 if hard == resource.RLIM_INFINITY
+                                                                 else min(900, hard))
+        if hard != resource.RLIM_INFINITY:
+            raise_open_file_limit(hard + 1)  # never past the hard limit (not allowed without privilege)
+            assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -111,6 +111,9 @@ def test_compare_quick_sends_fresh_prompts_to_every_point_and_measures_steady_wi
             assert parts <= set(host["processes"]), host
             assert all(cpu >= 0 for cpu in host["processes"].values()) and host["processes"]["router"] > 0
             assert doc["host"] == host
+            assert parts <= set(host["processes_wait"]), host  # how long each part waited for a CPU
+            assert all(w["cpus"] >= 0 for w in host["processes_wait"].values())
+            assert doc["steady"]["router_ttft"]["count"] > 0  # the router's own TTFT over the window
     assert len(digests) == 6 * (10 + 20) * 2 and len(set(digests)) == len(digests)  # no prompt sent twice
     check_plots(folder, slo_ms={"ttft_p99": 1000.0, "tpot_p99": 50.0, "itl_p99": 50.0}, target=90.0)
 

@@ -20,6 +20,7 @@ from pdrouter.bench.host import (
     MIN_JUDGED_S,
     HostSample,
     HostSampler,
+    WaitCounter,
     cluster_parts,
     describe,
     host_figures,
@@ -98,6 +99,8 @@ def test_a_clusters_processes_are_found_by_part_and_sampled() -> None:
         # (CPU seconds over wall seconds: the burn's 0.2 s of CPU, whatever else shares the machine)
         assert figures["load_generator_cpu"] * figures["span_s"] >= 0.19 and figures["busy_share"] is not None
         assert set(figures["processes"]) == {"other", "router", "prefill", "decode"}
+        assert set(figures["processes_wait"]) == {"other", "router", "prefill", "decode"}
+        assert figures["load_generator_wait"] is not None and figures["load_generator_wait"]["cpus"] >= 0
     finally:
         for pid in kids:
             with contextlib.suppress(ProcessLookupError):
@@ -125,6 +128,68 @@ def test_a_fake_proc_tree_is_split_by_command_line(tmp_path: Path) -> None:
     s = sampler.sample()
     assert s.busy_s is None and s.total_s is None  # no stat file of the machine here
     assert s.parts["workers"] == pytest.approx(2 * 10 / os.sysconf("SC_CLK_TCK"))  # utime 7 + stime 3, twice
+
+
+BURNER = "import time\nend = time.process_time() + 60\nwhile time.process_time() < end: pass\n"
+
+
+@linux_only
+def test_two_processes_sharing_one_cpu_each_wait_for_it_and_a_sleeper_does_not() -> None:
+    """Two burners pinned to one CPU run about half the time each and wait the other half."""
+    cpu = min(os.sched_getaffinity(0))
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(2)]
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        for b in burners:
+            os.sched_setaffinity(b.pid, {cpu})
+        counter = WaitCounter()
+        time.sleep(0.2)
+        pids = [[b.pid] for b in burners] + [[sleeper.pid]]
+        before = [counter.read(p) for p in pids]
+        time.sleep(1.0)
+        after = [counter.read(p) for p in pids]
+        assert all(r is not None for r in (*before, *after))
+        waited = [b[0] - a[0] for a, b in zip(before, after, strict=True)]  # type: ignore[index]
+        runs = [b[1] - a[1] for a, b in zip(before, after, strict=True)]  # type: ignore[index]
+        assert all(w >= 0.25 for w in waited[:2]), waited  # about 0.5 s each, less what else ran
+        assert all(n >= 1 for n in runs[:2]) and waited[2] < 0.05, (waited, runs)
+        together = counter.read([b.pid for b in burners])
+        assert together is not None
+        assert together[0] == pytest.approx(sum(r[0] for r in after[:2]), abs=0.05)  # type: ignore[index]
+    finally:
+        for p in (*burners, sleeper):
+            p.kill()
+            p.wait()
+    assert WaitCounter().read([sleeper.pid]) is None  # gone, never seen by this counter
+
+
+def test_a_thread_that_ended_keeps_what_it_was_last_seen_with(tmp_path: Path) -> None:
+    def thread(tid: int, wait_ns: int, runs: int) -> None:
+        (tmp_path / "5" / "task" / str(tid)).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "5" / "task" / str(tid) / "schedstat").write_text(f"900000000 {wait_ns} {runs}\n")
+
+    thread(5, 100_000_000, 10)
+    thread(6, 250_000_000, 30)
+    counter = WaitCounter(proc=tmp_path)
+    assert counter.read([5]) == (pytest.approx(0.35), 40)
+    (tmp_path / "5" / "task" / "6" / "schedstat").unlink()
+    (tmp_path / "5" / "task" / "6").rmdir()
+    thread(5, 150_000_000, 15)
+    assert counter.read([5]) == (pytest.approx(0.40), 45)
+    assert counter.read([7]) is None  # never seen
+
+
+def test_the_wait_over_a_window_is_in_cpus_and_a_mean_delay_per_run() -> None:
+    samples = [HostSample(0.0, 0.0, 0.0, 0.0, {"router": 0.0}, (1.0, 100), {"router": (2.0, 1000)}),
+               HostSample(4.0, 4.0, 8.0, 1.0, {"router": 2.0}, (3.0, 2100), {"router": (2.4, 1000)})]
+    figures = host_figures(samples, 0.0, 4.0, cpus=2)
+    assert figures["load_generator_wait"] == {"cpus": pytest.approx(0.5), "delay_ms": pytest.approx(1.0)}
+    assert figures["processes_wait"] == {"router": {"cpus": pytest.approx(0.1), "delay_ms": None}}  # never run
+    text = describe(figures)
+    assert "the load generator 0.50 (1.0 ms a wake-up)" in text and "router 0.10" in text
+    no_wait = host_figures([HostSample(0.0, 0.0, 0.0, 0.0), HostSample(4.0, 4.0, 8.0, 1.0)], 0.0, 4.0, cpus=2)
+    assert no_wait["load_generator_wait"] is None and no_wait["processes_wait"] == {}
+    assert "waited for a CPU" not in describe(no_wait)
 
 
 def at(t: float, busy: float, total: float, own: float, **parts: float) -> HostSample:

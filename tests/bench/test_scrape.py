@@ -48,3 +48,38 @@ def test_a_page_is_read_the_same_from_its_wanted_lines() -> None:
     assert (kept.kv_transfer_bytes, kept.prefix_query_tokens, kept.prefix_hit_tokens, kept.sim_modeled_s,
             kept.sim_late_s) == (4096.0, 1000.0, 640.0, 12.5, 0.25)
     assert len(_wanted_lines(page)) < len(page) / 2
+
+
+def test_the_routers_own_ttft_over_a_window_is_read_between_its_buckets() -> None:
+    """Both doors count; the window is read between the samples that enclose it; a quantile is
+    interpolated within its bucket (as Prometheus's ``histogram_quantile``), and one past the last
+    finite bound reads that bound."""
+    import pytest
+
+    from pdrouter.bench.report import router_ttft_sentence
+    from pdrouter.bench.scrape import _wanted_lines, histogram_quantiles
+    from pdrouter.router.metrics import FrontdoorMetrics
+
+    metrics = RouterMetrics()
+    http, grpc = FrontdoorMetrics(metrics, "http"), FrontdoorMetrics(metrics, "grpc")
+    for _ in range(50):
+        http.ttft.observe(0.004)  # before the window: not counted
+    first = parse_metrics(_wanted_lines(metrics.exposition().decode()), 1.0)
+    for _ in range(80):
+        http.ttft.observe(0.03)  # bucket (0.025, 0.05]
+    for _ in range(10):
+        grpc.ttft.observe(0.6)  # bucket (0.5, 0.75]
+    for _ in range(10):
+        grpc.ttft.observe(100.0)  # past the last finite bound (80 s)
+    second = parse_metrics(_wanted_lines(metrics.exposition().decode()), 5.0)
+    assert second.ttft_buckets[float("inf")] == 150
+    figures = histogram_quantiles([first, second], 1.5, 4.5)
+    assert figures["count"] == 100
+    assert figures["p50_s"] == pytest.approx(0.025 + 0.025 * 50 / 80)
+    assert figures["p90_s"] == pytest.approx(0.75)  # the 90th of 100: the last in (0.5, 0.75]
+    assert figures["p99_s"] == 80.0
+    assert histogram_quantiles([first, first], 0.0, 2.0) == {}  # nothing between them
+    assert histogram_quantiles([parse_metrics("", 0.0), parse_metrics("", 9.0)], 0.0, 9.0) == {}  # not exported
+    text = router_ttft_sentence(figures, {"p50": 1.5, "p90": 2.0, "p99": 2.5, "count": 100})
+    assert "(its `pdrouter_time_to_first_token_seconds`" in text and "100 requests): p50 41 ms, p90 750 ms" in text
+    assert "the client's: p50 1500 ms, p90 2000 ms, p99 2500 ms" in text
