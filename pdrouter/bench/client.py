@@ -78,7 +78,8 @@ open-loop point keeps rate × lifetime requests in flight (144 req/s of 8B chat 
 1,300 at its peak), and one that finds every connection taken waits for one, inside its TTFT: the
 client would measure its own cap. ``vllm bench serve`` sets none without ``--max-concurrency``; this
 one is far above what a point here reaches, and only keeps a server that stops answering from taking
-every descriptor of the client. A run reports the requests that waited (``ClientFigures``)."""
+every descriptor of the client. A run reports the requests that waited (``ClientFigures``). (The help of
+``pdrouter bench run --max-concurrency`` names the figure: it is built without importing this module.)"""
 CLIENT_IDLE_S = 2.0
 """Seconds an idle kept-alive connection stays in the client's pool."""
 CONNECT_TIMEOUT_S = 10.0

@@ -146,7 +146,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: requests in flight (default without --rate: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None,
-                   help="open loop: cap on requests in flight (default: none)")
+                   help="open loop: cap on requests in flight (default: none; the client opens a connection "
+                        "per request in flight, up to 8,192, and reports any request that waited for one)")
     p.add_argument("--duration", type=float, default=None,
                    help="stop sending after this many seconds (default: when every request was sent)")
     p.add_argument("--time-scale", type=float, default=1.0,
