@@ -490,3 +490,15 @@ def test_the_soft_limit_on_open_files_is_raised_up_to_the_hard_one() -> None:
             assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_run_commands_help_names_the_clients_connection_cap() -> None:
+    """``bench run --help`` is built without importing the client (aiohttp), so it states the cap itself."""
+    import argparse
+
+    from pdrouter.bench.client import CLIENT_CONNECTIONS
+    from pdrouter.cli.bench_cmd import add_run_args
+
+    parser = argparse.ArgumentParser()
+    add_run_args(parser)
+    assert f"up to {CLIENT_CONNECTIONS:,}" in " ".join(parser.format_help().split())
