@@ -196,9 +196,10 @@ def vllm_pool(vllm_model: Path, vllm_redis: str) -> Iterator[VllmPool]:
         pool.stop()
 
 
-def listed_workers(pool: VllmPool) -> set[str]:
-    """The workers the router's pool lists (its ``pdrouter_worker_info`` samples)."""
-    with urllib.request.urlopen(f"{pool.http}/metrics", timeout=10) as resp:
+def listed_workers(pool: VllmPool, http: str | None = None) -> set[str]:
+    """The workers a router's pool lists (its ``pdrouter_worker_info`` samples): the pool's router, or the
+    one at ``http``."""
+    with urllib.request.urlopen(f"{http or pool.http}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {line.split('worker="', 1)[1].split('"', 1)[0] for line in text.splitlines()
             if line.startswith("pdrouter_worker_info{") and 'worker="' in line}
