@@ -20,8 +20,9 @@ from typing import Any
 
 from pdrouter.bench.compare import LayoutResult, best_by_rate, crossovers, max_rate_within, why
 from pdrouter.bench.plots import write_plots
+from pdrouter.bench.report import KV_FULL, kv_full_workers
 from pdrouter.bench.stats import Slo
-from pdrouter.bench.window import MIN_REQUESTS, WARMUP_SHARE
+from pdrouter.bench.window import MIN_REQUESTS, SETTLE_LIFETIMES, WARMUP_SHARE
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,8 @@ def point_rows(results: Sequence[LayoutResult]) -> list[str]:
             served = p["summary"].get("request_rate")
             offered = p.get("offered_rate")
             steady = "yes" if w.get("steady") else f"**no**: {w.get('reason', 'unknown')}"
+            if w.get("short_to_settle"):
+                steady += f", short to settle §: {w['lifetimes']:.2g} lifetimes"
             if p.get("saturated"):
                 steady += " (saturated)"
             prefix = p.get("prefix") or {}
@@ -121,9 +124,14 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
              if not (p.get("window") or {}).get("steady", True)]
     flagged = [(r.layout.name, p["rate"]) for r in results for p in r.points if (p.get("prefix") or {}).get("flagged")]
     bound = host_bound_points(results)
+    unsettled = {(r.layout.name, p["rate"]): (p.get("window") or {}) for r in results for p in r.points
+                 if (p.get("window") or {}).get("short_to_settle")}
+    kv_full = {(r.layout.name, p["rate"]): (len(full), len((p.get("router") or {})["kv_water_level_peak"]))
+               for r in results for p in r.points if (full := kv_full_workers(p.get("router") or {}))}
 
     def mark(name: str, rate: float) -> str:
-        return ("†" if (name, rate) in short else "") + ("‡" if (name, rate) in bound else "")
+        return ("†" if (name, rate) in short else "") + ("§" if (name, rate) in unsettled else "") \
+            + ("‡" if (name, rate) in bound else "")
 
     def table(key: str, fmt: Any) -> list[str]:
         rows = ["| rate | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
@@ -139,6 +147,22 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
     if short:
         lines += ["† **too short to reach steady state**: " + ", ".join(f"{n} at {r:g} req/s" for n, r in short)
                   + " (see the points below); their figures are less sure.", ""]
+    if unsettled:
+        lines += ["§ **short to settle**: " + ", ".join(
+            f"{n} at {r:g} req/s ({w['lifetimes']:.2g} lifetimes of {w['lifetime_s']:.3g} s)"
+            for (n, r), w in unsettled.items())
+            + f". Their windows span fewer than {SETTLE_LIFETIMES:g} of their first requests' p90 lifetimes; under a "
+              "load that grows the batches, answers lengthen and the requests in flight and the KV booked rise for "
+              "a lifetime or two, so what these points served and kept within the SLO may be the ramp's. Longer "
+              "points (--point-duration) tell.", ""]
+    if kv_full:
+        lines += ["**KV room ran out** (water level peak ≥ "
+                  f"{KV_FULL:g} of the pool): " + "; ".join(
+                      f"{n} at {r:g} req/s ({full} of {total} workers)" for (n, r), (full, total) in kv_full.items())
+                  + ". Requests waited for KV room there (a wait past the router's queue deadline is refused with "
+                    "429): at those rates the layout's KV pool was a limit"
+                  + (" (on a host-bound point ‡ this machine's delays lengthen the time each request holds its KV "
+                     "too)" if any(k in bound for k in kv_full) else "") + ".", ""]
     if bound:
         lines += ["‡ **this machine was busy throughout** (host-bound): " + "; ".join(
             f"{n} at {r:g} req/s ({reason})" for (n, r), reason in bound.items()) + ". Requests also queued in the "
@@ -174,8 +198,10 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
         held_all = v is not None and v >= max(rates_tried)
         missed = [p["rate"] for p in sorted(r.points, key=lambda p: p["rate"]) if v is None or p["rate"] > v][:1]
         limit = ""
+        if missed and (r.layout.name, missed[0]) in kv_full:
+            limit = "; at the rate it missed its KV room ran out"
         if missed and (r.layout.name, missed[0]) in bound:
-            limit = "; the rate it missed ‡: host-bound, maybe this machine's limit"
+            limit += "; the rate it missed ‡: host-bound, maybe this machine's limit"
             missed_host_bound.append(r.layout.name)
         lines.append(f"| {r.layout.name} | {r.layout.gpus} | "
                      + ("below the lowest rate" + limit + " | – |" if v is None else

@@ -48,6 +48,43 @@ def router_figures(samples: list[MetricsSample]) -> dict[str, Any]:
     }
 
 
+KV_FULL = 0.95
+"""A worker whose KV water level (the share of its pool booked) peaked at or above this ran out of KV room
+during the run: requests then waited in the router's admission queue, and were refused when their wait
+passed its deadline."""
+
+
+def kv_full_workers(router: dict[str, Any]) -> dict[str, float]:
+    """Worker → its water level peak, for the workers whose KV peaked at ``KV_FULL`` or more."""
+    return {w: v for w, v in (router.get("kv_water_level_peak") or {}).items() if v >= KV_FULL}
+
+
+def kv_full_sentence(router: dict[str, Any]) -> str:
+    """What a run's KV room did where it ran out ("" where it did not)."""
+    full = kv_full_workers(router)
+    if not full:
+        return ""
+    peaks = router.get("kv_water_level_peak") or {}
+    queue = router.get("admission_queue_peak")
+    low, high = min(full.values()), max(full.values())
+    span = f"{low:.2f}" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}–{high:.2f}"
+    return (f"**KV room ran out** on {len(full)} of {len(peaks)} workers (water level peak {span}"
+            + (f"; the router's admission queue held up to {queue:.0f} requests" if queue else "")
+            + "): requests waited for KV room in the router's queue (a wait past the queue's deadline is refused "
+              "with 429). At this rate the KV pool was a limit.")
+
+
+def short_window_sentence(window: dict[str, Any]) -> str:
+    """The caution for a steady window that spans fewer than ``SETTLE_LIFETIMES`` lifetimes ("" otherwise)."""
+    if not window.get("short_to_settle"):
+        return ""
+    return (f"**Short to settle:** the window spans {window['lifetimes']:.2g} of its first requests' p90 lifetimes "
+            f"({window['lifetime_s']:.3g} s), fewer than {window['settle_lifetimes']:g}. Under a load that grows the "
+            "batches, answers lengthen and the requests in flight and the KV booked keep rising for a lifetime or "
+            "two; what was served, the latencies and the KV room here may be the ramp's. A longer point "
+            "(`--point-duration`, `--num-requests`) tells.")
+
+
 def router_ttft_sentence(router: dict[str, float], client: dict[str, Any]) -> str:
     """The router's own TTFT over the window beside the client's: where the client's is far above it, the
     time went outside the router (the client, this machine's queues, the network)."""
@@ -142,12 +179,18 @@ def markdown(document: dict[str, Any]) -> str:
         lines += [f"Measured window: {w['start_s']:.3g}–{w['end_s']:.3g} s of the run ({w['length_s']:.3g} s, "
                   f"{w['requests']} requests arrived in it; warm-up {w['warmup_s']:.3g} s, the drain after the last "
                   f"arrival left out): {verdict}.{saturation}", ""]
+        caution = short_window_sentence(w)
+        if caution:
+            lines += [caution, ""]
         theirs = steady.get("router_ttft") or {}
         ours = (steady.get("summary") or {}).get("ttft") or {}
         if theirs.get("count") and ours.get("count"):
             lines += [router_ttft_sentence(theirs, ours), ""]
     if host:
         lines += [describe_host(host), ""]
+    kv = kv_full_sentence(router or {})
+    if kv:
+        lines += [kv, ""]
     client = document.get("client") or {}
     if client.get("waited_for_a_connection"):
         lines += [f"**{client['waited_for_a_connection']} requests waited for a connection of the client's own** "

@@ -25,6 +25,10 @@ measured over a **window** of its arrivals, with this rule:
   ``MIN_REQUESTS`` (50) arrivals; otherwise the point is marked too short, with the reason (its
   figures are then the short window's, or the whole run's when there is no window at all: no
   completion, a burst, arrivals that end within the warm-up). A burst has no steady state.
+* a steady window that spans fewer than ``SETTLE_LIFETIMES`` (3) of those lifetimes is **short to
+  settle**: kept, but flagged. Under a load that grows the batches, the answers lengthen, so requests
+  in flight and KV occupancy keep rising for a lifetime or two after the window opens; a shortfall
+  in what was served, or KV room not yet run out, may be the ramp's, and a longer point tells.
 
 Times are those of the records: simulated seconds once ``RequestRecord.scaled`` divided them.
 """
@@ -45,6 +49,12 @@ LIFETIME_PERCENTILE = 90.0
 
 MIN_REQUESTS = 50
 """Arrivals a steady window holds at least (below it, a p90 moves by a request or two)."""
+
+SETTLE_LIFETIMES = 3.0
+"""A steady window spanning fewer of its first requests' p90 lifetimes than this is short to judge a load
+by: a server whose batches (and answers) grow under the load takes several lifetimes to settle, and what
+it served, its latencies and its KV room until then are the ramp's (``docs/benchmarks.md``, "How long a
+point must last")."""
 
 SATURATED = 0.9
 """A window that served less than this share of the rate it was offered (and less by more than
@@ -77,6 +87,17 @@ class Window:
     def warmup_s(self) -> float:
         return self.start_s - self.first_arrival_s
 
+    @property
+    def lifetimes(self) -> float | None:
+        """The window's length in its first requests' p90 lifetimes (None: no lifetime)."""
+        return self.length_s / self.lifetime_s if self.lifetime_s else None
+
+    @property
+    def short_to_settle(self) -> bool:
+        """Steady, but spanning fewer than ``SETTLE_LIFETIMES`` lifetimes: a longer point may read otherwise."""
+        lifetimes = self.lifetimes
+        return self.steady and lifetimes is not None and lifetimes < SETTLE_LIFETIMES
+
     def describe(self) -> str:
         """E.g. ``"3.1–28.7 s (25.6 s, 612 requests)"``, or the reason it is not steady."""
         text = f"{self.start_s:.3g}–{self.end_s:.3g} s ({self.length_s:.3g} s, {self.requests} requests)"
@@ -87,7 +108,9 @@ class Window:
                 "warmup_s": self.warmup_s, "first_arrival_s": self.first_arrival_s,
                 "last_arrival_s": self.last_arrival_s, "lifetime_s": self.lifetime_s, "requests": self.requests,
                 "steady": self.steady, "reason": self.reason, "warmup_share": WARMUP_SHARE,
-                "lifetime_percentile": LIFETIME_PERCENTILE, "min_requests": MIN_REQUESTS}
+                "lifetime_percentile": LIFETIME_PERCENTILE, "min_requests": MIN_REQUESTS,
+                "lifetimes": self.lifetimes, "short_to_settle": self.short_to_settle,
+                "settle_lifetimes": SETTLE_LIFETIMES}
 
 
 def _end_s(r: RequestRecord) -> float | None:

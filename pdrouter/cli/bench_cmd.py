@@ -131,7 +131,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def add_point_duration(p: argparse.ArgumentParser, default: float | None) -> None:
     p.add_argument("--point-duration", type=float, default=default,
                    help="simulated seconds of arrivals per point: each rate sends rate × this requests (at least "
-                        "--num-requests), so every point spans the same time and reaches steady state"
+                        "--num-requests), so every point spans the same time and reaches steady state; a point whose "
+                        "window spans fewer than three of its requests' lifetimes is flagged short to settle"
                         + ("" if default is not None else " (default: --num-requests at every rate)"))
 
 

@@ -216,6 +216,69 @@ def test_a_host_bound_point_is_marked_and_not_taken_for_the_layouts_limit(tmp_pa
     assert specs["goodput"]["crossed_means"].startswith("this machine was busy throughout")
 
 
+def test_points_short_to_settle_and_points_out_of_kv_room_are_named(tmp_path: Path) -> None:
+    """A steady window of fewer than three lifetimes is marked § with its count of lifetimes; a point whose
+    workers' KV peaked full is named, and the rate a layout missed there is said to have run out of KV room
+    (not taken for this machine's limit)."""
+    from pdrouter.bench.compare_report import CompareSetup, write_compare_report
+    from pdrouter.bench.stats import Slo
+
+    results = [result("colocated-2", [(4, 4.0), (8, 8.0)]), result("1p1d", [(4, 4.0), (8, 3.0)])]
+    results[0].points[1]["window"] |= {"lifetime_s": 7.0, "lifetimes": 9.0 / 7.0, "short_to_settle": True}
+    results[1].points[1]["router"] = {"kv_water_level_peak": {"decode-0": 0.99, "decode-1": 0.6},
+                                      "admission_queue_peak": 40}
+    text = write_compare_report(results, tmp_path, CompareSetup("t", Slo.parse("ttft=1s"), 90.0)).read_text()
+    assert "§ **short to settle**: colocated-2 at 8 req/s (1.3 lifetimes of 7 s). Their windows span fewer than 3" \
+        in text
+    assert "| 8 | 100%§ | 38% | colocated-2 |" in text
+    assert "| yes, short to settle §: 1.3 lifetimes |" in text  # the points' table
+    assert "**KV room ran out** (water level peak ≥ 0.95 of the pool): 1p1d at 8 req/s (1 of 2 workers). " in text
+    assert "| 1p1d | 2 | 4 req/s; at the rate it missed its KV room ran out | 2 |" in text
+    assert "host-bound" not in text
+
+
+def test_a_run_report_names_a_short_window_and_kv_that_ran_out() -> None:
+    from pdrouter.bench.report import markdown
+
+    window = {"start_s": 7.0, "end_s": 20.0, "length_s": 13.0, "requests": 650, "warmup_s": 7.0, "steady": True,
+              "reason": "", "lifetime_s": 6.5, "lifetimes": 2.0, "short_to_settle": True, "settle_lifetimes": 3.0}
+    summary = {"completed": 1, "failed": 0, "duration_s": 10.0, "request_rate": 1.0, "input_tokens_per_s": 1.0,
+               "output_tokens_per_s": 1.0, "errors": {}, "tokens_per_chunk": None,
+               **{k: {"count": 0} for k in ("ttft", "tpot", "itl", "e2e")}}
+    router = {"kv_water_level_peak": {"decode-0": 0.98, "decode-1": 1.0}, "admission_queue_peak": 1020.0}
+    doc = {"config": {"time_scale": 1}, "summary": summary, "router": router,
+           "steady": {"window": window, "saturated": True, "summary": summary}}
+    text = markdown(doc)
+    assert "**Short to settle:** the window spans 2 of its first requests' p90 lifetimes (6.5 s), fewer than 3." \
+        in text
+    assert ("**KV room ran out** on 2 of 2 workers (water level peak 0.98–1.00; the router's admission queue held "
+            "up to 1020 requests)") in text
+    calm = markdown(doc | {"router": {"kv_water_level_peak": {"decode-0": 0.5}},
+                           "steady": {"window": window | {"lifetimes": 4.0, "short_to_settle": False},
+                                      "saturated": False, "summary": summary}})
+    assert "Short to settle" not in calm and "KV room ran out" not in calm
+
+
+def test_a_point_line_flags_a_window_short_to_settle_and_kv_full(tmp_path: Path) -> None:
+    """The one-line summary a sweep or comparison prints per point, from a ramping server's records."""
+    from pdrouter.bench.point import Outcome, point_line
+    from pdrouter.bench.stats import summarize
+    from pdrouter.bench.window import measure_window, window_summary
+
+    from .test_window import poisson, ramping
+
+    records = ramping(poisson(50.0, 50 * 20), 6.0, 14.0, 20.0)
+    window = measure_window(records)
+    router = {"kv_water_level_peak": {"decode-0": 0.97, "decode-1": 0.99, "decode-2": 0.4}}
+    outcome = Outcome(summarize(records, 30.0), window_summary(records, window), window,
+                      {"prefix": {}, "router": router}, tmp_path / "x.json", False)
+    line = point_line("1p1d @ 50/s", outcome)
+    assert f"[short to settle: {window.lifetimes:.2g} lifetimes of {window.lifetime_s:.3g} s]" in line
+    assert "[KV full on 2 of 3 workers]" in line
+    outcome.document["router"] = {}
+    assert "KV full" not in point_line("1p1d @ 50/s", outcome)
+
+
 def test_a_point_too_small_for_a_steady_window_is_refused_before_any_cluster(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "pdrouter", "bench", "compare", "--gpus", "2", "--layouts",
                            "colocated,1p1d", "--rates", "4,8", "--point-duration", "5", "--out", str(tmp_path)],

@@ -155,3 +155,34 @@ def test_saturation_needs_more_than_counting_noise() -> None:
         s = window_summary(records, w)
         assert saturated(s, s.request_rate * 1.12) is expected
         assert not saturated(s, s.request_rate)
+
+
+def ramping(arrivals: list[float], first_s: float, settled_s: float, ramp_s: float) -> list[RequestRecord]:
+    """A server that keeps up but whose answers lengthen as its batches fill: a request arriving at ``t``
+    lives ``first_s`` at the start, rising evenly to ``settled_s`` at ``ramp_s`` into the run, then
+    ``settled_s``."""
+    return [record(i, t, first_s + (settled_s - first_s) * min(1.0, t / ramp_s)) for i, t in enumerate(arrivals)]
+
+
+def test_a_window_of_few_lifetimes_under_a_ramp_is_flagged_short_to_settle() -> None:
+    """Answers going from 6 s to 14 s over the first 20 s of the run (as 8B chat's did at 144 req/s, when
+    the decode batches filled). Over 20 s of arrivals the window spans about two lifetimes and reads far
+    less served than offered, as if saturated: it is flagged short to settle. Over 120 s the same server
+    serves what it is offered, and the window spans ten lifetimes."""
+    from pdrouter.bench.window import SETTLE_LIFETIMES
+
+    short = ramping(poisson(50.0, 50 * 20), 6.0, 14.0, 20.0)
+    w = measure_window(short)
+    s = window_summary(short, w)
+    assert w.steady and w.lifetimes is not None and 1.5 < w.lifetimes < SETTLE_LIFETIMES
+    assert w.short_to_settle and w.to_dict()["short_to_settle"] is True
+    assert s.request_rate < 0.8 * offered_rate(short, w) and saturated(s, offered_rate(short, w))
+    long = ramping(poisson(50.0, 50 * 120), 6.0, 14.0, 20.0)
+    w = measure_window(long)
+    s = window_summary(long, w)
+    assert w.steady and w.lifetimes is not None and w.lifetimes > 3 * SETTLE_LIFETIMES
+    assert not w.short_to_settle and w.to_dict()["lifetimes"] == w.lifetimes
+    assert s.request_rate > 0.9 * offered_rate(long, w) and not saturated(s, offered_rate(long, w))
+    # a window that is not steady is too short already: not flagged twice
+    brief = unbounded(poisson(100.0, 400), e2e=3.5)
+    assert not measure_window(brief).short_to_settle
