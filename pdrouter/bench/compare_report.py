@@ -22,7 +22,7 @@ from pdrouter.bench.compare import LayoutResult, best_by_rate, crossovers, max_r
 from pdrouter.bench.plots import write_plots
 from pdrouter.bench.report import KV_FULL, kv_full_workers
 from pdrouter.bench.stats import Slo
-from pdrouter.bench.window import MIN_REQUESTS, SETTLE_LIFETIMES, WARMUP_SHARE
+from pdrouter.bench.window import MIN_REQUESTS, SETTLE_LIFETIMES, WARMUP_SHARE, settling_span_s
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,12 @@ def point_rows(results: Sequence[LayoutResult]) -> list[str]:
     return rows
 
 
+def settle_hint(windows: Sequence[dict[str, Any]]) -> str:
+    """``--point-duration N or more gives …``: what gives the longest-lived of these windows three lifetimes."""
+    return (f"--point-duration {max(settling_span_s(w['lifetime_s']) for w in windows):g} or more gives "
+            f"{'these windows' if len(windows) > 1 else 'its window'} {SETTLE_LIFETIMES:g} lifetimes")
+
+
 def host_bound_points(results: Sequence[LayoutResult]) -> dict[tuple[str, float], str]:
     """The host-bound points, (layout, rate) → why (``pdrouter.bench.host``)."""
     return {(r.layout.name, p["rate"]): str((p.get("host") or {}).get("reason") or "")
@@ -154,7 +160,7 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
             + f". Their windows span fewer than {SETTLE_LIFETIMES:g} of their first requests' p90 lifetimes; under a "
               "load that grows the batches, answers lengthen and the requests in flight and the KV booked rise for "
               "a lifetime or two, so what these points served and kept within the SLO may be the ramp's. Longer "
-              "points (--point-duration) tell.", ""]
+              f"points tell: {settle_hint(list(unsettled.values()))}.", ""]
     if kv_full:
         lines += ["**KV room ran out** (water level peak ≥ "
                   f"{KV_FULL:g} of the pool): " + "; ".join(

@@ -20,7 +20,7 @@ from typing import Any
 from pdrouter.bench.host import describe as describe_host
 from pdrouter.bench.scrape import MetricsSample, counter_growth, prefix_hit_rate, sim_late_share
 from pdrouter.bench.stats import RequestRecord, Summary
-from pdrouter.bench.window import Window, saturated
+from pdrouter.bench.window import Window, saturated, settling_span_s
 
 HIT_RATE_SLACK = 0.01
 """A measured prefix hit rate this far above the expected one is flagged (the expectation is a
@@ -81,8 +81,9 @@ def short_window_sentence(window: dict[str, Any]) -> str:
     return (f"**Short to settle:** the window spans {window['lifetimes']:.2g} of its first requests' p90 lifetimes "
             f"({window['lifetime_s']:.3g} s), fewer than {window['settle_lifetimes']:g}. Under a load that grows the "
             "batches, answers lengthen and the requests in flight and the KV booked keep rising for a lifetime or "
-            "two; what was served, the latencies and the KV room here may be the ramp's. A longer point "
-            "(`--point-duration`, `--num-requests`) tells.")
+            "two; what was served, the latencies and the KV room here may be the ramp's. A longer point tells: "
+            f"arrivals over {settling_span_s(window['lifetime_s']):g} s or more (`--point-duration`, "
+            "`--num-requests`) give it three lifetimes.")
 
 
 def router_ttft_sentence(router: dict[str, float], client: dict[str, Any]) -> str:

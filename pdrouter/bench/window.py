@@ -56,6 +56,14 @@ by: a server whose batches (and answers) grow under the load takes several lifet
 it served, its latencies and its KV room until then are the ramp's (``docs/benchmarks.md``, "How long a
 point must last")."""
 
+
+
+def settling_span_s(lifetime_s: float) -> float:
+    """Seconds of arrivals that give a window ``SETTLE_LIFETIMES`` lifetimes of ``lifetime_s``: the warm-up
+    takes one (while it is over a tenth of the span), the window the rest; rounded up to 10 s."""
+    return 10.0 * math.ceil((SETTLE_LIFETIMES + 1) * lifetime_s / 10.0)
+
+
 SATURATED = 0.9
 """A window that served less than this share of the rate it was offered (and less by more than
 counting noise) is saturated."""

@@ -230,6 +230,7 @@ def test_points_short_to_settle_and_points_out_of_kv_room_are_named(tmp_path: Pa
     text = write_compare_report(results, tmp_path, CompareSetup("t", Slo.parse("ttft=1s"), 90.0)).read_text()
     assert "§ **short to settle**: colocated-2 at 8 req/s (1.3 lifetimes of 7 s). Their windows span fewer than 3" \
         in text
+    assert "Longer points tell: --point-duration 30 or more gives its window 3 lifetimes." in text  # 4 × 7 s
     assert "| 8 | 100%§ | 38% | colocated-2 |" in text
     assert "| yes, short to settle §: 1.3 lifetimes |" in text  # the points' table
     assert "**KV room ran out** (water level peak ≥ 0.95 of the pool): 1p1d at 8 req/s (1 of 2 workers). " in text
@@ -251,6 +252,7 @@ def test_a_run_report_names_a_short_window_and_kv_that_ran_out() -> None:
     text = markdown(doc)
     assert "**Short to settle:** the window spans 2 of its first requests' p90 lifetimes (6.5 s), fewer than 3." \
         in text
+    assert "arrivals over 30 s or more (`--point-duration`, `--num-requests`) give it three lifetimes" in text
     assert ("**KV room ran out** on 2 of 2 workers (water level peak 0.98–1.00; the router's admission queue held "
             "up to 1020 requests)") in text
     calm = markdown(doc | {"router": {"kv_water_level_peak": {"decode-0": 0.5}},

@@ -183,6 +183,13 @@ def test_a_window_of_few_lifetimes_under_a_ramp_is_flagged_short_to_settle() -> 
     assert w.steady and w.lifetimes is not None and w.lifetimes > 3 * SETTLE_LIFETIMES
     assert not w.short_to_settle and w.to_dict()["lifetimes"] == w.lifetimes
     assert s.request_rate > 0.9 * offered_rate(long, w) and not saturated(s, offered_rate(long, w))
+    # four lifetimes of arrivals give three in the window (the warm-up takes one), rounded up to 10 s
+    from pdrouter.bench.window import settling_span_s
+
+    assert settling_span_s(13.1) == 60.0 and settling_span_s(5.0) == 20.0 and settling_span_s(0.2) == 10.0
+    span = settling_span_s(6.0)
+    ramp = ramping(poisson(50.0, int(50 * span)), 6.0, 6.0, 1.0)
+    assert not measure_window(ramp).short_to_settle
     # a window that is not steady is too short already: not flagged twice
     brief = unbounded(poisson(100.0, 400), e2e=3.5)
     assert not measure_window(brief).short_to_settle
