@@ -57,7 +57,6 @@ it served, its latencies and its KV room until then are the ramp's (``docs/bench
 point must last")."""
 
 
-
 def settling_span_s(lifetime_s: float) -> float:
     """Seconds of arrivals that give a window ``SETTLE_LIFETIMES`` lifetimes of ``lifetime_s``: the warm-up
     takes one (while it is over a tenth of the span), the window the rest; rounded up to 10 s."""

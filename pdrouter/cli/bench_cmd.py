@@ -296,6 +296,8 @@ def _print_run(outcome: Outcome, as_json: bool) -> None:
     w, steady = outcome.window, outcome.steady
     print(f"window: {w.describe()}")
     print(f"steady_state: {'yes' if w.steady else 'no'}")
+    if w.lifetimes is not None:
+        print(f"window_lifetimes: {w.lifetimes:.3g} x")  # under 3: short to settle (docs/benchmarks.md)
     print(f"window_request_throughput: {steady.request_rate:.6g} req/s")
     print(f"window_output_token_throughput: {steady.output_tokens_per_s:.6g} tok/s")
     if steady.goodput is not None:

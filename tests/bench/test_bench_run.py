@@ -97,6 +97,9 @@ def test_a_poisson_run_sends_every_request_at_poisson_gaps(cluster: str, tmp_pat
     assert router_ttft["count"] >= 0.8 * window["count"], (router_ttft, window)
     assert 0 < router_ttft["p50_s"] <= 2 * window["p50"] + 0.01, (router_ttft, window)
     assert "window_router_ttft_p50: " in done.stdout
+    w = doc["steady"]["window"]
+    assert f"window_lifetimes: {w['lifetimes']:.3g} x" in done.stdout
+    assert w["lifetimes"] == pytest.approx(w["length_s"] / w["lifetime_s"])
     assert doc["client"]["waited_for_a_connection"] == 0 and doc["client"]["peak_in_flight"] >= 1
 
 
