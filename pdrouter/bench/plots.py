@@ -14,8 +14,9 @@ The plots are built not to mislead:
 * every y axis starts at 0 (a log axis only when the values span more than ``LOG_SPAN`` ×), so noise
   between close values is not drawn as a trend; each layout has its own marker and line style, later
   layouts drawn smaller on top, and a note names the points where layouts coincide; a point too
-  short to reach steady state is drawn hollow, and one over which this machine was busy throughout
-  (host-bound, ``pdrouter.bench.host``: a bound on the layout's figure) is crossed; the footer gives
+  short to reach steady state is drawn hollow, one short to settle half filled, and one over which
+  this machine was busy throughout (host-bound, ``pdrouter.bench.host``: a bound on the layout's
+  figure) is crossed; the footer gives
   the requests per point, the measured window and the time scale.
 """
 
@@ -64,8 +65,10 @@ def _series(results: Sequence[LayoutResult], key: str, scale: float, *,
 
 
 def _marks(p: dict[str, Any]) -> dict[str, bool]:
-    """How a point is drawn: ``steady`` (else hollow) and ``host_bound`` (crossed)."""
-    return {"steady": bool((p.get("window") or {}).get("steady", True)),
+    """How a point is drawn: ``steady`` (else hollow), ``short_to_settle`` (half filled) and ``host_bound``
+    (crossed)."""
+    window = p.get("window") or {}
+    return {"steady": bool(window.get("steady", True)), "short_to_settle": bool(window.get("short_to_settle")),
             "host_bound": bool((p.get("host") or {}).get("host_bound"))}
 
 
@@ -153,6 +156,8 @@ def plot_specs(results: Sequence[LayoutResult], *, title: str, slo: Slo, attainm
         spec["title"] = title
         spec["footer"] = footer
         spec["hollow_means"] = "too short to reach steady state"
+        spec["half_means"] = ("short to settle (the window spans under three lifetimes: a longer point may "
+                              "read otherwise)")
         spec["crossed_means"] = "this machine was busy throughout (host-bound): a bound on the layout's figure"
     return specs
 
@@ -166,7 +171,7 @@ def draw(spec: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7.2, 5.0), dpi=100)
     count = len(spec["series"])
-    hollow_seen = crossed_seen = False
+    hollow_seen = crossed_seen = half_seen = False
     for i, s in enumerate(spec["series"]):
         pts = s["points"]
         if not pts:
@@ -180,6 +185,10 @@ def draw(spec: dict[str, Any], path: Path) -> None:
                 hollow_seen = True
                 ax.plot([p["x"]], [p["y"]], marker=marker, markersize=size, color=line.get_color(),
                         markerfacecolor="white", zorder=3 + i)
+            elif p.get("short_to_settle"):
+                half_seen = True
+                ax.plot([p["x"]], [p["y"]], marker=marker, markersize=size, color=line.get_color(),
+                        fillstyle="left", markerfacecoloralt="white", zorder=3 + i)
             if p.get("host_bound"):
                 crossed_seen = True
                 ax.plot([p["x"]], [p["y"]], marker="x", markersize=size + 3, color="black", linestyle="none",
@@ -212,6 +221,8 @@ def draw(spec: dict[str, Any], path: Path) -> None:
     notes = [spec["footer"]]
     if hollow_seen:
         notes.append(f"Hollow markers: {spec['hollow_means']}.")
+    if half_seen:
+        notes.append(f"Half-filled markers: {spec['half_means']}.")
     if crossed_seen:
         notes.append(f"Crossed markers: {spec['crossed_means']}.")
     if spec["notes"]:

@@ -236,6 +236,10 @@ def test_points_short_to_settle_and_points_out_of_kv_room_are_named(tmp_path: Pa
     assert "**KV room ran out** (water level peak ≥ 0.95 of the pool): 1p1d at 8 req/s (1 of 2 workers). " in text
     assert "| 1p1d | 2 | 4 req/s; at the rate it missed its KV room ran out | 2 |" in text
     assert "host-bound" not in text
+    specs = json.loads((tmp_path / "plots.json").read_text())
+    half = {s["layout"]: [p["short_to_settle"] for p in s["points"]] for s in specs["goodput"]["series"]}
+    assert half == {"colocated-2": [False, True], "1p1d": [False, False]}  # drawn half filled
+    assert specs["goodput"]["half_means"].startswith("short to settle")
 
 
 def test_a_run_report_names_a_short_window_and_kv_that_ran_out() -> None:
