@@ -61,6 +61,13 @@ __all__ = ["Admission", "AdmissionConfig", "AdmissionStats"]
 
 log = logging.getLogger(__name__)
 
+BEHIND_POLL_S = 1.0
+"""How often a waiting request that may not book now looks again of its own accord (it is woken when it
+becomes the queue's head or is pushed out). Polling every ``poll_interval_s`` (20 ms), a full queue of
+1,024 waiters woke the router's event loop about 50,000 times a second, so that under an overload the
+head was admitted late, the queue drained far slower than the pool freed room and stayed full
+(``docs/benchmarks.md``, "A full admission queue")."""
+
 
 class Admission:
     """KV admission for one pool (one model)."""
@@ -188,7 +195,8 @@ class Admission:
                     raise _full(f"the admission queue is full ({cfg.queue_limit} waiting) and requests of other "
                                 f"tenants or a higher priority came", cfg.retry_after_s)
                 held = self._held_back(flow, priority)
-                if queue.is_head(waiter) or (flow is not None and not held and self._head_held_back(priority)):
+                may_book = queue.is_head(waiter) or (flow is not None and not held and self._head_held_back(priority))
+                if may_book:
                     try:
                         res = await self.reservations.reserve(
                             booking_id, blocks,
@@ -207,7 +215,11 @@ class Admission:
                     raise _full(f"no decode worker had {blocks} free KV blocks within {cfg.queue_timeout_s:g}s",
                                 cfg.retry_after_s, "timeout")
                 self._signals.ask()
-                await queue.wait(waiter, min(left, cfg.poll_interval_s))
+                # Only a waiter that may book polls (room another router freed is not signalled), and the first
+                # waiter of a tenant within its share (it may book the headroom once the head is held back);
+                # the rest sleep until woken (the head now, pushed out, room back) or ``BEHIND_POLL_S``.
+                looks = may_book or (flow is not None and not held and queue.leads_its_flow(waiter))
+                await queue.wait(waiter, min(left, cfg.poll_interval_s if looks else BEHIND_POLL_S))
         finally:
             queue.leave(waiter, served)
 

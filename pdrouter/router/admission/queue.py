@@ -187,6 +187,11 @@ class WaitQueue:
     def is_head(self, waiter: Waiter) -> bool:
         return bool(self._heap) and self._heap[0] is waiter
 
+    def leads_its_flow(self, waiter: Waiter) -> bool:
+        """Whether ``waiter`` is the first of its flow's waiters (a flow's waiters join in its order)."""
+        waiters = self._flows.get(waiter.flow)
+        return waiters is not None and waiters[0] is waiter
+
     async def wait(self, waiter: Waiter, timeout: float) -> None:
         """Sleep until ``waiter`` is woken (after this call began) or ``timeout`` seconds pass."""
         waiter.wake.clear()
@@ -219,12 +224,12 @@ class WaitQueue:
         self.wake_head()
 
     def wake_head(self) -> None:
-        """Room may have come back: the head looks again, and so does every flow's only waiter
-        (with several flows waiting: one whose tenant is held back from the last room is not the
-        only one that may take it, see ``Admission``)."""
+        """Room may have come back: the head looks again, and so does every flow's first waiter (with
+        several flows waiting: a head whose tenant is held back from the last room is not the only
+        one that may take it, see ``Admission``). Waiters behind those are not woken: they cannot
+        book before the ones ahead of them."""
         if self._heap:
             self._heap[0].wake.set()
             if len(self._flows) > 1:
                 for waiters in self._flows.values():
-                    if len(waiters) == 1:
-                        waiters[0].wake.set()
+                    waiters[0].wake.set()

@@ -447,3 +447,51 @@ async def test_a_tenant_whose_requests_timed_out_is_not_taken_for_a_flood(client
     await until(lambda: _true(all(t.done() for t in b)), "both of b's admitted into the headroom")
     assert not any(t.done() for t in flood) and adm.queue_length == 7
     await _release_all(adm, [*held, *(t.result() for t in b)], flood)
+
+
+async def test_a_full_queue_costs_the_router_the_heads_polls_not_every_waiters(
+        client: aioredis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thousand requests waiting for room: only the head (which must see room another router freed)
+    looks again every poll interval; the others sleep until they are the head, are pushed out or time
+    out. Every waiter polling instead kept the router's one event loop busy with their wake-ups (50 a
+    second each): under an overload that filled the queue, the head was admitted late, the queue
+    drained at a fraction of what the pool freed, and stayed full. Then, room back: the queue drains
+    in order, each head admitted as the one before it leaves."""
+    from pdrouter.router.admission.queue import WaitQueue
+
+    looks = 0
+    wait = WaitQueue.wait
+
+    async def counted(self: WaitQueue, waiter: object, timeout: float) -> None:
+        nonlocal looks
+        looks += 1
+        await wait(self, waiter, timeout)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(WaitQueue, "wait", counted)
+    worker = [DecodeCapacity(WorkerId("d-full"), Epoch(1), 1000)]
+    adm = Admission(KvReservations(client, "fullq"), AdmissionConfig(queue_timeout_s=30, poll_interval_s=0.02,
+                                                                      credit_fraction=0))
+    holder = await adm.admit(RequestId("holder"), 1000, worker)
+    admitted: list[int] = []
+
+    async def one(i: int) -> None:
+        res = await adm.admit(RequestId(f"w{i}"), 1, worker)
+        admitted.append(i)
+        await adm.release(res)
+
+    waiters = 1000
+    tasks = [asyncio.create_task(one(i)) for i in range(waiters)]
+
+    async def queued() -> bool:
+        return adm.queue_length == waiters
+
+    await until(queued, "every request queued")
+    looks = 0
+    started = time.monotonic()
+    await asyncio.sleep(1.0)
+    elapsed = time.monotonic() - started
+    # Each waiter may look once after joining (woken or not); the head every poll interval.
+    assert looks <= waiters + 2 * elapsed / 0.02 + 10, looks
+    await adm.release(holder)
+    await asyncio.wait_for(asyncio.gather(*tasks), 60)
+    assert admitted == list(range(waiters)) and adm.queue_length == 0 and adm.active == 0
