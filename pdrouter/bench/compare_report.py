@@ -20,7 +20,7 @@ from typing import Any
 
 from pdrouter.bench.compare import LayoutResult, best_by_rate, crossovers, max_rate_within, why
 from pdrouter.bench.plots import write_plots
-from pdrouter.bench.report import KV_FULL, kv_full_workers
+from pdrouter.bench.report import KV_FULL, kv_full_count
 from pdrouter.bench.stats import Slo
 from pdrouter.bench.window import MIN_REQUESTS, SETTLE_LIFETIMES, WARMUP_SHARE, settling_span_s
 
@@ -98,6 +98,12 @@ def point_rows(results: Sequence[LayoutResult]) -> list[str]:
     return rows
 
 
+def unsettled_windows(results: Sequence[LayoutResult]) -> dict[tuple[str, float], dict[str, Any]]:
+    """(layout, rate) → window, for the points whose window was short to settle."""
+    return {(r.layout.name, p["rate"]): w for r in results for p in r.points
+            if (w := p.get("window") or {}).get("short_to_settle")}
+
+
 def settle_hint(windows: Sequence[dict[str, Any]]) -> str:
     """``--point-duration N or more gives …``: what gives the longest-lived of these windows three lifetimes."""
     return (f"--point-duration {max(settling_span_s(w['lifetime_s']) for w in windows):g} or more gives "
@@ -130,10 +136,9 @@ def write_compare_report(results: list[LayoutResult], out: Path, setup: CompareS
              if not (p.get("window") or {}).get("steady", True)]
     flagged = [(r.layout.name, p["rate"]) for r in results for p in r.points if (p.get("prefix") or {}).get("flagged")]
     bound = host_bound_points(results)
-    unsettled = {(r.layout.name, p["rate"]): (p.get("window") or {}) for r in results for p in r.points
-                 if (p.get("window") or {}).get("short_to_settle")}
-    kv_full = {(r.layout.name, p["rate"]): (len(full), len((p.get("router") or {})["kv_water_level_peak"]))
-               for r in results for p in r.points if (full := kv_full_workers(p.get("router") or {}))}
+    unsettled = unsettled_windows(results)
+    kv_full = {(r.layout.name, p["rate"]): full for r in results for p in r.points
+               if (full := kv_full_count(p.get("router") or {}))}
 
     def mark(name: str, rate: float) -> str:
         return ("†" if (name, rate) in short else "") + ("§" if (name, rate) in unsettled else "") \

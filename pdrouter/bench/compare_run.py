@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdrouter.bench.compare import Layout, LayoutResult, bring_up
-from pdrouter.bench.compare_report import CompareSetup, settle_hint, write_compare_report
+from pdrouter.bench.compare_report import CompareSetup, settle_hint, unsettled_windows, write_compare_report
 from pdrouter.bench.point import (
     Prepared,
     failure_hint,
@@ -101,7 +101,7 @@ def run_comparison(plan: ComparePlan, prep: Prepared, progress: Progress) -> Pat
                 if outcome.interrupted:
                     return None
     setup = CompareSetup(plan.title, plan.slo, plan.attainment, plan.time_scale, plan.stop_below, skipped)
-    unsettled = [p["window"] for r in results for p in r.points if (p.get("window") or {}).get("short_to_settle")]
+    unsettled = list(unsettled_windows(results).values())
     if plan.echo and unsettled:
         print(f"{len(unsettled)} of the points were short to settle (§ in the report): {settle_hint(unsettled)}",
               flush=True)

@@ -159,7 +159,7 @@ def check_point_sizes(sizes: dict[float, int]) -> None:
 
 def point_line(name: str, outcome: Outcome) -> str:
     """A point in one line: goodput, throughput, the tails, failures, and whether its window is usable."""
-    from pdrouter.bench.report import kv_full_workers
+    from pdrouter.bench.report import kv_full_count
 
     s, w = outcome.steady, outcome.window
     share = 100.0 * (s.slo_met or 0) / s.requests if s.requests and s.slo_met is not None else None
@@ -172,9 +172,9 @@ def point_line(name: str, outcome: Outcome) -> str:
         text += f" [too short: {w.reason}]"
     elif w.short_to_settle:
         text += f" [short to settle: {w.lifetimes:.2g} lifetimes of {w.lifetime_s:.3g} s]"
-    full = kv_full_workers(outcome.document.get("router") or {})
+    full = kv_full_count(outcome.document.get("router") or {})
     if full:
-        text += f" [KV full on {len(full)} of {len(outcome.document['router']['kv_water_level_peak'])} workers]"
+        text += f" [KV full on {full[0]} of {full[1]} workers]"
     prefix = outcome.document["prefix"]
     if prefix.get("flagged"):
         text += (f" [prefix hits {100 * prefix['measured_hit_rate']:.1f}% above the workload's "

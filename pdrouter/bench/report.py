@@ -59,6 +59,12 @@ def kv_full_workers(router: dict[str, Any]) -> dict[str, float]:
     return {w: v for w, v in (router.get("kv_water_level_peak") or {}).items() if v >= KV_FULL}
 
 
+def kv_full_count(router: dict[str, Any]) -> tuple[int, int] | None:
+    """(workers whose KV ran out, workers) of a run's router figures; None where none ran out."""
+    full = kv_full_workers(router)
+    return (len(full), len(router["kv_water_level_peak"])) if full else None
+
+
 def kv_full_sentence(router: dict[str, Any]) -> str:
     """What a run's KV room did where it ran out ("" where it did not)."""
     full = kv_full_workers(router)

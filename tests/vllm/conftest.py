@@ -123,11 +123,14 @@ class VllmPool:
         self.workers[worker_id] = proc
         return proc
 
+    def router_argv(self, *extra: str) -> list[str]:
+        """A colocated router over this pool's Redis (``extra`` after the defaults: a later flag wins)."""
+        return ["router", "--model", str(self.model), "--redis", self.redis_url, "--mode", "colocated",
+                "--block-size", str(BLOCK), "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "2",
+                "--lease-ms", "5000", "--log-level", "WARNING", *extra]
+
     def start_router(self, *extra: str) -> ManagedProcess:
-        self.router = ManagedProcess("router", [
-            "router", "--model", str(self.model), "--redis", self.redis_url, "--mode", "colocated",
-            "--block-size", str(BLOCK), "--http-port", "0", "--grpc-port", "0", "--queue-timeout-s", "2",
-            "--lease-ms", "5000", "--log-level", "WARNING", *extra], env=self.env)
+        self.router = ManagedProcess("router", self.router_argv(*extra), env=self.env)
         self.router.wait_ready()
         return self.router
 

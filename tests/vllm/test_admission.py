@@ -27,7 +27,6 @@ import pytest
 from pdrouter.cli.local_cluster import ManagedProcess
 
 from .conftest import (
-    BLOCK,
     MAX_LEN,
     MODEL,
     Stream,
@@ -51,11 +50,8 @@ tokens with both engines busy on this machine)."""
 def router(vllm_pool: VllmPool) -> Iterator[str]:
     """A second router over the pool's Redis (bookings shared with the pool's router), refusing after
     ``QUEUE_TIMEOUT_S`` in its queue; its HTTP base URL."""
-    proc = ManagedProcess("admission-router", [
-        "router", "--model", str(vllm_pool.model), "--redis", vllm_pool.redis_url, "--mode", "colocated",
-        "--block-size", str(BLOCK), "--http-port", "0", "--grpc-port", "0",
-        "--queue-timeout-s", str(QUEUE_TIMEOUT_S), "--lease-ms", "5000", "--log-level", "WARNING"],
-        env=vllm_pool.env)
+    proc = ManagedProcess("admission-router", vllm_pool.router_argv("--queue-timeout-s", str(QUEUE_TIMEOUT_S)),
+                          env=vllm_pool.env)
     try:
         proc.wait_ready()
         http = f"http://{proc.address}"
