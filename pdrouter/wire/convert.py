@@ -52,6 +52,12 @@ def prompt_from_pb(msg: worker_pb2.ServeRequest | worker_pb2.PrefillRequest | wo
     return unpack_token_ids(packed)
 
 
+GIL_HELD_IDS = 500
+"""The most ids one numpy reduction takes in ``unpack_token_ids``: numpy keeps the interpreter lock
+for a loop of at most 500 elements (``NPY_BEGIN_THREADS_THRESHOLDED``) and releases it for a longer
+one (figures in ``docs/benchmarks.md``)."""
+
+
 def unpack_token_ids(data: bytes) -> PackedPrompt:
     """The ids ``pack_token_ids`` packed, kept packed (``PackedPrompt``: unpacked only if read one by
     one), with the largest id (for the engine's vocabulary check); InvalidRequestError when ``data``
@@ -60,8 +66,10 @@ def unpack_token_ids(data: bytes) -> PackedPrompt:
         raise InvalidRequestError(f"packed token ids are 4 bytes each: got {len(data)} bytes")
     import numpy as np  # here: only workers unpack prompts, and a router need not load numpy
 
-    count = len(data) // 4
-    largest = int(np.frombuffer(data, dtype="<u4").max()) if count else -1
+    ids = np.frombuffer(data, dtype="<u4")
+    # In pieces of GIL_HELD_IDS: numpy lets go of the interpreter lock for a longer reduction, and a
+    # worker's event loop then waits for its engine's step thread to hand the lock back.
+    largest = max([int(ids[i:i + GIL_HELD_IDS].max()) for i in range(0, len(ids), GIL_HELD_IDS)], default=-1)
     return PackedPrompt(bytes(data), largest)
 
 

@@ -12,7 +12,7 @@ from pdrouter.core.ids import Epoch, WorkerId
 from pdrouter.core.tokens import PackedPrompt, pack_token_ids
 from pdrouter.core.workers import WorkerRecord, WorkerRole
 from pdrouter.engine.validation import token_ids
-from pdrouter.wire.convert import prompt_from_pb, record_from_pb, record_to_pb
+from pdrouter.wire.convert import GIL_HELD_IDS, prompt_from_pb, record_from_pb, record_to_pb, unpack_token_ids
 from pdrouter.wire.v1 import worker_pb2
 
 
@@ -52,6 +52,19 @@ def test_a_packed_prompt_keeps_its_bytes_and_largest_id_and_passes_the_engine_ch
         token_ids(read, 1000)
     empty = prompt_from_pb(worker_pb2.PrefillRequest(prompt_token_bytes=b""))
     assert list(empty) == []
+
+
+def test_the_largest_id_is_found_wherever_it_lies_in_a_long_prompt() -> None:
+    # The ids are reduced in pieces of GIL_HELD_IDS (numpy keeps the interpreter lock for those):
+    # the largest is found in the first, a middle or the last piece, and at the pieces' edges.
+    n = GIL_HELD_IDS
+    for length in (1, n - 1, n, n + 1, 2 * n, 3 * n + 7):
+        for at in sorted({0, n - 1, n, length // 2, length - 1} & set(range(length))):
+            ids = [7] * length
+            ids[at] = 128_000
+            read = unpack_token_ids(pack_token_ids(ids))
+            assert read.largest == 128_000 and read == tuple(ids), (length, at)
+    assert unpack_token_ids(b"").largest == -1
 
 
 def test_a_prompt_sent_both_ways_or_in_torn_ids_is_refused() -> None:
