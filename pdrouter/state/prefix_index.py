@@ -329,11 +329,13 @@ class PrefixIndex:
         entries were swept, cleared or lost with Redis): the caller should republish all it holds.
         Large changes go as several scripts of ``SCRIPT_BATCH`` entries, in order, pipelined.
         """
-        ops = [(b"+" if stored else b"-") + h for stored, hashes in events for h in hashes]
+        # Each op is its sign and its hash: ``sign.join`` puts the sign before every hash of an event
+        # in one call (a worker's flush carries a few hundred ops every 10 ms).
+        ops = b"".join([(b"+" if stored else b"-").join((b"", *hashes)) for stored, hashes in events])
         keys = [self.keys.prefix_live, self.keys.prefix_set(worker_id, epoch), *self._slot_keys]
         head = [self._member(worker_id, epoch), self.ttl_ms, self._block_prefix]
-        calls = [[*keys, *head, b"".join(ops[i:i + SCRIPT_BATCH]), HASH_BYTES]
-                 for i in range(0, max(1, len(ops)), SCRIPT_BATCH)]
+        step = SCRIPT_BATCH * (1 + HASH_BYTES)
+        calls = [[*keys, *head, ops[i:i + step], HASH_BYTES] for i in range(0, max(1, len(ops)), step)]
         results = await self._run_batch(self._apply, len(keys), calls)
         return bool(int(results[0]))
 

@@ -244,11 +244,15 @@ class _ServerConnection(_Corked):
         """The last ``META`` frame (stream, body), for the ``CALL`` that follows it on that stream."""
         self._writable = asyncio.Event()
         self._writable.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._expired: set[int] = set()
+        """Calls whose deadline passed (their task was cancelled for it)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's do not subclass asyncio.Transport, hence no isinstance check).
         transport = cast(asyncio.Transport, transport)
         self.transport = transport
+        self._loop = asyncio.get_running_loop()
         transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
         server, limits = self.server, self.limits
         if len(server._unproven) >= limits.unauthenticated_budget:
@@ -485,28 +489,38 @@ class _ServerConnection(_Corked):
         except DecodeError as exc:
             self._end(stream, grpc.StatusCode.INVALID_ARGUMENT, f"malformed {method.name} request: {exc}".encode())
             return
-        task = asyncio.ensure_future(self._run(stream, method, handler, request, timeout_ms, metadata))
+        loop = self._loop
+        assert loop is not None  # set when the connection was made, before any frame
+        task = loop.create_task(self._run(stream, method, handler, request, timeout_ms, metadata))
         self.calls[stream] = task
+        # The deadline is one timer that cancels the call's task (``asyncio.timeout`` costs a scope
+        # object, its own timer and task bookkeeping per call); ``_run`` answers DEADLINE_EXCEEDED.
+        timer = loop.call_later(timeout_ms / 1000, self._expire, stream, task) if timeout_ms else None
         # A done callback, not a ``finally``: a call cancelled before it started runs no code at all.
-        task.add_done_callback(functools.partial(self._forget, stream))
+        task.add_done_callback(functools.partial(self._forget, stream, timer))
 
-    def _forget(self, stream: int, task: asyncio.Task[None]) -> None:
+    def _forget(self, stream: int, timer: asyncio.TimerHandle | None, task: asyncio.Task[None]) -> None:
+        if timer is not None:
+            timer.cancel()
         if self.calls.get(stream) is task:
             del self.calls[stream]
+            self._expired.discard(stream)
+
+    def _expire(self, stream: int, task: asyncio.Task[None]) -> None:
+        if self.calls.get(stream) is task and not task.done():
+            self._expired.add(stream)
+            task.cancel()
 
     async def _run(self, stream: int, method: LaneMethod, handler: Handler, request: Message,
                    timeout_ms: int, metadata: Metadata = ()) -> None:
-        scope = asyncio.timeout(timeout_ms / 1000 if timeout_ms else None)
         context = LaneContext(time.monotonic() + timeout_ms / 1000 if timeout_ms else None, metadata, self, stream)
         try:
-            async with scope:
-                await self._serve(stream, method, handler, request, context)
+            await self._serve(stream, method, handler, request, context)
         except asyncio.CancelledError:
-            pass  # the caller cancelled or went away: nobody to answer
-        except Exception as exc:  # every failure becomes a status, as with grpc
-            if isinstance(exc, TimeoutError) and scope.expired():
+            if stream in self._expired:  # the deadline, not the caller: it is told why
                 self._end(stream, grpc.StatusCode.DEADLINE_EXCEEDED, b"Deadline Exceeded")
-                return
+            # else the caller cancelled or went away: nobody to answer
+        except Exception as exc:  # every failure becomes a status, as with grpc
             code, details = _status_of(exc)
             if code is grpc.StatusCode.UNKNOWN:
                 log.exception("lane: %s failed", method.name)
