@@ -145,10 +145,15 @@ async def _finish_order(address: str, priorities: list[int], name: str) -> list[
 async def test_a_prompt_of_a_lower_priority_value_overtakes_the_queued_prompts(redis_url: str) -> None:
     """Priority is a scheduling order, end to end over gRPC: a prompt sent last, at priority 0, behind
     three of priority 1 computed in chunks of 512 tokens, is answered before the two still queued
-    (with every priority equal it is answered last: first come, first served)."""
+    (with every priority equal it is answered last: first come, first served).
+
+    A step computes 512 tokens (``--max-batched-tokens``), so each prompt ends in a step of its own and
+    the order the answers come back is the engine's. (At the simulated workers' default, 8,192, the
+    three queued prompts were computed in one step and their answers raced each other back.)"""
     with ManagedProcess("sim-colocated", ["worker", "--backend", "sim", "--model-preset", "llama-3-8b", "--gpu",
-                                          "h100", "--time-scale", "10", "--port", "0", "--redis", redis_url,
-                                          "--worker-id", "sim-colocated", "--log-level", "WARNING"]) as worker:
+                                          "h100", "--time-scale", "10", "--max-batched-tokens", "512", "--port", "0",
+                                          "--redis", redis_url, "--worker-id", "sim-colocated",
+                                          "--log-level", "WARNING"]) as worker:
         address = worker.wait_ready()
         ordered = await _finish_order(address, [1, 1, 1, 0], "first")
         assert ordered.index("first3-p0") < min(ordered.index("first1-p1"), ordered.index("first2-p1")), ordered
