@@ -110,6 +110,11 @@ class StepWork(NamedTuple):
     samples: bool
 
 
+_new = tuple.__new__
+"""``_new(StepWork, (...))``: a named tuple made in C, every field given. The class's own ``__new__`` is
+Python code, and the step makes a ``StepWork`` and a ``RequestOutput`` per request and step."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestFault:
     """What a model step gives instead of a token for a request it could not compute."""
@@ -281,8 +286,8 @@ class BatchEngine:
                 self._stalled = not work and self.scheduler.num_preemptions == preemptions
                 # The request's own block list, not a copy: only ``schedule`` (on this thread, under the
                 # step lock) grows a list in place; a release replaces it.
-                items = [StepWork(w.request, w.request.tokens(w.start, w.start + w.num_tokens), w.start,
-                                  w.request.block_ids, w.samples) for w in work]
+                items = [_new(StepWork, (w.request, w.request.tokens(w.start, w.start + w.num_tokens), w.start,
+                                         w.request.block_ids, w.samples)) for w in work]
                 for w in work:
                     w.request.in_flight = True
             if not work:
@@ -331,8 +336,8 @@ class BatchEngine:
             elif reason is not None:
                 self._finish(req, reason)
             prompt = req.num_prompt_tokens
-            outputs.append(RequestOutput(req.request_id, (token,), reason is not None, reason,
-                                         prompt, req.num_tokens - prompt, req.num_cached_tokens, prefill))
+            outputs.append(_new(RequestOutput, (req.request_id, (token,), reason is not None, reason,
+                                                prompt, req.num_tokens - prompt, req.num_cached_tokens, prefill, None)))
         return outputs
 
     def wait_for_work(self, timeout: float | None = None) -> bool:

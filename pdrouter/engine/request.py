@@ -61,7 +61,7 @@ _TRANSITIONS: dict[RequestState, frozenset[RequestState]] = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: RequestId
     prompt_token_ids: Sequence[int]

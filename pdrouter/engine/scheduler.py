@@ -90,8 +90,11 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: dict[Request, int] = {}
         preempted = False
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = sorted((r for r in self.running if r.num_uncomputed_tokens > 1), key=_priority)  # stable
+        # ``num_tokens - num_computed_tokens`` written out (``Request.num_uncomputed_tokens``): this runs
+        # for every running request at every step.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = sorted((r for r in self.running if r.num_tokens - r.num_computed_tokens > 1),
+                          key=_priority)  # stable
         # The lowest value waiting: one pass per step (and per admission ahead of a prompt), so that
         # equal priorities, the usual case, cost no scan of the waiting queue per running prompt.
         lowest = min(map(_priority, self.waiting), default=None)
@@ -106,7 +109,7 @@ class Scheduler:
                 lowest = min(map(_priority, self.waiting), default=None)
                 if budget == 0:
                     break
-            n = min(req.num_uncomputed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.num_computed_tokens + n <= len(req.block_ids) * bs:  # its blocks hold them: most decodes
                 scheduled[req] = n
                 budget -= n

@@ -71,10 +71,6 @@ def stream_key(request: Request) -> int:
     return digest.intdigest()
 
 
-def token_at(key: int, position: int, low: int, high: int) -> int:
-    return low + xxhash.xxh3_64_intdigest(_KEY.pack(key, position)) % (high - low)
-
-
 class SimModelStep:
     """A ``ModelStep`` over a ``TimingModel``: no tensors, the modeled time slept (× ``time_scale``)."""
 
@@ -102,22 +98,25 @@ class SimModelStep:
         self._chained = False
 
     def run(self, work: Sequence[StepWork]) -> list[int]:
-        cost = self.timing.step_of([(len(w.token_ids), w.start, w.samples) for w in work])
+        shapes = [(len(w.token_ids), w.start, w.samples) for w in work]
+        cost = self.timing.step_of(shapes)
         tokens = []
-        for w in work:
-            if not w.samples:
+        low, span, pack, digest = self.low, self.high - self.low, _KEY.pack, xxhash.xxh3_64_intdigest
+        for (n, start, samples), w in zip(shapes, work, strict=True):
+            if not samples:
                 continue
             req = w.request
-            if req.sampler_state is None:
-                req.sampler_state = stream_key(req)
-            assert isinstance(req.sampler_state, int)
-            tokens.append(token_at(req.sampler_state, w.start + len(w.token_ids), self.low, self.high))
+            key = req.sampler_state
+            if key is None:
+                key = req.sampler_state = stream_key(req)
+            assert isinstance(key, int)
+            tokens.append(low + digest(pack(key, start + n)) % span)  # the token at position start + n
         self._wait(cost.seconds)
         with self._lock:
             self.last_cost = cost
             self._steps += 1
             self._busy_s += cost.seconds
-            self._tokens += sum(len(w.token_ids) for w in work)
+            self._tokens += sum([n for n, _, _ in shapes])
         return tokens
 
     def kv_finite(self, block_ids: Sequence[int]) -> bool:
