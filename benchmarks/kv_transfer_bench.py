@@ -21,6 +21,10 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
   median time to move one block (16 tokens, all 32 layers: 2 MiB) on a warm connection.
 - ``tcp_one_block_vs_raw_ratio``: one block over TCP with its MACs ÷ the raw socket moving the same
   bytes, measured in turn, pair by pair (the median pair; ``..._p10`` / ``..._p90`` the spread).
+- ``tcp_one_block_announced_latency_ms`` / ``tcp_one_block_announced_vs_raw_ratio``: the same pair, the
+  transfer opened and announced (``OutgoingTransfer.announce``) ``ANNOUNCE_LEAD_S`` before its first
+  layer, untimed, as a prefill worker does while a prompt computes (the raw socket idles as long before
+  each of its rounds): from the KV being ready to the receiver's confirmation.
 - ``raw_cpu_ns_per_byte``, ``tcp_mac_cpu_ns_per_byte``, ...: CPU time both processes spent per
   byte moved (all their threads, user and system): what each variant costs, whatever else the
   machine is doing (the throughputs depend on free cores; these much less).
@@ -92,6 +96,9 @@ TOKEN = secrets.token_hex(16)
 VARIANTS = ("mac", "mac_offload", "mac_inline", "tls_mac", "tls", "gloo")
 """The transports measured: name → ``TransferConfig`` fields (``variant_config``)."""
 SEND_PIECE = 256 << 10
+ANNOUNCE_LEAD_S = 0.001
+"""How long before its first layer the announced transfer is announced (``ANNOUNCE_AFTER_S`` of
+``pdrouter.worker.roles.prefill``: a prompt computing 2 ms or more)."""
 RECV_PIECE = 1 << 20
 SOCKET_BUFFER = 4 << 20
 
@@ -318,12 +325,15 @@ class Bench:
         self.pipe.send(msg)
         return self.pipe.recv()
 
-    def raw_round(self, *, mac: bool = False, one_block: bool = False) -> float:
+    def raw_round(self, *, mac: bool = False, one_block: bool = False, lead_s: float = 0.0) -> float:
         """One round over a plain socket: the whole transfer (with ``mac``, AES-GMAC on both ends as
-        each piece moves), or one block's bytes; until the sink's one-byte answer."""
+        each piece moves), or one block's bytes; until the sink's one-byte answer. ``lead_s``: idle
+        that long first, untimed (as ``transfer``'s ``announce_s``)."""
         sock = self.raw_block if one_block else self.raw_gmac if mac else self.raw
         nbytes = self.layout.block_bytes if one_block else self.plan.transfer_bytes()
         memory = self.pool.view(-1).view(torch.uint8).numpy().data
+        if lead_s:
+            time.sleep(lead_s)
         start = time.perf_counter()
         ctx = _gmac() if mac else None
         for offset in range(0, nbytes, SEND_PIECE):
@@ -337,13 +347,22 @@ class Bench:
             raise RuntimeError("the raw sink went away")
         return time.perf_counter() - start
 
-    def transfer(self, variant: str, blocks: list[int], layerwise: bool) -> float:
+    def transfer(self, variant: str, blocks: list[int], layerwise: bool, announce_s: float | None = None) -> float:
+        """One transfer of ``blocks``, from ``open_transfer`` to ``finish`` returning. ``announce_s``:
+        opened and announced first, then that long idle (a prompt computing), untimed; timed from the
+        first layer queued, as a prefill worker's transfer after its prompt computed."""
         self._seq += 1
         tid = f"bench-{self._seq}"
         target: TransferTarget = self.call("expect", variant, tid, blocks)
         sender = self.senders[variant]
-        start = time.perf_counter()
-        transfer = sender.open_transfer(target)
+        if announce_s is not None:
+            transfer = sender.open_transfer(target)
+            transfer.announce()
+            time.sleep(announce_s)
+            start = time.perf_counter()
+        else:
+            start = time.perf_counter()
+            transfer = sender.open_transfer(target)
         if layerwise:
             for layer in range(self.layout.num_layers):
                 transfer.send_layers(blocks, layer)
@@ -445,6 +464,22 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
             latency["pair_median"] = statistics.median(pairs)
             latency["pair_p10"] = pairs[len(pairs) // 10]
             latency["pair_p90"] = pairs[len(pairs) * 9 // 10]
+            # The same, the transfer opened and announced while its prompt computes (the raw socket
+            # idle as long first): from the KV being ready to its confirmation.
+            announced, pairs = [], []
+            for i in range(plan.latency_reps):
+                tcp_first = i % 2 == 0
+                first = bench.transfer("mac", one_block, False, ANNOUNCE_LEAD_S) if tcp_first \
+                    else bench.raw_round(one_block=True, lead_s=ANNOUNCE_LEAD_S)
+                second = bench.raw_round(one_block=True, lead_s=ANNOUNCE_LEAD_S) if tcp_first \
+                    else bench.transfer("mac", one_block, False, ANNOUNCE_LEAD_S)
+                announced.append(first if tcp_first else second)
+                pairs.append(first / second if tcp_first else second / first)
+            pairs.sort()
+            latency["announced"] = statistics.median(announced)
+            latency["announced_pair_median"] = statistics.median(pairs)
+            latency["announced_pair_p10"] = pairs[len(pairs) // 10]
+            latency["announced_pair_p90"] = pairs[len(pairs) * 9 // 10]
             other = vs_rounds(bench, plan.latency_reps * 5) if vs is not None else {}
         finally:
             bench.close()
@@ -479,6 +514,10 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
         "tcp_one_block_vs_raw_ratio": latency["pair_median"],
         "tcp_one_block_vs_raw_ratio_p10": latency["pair_p10"],
         "tcp_one_block_vs_raw_ratio_p90": latency["pair_p90"],
+        "tcp_one_block_announced_latency_ms": latency["announced"] * 1e3,
+        "tcp_one_block_announced_vs_raw_ratio": latency["announced_pair_median"],
+        "tcp_one_block_announced_vs_raw_ratio_p10": latency["announced_pair_p10"],
+        "tcp_one_block_announced_vs_raw_ratio_p90": latency["announced_pair_p90"],
         **other,
     }
 

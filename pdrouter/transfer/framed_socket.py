@@ -240,6 +240,12 @@ class FramedSocket:
             prefix = message[:frames.TAG_OFFSET] + tag
         return [prefix, memoryview(message)[frames.PREFIX.size:]], Sealed(seq, tag)
 
+    def prepare_send_payload_mac(self) -> None:
+        """Make ahead of time the running MAC context of the next message's payload (``MacKey.prepare``),
+        for a sender that knows a large one comes next; only inside ``exclusive``."""
+        if self._send_key is not None:
+            self._send_key.prepare(self._send_seq)
+
     def send_payload_mac(self, sealed: Sealed) -> PayloadMac:
         """The MAC of the payload following the message ``sealed`` (after the handshake only)."""
         if self._send_key is None:

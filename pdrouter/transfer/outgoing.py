@@ -41,7 +41,7 @@ class FrameSink(Protocol):
     def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
         """Queue ``items`` behind the transfer's earlier ones; nothing is copied. With ``write`` the
         calling thread writes them itself where that is quick (``write_now``), else they are left to
-        the sink's writer."""
+        the sink's writer. No ``items``: send what is queued (the BEGIN of ``announce``)."""
         ...
 
     def cancel(self, transfer: OutgoingTransfer, error: PdRouterError | None) -> None:
@@ -78,6 +78,7 @@ class OutgoingTransfer:
         self._seq = 0
         self._bytes = 0
         self._ended = False
+        self._announced = False
         if not target.blocks_to_send:
             self._life.advance(TransferState.DONE)
 
@@ -92,6 +93,12 @@ class OutgoingTransfer:
     @property
     def bytes_queued(self) -> int:
         return self._bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes every layer of the blocks to send comes to (those queued and those to come)."""
+        t = self.target
+        return len(t.blocks_to_send) * len(t.layers) * 2 * self._view.half_block_bytes
 
     def send_layers(self, src_block_ids: Sequence[int], layers: range | int | None = None) -> None:
         """Queue ``layers`` (default: all of the target's) of the prompt's blocks ``src_block_ids``.
@@ -124,6 +131,19 @@ class OutgoingTransfer:
         # (or does little else), so it writes them itself when the connection is idle, rather than
         # wake the writer thread and contend with it for the interpreter lock.
         self._sink.submit(self, items, write=all(self._sent) and not _in_event_loop())
+
+    def announce(self) -> None:
+        """Send the transfer's BEGIN now, before any layer is ready.
+
+        Otherwise it leaves with the first layer's frame (one write, and one wake-up of the receiver,
+        fewer). A sender that knows its layers are a while off (a prompt still computing) announces
+        the transfer first: the receiver checks the target and binds the transfer meanwhile, off the
+        path from the KV being ready to its confirmation. Does nothing once a layer was queued or the
+        transfer ended."""
+        if self._announced or self._ended or self.state is not TransferState.WAITING or any(self._sent):
+            return
+        self._announced = True
+        self._sink.submit(self, [], write=not _in_event_loop())
 
     def finish(self, timeout: float | None = None) -> None:
         """Declare the transfer complete and wait for the receiver's confirmation."""

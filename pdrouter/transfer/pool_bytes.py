@@ -15,6 +15,7 @@ worker's sender and receiver never do.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from operator import itemgetter
 
 import xxhash
 
@@ -82,7 +83,7 @@ class PoolBytes:
                 raise InvalidRequestError(f"blocks {start}..{start + count - 1} outside the pool's "
                                           f"{self.num_blocks} blocks")
 
-    def pieces(self, span: FrameSpan) -> Iterator[tuple[int, int]]:
+    def pieces(self, span: FrameSpan) -> Iterable[tuple[int, int]]:
         """(byte offset, byte length) of each contiguous range of the span, in payload order.
 
         Both ends of a transfer cut a frame the same way, so a pool arranged otherwise (vLLM's
@@ -103,7 +104,7 @@ class PoolBytes:
             raise ConfigError("byte buffers need a CPU pool; a CUDA pool moves through NCCL")
         mem = self._memory
         pieces = list(self.pieces(span))
-        if max((n for _, n in pieces), default=0) <= limit:  # the usual case: a block's layer is tens of KiB
+        if max(map(itemgetter(1), pieces), default=0) <= limit:  # the usual case: a block's layer is tens of KiB
             return [mem[off:off + n] for off, n in pieces]  # one comprehension: per-range Python is the cost here
         out: list[memoryview] = []
         for off, n in pieces:

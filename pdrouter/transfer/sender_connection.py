@@ -23,6 +23,7 @@ from pdrouter.transfer.errors import PeerLostError, code_for_error, error_for_co
 from pdrouter.transfer.frame_plan import FrameSpan, PlannedFrame
 from pdrouter.transfer.framed_socket import FramedSocket
 from pdrouter.transfer.handshake import PeerInfo
+from pdrouter.transfer.integrity import ONE_SHOT_BYTES
 from pdrouter.transfer.outgoing import BeginItem, DataItem, EndItem, OutgoingTransfer, OutItem
 
 
@@ -79,10 +80,13 @@ class SenderConnection:
 
     def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
         """Queue ``items``. With ``write`` the calling thread writes them itself when the connection
-        is idle (``write_now``); whatever is left then goes to the writer thread."""
+        is idle (``write_now``); whatever is left then goes to the writer thread. No items: what the
+        transfer has queued (its BEGIN, ``OutgoingTransfer.announce``) goes now."""
         with self._cv:
             if self._dead is not None or transfer.transfer_id not in self._transfers:
                 return  # the transfer already failed (the caller learns it from the handle)
+            if not items and transfer.transfer_id not in self._queues:
+                return  # nothing queued: nothing to send
             self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
             if not write:
                 self._cv.notify_all()
@@ -208,8 +212,15 @@ class SenderConnection:
                     frames.End(item.transfer.transfer_id, item.frames, item.nbytes)))
         if data is not None:
             self._send_data(data, before, after)
-        else:
-            self.fs.send_many(before)
+            return
+        self.fs.send_many(before)
+        transfer = items[0].transfer
+        if isinstance(items[0], BeginItem) and transfer.payload_bytes > ONE_SHOT_BYTES:
+            # An announced transfer (its BEGIN alone): its first frame follows, with a payload
+            # large enough for a running MAC context, whose making (about 25 µs on a cold cache)
+            # is done now rather than between that frame's first bytes and its second piece.
+            with self.fs.exclusive():
+                self.fs.prepare_send_payload_mac()
 
     def _send_data(self, item: DataItem, before: list[bytes], after: list[bytes]) -> None:
         nbytes = item.frame.nbytes

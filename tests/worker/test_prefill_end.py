@@ -50,6 +50,9 @@ class StuckTransfer:
         self.let_abort_return = threading.Event()
         self.aborted = False
 
+    def announce(self) -> None:
+        pass
+
     def send_layers(self, block_ids: Sequence[int], layers: Any = None) -> None:
         pass
 
@@ -112,3 +115,72 @@ async def test_a_cancelled_call_frees_the_blocks_after_the_transfer_stopped(canc
         await asyncio.sleep(0.02)
     assert transfer.aborted
     assert driver.ended == [("abort", RequestId("r-1"))]
+
+
+class QuickTransfer:
+    """Finishes at once; records what the servicer did with it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def announce(self) -> None:
+        self.calls.append("announce")
+
+    def send_layers(self, block_ids: Sequence[int], layers: Any = None) -> None:
+        self.calls.append("send_layers")
+
+    async def finish_async(self, timeout: float | None = None) -> None:
+        self.calls.append("finish")
+
+    def abort(self, reason: str) -> None:
+        self.calls.append(f"abort: {reason}")
+
+
+class SlowDriver(FakeDriver):
+    """Computes for ``seconds``, then answers (or raises ``error``)."""
+
+    def __init__(self, seconds: float, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.error = error
+
+    async def prefill(self, rid: RequestId, prompt: Sequence[int], sampling: SamplingParams, *,
+                      cache_salt: bytes = b"", priority: int = 0) -> PrefillResult:
+        await asyncio.sleep(self.seconds)
+        if self.error is not None:
+            raise self.error
+        return await super().prefill(rid, prompt, sampling, cache_salt=cache_salt, priority=priority)
+
+
+@pytest.mark.parametrize(("seconds", "announced"), [(0.0, False), (0.05, True)], ids=["quick", "slow"])
+async def test_a_transfer_is_announced_while_a_slow_prompt_computes(seconds: float, announced: bool) -> None:
+    """The transfer is opened before the prompt computes; a prompt that takes longer than
+    ``ANNOUNCE_AFTER_S`` has it announced meanwhile, a quick one sends the BEGIN with its first layer."""
+    driver, transfer = SlowDriver(seconds), QuickTransfer()
+    servicer = PrefillServicer(driver, FakeSender(transfer), LAYOUT, "", AnyTarget())  # type: ignore[arg-type]
+    response = await servicer.Prefill(request(), Context())  # type: ignore[arg-type]
+    assert response.first_token_id == 7
+    assert transfer.calls == (["announce"] if announced else []) + ["send_layers", "finish"]
+    assert driver.ended == [("release", RequestId("r-1"))]
+
+
+async def test_a_prompt_that_fails_abandons_its_opened_transfer() -> None:
+    """The engine refused the prompt after the transfer was opened (and announced): the transfer is
+    aborted, so the receiver hears of it, the engine's own error is what the caller gets, and no
+    blocks were held to give back."""
+    from pdrouter.core.errors import InvalidRequestError
+
+    driver, transfer = SlowDriver(0.05, InvalidRequestError("the prompt is too long")), QuickTransfer()
+    servicer = PrefillServicer(driver, FakeSender(transfer), LAYOUT, "", AnyTarget())  # type: ignore[arg-type]
+    aborted: list[str] = []
+
+    class Refusing(Context):
+        async def abort(self, code: object, message: str) -> None:
+            aborted.append(message)
+            raise RuntimeError("the call ended")
+
+    with pytest.raises(RuntimeError, match="the call ended"):
+        await servicer.Prefill(request(), Refusing())  # type: ignore[arg-type]
+    assert aborted and "the prompt is too long" in aborted[0]
+    assert transfer.calls == ["announce", "abort: the prompt was not computed"]
+    assert driver.ended == []
