@@ -97,7 +97,7 @@ class KvSender:
                                     max_runs=self._config.max_runs_per_frame, on_finished=conn.forget)
         if transfer.state.terminal:
             return transfer  # nothing to send
-        conn.register(transfer)  # its BEGIN queued
+        conn.register(transfer)  # its BEGIN held until its first frame (or announce)
         return transfer
 
     def stats(self) -> SenderStats:

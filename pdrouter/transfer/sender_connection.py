@@ -40,6 +40,12 @@ class SenderConnection:
         self._on_dead = on_dead
         self._cv = threading.Condition()
         self._queues: OrderedDict[str, deque[OutItem]] = OrderedDict()
+        """Each transfer's messages ready to go, in the order transfers take turns."""
+        self._begins: dict[str, BeginItem] = {}
+        """The BEGIN of each transfer opened but neither fed nor announced: it joins the transfer's
+        queue with its first DATA (or at ``announce``), so a transfer opened early (a prefill worker
+        opens its transfer before the prompt computes) sends nothing, and keeps no other transfer
+        from being written by its caller, until then."""
         self._urgent: deque[bytes] = deque()
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._inflight = 0
@@ -67,27 +73,32 @@ class SenderConnection:
             return len(self._transfers), sum(len(q) for q in self._queues.values())
 
     def register(self, transfer: OutgoingTransfer) -> None:
-        """Take ``transfer`` on, its BEGIN queued (without waking the writer thread: it leaves with
-        the first DATA, and the writer woken for it alone would only contend with the caller for
-        the interpreter lock)."""
+        """Take ``transfer`` on, its BEGIN held back (``_begins``): it leaves with the first DATA, in
+        one write, and the writer thread woken for it alone would only contend with the caller for
+        the interpreter lock."""
         with self._cv:
             if self._dead is not None:
                 raise PeerLostError(f"connection to {self.peer.address} is gone: {self._dead}")
             if transfer.transfer_id in self._transfers:
                 raise InvalidRequestError(f"transfer {transfer.transfer_id} is already being sent")
             self._transfers[transfer.transfer_id] = transfer
-            self._queues[transfer.transfer_id] = deque([transfer.begin_item()])
+            self._begins[transfer.transfer_id] = transfer.begin_item()
 
     def submit(self, transfer: OutgoingTransfer, items: Sequence[OutItem], *, write: bool = False) -> None:
-        """Queue ``items``. With ``write`` the calling thread writes them itself when the connection
-        is idle (``write_now``); whatever is left then goes to the writer thread. No items: what the
-        transfer has queued (its BEGIN, ``OutgoingTransfer.announce``) goes now."""
+        """Queue ``items`` (behind the transfer's BEGIN, the first time). With ``write`` the calling
+        thread writes them itself when the connection is idle (``write_now``); whatever is left then
+        goes to the writer thread. No items: the BEGIN alone (``OutgoingTransfer.announce``)."""
+        tid = transfer.transfer_id
         with self._cv:
-            if self._dead is not None or transfer.transfer_id not in self._transfers:
+            if self._dead is not None or tid not in self._transfers:
                 return  # the transfer already failed (the caller learns it from the handle)
-            if not items and transfer.transfer_id not in self._queues:
-                return  # nothing queued: nothing to send
-            self._queues.setdefault(transfer.transfer_id, deque()).extend(items)
+            begin = self._begins.pop(tid, None)
+            if not items and begin is None:
+                return  # announced already, or fed: nothing new to send
+            queue = self._queues.setdefault(tid, deque())
+            if begin is not None:
+                queue.append(begin)
+            queue.extend(items)
             if not write:
                 self._cv.notify_all()
         if write:
@@ -129,6 +140,7 @@ class SenderConnection:
     def cancel(self, transfer: OutgoingTransfer, error: PdRouterError | None) -> None:
         with self._cv:
             self._queues.pop(transfer.transfer_id, None)
+            self._begins.pop(transfer.transfer_id, None)
             self._transfers.pop(transfer.transfer_id, None)
             if error is not None and self._dead is None:
                 self._urgent.append(_error(transfer.transfer_id, error))
@@ -139,6 +151,7 @@ class SenderConnection:
         with self._cv:
             self._transfers.pop(transfer.transfer_id, None)
             self._queues.pop(transfer.transfer_id, None)
+            self._begins.pop(transfer.transfer_id, None)
 
     def send_refusal(self, transfer_id: str, error: PdRouterError) -> None:
         """Tell the receiver a transfer will not happen (before any BEGIN for it)."""
@@ -281,6 +294,7 @@ class SenderConnection:
             victims = list(self._transfers.values())
             self._transfers.clear()
             self._queues.clear()
+            self._begins.clear()
             self._urgent.clear()
             self._cv.notify_all()
         self._plane.close()

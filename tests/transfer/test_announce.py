@@ -127,3 +127,37 @@ def test_an_announced_large_transfer_finds_its_sender_mac_context_made(make_pair
     me = threading.current_thread().name
     assert (me, True) in taken, taken  # this thread wrote the frame with the context made at the announce
     pair.assert_released()
+
+
+def test_a_transfer_opened_early_sends_nothing_until_fed(make_pair: Callable[..., Pair],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer opened ahead of its layers (its prompt still computing) writes nothing, not even
+    when the connection carries another transfer meanwhile, and leaves that transfer's caller
+    writing it itself; its own BEGIN then leaves with its first frame."""
+    seen: list[tuple[str, str, list[str]]] = []
+    write = SenderConnection._write_items
+
+    def spy(self: SenderConnection, items: Any) -> None:
+        seen.append((threading.current_thread().name, items[0].transfer.transfer_id,
+                     [type(item).__name__ for item in items]))
+        write(self, items)
+
+    monkeypatch.setattr(SenderConnection, "_write_items", spy)
+    pair = make_pair()
+    pair.sender.connect(pair.receiver.address)
+    early_handle = pair.receiver.expect("early", [5, 6], timeout_s=30)
+    early = pair.sender.open_transfer(early_handle.target)
+    other_handle = pair.receiver.expect("other", [3, 4], timeout_s=30)
+    other = pair.sender.open_transfer(other_handle.target)
+    other.send_layers([1, 2])
+    other.finish(30)
+    other_handle.wait_all(30)
+    me = threading.current_thread().name
+    assert seen and all(tid == "other" and name == me for name, tid, _ in seen), seen
+    assert early_handle.state is TransferState.WAITING  # the receiver has not heard of it
+    early.send_layers([7, 8])
+    early.finish(30)
+    early_handle.wait_all(30)
+    assert next(kinds[:2] for _, tid, kinds in seen if tid == "early") == ["BeginItem", "DataItem"]
+    assert blocks_equal(pair.src, [1, 2], pair.dst, [3, 4]) and blocks_equal(pair.src, [7, 8], pair.dst, [5, 6])
+    pair.assert_released()

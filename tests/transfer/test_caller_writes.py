@@ -49,20 +49,41 @@ def test_an_idle_connection_is_written_by_the_waiting_caller(make_pair: Callable
 
 
 def test_beside_another_transfer_the_writer_thread_writes(make_pair: Callable[..., Pair],
-                                                          writers: list[str]) -> None:
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the writer thread writes one transfer, the caller of another leaves its own to it too
+    (the connection is shared: it waits its turn)."""
+    writers: list[tuple[str, str]] = []
+    holding = threading.Event()
+    release = threading.Event()
+    write = SenderConnection._write_items
+
+    def spy(self: SenderConnection, items: Any) -> None:
+        tid = items[0].transfer.transfer_id
+        writers.append((threading.current_thread().name, tid))
+        if tid == "first" and not holding.is_set():
+            holding.set()
+            assert release.wait(10)  # the writer thread is busy with the first transfer
+        write(self, items)
+
+    monkeypatch.setattr(SenderConnection, "_write_items", spy)
     pair = make_pair()
     pair.sender.connect(pair.receiver.address)
     first = pair.receiver.expect("first", [3], timeout_s=30)
     second = pair.receiver.expect("second", [4], timeout_s=30)
     a = pair.sender.open_transfer(first.target)
-    b = pair.sender.open_transfer(second.target)  # queued behind a's BEGIN: the connection is shared
-    a.send_layers([1])
-    b.send_layers([2])
-    b.finish(30)  # a's messages are queued too: b waits its turn with the writer thread
-    assert writers and all(name.startswith("kvt-send") for name in writers)
+    b = pair.sender.open_transfer(second.target)
+    a.send_layers([1], range(0, pair.layout.num_layers - 1))  # not its last layers: the writer thread sends them
+    assert holding.wait(10)
+    b.send_layers([2])  # the connection is being written: b is left to the writer thread
+    release.set()
+    b.finish(30)
+    a.send_layers([1], pair.layout.num_layers - 1)
     a.finish(30)
     first.wait_all(30)
     second.wait_all(30)
+    assert writers[0][1] == "first" and writers[0][0].startswith("kvt-send")
+    assert [name for name, tid in writers if tid == "second"] and \
+        all(name.startswith("kvt-send") for name, tid in writers if tid == "second"), writers
     assert blocks_equal(pair.src, [1, 2], pair.dst, [3, 4])
     pair.assert_released()
 

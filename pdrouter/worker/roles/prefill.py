@@ -1,10 +1,12 @@
 """``PrefillWorker.Prefill``: compute a prompt, push its KV into a decode worker's blocks.
 
-The engine runs the prompt (reusing this worker's prefix cache) and holds its blocks; the KV
-sender streams every layer of the blocks after ``target.skip_blocks`` into the decode worker's
-blocks; once the receiver confirmed them, the blocks are released (they stay in the prefix cache)
-and the first token goes back. A failure or a cancelled call aborts the transfer and frees the
-blocks; the decode side learns of it from the transfer itself.
+The transfer is opened first, on the live connection to the decode worker's receiver, and announced
+if the prompt takes a while (``ANNOUNCE_AFTER_S``); the engine runs the prompt (reusing this worker's
+prefix cache) and holds its blocks; the KV sender streams every layer of the blocks after
+``target.skip_blocks`` into the decode worker's blocks; once the receiver confirmed them, the
+blocks are released (they stay in the prefix cache) and the first token goes back. A failure or a
+cancelled call aborts the transfer and frees the blocks; the decode side learns of it from the
+transfer itself.
 
 The target comes from the caller, so it is checked first (``decode_targets``): it must name a
 decode worker registered in the pool at the address the KV would go to (or, without a registry,
