@@ -20,7 +20,8 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
 - ``tcp_one_block_latency_ms`` / ``tls_one_block_latency_ms`` / ``gloo_one_block_latency_ms``:
   median time to move one block (16 tokens, all 32 layers: 2 MiB) on a warm connection.
 - ``tcp_one_block_vs_raw_ratio``: one block over TCP with its MACs ÷ the raw socket moving the same
-  bytes, measured in turn, pair by pair (the median pair; ``..._p10`` / ``..._p90`` the spread).
+  bytes, measured in turn, pair by pair (the median of 300 pairs, 100 with ``--quick``; ``..._p10`` /
+  ``..._p90`` the spread).
 - ``tcp_one_block_announced_latency_ms`` / ``tcp_one_block_announced_vs_raw_ratio``: the same pair, the
   transfer opened and announced (``OutgoingTransfer.announce``) ``ANNOUNCE_LEAD_S`` before its first
   layer, untimed, as a prefill worker does while a prompt computes (the raw socket idles as long before
@@ -108,6 +109,8 @@ class Plan:
     tokens: int
     reps: int
     latency_reps: int
+    pair_reps: int = 0
+    """Pairs (raw socket and transport in turn) behind each one-block ratio (0: ``latency_reps``)."""
     tcp_congestion: str | None = None
     """Every socket's TCP congestion control, raw and transport alike (None: the host's default)."""
 
@@ -453,7 +456,7 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
             # The acceptance pair: raw and TCP with MACs in turn (the order swapped each time), so
             # that a burst of other load hits both; the ratio of each pair, then their median.
             pairs = []
-            for i in range(plan.latency_reps):
+            for i in range(plan.pair_reps or plan.latency_reps):
                 tcp_first = i % 2 == 0
                 first = bench.transfer("mac", one_block, layerwise=False) if tcp_first \
                     else bench.raw_round(one_block=True)
@@ -467,7 +470,7 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
             # The same, the transfer opened and announced while its prompt computes (the raw socket
             # idle as long first): from the KV being ready to its confirmation.
             announced, pairs = [], []
-            for i in range(plan.latency_reps):
+            for i in range(plan.pair_reps or plan.latency_reps):
                 tcp_first = i % 2 == 0
                 first = bench.transfer("mac", one_block, False, ANNOUNCE_LEAD_S) if tcp_first \
                     else bench.raw_round(one_block=True, lead_s=ANNOUNCE_LEAD_S)
@@ -541,8 +544,8 @@ def main(argv: list[str] | None = None) -> int:
             check_tcp_congestion(args.tcp_congestion)
         except ConfigError as exc:
             parser.error(f"--tcp-congestion: {exc}")
-    plan = Plan(tokens=1024, reps=3, latency_reps=20) if args.quick else Plan(tokens=4096, reps=5,
-                                                                               latency_reps=50)
+    plan = Plan(tokens=1024, reps=3, latency_reps=20, pair_reps=100) if args.quick else Plan(
+        tokens=4096, reps=5, latency_reps=50, pair_reps=300)
     plan = dataclasses.replace(plan, tcp_congestion=args.tcp_congestion)
     congestion = args.tcp_congestion or host_tcp_congestion()
     if args.vs is not None:
