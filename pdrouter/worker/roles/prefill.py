@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 ANNOUNCE_AFTER_S = 0.001
 """A transfer opened before its prompt computes is announced (its BEGIN sent alone) once the prompt has
 computed this long: the receiver then checks and binds it during the computation, off the path from the KV
-being ready to its confirmation (about 80 µs of a 2 MiB block's 0.8 ms on loopback, docs/benchmarks.md).
+being ready to its confirmation (docs/benchmarks.md, "Announcing a transfer while its prompt computes").
 A prompt done sooner sends the BEGIN with its first frame: one write and one receiver wake-up fewer."""
 
 
