@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from pdrouter.core.errors import InvalidRequestError
 from pdrouter.core.ids import RequestId
 from pdrouter.core.kv_layout import KvLayout
 from pdrouter.core.sampling import SamplingParams
@@ -168,8 +169,6 @@ async def test_a_prompt_that_fails_abandons_its_opened_transfer() -> None:
     """The engine refused the prompt after the transfer was opened (and announced): the transfer is
     aborted, so the receiver hears of it, the engine's own error is what the caller gets, and no
     blocks were held to give back."""
-    from pdrouter.core.errors import InvalidRequestError
-
     driver, transfer = SlowDriver(0.05, InvalidRequestError("the prompt is too long")), QuickTransfer()
     servicer = PrefillServicer(driver, FakeSender(transfer), LAYOUT, "", AnyTarget())  # type: ignore[arg-type]
     aborted: list[str] = []
