@@ -78,7 +78,6 @@ class OutgoingTransfer:
         self._seq = 0
         self._bytes = 0
         self._ended = False
-        self._announced = False
         if not target.blocks_to_send:
             self._life.advance(TransferState.DONE)
 
@@ -140,10 +139,8 @@ class OutgoingTransfer:
         the transfer first: the receiver checks the target and binds the transfer meanwhile, off the
         path from the KV being ready to its confirmation. Does nothing once a layer was queued or the
         transfer ended."""
-        if self._announced or self._ended or self.state is not TransferState.WAITING or any(self._sent):
-            return
-        self._announced = True
-        self._sink.submit(self, [], write=not _in_event_loop())
+        if not self._ended and self.state is TransferState.WAITING:  # the sink sends a BEGIN once, whoever asks
+            self._sink.submit(self, [], write=not _in_event_loop())
 
     def finish(self, timeout: float | None = None) -> None:
         """Declare the transfer complete and wait for the receiver's confirmation."""
