@@ -35,10 +35,16 @@ Per system and layout:
 * ``pd-router_<layout>_cpu_vs_best_peer``: pd-router's router CPU over the lowest peer's, same layout;
   ``python-relay_<layout>_cpu_vs_best_peer`` the floor's.
 
+``--rounds N`` (without ``--vs``) runs the whole comparison ``N`` times, every system and layout once a
+round, the systems' order reversed every other round: each figure is then the median of the rounds, and
+``..._cpu_vs_best_peer`` the median of the rounds' ratios (each round against its own best peer), with
+``..._cpu_vs_best_peer_min`` / ``..._max``. One run's ratio moves with the machine's drift between the
+systems' rows; the median of a few rounds is the figure to judge a target by.
+
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
                                       [--systems pd-router,sglang-router,vllm-router,smg,python-relay] [--pin]
                                       [--layouts cache_aware,pd,by_load] [--seconds 8] [--pair-seconds 4]
-                                      [--vs REV] [--rounds 3]
+                                      [--rounds N] [--vs REV]
 
 ``--vs REV`` measures pd-router only, this tree against commit ``REV`` (its ``pdrouter`` package exported
 with ``git archive`` and run from ``PYTHONPATH``), each layout ``--rounds`` times (default 3) with the two
@@ -267,7 +273,6 @@ class Bench:
         self.args, self.report, self.work = args, report, work
         self.py = str(Path(args.peers_venv) / "bin" / "python")
         self.seed = 0
-        self.cpu: dict[tuple[str, str], float] = {}
 
     def peer_available(self, system: str) -> bool:
         if system == FLOOR:
@@ -359,9 +364,10 @@ class Bench:
             raise RuntimeError(f"pdrouter up: expected one router process, found {router}")
         row.watched = {"router": router, "redis": redis}
 
-    async def measure(self, row: Row, direct: HttpCompletions | None) -> float:
-        """The row's router CPU per request at C=32 (µs); with ``direct``, its figures are reported and
-        the paired C=1 run measures the added latency."""
+    async def measure(self, row: Row, direct: HttpCompletions | None) -> dict[str, float]:
+        """The row's figures: its router CPU per request at C=32 (``router_cpu``, µs), and with ``direct``
+        the rest (``redis_cpu`` for pd-router, ``rps``, and from the paired C=1 run ``c1_p50``,
+        ``added_p50`` and ``added_p99``, ms)."""
         name = f"{row.system}_{row.layout}"
         client = HttpCompletions("127.0.0.1", row.port, row.model, [], TOKENS, False, prompts=prompts(self.seed))
         self.seed += 1
@@ -378,26 +384,24 @@ class Bench:
             if loop.requests == 0 or loop.errors > 0.01 * (loop.requests + loop.errors):
                 raise RuntimeError(f"{name}: {loop.errors} errors in {loop.requests + loop.errors} requests "
                                    f"(first: {loop.first_error})")
-            cpu = loop.cpu["router"] / loop.requests * 1e6
+            figures = {"router_cpu": loop.cpu["router"] / loop.requests * 1e6}
             if direct is None:
-                return cpu
-            self.cpu[(row.system, row.layout)] = cpu
-            self.report.add(f"{name}_router_cpu", cpu, "us/req")
+                return figures
             if "redis" in loop.cpu:
-                self.report.add(f"{name}_redis_cpu", loop.cpu["redis"] / loop.requests * 1e6, "us/req")
-            self.report.add(f"{name}_rps", loop.requests / loop.seconds, "req/s")
+                figures["redis_cpu"] = loop.cpu["redis"] / loop.requests * 1e6
+            figures["rps"] = loop.requests / loop.seconds
             via, straight = await paired(client, direct, self.args.pair_seconds)
-            self.report.add(f"{name}_c1_p50", quantile(via, 0.5) * 1e3, "ms")
-            self.report.add(f"{name}_added_p50", (quantile(via, 0.5) - quantile(straight, 0.5)) * 1e3, "ms")
-            self.report.add(f"{name}_added_p99", (quantile(via, 0.99) - quantile(straight, 0.99)) * 1e3, "ms")
-            return cpu
+            figures["c1_p50"] = quantile(via, 0.5) * 1e3
+            figures["added_p50"] = (quantile(via, 0.5) - quantile(straight, 0.5)) * 1e3
+            figures["added_p99"] = (quantile(via, 0.99) - quantile(straight, 0.99)) * 1e3
+            return figures
         finally:
             if self.args.pin:
                 pin(descendants(os.getpid()), everything)
             await client.close()
 
     async def row(self, system: str, layout: str, direct: HttpCompletions | None, tree: Path | None = None,
-                  label: str = "") -> float:
+                  label: str = "") -> dict[str, float]:
         logs = self.work / "logs" / f"{system}_{layout}{label}"
         logs.mkdir(parents=True, exist_ok=True)
         procs = Processes(logs)
@@ -409,9 +413,9 @@ class Bench:
             await ready(row.port, row.model, 240 if system == "pd-router" else 90, f"{system} ({layout})", logs)
             if system == "pd-router":
                 self.pdrouter_pids(row)
-            cpu = await self.measure(row, direct)
+            figures = await self.measure(row, direct)
             print(f"# {system} {layout}{label}: done", file=sys.stderr, flush=True)
-            return cpu
+            return figures
         finally:
             procs.stop()
 
@@ -426,8 +430,8 @@ class Bench:
             base: list[float] = []
             for i in range(self.args.rounds):
                 for side in ((None, tree) if i % 2 == 0 else (tree, None)):
-                    cpu = await self.row("pd-router", layout, None, side, f"_{'vs' if side else 'this'}{i}")
-                    (base if side else this).append(cpu)
+                    figures = await self.row("pd-router", layout, None, side, f"_{'vs' if side else 'this'}{i}")
+                    (base if side else this).append(figures["router_cpu"])
             ratios = [t / b for t, b in zip(this, base, strict=True)]
             name = f"pd-router_{layout}"
             self.report.add(f"{name}_router_cpu", statistics.median(this), "us/req")
@@ -457,26 +461,57 @@ class Bench:
         direct = HttpCompletions("127.0.0.1", direct_port, PEER_MODEL, [], TOKENS, False, prompts=prompts(10_000))
         try:
             await ready(direct_port, PEER_MODEL, 30, "the instant worker", logs)
+            available = []
             for system in systems:
                 if system != "pd-router" and not self.peer_available(system):
                     print(f"# {system}: not installed in {self.args.peers_venv}; its rows are skipped",
                           file=sys.stderr)
                     continue
-                for layout in layouts:
-                    await self.row(system, layout, direct)
+                available.append(system)
+            rounds = self.args.rounds or 1
+            # Per round, every system and layout once; the systems' order reversed every other round, so
+            # that a drift of the machine within a round does not favour the systems measured first.
+            runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+            for i in range(rounds):
+                for system in (available if i % 2 == 0 else available[::-1]):
+                    for layout in layouts:
+                        label = f"_round{i}" if rounds > 1 else ""
+                        runs.setdefault((system, layout), []).append(await self.row(system, layout, direct,
+                                                                                    label=label))
         finally:
             await direct.close()
             baseline.stop()
+        self.summarize(runs, layouts, rounds)
+
+    def summarize(self, runs: dict[tuple[str, str], list[dict[str, float]]], layouts: list[str],
+                  rounds: int) -> None:
+        """Each figure's median over the rounds, and pd-router's (and the floor's) CPU over the best
+        peer's: the median of the rounds' ratios, each round's best peer its own."""
+        if rounds > 1:
+            self.report.add("rounds", rounds, "rounds")
+        units = {"router_cpu": "us/req", "redis_cpu": "us/req", "rps": "req/s", "c1_p50": "ms",
+                 "added_p50": "ms", "added_p99": "ms"}
+        for (system, layout), figures in runs.items():
+            for key, unit in units.items():
+                values = [f[key] for f in figures if key in f]
+                if values:
+                    self.report.add(f"{system}_{layout}_{key}", statistics.median(values), unit)
         for layout in layouts:
-            peers = {s: c for (s, lay), c in self.cpu.items() if lay == layout and s not in ("pd-router", FLOOR)}
+            peers = [s for (s, lay) in runs if lay == layout and s not in ("pd-router", FLOOR)]
             if not peers:
                 continue
-            best = min(peers, key=lambda s: peers[s])
-            print(f"# {layout}: best peer {best}", file=sys.stderr)
+            best = [min(peers, key=lambda s: runs[(s, layout)][i]["router_cpu"]) for i in range(rounds)]
+            print(f"# {layout}: best peer {', '.join(best)}", file=sys.stderr)
             for system in ("pd-router", FLOOR):
-                cpu = self.cpu.get((system, layout))
-                if cpu is not None:
-                    self.report.add(f"{system}_{layout}_cpu_vs_best_peer", cpu / peers[best], "x")
+                if (system, layout) not in runs:
+                    continue
+                ratios = [runs[(system, layout)][i]["router_cpu"] / runs[(best[i], layout)][i]["router_cpu"]
+                          for i in range(rounds)]
+                name = f"{system}_{layout}_cpu_vs_best_peer"
+                self.report.add(name, statistics.median(ratios), "x")
+                if rounds > 1:
+                    self.report.add(f"{name}_min", min(ratios), "x")
+                    self.report.add(f"{name}_max", max(ratios), "x")
 
 
 def main() -> None:
@@ -491,10 +526,14 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the router alone on CPU 0, its workers, Redis and the load generator on CPU 1")
     parser.add_argument("--vs", metavar="REV", help="pd-router only: this tree against commit REV, in turn")
-    parser.add_argument("--rounds", type=int, default=3, help="with --vs: rounds per layout")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds: with --vs, per layout (default 3); otherwise of the whole comparison, "
+                             "every system and layout once a round (default 1)")
     args = parser.parse_args()
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.vs and args.rounds is None:
+        args.rounds = 3
     if args.quick:
         args.systems, args.layouts, args.seconds, args.pair_seconds, args.warmup_seconds = "pd-router", "pd", 3, 2, 1
     report = Report()
