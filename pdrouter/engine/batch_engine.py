@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from pdrouter.core.errors import (
     CapacityError,
     FailedPreconditionError,
@@ -141,6 +143,7 @@ class ModelStep(Protocol):
         ...
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the torch engine subclasses it uncompiled
 class BatchEngine:
     """A synchronous inference engine over a :class:`ModelStep` (see the module docstring for the contract)."""
 
@@ -169,22 +172,26 @@ class BatchEngine:
 
     # -- requests in ---------------------------------------------------------------------------
     def add_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                    sampling: SamplingParams, *, cache_salt: bytes = b"", priority: int = 0) -> None:
+                    sampling: SamplingParams, *, cache_salt: object = b"", priority: int = 0) -> None:
         """Queue a request to prefill and decode here. ``cache_salt`` (every method taking one): its
         blocks are hashed under it (``pdrouter.core.hashing``), so it shares prefix blocks only with
         requests of the same salt. ``priority`` (every method taking one): lower first, as the
-        scheduler orders prompts (``pdrouter.engine.scheduler``); equal for all, first come first served."""
+        scheduler orders prompts (``pdrouter.engine.scheduler``); equal for all, first come first served.
+
+        ``cache_salt`` is bytes; it is typed ``object`` so that anything else reaches the engine's own
+        check (``InvalidRequestError`` naming it) in a compiled build too, whose functions check their
+        arguments' declared types on entry (``docs/simulation.md``, "A compiled engine")."""
         self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.GENERATE, cache_salt,
                                         priority))
 
     def add_prefill_request(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                            sampling: SamplingParams, *, cache_salt: bytes = b"", priority: int = 0) -> None:
+                            sampling: SamplingParams, *, cache_salt: object = b"", priority: int = 0) -> None:
         """Queue a prefill-only request; its one output carries a :class:`PrefillResult`."""
         self._enqueue(self._new_request(request_id, prompt_token_ids, sampling, RequestKind.PREFILL_ONLY,
                                         cache_salt, priority))
 
     def reserve_remote(self, request_id: RequestId, prompt_token_ids: Sequence[int],
-                       sampling: SamplingParams, *, cache_salt: bytes = b"") -> KvReservation:
+                       sampling: SamplingParams, *, cache_salt: object = b"") -> KvReservation:
         """Allocate blocks for a prompt whose KV another worker will write; CapacityError if short now."""
         req = self._new_request(request_id, prompt_token_ids, sampling, RequestKind.REMOTE_KV, cache_salt)
         hashes = req.hashes(self.hasher)
@@ -407,7 +414,7 @@ class BatchEngine:
 
     # -- internals ---------------------------------------------------------------------------
     def _new_request(self, request_id: RequestId, prompt: Sequence[int], sampling: SamplingParams,
-                     kind: RequestKind, cache_salt: bytes = b"", priority: int = 0) -> Request:
+                     kind: RequestKind, cache_salt: object = b"", priority: int = 0) -> Request:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError(f"request_id must be a non-empty string, got {request_id!r}")
         ids = validate_request(prompt, sampling, self.spec, num_blocks=self.kv_layout.num_blocks,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import queue
 import random
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +29,18 @@ from .dense_reference import dense_greedy
 from .engine_testing import AnyEngineFactory, EngineFactory, assert_no_leak, random_prompt, rid
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+class StepRunning:
+    """An engine's model step with ``run`` replaced: put in the engine's place, not patched into the
+    step itself (a compiled build's objects have read-only methods)."""
+
+    def __init__(self, step: Any, run: Callable[[Sequence[StepWork]], list[int]]) -> None:
+        self._step = step
+        self.run = run
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._step, name)
 
 
 def drain(engine: BatchEngine, max_steps: int = 500) -> list[RequestOutput]:
@@ -193,9 +206,10 @@ def test_abort_during_the_model_step_frees_after_it(make_any_engine: AnyEngineFa
         seen.append(engine.stats().num_free_blocks)  # the victim's block is still held mid-step
         return real_run(work)
 
-    monkeypatch.setattr(engine.model_step, "run", run_and_abort)
+    step = engine.model_step
+    monkeypatch.setattr(engine, "model_step", StepRunning(step, run_and_abort))
     outs = engine.step()
-    monkeypatch.setattr(engine.model_step, "run", real_run)
+    monkeypatch.setattr(engine, "model_step", step)
     assert seen == [62]
     assert [o.request_id for o in outs] == [other]
     assert engine.stats().num_free_blocks == 63
@@ -312,11 +326,11 @@ def test_a_failed_model_step_can_be_retried(make_any_engine: AnyEngineFactory,
     def broken(work: Sequence[StepWork]) -> list[int]:
         raise RuntimeError("device lost")
 
-    real_run = engine.model_step.run
-    monkeypatch.setattr(engine.model_step, "run", broken)
+    step = engine.model_step
+    monkeypatch.setattr(engine, "model_step", StepRunning(step, broken))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.step()
-    monkeypatch.setattr(engine.model_step, "run", real_run)
+    monkeypatch.setattr(engine, "model_step", step)
     (tokens,) = [[t for o in drain(engine) for t in o.new_token_ids]]
     # The retry gives what an engine that never failed gives.
     assert tokens == make_any_engine().generate([[9, 8, 7, 6]], params)[0]
