@@ -1,0 +1,127 @@
+"""Compile the simulated engine's modules to C extensions with mypyc, in place, or remove them again.
+
+    python scripts/compile_engine.py [--clean] [--root DIR]
+
+The engine that a simulated worker steps (its block manager, scheduler, requests, outputs,
+``BatchEngine``, the simulated model step and timing model, the block hashes and packed prompts) is
+pure Python that runs on every step of every request. Compiled by mypyc (mypy's compiler of
+type-annotated modules; the same code, no rewrite), it takes much less CPU a request
+(``docs/simulation.md``, "A compiled engine"), so a machine drives more simulated GPUs in a load test.
+
+Opt-in, for a checkout installed in place (``pip install -e .``, as the README does):
+
+* each module's extension (``.so``) is written beside its ``.py`` and Python imports it in its place,
+  with the runtime they share (``pdrouter/_engine__mypyc*.so``);
+* ``pdrouter/_compiled.json`` records each compiled source's SHA-256; ``import pdrouter`` refuses to
+  run extensions whose sources have changed since (``pdrouter/__init__.py``), naming the command
+  that rebuilds them or removes them;
+* ``--clean`` removes the extensions, the record and mypyc's build folder: the sources run again.
+
+Needs a C compiler and mypy (the ``dev`` extra has it); about 20 seconds on two cores. This script
+imports nothing of pd-router, so it runs whatever state the extensions are in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MODULES = (
+    "pdrouter/core/hashing.py",
+    "pdrouter/core/tokens.py",
+    "pdrouter/engine/block_manager.py",
+    "pdrouter/engine/request.py",
+    "pdrouter/engine/outputs.py",
+    "pdrouter/engine/scheduler.py",
+    "pdrouter/engine/batch_engine.py",
+    "pdrouter/engine/sim/model_step.py",
+    "pdrouter/engine/sim/timing.py",
+    "pdrouter/engine/sim/engine.py",
+)
+"""The compiled modules. Each must keep compiling: no async generators, no ``@runtime_checkable``
+protocols, no class attribute read from the class, and a class that an uncompiled class subclasses
+says so (``@mypyc_attr(allow_interpreted_subclasses=True)``)."""
+
+GROUP = "pdrouter._engine"
+"""The runtime library the compiled modules share, ``GROUP__mypyc``: inside the package, where an
+editable install's import finder reaches it."""
+RECORD = "pdrouter/_compiled.json"
+BUILD_DIR = "build/mypyc"
+
+_SETUP = """
+import sys
+from mypyc.build import mypycify
+from setuptools import setup
+
+setup(name="pdrouter-engine-compiled", ext_modules=mypycify(sys.argv[1:], group_name={group!r}, target_dir={target!r}),
+      script_args=["-q", "build_ext", "--inplace", "--build-temp", {temp!r}])
+"""
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def extensions(root: Path) -> list[Path]:
+    """The extension files in ``root``'s package: what a build leaves (one per module, and the shared
+    runtime), and what an earlier build of another list left. pd-router ships no extension of its own."""
+    return sorted((root / "pdrouter").rglob("*.so"))
+
+
+def clean(root: Path) -> int:
+    removed = extensions(root)
+    for path in removed:
+        path.unlink()
+    (root / RECORD).unlink(missing_ok=True)
+    shutil.rmtree(root / BUILD_DIR, ignore_errors=True)
+    return len(removed)
+
+
+def build(root: Path) -> None:
+    missing = [m for m in MODULES if not (root / m).is_file()]
+    if missing:
+        raise SystemExit(f"compile_engine.py: {root} is not a pd-router checkout (no {missing[0]})")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        raise SystemExit("compile_engine.py: needs a C compiler (cc or gcc on the PATH)")
+    try:
+        import mypyc  # noqa: F401  (only to say what is missing)
+    except ImportError:
+        raise SystemExit("compile_engine.py: needs mypy (pip install -e '.[dev]')") from None
+    clean(root)
+    print(f"compiling {len(MODULES)} modules with mypyc (about 20 s)...", flush=True)
+    started = time.monotonic()
+    setup = _SETUP.format(group=GROUP, target=f"{BUILD_DIR}/c", temp=f"{BUILD_DIR}/temp")
+    done = subprocess.run([sys.executable, "-c", setup, *MODULES], cwd=root, capture_output=True, text=True)
+    if done.returncode != 0:
+        clean(root)
+        errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line.lower()]
+        raise SystemExit("compile_engine.py: mypyc failed (nothing was left compiled):\n" +
+                         "\n".join(errors[:20] or (done.stdout + done.stderr).splitlines()[-20:]))
+    record = {"compiler": "mypyc", "modules": {m: digest(root / m) for m in MODULES}}
+    (root / RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    built = extensions(root)
+    print(f"compiled {len(MODULES)} modules in {time.monotonic() - started:.0f} s: {len(built)} extensions "
+          f"in {root}; `python scripts/compile_engine.py --clean` removes them")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clean", action="store_true", help="remove the compiled extensions (the sources run again)")
+    parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
+                        help="the checkout (default: this script's)")
+    args = parser.parse_args()
+    root = args.root.resolve()
+    if args.clean:
+        print(f"removed {clean(root)} compiled extensions from {root}")
+    else:
+        build(root)
+
+
+if __name__ == "__main__":
+    main()
