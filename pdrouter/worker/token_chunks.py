@@ -21,10 +21,14 @@ def chunk_sink(request_id: str, context: Any) -> OutputSink | None:
     send_nowait = getattr(context, "send_nowait", None)
     if send_nowait is None:
         return None
-    chunk = common_pb2.TokenChunk
+    # One message for the request, its tokens replaced each time: ``send_nowait`` serializes it before
+    # it returns, and setting a repeated field costs less than building the message (its id) again.
+    chunk = common_pb2.TokenChunk(request_id=request_id)
+    token_ids = chunk.token_ids
 
     def sink(out: RequestOutput) -> bool:
-        return bool(send_nowait(chunk(request_id=request_id, token_ids=out.new_token_ids)))
+        token_ids[:] = out.new_token_ids
+        return bool(send_nowait(chunk))
 
     return sink
 

@@ -106,7 +106,8 @@ class LaneContext:
         callback that has the next message before the handler would be woken to yield it. False when
         the connection cannot take it now (its writes are paused, it is closing, or the call is over):
         the handler yields it then. The caller keeps the order: only when every message the handler
-        yielded has been sent (the handler is waiting for its next one)."""
+        yielded has been sent (the handler is waiting for its next one). The message is serialized
+        before this returns: the caller may change it and send it again."""
         conn = self._conn
         return conn is not None and conn.send_now(self._stream, message)
 
