@@ -232,7 +232,7 @@ async def test_a_streamed_answer_to_a_client_that_stops_reading_loses_nothing(
     """A client that stops reading a long stream: the router's writes to it pause, the chunks that come
     meanwhile wait in the stream (its ``TokenSink`` refuses them), and once the client reads again it
     gets the whole answer, as the same request answered unary."""
-    from pdrouter.router.frontdoor.http_server import FastCycle
+    from pdrouter.router.frontdoor.http_cycle import FastCycle
 
     paused: list[bool] = []
     can_send_now = FastCycle.can_send_now

@@ -31,7 +31,7 @@ from pdrouter.router.config import RouterConfig
 from pdrouter.router.frontdoor.auth import ApiKeys, AuthenticationError, collect_api_keys
 from pdrouter.router.frontdoor.grpc_api import DOOR_SERVERS, SERVICE_NAME, RouterServicer, add_to_server, door_server
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.frontdoor.http_server import RequestHead, whole_request_head
+from pdrouter.router.frontdoor.http_cycle import RequestHead, whole_request_head
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.server import RouterProcess
 from pdrouter.testing.echo import EchoDispatcher

@@ -63,16 +63,8 @@ from pdrouter.core.tracing import Tracing
 from pdrouter.router.frontdoor.auth import OPEN_HTTP_PATHS, ApiKeys, AuthenticationError
 from pdrouter.router.frontdoor.detokenize import TextStream
 from pdrouter.router.frontdoor.generation import Piece, PieceState, stream_pieces
-from pdrouter.router.frontdoor.http_server import (
-    DISCONNECT_EXTENSION,
-    NO_HEAD,
-    FastCycle,
-    Handler,
-    OnDisconnect,
-    Refusal,
-    RequestHead,
-    Verdict,
-)
+from pdrouter.router.frontdoor.http_cycle import NO_HEAD, FastCycle, Handler, RequestHead
+from pdrouter.router.frontdoor.http_server import DISCONNECT_EXTENSION, OnDisconnect, Refusal, Verdict
 from pdrouter.router.frontdoor.openai_responses import SseWriter, completion_body, error_reply, response_id
 from pdrouter.router.frontdoor.openai_schema import OpenAIRequest, parse_openai_request, to_router_request
 from pdrouter.router.frontdoor.served_models import FrontdoorConfig, ModelRegistry, ServedModel

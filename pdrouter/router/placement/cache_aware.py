@@ -12,6 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from pdrouter.core.errors import ConfigError
 from pdrouter.core.ids import WorkerId
@@ -41,10 +44,11 @@ class CacheAwareConfig:
             raise ConfigError("balance_factor must be >= 1; balance_slack_tokens and min_hit_tokens >= 0")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a policy of one's own may subclass it
 class CacheAware(LeastLoaded):
     """Prefill on the worker with the cheapest (uncached work + backlog), within the balance guard."""
 
-    name = "cache_aware"
+    name: ClassVar[str] = "cache_aware"
 
     def __init__(self, config: CacheAwareConfig | None = None) -> None:
         self.config = config or CacheAwareConfig()

@@ -4,16 +4,20 @@ this router has sent it since."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import ClassVar
+
+from mypy_extensions import mypyc_attr
 
 from pdrouter.core.ids import WorkerId
 from pdrouter.router.placement.policy import C, Candidate, backlog_tokens, displaced, require
 from pdrouter.router.request import RouterRequest
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # a policy of one's own may subclass it
 class LeastLoaded:
     """Fewest queued prefill tokens for prefill; most free KV blocks for decode and colocated."""
 
-    name = "least_loaded"
+    name: ClassVar[str] = "least_loaded"
 
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],
                      cached_tokens: Mapping[WorkerId, int] | None = None, priority: int | None = None) -> C:

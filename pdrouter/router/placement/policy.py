@@ -9,7 +9,7 @@ candidates' load and this router's accounting of them, and never sends anything.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 from pdrouter.core.errors import UnavailableError
 from pdrouter.core.ids import WorkerId
@@ -46,7 +46,7 @@ C = TypeVar("C", bound=Candidate)
 class PlacementPolicy(Protocol):
     """Picks a worker among ``candidates`` (never empty: UnavailableError when it is); mutates nothing."""
 
-    name: str
+    name: ClassVar[str]
     """What the router's configuration calls the policy (``make_policy``)."""
 
     def pick_prefill(self, request: RouterRequest, candidates: Sequence[C],

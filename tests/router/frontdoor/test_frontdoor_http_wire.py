@@ -11,12 +11,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.frontdoor.http_server import (
-    DISCONNECT_EXTENSION,
-    READ_SIZE,
-    FastCycle,
-    _CorkedTransport,
-)
+from pdrouter.router.frontdoor.http_cycle import FastCycle, _CorkedTransport
+from pdrouter.router.frontdoor.http_server import DISCONNECT_EXTENSION, READ_SIZE
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
 from pdrouter.testing.echo import EchoDispatcher

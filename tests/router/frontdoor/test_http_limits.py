@@ -25,7 +25,8 @@ import uvloop
 
 from pdrouter.cli.limits_flags import add_http_limit_flags, http_limits_from_args
 from pdrouter.core.errors import ConfigError
-from pdrouter.router.frontdoor.http_server import Handler, OnDisconnect, Receive, RequestHead, Send
+from pdrouter.router.frontdoor.http_cycle import Handler, Receive, RequestHead, Send
+from pdrouter.router.frontdoor.http_server import OnDisconnect
 from pdrouter.router.frontdoor.limits import HttpLimits
 from pdrouter.testing import http as testing_http
 

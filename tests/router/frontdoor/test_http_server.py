@@ -22,7 +22,8 @@ from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.frontdoor.http_server import FastCycle, HttpProtocol, whole_request
+from pdrouter.router.frontdoor.http_cycle import FastCycle, whole_request
+from pdrouter.router.frontdoor.http_server import HttpProtocol
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
 from pdrouter.testing.echo import EchoDispatcher
