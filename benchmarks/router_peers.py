@@ -64,6 +64,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import random
 import signal
@@ -449,6 +450,9 @@ class Bench:
         for layout in layouts:
             if layout not in LAYOUTS:
                 raise SystemExit(f"--layouts: unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
+        # This tree's pd-router runs its compiled modules when the checkout has them
+        # (scripts/compile_engine.py [--router]); 0: the sources.
+        self.report.add("pd-router_compiled_modules", compiled_modules(HERE.parent), "modules")
         if self.args.vs:
             await self.against(self.args.vs, layouts)
             return
@@ -512,6 +516,15 @@ class Bench:
                 if rounds > 1:
                     self.report.add(f"{name}_min", min(ratios), "x")
                     self.report.add(f"{name}_max", max(ratios), "x")
+
+
+def compiled_modules(root: Path) -> int:
+    """How many of ``root``'s modules run compiled (``pdrouter/_compiled.json``, which ``import pdrouter``
+    checks against the sources); 0 without the record."""
+    try:
+        return len(json.loads((root / "pdrouter" / "_compiled.json").read_text())["modules"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def main() -> None:

@@ -1,12 +1,19 @@
-"""Compile the simulated engine's modules to C extensions with mypyc, in place, or remove them again.
+"""Compile the simulated engine's modules (with ``--router``, the router's too) to C extensions with mypyc,
+in place, or remove them again.
 
-    python scripts/compile_engine.py [--clean] [--root DIR]
+    python scripts/compile_engine.py [--router] [--clean] [--root DIR]
 
 The engine that a simulated worker steps (its block manager, scheduler, requests, outputs,
 ``BatchEngine``, the simulated model step and timing model, the block hashes and packed prompts) is
 pure Python that runs on every step of every request. Compiled by mypyc (mypy's compiler of
 type-annotated modules; the same code, no rewrite), it takes much less CPU a request
 (``docs/simulation.md``, "A compiled engine"), so a machine drives more simulated GPUs in a load test.
+
+``--router`` also compiles the router's request path that compiles (``ROUTER_MODULES``: the HTTP
+door's handlers and the OpenAI body's parsing, placement, admission, the prefix index, the tokenizer,
+the metrics): less router CPU a request (``docs/benchmarks.md``, "The router compiled with mypyc").
+The event-loop code stays Python (async generators, the HTTP/1.1 protocol, the lane and the Redis
+connection): mypyc does not compile the first, and the others did not run compiled.
 
 Opt-in, for a checkout installed in place (``pip install -e .``, as the README does):
 
@@ -32,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-MODULES = (
+ENGINE_MODULES = (
     "pdrouter/core/hashing.py",
     "pdrouter/core/tokens.py",
     "pdrouter/engine/block_manager.py",
@@ -44,9 +51,38 @@ MODULES = (
     "pdrouter/engine/sim/timing.py",
     "pdrouter/engine/sim/engine.py",
 )
-"""The compiled modules. Each must keep compiling: no async generators, no ``@runtime_checkable``
+"""The engine's compiled modules. Each must keep compiling: no async generators, no ``@runtime_checkable``
 protocols, no class attribute read from the class, and a class that an uncompiled class subclasses
 says so (``@mypyc_attr(allow_interpreted_subclasses=True)``)."""
+
+ROUTER_MODULES = (
+    "pdrouter/core/tokenizer.py",
+    "pdrouter/state/prefix_index.py",
+    "pdrouter/router/metrics.py",
+    "pdrouter/router/request.py",
+    "pdrouter/router/transfer_stats.py",
+    "pdrouter/router/admission/admission.py",
+    "pdrouter/router/admission/credit.py",
+    "pdrouter/router/admission/queue.py",
+    "pdrouter/router/placement/policy.py",
+    "pdrouter/router/placement/least_loaded.py",
+    "pdrouter/router/placement/cache_aware.py",
+    "pdrouter/router/placement/circuit_breaker.py",
+    "pdrouter/router/placement/worker_pool.py",
+    "pdrouter/router/frontdoor/openai_schema.py",
+    "pdrouter/router/frontdoor/openai_responses.py",
+    "pdrouter/router/frontdoor/detokenize.py",
+    "pdrouter/router/frontdoor/served_models.py",
+    "pdrouter/router/frontdoor/http_api.py",
+    "pdrouter/router/frontdoor/http_cycle.py",
+)
+"""The router's compiled modules (``--router``), on top of the engine's (the block hashes and packed
+prompts are the router's too). These stay Python: ``router/dispatch.py``,
+``router/frontdoor/generation.py`` and ``wire/worker_client.py`` (async generators);
+``router/frontdoor/http_server.py`` (it subclasses uvicorn's protocol class and declares
+``@runtime_checkable`` protocols; its request cycle, ``http_cycle.py``, compiles); ``wire/lane/client.py``,
+``wire/lane/frames.py``, ``wire/convert.py`` and ``state/pipelined.py`` (compiled, their tests failed
+inside the interpreter with ``SystemError``)."""
 
 GROUP = "pdrouter._engine"
 """The runtime library the compiled modules share, ``GROUP__mypyc``: inside the package, where an
@@ -83,8 +119,8 @@ def clean(root: Path) -> int:
     return len(removed)
 
 
-def build(root: Path) -> None:
-    missing = [m for m in MODULES if not (root / m).is_file()]
+def build(root: Path, modules: tuple[str, ...]) -> None:
+    missing = [m for m in modules if not (root / m).is_file()]
     if missing:
         raise SystemExit(f"compile_engine.py: {root} is not a pd-router checkout (no {missing[0]})")
     if shutil.which("cc") is None and shutil.which("gcc") is None:
@@ -94,24 +130,27 @@ def build(root: Path) -> None:
     except ImportError:
         raise SystemExit("compile_engine.py: needs mypy (pip install -e '.[dev]')") from None
     clean(root)
-    print(f"compiling {len(MODULES)} modules with mypyc (about 20 s)...", flush=True)
+    about = "20 s" if len(modules) == len(ENGINE_MODULES) else "2 minutes"
+    print(f"compiling {len(modules)} modules with mypyc (about {about})...", flush=True)
     started = time.monotonic()
     setup = _SETUP.format(group=GROUP, target=f"{BUILD_DIR}/c", temp=f"{BUILD_DIR}/temp")
-    done = subprocess.run([sys.executable, "-c", setup, *MODULES], cwd=root, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", setup, *modules], cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         clean(root)
         errors = [line for line in (done.stdout + done.stderr).splitlines() if "error" in line.lower()]
         raise SystemExit("compile_engine.py: mypyc failed (nothing was left compiled):\n" +
                          "\n".join(errors[:20] or (done.stdout + done.stderr).splitlines()[-20:]))
-    record = {"compiler": "mypyc", "modules": {m: digest(root / m) for m in MODULES}}
+    record = {"compiler": "mypyc", "modules": {m: digest(root / m) for m in modules}}
     (root / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     built = extensions(root)
-    print(f"compiled {len(MODULES)} modules in {time.monotonic() - started:.0f} s: {len(built)} extensions "
+    print(f"compiled {len(modules)} modules in {time.monotonic() - started:.0f} s: {len(built)} extensions "
           f"in {root}; `python scripts/compile_engine.py --clean` removes them")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--router", action="store_true",
+                        help="also compile the router's request path (ROUTER_MODULES)")
     parser.add_argument("--clean", action="store_true", help="remove the compiled extensions (the sources run again)")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent,
                         help="the checkout (default: this script's)")
@@ -120,7 +159,7 @@ def main() -> None:
     if args.clean:
         print(f"removed {clean(root)} compiled extensions from {root}")
     else:
-        build(root)
+        build(root, ENGINE_MODULES + (ROUTER_MODULES if args.router else ()))
 
 
 if __name__ == "__main__":
