@@ -61,6 +61,7 @@ ROUTER_MODULES = (
     "pdrouter/router/metrics.py",
     "pdrouter/router/request.py",
     "pdrouter/router/transfer_stats.py",
+    "pdrouter/router/placing.py",
     "pdrouter/router/admission/admission.py",
     "pdrouter/router/admission/credit.py",
     "pdrouter/router/admission/queue.py",
@@ -77,8 +78,8 @@ ROUTER_MODULES = (
     "pdrouter/router/frontdoor/http_cycle.py",
 )
 """The router's compiled modules (``--router``), on top of the engine's (the block hashes and packed
-prompts are the router's too). These stay Python: ``router/dispatch.py``,
-``router/frontdoor/generation.py`` and ``wire/worker_client.py`` (async generators);
+prompts are the router's too). These stay Python: ``router/dispatch.py`` (its decisions,
+``placing.py``, compile), ``router/frontdoor/generation.py`` and ``wire/worker_client.py`` (async generators);
 ``router/frontdoor/http_server.py`` (it subclasses uvicorn's protocol class and declares
 ``@runtime_checkable`` protocols; its request cycle, ``http_cycle.py``, compiles); ``wire/lane/client.py``,
 ``wire/lane/frames.py``, ``wire/convert.py`` and ``state/pipelined.py`` (compiled, their tests failed
