@@ -1,7 +1,7 @@
 """The HTTP/1.1 server's request cycle for the generation POSTs (``http_server``'s entry points 1 and 2):
 a request read whole from one buffer (:func:`whole_request_head`), the :class:`FastCycle` that runs
 its handler and writes its response, and the transport that sends a response's head with its first
-body bytes (:class:`_CorkedTransport`). ``http_server``'s docstring says what the cycle promises.
+body bytes (:class:`CorkedTransport`). ``http_server``'s docstring says what the cycle promises.
 
 Apart from ``http_server`` (the uvicorn protocol subclass and the seam's protocols, which stay
 Python) so that ``scripts/compile_engine.py --router`` can compile this code, which runs for every
@@ -153,15 +153,17 @@ def _one_value(lower: bytes, block: bytes, name: bytes) -> bytes | None:
     return None if value is _SEVERAL else cast("bytes | None", value)
 
 
-def _one(value: bytes | None) -> tuple[bytes, ...]:
+def as_values(value: bytes | None) -> tuple[bytes, ...]:
+    """A header's value, or its absence, as the values of every header of that name."""
     return () if value is None else (value,)
 
 
-def _first(values: Sequence[bytes]) -> bytes | None:
+def first_value(values: Sequence[bytes]) -> bytes | None:
+    """The first of a header's values, None without one."""
     return values[0] if values else None
 
 
-def _trace_values(headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
+def trace_values(headers: Sequence[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
     """``(traceparent, tracestate)`` of a head's trace headers, each None when absent or repeated."""
     if not headers:
         return None, None
@@ -355,7 +357,7 @@ def _chunk(body: bytes) -> bytes:
 _RESPONSE_HEAD = b"HTTP/1.1 "
 
 
-class _CorkedTransport:
+class CorkedTransport:
     """A transport that holds a response's head back until its first body bytes, then writes both.
 
     uvicorn writes a response's status line and headers, then its body, each at once: two

@@ -105,14 +105,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from pdrouter.core.tls import TlsFiles
 from pdrouter.router.frontdoor.http_cycle import (
     ASGIApp,
+    CorkedTransport,
     FastCycle,
     Handler,
     RequestHead,
-    _CorkedTransport,
-    _first,
-    _one,
-    _trace_values,
+    as_values,
+    first_value,
     status_line,
+    trace_values,
     whole_request_head,
 )
 from pdrouter.router.frontdoor.limits import HttpLimits
@@ -228,7 +228,7 @@ class _Gate:
 
 class HttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools HTTP/1.1 protocol with the entry points of the module docstring, reading
-    at most :data:`READ_SIZE` bytes at a time, writing through a :class:`_CorkedTransport`, under
+    at most :data:`READ_SIZE` bytes at a time, writing through a :class:`CorkedTransport`, under
     the :class:`HttpLimits` of its server (``limits``; :func:`make_server` makes a subclass per
     server holding them and the server's in-flight count).
 
@@ -269,7 +269,7 @@ class HttpProtocol(HttpToolsProtocol):
                 # entry point 1: one plain generation request, whole
                 (handler, body_limit), keep_alive, body, path, head = whole
                 self._unset_keepalive_if_required()
-                if not self._passes(b"POST", path, _one(head.authorization), _one(head.content_type)) \
+                if not self._passes(b"POST", path, as_values(head.authorization), as_values(head.content_type)) \
                         or not self._admit():
                     return
                 self._phase = _BUSY
@@ -340,8 +340,8 @@ class HttpProtocol(HttpToolsProtocol):
             return
         handler, body_limit = fast  # entry point 2: parsed by httptools, served by a FastCycle
         keep_alive = self.parser.get_http_version() != "1.0" and self.parser.should_keep_alive()
-        head = RequestHead(_first(authorization), _first(content_type), _first(request_id),
-                           *_trace_values(trace))
+        head = RequestHead(first_value(authorization), first_value(content_type), first_value(request_id),
+                           *trace_values(trace))
         self.cycle = FastCycle(self, handler, keep_alive, body_limit, head=head)  # type: ignore[assignment]
 
     def _fast_handler(self, queued: bool) -> tuple[Handler, int] | None:
@@ -426,7 +426,7 @@ class HttpProtocol(HttpToolsProtocol):
         gate.unproven[self] = None
         if isinstance(getattr(transport, "max_size", None), int):  # asyncio's selector transports
             transport.max_size = READ_SIZE  # type: ignore[attr-defined]
-        corked = _CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
+        corked = CorkedTransport(cast(asyncio.Transport, transport))  # a stream connection
         super().connection_made(cast(asyncio.Transport, corked))
         app = self.app
         if isinstance(app, FastRoutes) and not self.root_path:

@@ -11,7 +11,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdrouter.core.tokenizer import ByteTokenizer
 from pdrouter.router.frontdoor.http_api import HttpFrontdoor
-from pdrouter.router.frontdoor.http_cycle import FastCycle, _CorkedTransport
+from pdrouter.router.frontdoor.http_cycle import CorkedTransport, FastCycle
 from pdrouter.router.frontdoor.http_server import DISCONNECT_EXTENSION, READ_SIZE
 from pdrouter.router.metrics import RouterMetrics
 from pdrouter.testing import http as testing_http
@@ -74,7 +74,7 @@ class _Recorder:
 
 async def test_a_response_head_waits_for_its_body_and_bodies_are_never_held() -> None:
     raw = _Recorder()
-    corked = _CorkedTransport(raw)  # type: ignore[arg-type]
+    corked = CorkedTransport(raw)  # type: ignore[arg-type]
     corked.write(b"HTTP/1.1 200 OK\r\n\r\n")
     corked.write(b"")
     assert raw.writes == []  # the head waits...
@@ -88,7 +88,7 @@ async def test_a_response_head_waits_for_its_body_and_bodies_are_never_held() ->
     assert raw.writes[-1] == b"HTTP/1.1 204 No Content\r\n\r\n" and raw.closed
     assert corked.get_extra_info("peername") == "extra:peername"
     dropped = _Recorder()
-    corked = _CorkedTransport(dropped)  # type: ignore[arg-type]
+    corked = CorkedTransport(dropped)  # type: ignore[arg-type]
     corked.write(b"HTTP/1.1 500 Internal Server Error\r\n\r\n")
     corked.abort()
     await asyncio.sleep(0)
@@ -103,7 +103,7 @@ async def test_a_unary_response_leaves_in_one_write() -> None:
         await asyncio.wait_for(reader.readuntil(b'{"status":"ok"}'), WAIT_S)
         [connection] = server.server_state.connections
         transport = connection.transport
-        assert isinstance(transport, _CorkedTransport)
+        assert isinstance(transport, CorkedTransport)
         seen: list[bytes] = []
         real_write = transport._transport.write
         transport._transport.write = lambda data: (seen.append(data), real_write(data))[1]
