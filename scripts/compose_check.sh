@@ -280,10 +280,17 @@ step_image() {
   local cached fresh
   cached=$(grep -c 'Using cache' <<<"$out" || true)
   fresh=$(grep -c '^ ---> Running in' <<<"$out" || true)
+  # The image's router runs compiled (the Dockerfile's MYPYC, "router" by default): how many modules.
+  local compiled
+  compiled=$(docker run --rm --entrypoint python "$IMAGE" -c 'import pathlib, pdrouter.router.placing as p
+f = pathlib.Path(p.__file__)
+print(sum(1 for _ in f.parents[1].rglob("*.so")) - 1 if f.suffix == ".so" else 0)') \
+    || fail "the image could not import pdrouter.router.placing"
+  [ "$compiled" -gt 0 ] || fail "the image runs the router's sources: nothing compiled (the Dockerfile's MYPYC)"
   local host_pip
   host_pip=$(sed -e 's/=.*//' -e 's/^CA_BUNDLE$/the CA bundle/' "$WORK/pip-args" | paste -sd, - | sed 's/,/, /g')
   DETAIL="$IMAGE ($(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.2f GB", $1/1e9}'), \
-$fresh steps run, $cached cached; torch from ${torch_index:-the configured indexes}; from the host: ${host_pip:-nothing})"
+$fresh steps run, $cached cached; $compiled modules compiled; torch from ${torch_index:-the configured indexes}; from the host: ${host_pip:-nothing})"
 }
 
 step_up() {

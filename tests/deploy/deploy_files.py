@@ -465,3 +465,17 @@ def dockerignored(relpath: str, patterns: Sequence[str]) -> bool:
         if any(regex.match(p) for p in prefixes):
             ignored = not negated
     return ignored
+
+
+def build_context(dest: Path) -> Path:
+    """Copy what .dockerignore lets into the build context, as Docker would send it."""
+    patterns = dockerignore_patterns(REPO / ".dockerignore")
+    tops = {p.lstrip("!").split("/")[0] for p in patterns if p.startswith("!")}
+    for top in sorted(tops):
+        src = REPO / top
+        for path in [src] if src.is_file() else sorted(src.rglob("*")):
+            rel = path.relative_to(REPO).as_posix()
+            if path.is_file() and not dockerignored(rel, patterns):
+                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, dest / rel)
+    return dest

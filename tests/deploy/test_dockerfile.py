@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -19,6 +18,7 @@ from .deploy_files import (
     PORT_FLAGS,
     REPO,
     Instruction,
+    build_context,
     compose_argv,
     dockerfile_instructions,
     dockerignore_patterns,
@@ -199,20 +199,6 @@ def test_dockerignore_keeps_the_installable_project_and_nothing_else() -> None:
                "benchmarks/hash_bench.py", ".pdrouter/models/tiny/config.json", "deploy/docker-compose.yml",
                "deploy/k8s/base/secret.yaml"]
     assert [f for f in dropped if not dockerignored(f, patterns)] == []
-
-
-def build_context(dest: Path) -> Path:
-    """Copy what .dockerignore lets into the build context, as Docker would send it."""
-    patterns = dockerignore_patterns(DOCKERIGNORE)
-    tops = {p.lstrip("!").split("/")[0] for p in patterns if p.startswith("!")}
-    for top in sorted(tops):
-        src = REPO / top
-        for path in [src] if src.is_file() else sorted(src.rglob("*")):
-            rel = path.relative_to(REPO).as_posix()
-            if path.is_file() and not dockerignored(rel, patterns):
-                (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, dest / rel)
-    return dest
 
 
 @pytest.fixture(scope="module")
