@@ -44,7 +44,7 @@ systems' rows; the median of a few rounds is the figure to judge a target by.
     python benchmarks/router_peers.py [--quick] [--json] [--peers-venv /tmp/peers-venv]
                                       [--systems pd-router,sglang-router,vllm-router,smg,python-relay] [--pin]
                                       [--layouts cache_aware,pd,by_load] [--seconds 8] [--pair-seconds 4]
-                                      [--rounds N] [--vs REV]
+                                      [--rounds N] [--vs REV [--vs-compiled]]
 
 ``--vs REV`` measures pd-router only, this tree against commit ``REV`` (its ``pdrouter`` package exported
 with ``git archive`` and run from ``PYTHONPATH``), each layout ``--rounds`` times (default 3) with the two
@@ -52,7 +52,10 @@ trees in turn, the order reversed every round: ``pd-router_<layout>_router_cpu``
 ``pd-router_<layout>_vs_router_cpu`` are the medians of the rounds, ``pd-router_<layout>_vs_ratio`` the
 median of the rounds' ratios (this tree ÷ REV; ``..._ratio_min`` / ``..._ratio_max``). CPU seconds, not
 instructions: ``router_instructions.py`` counts the instructions, which fall faster than the CPU time
-when the cut work was cheap instructions.
+when the cut work was cheap instructions. This tree runs as it is, compiled or not
+(``pd-router_compiled_modules``); ``--vs-compiled`` compiles REV's tree too, with REV's own
+``scripts/compile_engine.py --router`` (about two minutes), to compare two compiled routers
+(``pd-router_vs_compiled_modules``).
 
 ``--quick`` runs pd-router's PD row only, with short phases (under 30 s). ``--pin`` puts each router (all
 its threads) alone on CPU 0 and everything else, its workers, Redis and the load generator, on CPU 1,
@@ -426,6 +429,9 @@ class Bench:
             tree = export_tree(rev, self.work / "vs")
         except subprocess.CalledProcessError as exc:
             raise SystemExit(f"--vs {rev}: git archive failed ({exc.stderr.decode().strip()})") from None
+        if self.args.vs_compiled:
+            compile_tree(rev, tree)
+        self.report.add("pd-router_vs_compiled_modules", compiled_modules(tree), "modules")
         for layout in layouts:
             this: list[float] = []
             base: list[float] = []
@@ -518,6 +524,23 @@ class Bench:
                     self.report.add(f"{name}_max", max(ratios), "x")
 
 
+def compile_tree(rev: str, tree: Path) -> None:
+    """``--vs-compiled``: ``rev``'s exported tree compiled as ``rev``'s own ``scripts/compile_engine.py --router``
+    compiles it (its lists of modules, not this tree's)."""
+    for path, into in (("scripts/compile_engine.py", "compile_engine.py"), ("pyproject.toml", "pyproject.toml")):
+        try:  # the script, and the mypy settings it compiles with
+            text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=HERE.parent, capture_output=True,
+                                  check=True).stdout
+        except subprocess.CalledProcessError as exc:
+            raise SystemExit(f"--vs-compiled {rev}: it has no {path} ({exc.stderr.decode().strip()})") from None
+        (tree / into).write_bytes(text)
+    print(f"# compiling {rev}'s tree (about 2 minutes)...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, str(tree / "compile_engine.py"), "--router", "--root", str(tree)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--vs-compiled {rev}: compiling its tree failed:\n{(done.stdout + done.stderr)[-2000:]}")
+
+
 def compiled_modules(root: Path) -> int:
     """How many of ``root``'s modules run compiled (``pdrouter/_compiled.json``, which ``import pdrouter``
     checks against the sources); 0 without the record."""
@@ -539,12 +562,16 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the router alone on CPU 0, its workers, Redis and the load generator on CPU 1")
     parser.add_argument("--vs", metavar="REV", help="pd-router only: this tree against commit REV, in turn")
+    parser.add_argument("--vs-compiled", action="store_true",
+                        help="with --vs: REV's tree compiled (by its own scripts/compile_engine.py --router) first")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds: with --vs, per layout (default 3); otherwise of the whole comparison, "
                              "every system and layout once a round (default 1)")
     args = parser.parse_args()
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    if args.vs_compiled and not args.vs:
+        parser.error("--vs-compiled compiles the tree of --vs REV: give --vs")
     if args.vs and args.rounds is None:
         args.rounds = 3
     if args.quick:

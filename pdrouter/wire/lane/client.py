@@ -26,6 +26,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message
+from mypy_extensions import mypyc_attr
 
 from pdrouter.wire.grpc_util import StatusError
 from pdrouter.wire.lane.frames import (
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 
 
+@mypyc_attr(native_class=False)  # its base is a Python class (grpc.RpcError)
 class LaneError(StatusError):
     """A lane call that ended with a non-OK status; ``code()`` / ``details()`` as on a gRPC error."""
 

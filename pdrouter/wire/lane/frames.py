@@ -57,8 +57,10 @@ import hmac
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from google.protobuf.message import Message
+from mypy_extensions import mypyc_attr
 
 from pdrouter.wire.v1 import common_pb2, worker_pb2
 
@@ -162,7 +164,7 @@ class _Frames:
         self.max_body = max_body
         """The largest body accepted: a header announcing more raises ``ValueError`` before it is buffered."""
 
-    def feed(self, data: bytes) -> list[tuple[int, int, int, int, bytes]]:
+    def feed(self, data: bytes | bytearray) -> list[tuple[int, int, int, int, bytes]]:
         """Append ``data``; the complete frames so far as (stream, kind, arg, timeout_ms, body).
 
         With nothing held from earlier reads (a read of whole frames, the usual case) the bodies are
@@ -188,7 +190,7 @@ class _Frames:
                 end = pos + HEADER.size + length
                 if end > size:
                     break
-                body = data[pos + HEADER.size:end] if view is None else bytes(view[pos + HEADER.size:end])
+                body = cast(bytes, data)[pos + HEADER.size:end] if view is None else bytes(view[pos + HEADER.size:end])
                 frames.append((stream, kind, arg, timeout_ms, body))
                 pos = end
         finally:
@@ -206,6 +208,7 @@ def _frame(stream: int, kind: int, arg: int = 0, body: bytes = b"", timeout_ms: 
     return HEADER.pack(len(body), stream, kind, arg, 0, timeout_ms) + body
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)  # the server's connection (server.py) subclasses it
 class _Corked(asyncio.Protocol):
     """Frames written during one event-loop iteration leave in one ``send``: under load many calls
     share a system call (on loopback a send costs as much as the rest of a call)."""
