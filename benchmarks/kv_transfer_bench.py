@@ -26,6 +26,7 @@ Figures (one per line, ``name: value unit``; ``--json`` prints one JSON object i
   transfer opened and announced (``OutgoingTransfer.announce``) ``ANNOUNCE_LEAD_S`` before its first
   layer, untimed, as a prefill worker does while a prompt computes (the raw socket idles as long before
   each of its rounds): from the KV being ready to the receiver's confirmation.
+  ``raw_one_block_after_idle_latency_ms``: the raw socket's median in those pairs (after its idle).
 - ``raw_cpu_ns_per_byte``, ``tcp_mac_cpu_ns_per_byte``, ...: CPU time both processes spent per
   byte moved (all their threads, user and system): what each variant costs, whatever else the
   machine is doing (the throughputs depend on free cores; these much less).
@@ -469,7 +470,7 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
             latency["pair_p90"] = pairs[len(pairs) * 9 // 10]
             # The same, the transfer opened and announced while its prompt computes (the raw socket
             # idle as long first): from the KV being ready to its confirmation.
-            announced, pairs = [], []
+            announced, raw_idle, pairs = [], [], []
             for i in range(plan.pair_reps or plan.latency_reps):
                 tcp_first = i % 2 == 0
                 first = bench.transfer("mac", one_block, False, ANNOUNCE_LEAD_S) if tcp_first \
@@ -477,9 +478,11 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
                 second = bench.raw_round(one_block=True, lead_s=ANNOUNCE_LEAD_S) if tcp_first \
                     else bench.transfer("mac", one_block, False, ANNOUNCE_LEAD_S)
                 announced.append(first if tcp_first else second)
+                raw_idle.append(second if tcp_first else first)
                 pairs.append(first / second if tcp_first else second / first)
             pairs.sort()
             latency["announced"] = statistics.median(announced)
+            latency["raw_after_idle"] = statistics.median(raw_idle)
             latency["announced_pair_median"] = statistics.median(pairs)
             latency["announced_pair_p10"] = pairs[len(pairs) // 10]
             latency["announced_pair_p90"] = pairs[len(pairs) * 9 // 10]
@@ -518,6 +521,7 @@ def run(plan: Plan, vs: str | None = None, pin: bool = False) -> dict[str, float
         "tcp_one_block_vs_raw_ratio_p10": latency["pair_p10"],
         "tcp_one_block_vs_raw_ratio_p90": latency["pair_p90"],
         "tcp_one_block_announced_latency_ms": latency["announced"] * 1e3,
+        "raw_one_block_after_idle_latency_ms": latency["raw_after_idle"] * 1e3,
         "tcp_one_block_announced_vs_raw_ratio": latency["announced_pair_median"],
         "tcp_one_block_announced_vs_raw_ratio_p10": latency["announced_pair_p10"],
         "tcp_one_block_announced_vs_raw_ratio_p90": latency["announced_pair_p90"],
