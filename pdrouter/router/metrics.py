@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.values import MutexValue
 
+from pdrouter.core import build
 from pdrouter.core.errors import (
     CancelledError,
     CapacityError,
@@ -282,6 +283,10 @@ class RouterMetrics:
             "and with which engine (torch, sim, vllm) of which version.",
             ["worker", "role", "device", "engine", "version"], registry=r)
         self._worker_devices: dict[tuple[str, str], tuple[str, str, str]] = {}
+        self.build_info = Gauge(
+            "pdrouter_build_info", "1; the router's pd-router version and how many of its modules run compiled "
+            "(0: the sources; the images compile the request path).", ["version", "compiled_modules"], registry=r)
+        self.build_info.labels(build.version(), str(build.compiled_modules())).set(1)
         self.worker_sim_modeled_seconds = Gauge(
             "pdrouter_worker_sim_modeled_seconds",
             "A simulated GPU's modeled step time so far, in simulated seconds (last heartbeat; cumulative).",

@@ -20,6 +20,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
+from pdrouter.core import build
 from pdrouter.core.aio import cancel_and_wait
 from pdrouter.core.model_spec import ModelSpec
 from pdrouter.core.net import is_loopback, raise_open_file_limit
@@ -148,11 +149,12 @@ class RouterProcess:
                 metrics_app(self.metrics), cfg.metrics_host or cfg.host, cfg.metrics_port, "router-metrics-http",
                 cfg.tls, cfg.http_limits)
         self._metrics_task = asyncio.create_task(self._publish_metrics(), name="router-metrics")
-        log.info("router for %s (%s) on %s://%s:%d and grpc%s %s%s; API keys: %s; tenants: %s", self.model_name,
-                 cfg.mode, "http" if cfg.tls is None else "https", cfg.host, self.http_port,
+        log.info("router for %s (%s) on %s://%s:%d and grpc%s %s%s; API keys: %s; tenants: %s; %s modules compiled",
+                 self.model_name, cfg.mode, "http" if cfg.tls is None else "https", cfg.host, self.http_port,
                  "" if cfg.tls is None else " (TLS)", self.grpc.address,
                  "" if self.metrics_port is None else f", metrics on port {self.metrics_port}",
-                 len(keys) if keys.enabled else "none", "none" if cfg.tenants is None else len(cfg.tenants))
+                 len(keys) if keys.enabled else "none", "none" if cfg.tenants is None else len(cfg.tenants),
+                 build.compiled_modules() or "no")
         if not keys.enabled and not is_loopback(cfg.host):
             log.warning("no API keys: the HTTP and gRPC front doors on %s are open to anyone who reaches them "
                         "(give --api-key-file or PDROUTER_API_KEYS)", cfg.host)

@@ -78,10 +78,13 @@ def test_the_compiled_wheel_serves_from_its_extensions(compiled_wheel: Path, tmp
     empty.mkdir()
     where = subprocess.run([sys.executable, "-c", "import json, pdrouter.router.placing as p, "
                             "pdrouter.engine.scheduler as s, pdrouter.router.dispatch as d; "
-                            "print(json.dumps([p.__file__, s.__file__, d.__file__]))"],
+                            "from pdrouter.core.build import compiled_modules; "
+                            "print(json.dumps([p.__file__, s.__file__, d.__file__, compiled_modules()]))"],
                            capture_output=True, text=True, timeout=60, env=env, cwd=empty)
     assert where.returncode == 0, where.stderr
-    placing, scheduler, dispatch = json.loads(where.stdout)
+    placing, scheduler, dispatch, counted = json.loads(where.stdout)
+    lists = module_lists()
+    assert counted == len(lists.ENGINE_MODULES + lists.ROUTER_MODULES)  # pdrouter_build_info's figure
     assert placing.startswith(str(target)) and placing.endswith(".so"), placing
     assert scheduler.endswith(".so"), scheduler
     assert dispatch.endswith(".py"), dispatch  # the async generators stay Python

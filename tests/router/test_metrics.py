@@ -37,7 +37,8 @@ def test_metric_names_carry_prefix_and_unit() -> None:
         "pdrouter_prompt_tokens", "pdrouter_generation_tokens", "pdrouter_queue_time_seconds",
         "pdrouter_worker_running_requests", "pdrouter_worker_waiting_requests",
         "pdrouter_worker_kv_cache_usage_ratio", "pdrouter_worker_queued_prefill_tokens",
-        "pdrouter_worker_free_kv_blocks", "pdrouter_worker_info", "pdrouter_worker_sim_modeled_seconds",
+        "pdrouter_worker_free_kv_blocks", "pdrouter_worker_info", "pdrouter_build_info",
+        "pdrouter_worker_sim_modeled_seconds",
         "pdrouter_worker_sim_late_seconds", "pdrouter_worker_kv_transfer_bytes",
         "pdrouter_worker_kv_transfer_seconds", "pdrouter_worker_kv_transfer_failures",
         "pdrouter_kv_transfer_failures", "pdrouter_kv_transfer_bytes",
@@ -170,3 +171,21 @@ def test_a_tenants_admissions_past_its_share_are_counted() -> None:
     assert value("pdrouter_tenant_past_share_total", {"tenant": "b"}) == 0
     assert value("pdrouter_tenant_queue_wait_seconds_count", {"tenant": "a"}) == 2
     assert value("pdrouter_queue_time_seconds_count") == 4
+
+
+def test_build_info_names_the_version_and_the_compiled_modules() -> None:
+    import importlib.metadata
+    from pathlib import Path
+
+    import pdrouter
+
+    root = Path(pdrouter.__file__).resolve().parent
+    # Counted here from the files: an extension beside its source (the shared runtime has none).
+    compiled = [p for p in root.rglob("*.so") if (p.parent / (p.name.split(".", 1)[0] + ".py")).is_file()]
+    try:
+        version = importlib.metadata.version("pd-router")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    m = RouterMetrics()
+    assert m.registry.get_sample_value("pdrouter_build_info",
+                                       {"version": version, "compiled_modules": str(len(compiled))}) == 1.0
