@@ -282,10 +282,9 @@ step_image() {
   fresh=$(grep -c '^ ---> Running in' <<<"$out" || true)
   # The image's router runs compiled (the Dockerfile's MYPYC, "router" by default): how many modules.
   local compiled
-  compiled=$(docker run --rm --entrypoint python "$IMAGE" -c 'import pathlib, pdrouter.router.placing as p
-f = pathlib.Path(p.__file__)
-print(sum(1 for _ in f.parents[1].rglob("*.so")) - 1 if f.suffix == ".so" else 0)') \
-    || fail "the image could not import pdrouter.router.placing"
+  compiled=$(docker run --rm --entrypoint python "$IMAGE" -c \
+             'from pdrouter.core.build import compiled_modules; print(compiled_modules())') \
+    || fail "the image could not count its compiled modules (pdrouter.core.build)"
   [ "$compiled" -gt 0 ] || fail "the image runs the router's sources: nothing compiled (the Dockerfile's MYPYC)"
   local host_pip
   host_pip=$(sed -e 's/=.*//' -e 's/^CA_BUNDLE$/the CA bundle/' "$WORK/pip-args" | paste -sd, - | sed 's/,/, /g')
