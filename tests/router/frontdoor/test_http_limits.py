@@ -177,7 +177,8 @@ async def test_trickled_heads_are_closed_at_the_header_deadline() -> None:
 async def test_a_connection_that_sends_nothing_is_closed_at_the_header_deadline() -> None:
     async with asyncio.timeout(WAIT_S), serving(App(), HttpLimits(header_timeout_s=0.3)) as (server, port):
         readers = [await asyncio.open_connection("127.0.0.1", port) for _ in range(20)]
-        await eventually(lambda: len(server.server_state.connections) == 20)
+        # (Not waiting for the server to hold all 20 at once: on a loaded machine the first can reach
+        # its deadline before the last is accepted.)
         for reader, writer in readers:
             assert await until_closed(reader) == b""  # closed without a word: there was no request
             writer.close()
