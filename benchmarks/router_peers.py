@@ -67,7 +67,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import signal
@@ -84,6 +83,8 @@ from pathlib import Path
 from _load import HttpCompletions, cpu_seconds
 from _report import Report, base_parser
 from tracing_overhead import export_tree, tree_environment
+
+from pdrouter.core.build import compiled_modules
 
 HERE = Path(__file__).resolve().parent
 PREFIXES, PREFIX_CHARS, SUFFIX_CHARS, TOKENS, CONCURRENCY = 8, 2000, 200, 16, 32
@@ -431,7 +432,7 @@ class Bench:
             raise SystemExit(f"--vs {rev}: git archive failed ({exc.stderr.decode().strip()})") from None
         if self.args.vs_compiled:
             compile_tree(rev, tree)
-        self.report.add("pd-router_vs_compiled_modules", compiled_modules(tree), "modules")
+        self.report.add("pd-router_vs_compiled_modules", compiled_modules(tree / "pdrouter"), "modules")
         for layout in layouts:
             this: list[float] = []
             base: list[float] = []
@@ -458,7 +459,7 @@ class Bench:
                 raise SystemExit(f"--layouts: unknown layout {layout!r}; choose from {', '.join(LAYOUTS)}")
         # This tree's pd-router runs its compiled modules when the checkout has them
         # (scripts/compile_engine.py [--router]); 0: the sources.
-        self.report.add("pd-router_compiled_modules", compiled_modules(HERE.parent), "modules")
+        self.report.add("pd-router_compiled_modules", compiled_modules(HERE.parent / "pdrouter"), "modules")
         if self.args.vs:
             await self.against(self.args.vs, layouts)
             return
@@ -541,21 +542,16 @@ def compile_tree(rev: str, tree: Path) -> None:
         raise SystemExit(f"--vs-compiled {rev}: compiling its tree failed:\n{(done.stdout + done.stderr)[-2000:]}")
 
 
-def compiled_modules(root: Path) -> int:
-    """How many of ``root``'s modules run compiled (``pdrouter/_compiled.json``, which ``import pdrouter``
-    checks against the sources); 0 without the record."""
-    try:
-        return len(json.loads((root / "pdrouter" / "_compiled.json").read_text())["modules"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
 def main() -> None:
     parser = base_parser(__doc__.split("\n\n")[0])
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--peers-venv", default="/tmp/peers-venv", help="the venv holding the peer routers")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="systems to measure, comma-separated")
-    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="layouts to measure, comma-separated")
+    parser.add_argument("--systems", default=argparse.SUPPRESS,
+                        help=f"systems to measure, comma-separated (default {','.join(SYSTEMS)}; with --quick, "
+                             "pd-router)")
+    parser.add_argument("--layouts", default=argparse.SUPPRESS,
+                        help=f"layouts to measure, comma-separated (default {','.join(DEFAULT_LAYOUTS)}; with "
+                             "--quick, pd)")
     parser.add_argument("--seconds", type=float, default=8.0, help="measured seconds at concurrency 32")
     parser.add_argument("--pair-seconds", type=float, default=4.0, help="seconds of the paired concurrency-1 run")
     parser.add_argument("--warmup-seconds", type=float, default=2.0, help="unmeasured seconds before each row")
@@ -575,7 +571,9 @@ def main() -> None:
     if args.vs and args.rounds is None:
         args.rounds = 3
     if args.quick:
-        args.systems, args.layouts, args.seconds, args.pair_seconds, args.warmup_seconds = "pd-router", "pd", 3, 2, 1
+        args.seconds, args.pair_seconds, args.warmup_seconds = 3, 2, 1
+    args.systems = getattr(args, "systems", None) or ("pd-router" if args.quick else ",".join(SYSTEMS))
+    args.layouts = getattr(args, "layouts", None) or ("pd" if args.quick else ",".join(DEFAULT_LAYOUTS))
     report = Report()
     with tempfile.TemporaryDirectory(prefix="router-peers-") as tmp:
         asyncio.run(Bench(args, report, Path(tmp)).run())
