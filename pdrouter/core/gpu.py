@@ -119,11 +119,15 @@ INTERCONNECT_PRESETS: dict[str, InterconnectSpec] = {
         # same efficiency and latency are assumed.
         InterconnectSpec("nvlink5", 30e-6, 700e9, True, "NVLink 4's profile scaled by the datasheet ratio (an "
                                                           "estimate)", _PEER_LATENCY),
-        # PCIe Gen4 x16 (32 GB/s each way): NCCL rings between PCIe GPUs reach 24-30 GB/s of bus bandwidth
-        # (NVIDIA/nccl issues 1453 and 1639, the host's PCIe and memory being the limit) and take 37-42 us
-        # for an 8-byte all-reduce over 8 GPUs (NVIDIA/nccl issue 1530).
-        InterconnectSpec("pcie4", 40e-6, 25e9, False, "nccl-tests results on PCIe GPUs, NVIDIA/nccl issues 1453, "
-                                                         "1530 and 1639"),
+        # PCIe Gen4 x16 (32 GB/s each way) on an L40S host: NCCL's all-reduce between 2 of its GPUs reaches 20 GB/s of
+        # bus bandwidth from 32 MiB up (NVIDIA's aiconfigurator, systems/data/l40s/comm/nccl/2.27.3, the one published
+        # sweep of an L40S host). A ring over more GPUs of one PCIe host shares its root complexes and memory and can
+        # only be slower (35 -> 28 GB/s from 4 to 8 GPUs on one host, NVIDIA/nccl issue 1639); hosts differ (GPU
+        # peer-to-peer off, two sockets): a host's own measurement goes in with --collective-profile. An 8-byte
+        # all-reduce over 8 GPUs takes 37-42 us (NVIDIA/nccl issue 1530).
+        InterconnectSpec("pcie4", 40e-6, 20e9, False, "NCCL's all-reduce between 2 GPUs of an L40S host "
+                                                         "(aiconfigurator systems/data/l40s/comm/nccl/2.27.3); "
+                                                         "NVIDIA/nccl issues 1530 and 1639"),
     )
 }
 

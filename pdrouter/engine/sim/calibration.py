@@ -255,9 +255,9 @@ _VLLM = Calibration()
 # (cpp/tensorrt_llm/kernels/decoderMaskedMultiheadAttention/cubin/xqa_kernel_cubin.h lists "nqpkv_8" single-query
 # kernels and no other size); other groups run the masked multi-head attention kernel, which computes in FP32 on the
 # CUDA cores and so converts each cached element once per query head.
-_TRTLLM = Calibration(mbu=0.6, kv_mbu=0.8, serial_fraction=1.0, fp8_speedup=1.74, expert_efficiency=0.62,
+_TRTLLM = Calibration(mbu=0.61, kv_mbu=0.8, serial_fraction=1.0, fp8_speedup=1.73, expert_efficiency=0.62,
                       legacy_expert_kernels=1.0, expert_layer_overhead_s=5.2e-5, layer_overhead_s=3.1e-5,
-                      fp8_layer_overhead_s=3.7e-5, decode_step_overhead_s=3.3e-4, allreduce_latency_s=1.0e-5,
+                      fp8_layer_overhead_s=3.7e-5, decode_step_overhead_s=3.3e-4, allreduce_latency_s=1.1e-5,
                       activation_traffic=0.5, graph_max_batch=4096, kv_group_kernel_size=8, kv_convert_ops=1.0)
 CALIBRATION_PRESETS: dict[str, Calibration] = {
     "vllm": _VLLM,
