@@ -353,6 +353,31 @@ def booked_blocks(pool: VllmPool) -> dict[str, int]:
         client.close()
 
 
+ROUTER_REFRESH_S = 1.0
+"""How often the pool's router reads the workers' heartbeats (``RouterConfig.refresh_interval_s``)."""
+
+
+def idle_and_counted(pool: VllmPool, queries: int) -> int:
+    """Wait until both workers' heartbeats show nothing running, waiting or queued, and nothing is booked,
+    in heartbeats whose prefix-cache queries (tokens looked up, in all) exceed ``queries``: taken after the
+    request that raised them was scheduled. Then two refreshes of the router's view. The queries now.
+
+    Placement weighs each worker's prefill backlog as its last heartbeat gave it, as the router last read
+    it: a heartbeat taken while a request was queued counts its prompt for up to a heartbeat and a refresh
+    after it finished, which outweighs a cached prefix of about the same size. Tests that check where a
+    cached prefix is placed send each request once the previous one has left the router's view."""
+
+    def loads() -> tuple[dict[str, int], dict[str, Any]]:
+        return booked_blocks(pool), {w: v["load"] for w, v in live_workers(pool).items()}
+
+    _, seen = poll(loads, lambda got: len(got[1]) == 2 and not any(got[0].values())
+                   and sum(load["prefix_cache_queries"] for load in got[1].values()) > queries
+                   and all(load["running"] == load["waiting"] == load["queued_prefill_tokens"] == 0
+                           for load in got[1].values()), "both workers idle, the last request counted")
+    time.sleep(2 * ROUTER_REFRESH_S)
+    return int(sum(load["prefix_cache_queries"] for load in seen.values()))
+
+
 class Stream:
     """A streamed completion read to its end in the background, as a client reads it (``async with``).
 

@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import time
 import uuid
 from typing import Any
 
@@ -36,6 +35,7 @@ from .conftest import (
     VllmPool,
     booked_blocks,
     completion,
+    idle_and_counted,
     index_depths,
     live_workers,
     poll,
@@ -97,12 +97,9 @@ def test_clients_cancelling_mid_stream_leave_nothing_behind(vllm_pool: VllmPool)
     # vLLM's own KV usage with one request running: that request's blocks and nothing else.
     run(_one_request_counted_alone(vllm_pool))
     # The index holds what vLLM holds: a prompt sent again finds exactly the indexed blocks in vLLM's cache.
-    # Placement weighs the workers' loads (their heartbeats, a second apart, as the router last read them)
-    # and bookings, so a prefix decides only between idle workers. A heartbeat taken while the previous
-    # probe was queued counts its prompt as its worker's backlog, which outweighs a cached prefix of the
-    # same size: each probe starts once a heartbeat that counts the previous one shows both workers idle
-    # and nothing booked, and the router has had time to read it.
-    queries = _idle_and_counted(vllm_pool, -1)
+    # Placement weighs the workers' loads and bookings, so a prefix decides only between idle workers: each
+    # probe starts once the previous one is gone from the router's view (``idle_and_counted``).
+    queries = idle_and_counted(vllm_pool, -1)
     hasher = BlockHasher(BLOCK, 0)
     for prompt in random.Random(7).sample(prompts, 6):
         hashes = hasher.hash_blocks(prompt_ids(prompt))
@@ -114,27 +111,7 @@ def test_clients_cancelling_mid_stream_leave_nothing_behind(vllm_pool: VllmPool)
         if max(depths.values()) * BLOCK >= 2 * BLOCK:  # worth placing by: the router sent it to the holder
             assert cached == max(depths.values()) * BLOCK, (depths, cached, booked_blocks(vllm_pool),
                                                              {w: v["load"] for w, v in live_workers(vllm_pool).items()})
-        queries = _idle_and_counted(vllm_pool, queries)
-
-
-ROUTER_REFRESH_S = 1.0
-"""How often the pool's router reads the workers' heartbeats (``RouterConfig.refresh_interval_s``)."""
-
-
-def _idle_and_counted(pool: VllmPool, queries: int) -> int:
-    """Wait until both workers' heartbeats show nothing running, waiting or queued, and nothing is booked,
-    in heartbeats whose prefix-cache queries (tokens looked up, in all) exceed ``queries``: taken after the
-    request that raised them was scheduled. Then two refreshes of the router's view. The queries now."""
-
-    def loads() -> tuple[dict[str, int], dict[str, Any]]:
-        return booked_blocks(pool), {w: v["load"] for w, v in live_workers(pool).items()}
-
-    _, seen = poll(loads, lambda got: len(got[1]) == 2 and not any(got[0].values())
-                   and sum(load["prefix_cache_queries"] for load in got[1].values()) > queries
-                   and all(load["running"] == load["waiting"] == load["queued_prefill_tokens"] == 0
-                           for load in got[1].values()), "both workers idle, the last request counted")
-    time.sleep(2 * ROUTER_REFRESH_S)
-    return int(sum(load["prefix_cache_queries"] for load in seen.values()))
+        queries = idle_and_counted(vllm_pool, queries)
 
 
 async def _one_request_counted_alone(pool: VllmPool) -> None:
