@@ -12,7 +12,15 @@ worker's cache exactly and takes the longest prefix (ties: least backlog). Print
 token hit rate and imbalance (max / mean prefill tokens computed per worker); then the cache-aware
 policy's hit rate as a fraction of the oracle's (target >= 0.95) and its imbalance (target <= 1.25).
 
-    python benchmarks/routing_quality.py [--quick] [--json]
+The policies above see each worker's backlog as it is. A router sees it as the worker's last
+heartbeat gave it, plus the prompts it placed that have not reported (``backlog_tokens``).
+``cache_aware_heartbeat_*`` replays the cache-aware policy so: the workers' loads are taken every
+``--heartbeat-ticks`` requests, and each placed prompt is in flight on its worker until the worker
+has computed it; the router's own prompts are taken out of each load as the router does
+(``OwnPrefills``). ``cache_aware_heartbeat_uncorrected_*`` leaves them in: a prompt queued when a
+load was taken then counts twice until computed, and once more until the next load is taken.
+
+    python benchmarks/routing_quality.py [--quick] [--json] [--heartbeat-ticks N]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from pdrouter.engine.block_manager import BlockManager
 from pdrouter.engine.events import RecordingBlockEventSink
 from pdrouter.router.placement.cache_aware import CacheAware
 from pdrouter.router.placement.least_loaded import LeastLoaded
+from pdrouter.router.placement.worker_pool import OwnPrefills, PrefillCharge
 from pdrouter.router.request import RouterRequest
 from pdrouter.state.embedded_redis import EmbeddedRedis
 from pdrouter.state.prefix_index import PrefixIndex
@@ -56,6 +65,15 @@ class SimWorker:
     backlog: float = 0.0
     computed: int = 0
     published: int = 0
+    done: float = 0.0
+    """Tokens computed since the start (the backlog drained)."""
+    queued: float = 0.0
+    """Tokens enqueued since the start."""
+    in_flight: list[tuple[float, PrefillCharge]] = field(default_factory=list)
+    """Placed prompts not yet computed: (``queued`` once it was enqueued, its charge), oldest first."""
+    own: OwnPrefills = field(default_factory=OwnPrefills)
+    correct: bool = True
+    """Take this router's prompts out of each load taken (``OwnPrefills.adjust``)."""
 
     def run(self, prompt: Sequence[int], hashes: Sequence[bytes]) -> int:
         """Prefill ``prompt`` here; returns the tokens served from the cache."""
@@ -72,9 +90,23 @@ class SimWorker:
         self.backlog += len(prompt) - cached
         return cached
 
-    def tick(self, rate: float) -> None:
+    def charge(self, tokens: int, now: float) -> None:
+        """A prompt of ``tokens`` to compute was placed here at ``now``: in flight until computed."""
+        self.queued += tokens
+        self.in_flight.append((self.queued, self.own.charge(tokens, 0, now)))
+        self.inflight_prefill_tokens += tokens
+
+    def tick(self, rate: float, now: float, beat: bool = True) -> None:
+        """``rate`` tokens computed by ``now``; the load the router sees taken again when ``beat``."""
+        self.done += min(self.backlog, rate)
         self.backlog = max(0.0, self.backlog - rate)
-        self.load = WorkerLoad(queued_prefill_tokens=int(self.backlog))
+        while self.in_flight and self.in_flight[0][0] <= self.done + 1e-9:
+            charge = self.in_flight.pop(0)[1]
+            self.inflight_prefill_tokens -= charge.tokens
+            self.own.settle(charge, now)
+        if beat:
+            load = WorkerLoad(queued_prefill_tokens=int(self.backlog), taken_at=now + 0.25)
+            self.load = self.own.adjust(load, now + 0.5) if self.correct else load
 
 
 def workload(groups: int, per_group: int, system: int, question: int, seed: int) -> list[list[int]]:
@@ -87,11 +119,14 @@ def workload(groups: int, per_group: int, system: int, question: int, seed: int)
 
 
 async def replay(policy: str, prompts: list[list[int]], workers: int, kv_blocks: int, rate: float,
-                 index: PrefixIndex | None) -> tuple[float, float]:
+                 index: PrefixIndex | None, heartbeat_ticks: int = 0, correct: bool = True) -> tuple[float, float]:
+    """Hit rate and imbalance of ``policy``; ``heartbeat_ticks`` > 0: the loads as a router sees them
+    (taken every so many requests, its own prompts in flight added, taken out of the loads when
+    ``correct``; see the module docstring). Request ``n`` is placed at time ``n``."""
     sims = []
     for i in range(workers):
         sink = RecordingBlockEventSink()
-        sims.append(SimWorker(WorkerId(f"p{i}"), BlockManager(kv_blocks, BLOCK, sink=sink), sink))
+        sims.append(SimWorker(WorkerId(f"p{i}"), BlockManager(kv_blocks, BLOCK, sink=sink), sink, correct=correct))
     hasher = BlockHasher(BLOCK)
     cache_aware, least = CacheAware(), LeastLoaded()
     sampling = SamplingParams(max_tokens=1)
@@ -110,14 +145,18 @@ async def replay(policy: str, prompts: list[list[int]], workers: int, kv_blocks:
             matches = await index.lookup(hashes, [(w.worker_id, Epoch(1)) for w in sims])
             cached = {m.worker_id: m.blocks * BLOCK for m in matches}
             chosen = cache_aware.pick_prefill(request, sims, cached)
+        before = chosen.computed
         hits += chosen.run(prompt, hashes)
+        if heartbeat_ticks:
+            chosen.charge(chosen.computed - before, float(n))
         total += len(prompt)
         if index is not None:  # the worker's block events reach the index before the next request
             new = chosen.sink.events[chosen.published:]
             chosen.published = len(chosen.sink.events)
             await index.apply(chosen.worker_id, 1, [(kind == "stored", list(h)) for kind, h in new])
+        beat = not heartbeat_ticks or (n + 1) % heartbeat_ticks == 0
         for w in sims:
-            w.tick(rate)
+            w.tick(rate, n + 0.25, beat)
     computed = [w.computed for w in sims]
     mean = sum(computed) / len(computed)
     return hits / total, max(computed) / mean if mean else 1.0
@@ -132,7 +171,11 @@ async def main_async() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--kv-blocks", type=int, default=1536, help="KV blocks per worker (finite cache)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--heartbeat-ticks", type=int, default=64,
+                        help="requests between two loads the router sees, for cache_aware_heartbeat_*")
     args = parser.parse_args()
+    if args.heartbeat_ticks < 1:
+        parser.error("--heartbeat-ticks must be at least 1")
     if args.quick:
         args.groups, args.per_group = 32, 8
     prompts = workload(args.groups, args.per_group, args.system_tokens, args.question_tokens, args.seed)
@@ -143,16 +186,22 @@ async def main_async() -> None:
     results: dict[str, tuple[float, float]] = {}
     with EmbeddedRedis() as server:
         client = aioredis.Redis.from_url(server.url)
-        for policy in ("round_robin", "least_loaded", "cache_aware", "oracle"):
+        for policy in ("round_robin", "least_loaded", "cache_aware", "oracle", "cache_aware_heartbeat",
+                       "cache_aware_heartbeat_uncorrected"):
             await client.flushall()
-            index = PrefixIndex(client, "sim", ttl_ms=600_000) if policy == "cache_aware" else None
-            results[policy] = await replay(policy, prompts, args.workers, args.kv_blocks, rate, index)
+            index = PrefixIndex(client, "sim", ttl_ms=600_000) if policy.startswith("cache_aware") else None
+            ticks = args.heartbeat_ticks if policy.startswith("cache_aware_heartbeat") else 0
+            results[policy] = await replay(policy.split("_heartbeat")[0], prompts, args.workers, args.kv_blocks,
+                                           rate, index, ticks, correct=not policy.endswith("_uncorrected"))
             report.add(f"{policy}_hit_rate", round(results[policy][0], 4), "fraction")
             report.add(f"{policy}_imbalance", round(results[policy][1], 4), "max/mean")
         await client.aclose()
     ratio = results["cache_aware"][0] / results["oracle"][0]
     report.add("cache_aware_vs_oracle_hit_rate", round(ratio, 4), "fraction")
     report.add("target_met", int(ratio >= 0.95 and results["cache_aware"][1] <= 1.25), "bool")
+    for policy in ("cache_aware_heartbeat", "cache_aware_heartbeat_uncorrected"):
+        report.add(f"{policy}_vs_oracle_hit_rate", round(results[policy][0] / results["oracle"][0], 4), "fraction")
+    report.add("heartbeat_ticks", args.heartbeat_ticks, "requests")
     report.add("requests", len(prompts), "requests")
     report.emit(args.json)
 

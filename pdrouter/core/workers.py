@@ -67,6 +67,9 @@ class WorkerLoad:
     """Wall time of those transfers, summed."""
     kv_transfer_failures: int = 0
     """Transfers that failed on this worker (it freed their blocks)."""
+    taken_at: float = 0.0
+    """When the worker took this load (Unix seconds, by its clock; its heartbeat sets it); 0: not known
+    (a load asked over gRPC, or a worker of an earlier version)."""
 
     @property
     def kv_usage(self) -> float:

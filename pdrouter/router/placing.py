@@ -32,7 +32,7 @@ from pdrouter.router.metrics import RouterMetrics
 from pdrouter.router.placement.cache_aware import CacheAware
 from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.placement.policy import PlacementPolicy
-from pdrouter.router.placement.worker_pool import WorkerHandle, WorkerPool
+from pdrouter.router.placement.worker_pool import PrefillCharge, WorkerHandle, WorkerPool
 from pdrouter.router.request import ModelInfo, RouterRequest
 from pdrouter.router.transfer_stats import TransferStats
 from pdrouter.state.prefix_index import PendingLookup, PrefixIndex
@@ -89,7 +89,7 @@ class ServeCall:
     """One ``Serve`` call of a placement: what its prefill report settles (the best prefill worker
     is charged with the prompt until the report arrives), and how a failure reads."""
 
-    __slots__ = ("answered", "charged", "dispatcher", "failed_role", "ok", "priority", "request", "span")
+    __slots__ = ("answered", "charge", "charged", "dispatcher", "failed_role", "ok", "priority", "request", "span")
 
     def __init__(self, dispatcher: DispatchCore, request: RouterRequest, placement: Placement) -> None:
         self.dispatcher = dispatcher
@@ -101,19 +101,20 @@ class ServeCall:
         self.span: Any = None
         """The call's span, when traced."""
         self.charged: WorkerHandle | None = None
+        self.charge: PrefillCharge | None = None
         self.priority = placement.order.priority
         if placement.prefill:
             tokens = len(request.prompt_token_ids)
             self.charged, cached = placement.prefill[0]
             dispatcher.stats.placed(self.charged.worker_id, tokens, cached)
-            self.charged.charge_prefill(tokens, cached, self.priority)
+            self.charge = self.charged.charge_prefill(tokens, cached, self.priority)
             for handle, _ in placement.prefill:
                 handle.breaker.on_attempt()
 
     def settle(self) -> None:
-        if self.charged is not None:
-            self.charged.settle_prefill(len(self.request.prompt_token_ids), self.priority)
-            self.charged = None
+        if self.charged is not None and self.charge is not None:
+            self.charged.settle_prefill(self.charge)
+        self.charged = self.charge = None
 
     def on_report(self, report: PrefillReport) -> None:
         self.answered = True

@@ -181,16 +181,17 @@ class RouterProcess:
             for h in self.pool.workers():
                 key = (h.worker_id, h.role.value)
                 seen.add(key)
-                self.metrics.set_worker_load(h.worker_id, h.role.value, running=h.load.running,
-                                             queued_prefill_tokens=h.load.queued_prefill_tokens,
-                                             free_blocks=h.load.free_blocks, device=h.record.device,
-                                             sim_modeled_s=h.load.sim_modeled_s, sim_late_s=h.load.sim_late_s,
-                                             waiting=h.load.waiting, kv_usage=h.load.kv_usage,
+                load = h.reported  # as the worker reported it
+                self.metrics.set_worker_load(h.worker_id, h.role.value, running=load.running,
+                                             queued_prefill_tokens=load.queued_prefill_tokens,
+                                             free_blocks=load.free_blocks, device=h.record.device,
+                                             sim_modeled_s=load.sim_modeled_s, sim_late_s=load.sim_late_s,
+                                             waiting=load.waiting, kv_usage=load.kv_usage,
                                              engine=h.record.engine, engine_version=h.record.engine_version,
-                                             kv_sent_bytes=h.load.kv_sent_bytes,
-                                             kv_received_bytes=h.load.kv_received_bytes,
-                                             kv_transfer_s=h.load.kv_transfer_s,
-                                             kv_transfer_failures=h.load.kv_transfer_failures)
+                                             kv_sent_bytes=load.kv_sent_bytes,
+                                             kv_received_bytes=load.kv_received_bytes,
+                                             kv_transfer_s=load.kv_transfer_s,
+                                             kv_transfer_failures=load.kv_transfer_failures)
             for worker, role in known - seen:
                 self.metrics.remove_worker(worker, role)
             known = seen

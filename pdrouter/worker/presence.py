@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
@@ -58,7 +60,8 @@ class Presence:
         """One heartbeat now (re-registering after a Redis restart)."""
         reregistered = False
         try:
-            await self.registry.heartbeat(self.record.worker_id, self.record.epoch, self._load())
+            load = dataclasses.replace(self._load(), taken_at=time.time())  # routers' placement reads it
+            await self.registry.heartbeat(self.record.worker_id, self.record.epoch, load)
         except StaleEpochError as exc:
             if "not registered" not in exc.message:
                 raise

@@ -14,6 +14,7 @@ restarted, and then comes back as a new incarnation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -35,9 +36,78 @@ from pdrouter.wire.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 
+class PrefillCharge:
+    """A prompt this router placed on a worker, from its placement to its prefill report (``OwnPrefills``)."""
+
+    __slots__ = ("placed_at", "priority", "settled_at", "tokens")
+
+    def __init__(self, tokens: int, priority: int, placed_at: float) -> None:
+        self.tokens = tokens
+        self.priority = priority
+        self.placed_at = placed_at
+        self.settled_at = 0.0
+
+
+class OwnPrefills:
+    """The prompts this router placed on one worker, so that its heartbeat does not count them twice.
+
+    Placement adds to a worker's reported backlog (``WorkerLoad.queued_prefill_tokens``) the prompts
+    this router placed there that have not reported (``WorkerHandle.inflight_prefill_tokens``). A
+    prompt that was queued when the load was taken would count twice until its report, and once more
+    until a later load is read: a second or two after it finished. ``adjust`` takes out of a load the
+    prompts of this router it may hold: placed before the load was taken (``WorkerLoad.taken_at``)
+    and not reported by then. Other routers' prompts stay as the worker reported them. A load without
+    ``taken_at`` (a static worker's, asked over gRPC) is used as it is. The clocks are the worker's and
+    this router's; a load taken "later" than now counts as taken now. A reported prompt is kept until
+    a load taken after its report is read, so none is taken out of a load twice or missed.
+    """
+
+    __slots__ = ("_charges", "_timed")
+
+    def __init__(self) -> None:
+        self._charges: dict[PrefillCharge, None] = {}
+        self._timed = False
+        """A load with ``taken_at`` was read: reported prompts are kept for the next one."""
+
+    def __len__(self) -> int:
+        return len(self._charges)
+
+    def charge(self, tokens: int, priority: int, now: float) -> PrefillCharge:
+        charge = PrefillCharge(tokens, priority, now)
+        self._charges[charge] = None
+        return charge
+
+    def settle(self, charge: PrefillCharge, now: float) -> None:
+        if self._timed:
+            charge.settled_at = now
+        else:
+            self._charges.pop(charge, None)
+
+    def adjust(self, load: WorkerLoad, now: float) -> WorkerLoad:
+        """``load`` without the prompts of this router it may hold (see the class docstring)."""
+        taken_at = min(load.taken_at, now)
+        self._timed = taken_at > 0
+        own = 0
+        own_by: dict[int, int] = {}
+        for charge in list(self._charges):
+            if charge.settled_at and (not self._timed or charge.settled_at <= taken_at):
+                del self._charges[charge]  # reported before the load was taken: not in it, nor in a later one
+            elif self._timed and charge.placed_at <= taken_at:
+                own += charge.tokens
+                own_by[charge.priority] = own_by.get(charge.priority, 0) + charge.tokens
+        if not own:
+            return load
+        by = tuple((p, max(0, tokens - own_by.get(p, 0))) for p, tokens in load.queued_prefill_by_priority)
+        return dataclasses.replace(load, queued_prefill_tokens=max(0, load.queued_prefill_tokens - own),
+                                   queued_prefill_by_priority=by)
+
+
 @dataclass
 class WorkerHandle:
-    """A connection to one worker incarnation and this router's view of it."""
+    """A connection to one worker incarnation and this router's view of it.
+
+    ``load`` is what placement reads: the worker's last reported load (``reported``) without the
+    prompts of this router it may hold, which ``inflight_prefill_tokens`` counts (``OwnPrefills``)."""
 
     record: WorkerRecord
     load: WorkerLoad
@@ -51,26 +121,38 @@ class WorkerHandle:
     worker_id: WorkerId = field(init=False)
     """The record's, kept as a plain attribute: placement reads it several times per candidate."""
     role: WorkerRole = field(init=False)
+    reported: WorkerLoad = field(init=False)
+    """The worker's last reported load, as it reported it (``load`` is placement's view of it)."""
+    own: OwnPrefills = field(init=False)
 
     def __post_init__(self) -> None:
         self.worker_id = self.record.worker_id  # the record of an incarnation never changes
         self.role = self.record.role
+        self.reported = self.load
+        self.own = OwnPrefills()
+
+    def set_load(self, load: WorkerLoad) -> None:
+        """The worker's latest report."""
+        self.reported = load
+        self.load = self.own.adjust(load, time.time())
 
     @property
     def schedules_by_priority(self) -> bool:
         return self.record.schedules_by_priority
 
-    def charge_prefill(self, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> None:
+    def charge_prefill(self, prompt_tokens: int, cached_tokens: int, priority: int = 0) -> PrefillCharge:
         """This router placed a prompt's prefill here, at engine ``priority``: it counts as queued on
-        the worker until settled."""
+        the worker until settled (``settle_prefill`` with what this returns)."""
         self.inflight += 1
         self.inflight_prefill_tokens += prompt_tokens
         by = self.inflight_prefill_by_priority
         by[priority] = by.get(priority, 0) + prompt_tokens
         self.assigned_tokens += prompt_tokens - cached_tokens
+        return self.own.charge(prompt_tokens, priority, time.time())
 
-    def settle_prefill(self, prompt_tokens: int, priority: int = 0) -> None:
+    def settle_prefill(self, charge: PrefillCharge) -> None:
         """The prefill charged by ``charge_prefill`` is over (its report came, or the request ended)."""
+        prompt_tokens, priority = charge.tokens, charge.priority
         self.inflight -= 1
         self.inflight_prefill_tokens -= prompt_tokens
         by = self.inflight_prefill_by_priority
@@ -79,6 +161,7 @@ class WorkerHandle:
             by[priority] = left
         else:
             by.pop(priority, None)
+        self.own.settle(charge, time.time())
 
     @property
     def lane(self) -> LaneChannel | None:
@@ -178,7 +261,7 @@ class WorkerPool:
                 if self.registry_ok:
                     log.warning("worker registry unreachable (%s); keeping the last known workers", exc)
                 self.registry_ok = False
-                seen.update({h.worker_id: (h.record, h.load) for h in self._handles.values()
+                seen.update({h.worker_id: (h.record, h.reported) for h in self._handles.values()
                              if h.record.address not in self.static_addresses})
         for address in self.static_addresses:
             found = await self._probe_static(address)
@@ -236,7 +319,7 @@ class WorkerPool:
                 if load.engine_failed and not existing.load.engine_failed:
                     log.warning("worker %s (epoch %s) reports its engine failed: nothing more is placed there",
                                 worker_id, record.epoch)
-                existing.load = load
+                existing.set_load(load)
                 continue
             client = WorkerClient(record.address, record.lane_address if self.use_lane else "", self.security)
             self._handles[worker_id] = WorkerHandle(record, load, client, CircuitBreaker(*self._breaker_args))

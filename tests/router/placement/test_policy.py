@@ -180,18 +180,87 @@ def test_a_handle_counts_what_it_sent_by_priority_until_settled() -> None:
                           engine="sim")
     handle = WorkerHandle(record, WorkerLoad(), cast(Any, None))
     assert handle.schedules_by_priority
-    handle.charge_prefill(300, 0, priority=1)
-    handle.charge_prefill(200, 100, priority=0)
-    handle.charge_prefill(100, 0, priority=1)
+    first = handle.charge_prefill(300, 0, priority=1)
+    second = handle.charge_prefill(200, 100, priority=0)
+    third = handle.charge_prefill(100, 0, priority=1)
     assert (handle.inflight, handle.inflight_prefill_tokens, handle.assigned_tokens) == (3, 600, 500)
     assert handle.inflight_prefill_by_priority == {1: 400, 0: 200}
     assert [backlog_tokens(handle, p) for p in (-1, 0, 1, None)] == [0, 200, 600, 600]
-    handle.settle_prefill(300, priority=1)
-    handle.settle_prefill(200, priority=0)
+    handle.settle_prefill(first)
+    handle.settle_prefill(second)
     assert handle.inflight_prefill_by_priority == {1: 100}
-    handle.settle_prefill(100, priority=1)
+    handle.settle_prefill(third)
     assert (handle.inflight, handle.inflight_prefill_tokens, handle.inflight_prefill_by_priority) == (0, 0, {})
     # vLLM's record does not say it schedules by priority: everything sent is ahead of every prompt.
     vllm = WorkerHandle(dataclasses.replace(record, engine="vllm"), WorkerLoad(), cast(Any, None))
     vllm.charge_prefill(300, 0, priority=1)
     assert not vllm.schedules_by_priority and backlog_tokens(vllm, -2) == 300
+
+
+def timed_handle() -> WorkerHandle:
+    record = WorkerRecord(worker_id=WorkerId("p0"), role=WorkerRole.PREFILL, address="127.0.0.1:1", epoch=Epoch(1),
+                          model="m", model_compat_hash="m", kv_compat_hash="k", block_size=16, capacity_blocks=8,
+                          engine="sim")
+    return WorkerHandle(record, WorkerLoad(taken_at=1.0), cast(Any, None))
+
+
+def test_a_prompt_queued_in_a_heartbeat_counts_once_and_not_after_its_report(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handle's own prompts in a worker's load: counted by the handle while in flight, never twice, and
+    not at all once reported, though the load that holds them is still the last one read."""
+    clock = [10.0]
+    monkeypatch.setattr("pdrouter.router.placement.worker_pool.time.time", lambda: clock[0])
+    handle = timed_handle()
+    mine = handle.charge_prefill(300, 0)  # placed at 10.0
+    clock[0] = 10.5  # the worker takes its load: 300 of this router's + 200 of another's queued
+    handle.set_load(WorkerLoad(queued_prefill_tokens=500, taken_at=10.5))
+    clock[0] = 10.8
+    later = handle.charge_prefill(100, 0)  # placed after the load was taken: not in it
+    assert handle.reported.queued_prefill_tokens == 500  # the report itself stays as it came
+    assert backlog_tokens(handle) == 200 + 300 + 100
+    handle.settle_prefill(mine)  # reported at 10.8: the load read last still holds it, and it is done
+    assert backlog_tokens(handle) == 200 + 100
+    clock[0] = 11.0  # a load taken before the report, read after it: the prompt is still in it
+    handle.set_load(WorkerLoad(queued_prefill_tokens=600, taken_at=10.7))
+    assert backlog_tokens(handle) == 300 + 100  # 600 less this router's 300; the 100 placed since, in flight
+    clock[0] = 12.0  # a load taken after the report: the prompt is gone from it, and forgotten here
+    handle.set_load(WorkerLoad(queued_prefill_tokens=100, taken_at=11.9))
+    assert backlog_tokens(handle) == 0 + 100 and len(handle.own) == 1
+    handle.settle_prefill(later)  # at 12.0
+    clock[0] = 12.5
+    handle.set_load(WorkerLoad(queued_prefill_tokens=0, taken_at=12.4))
+    assert backlog_tokens(handle) == 0 and len(handle.own) == 0
+
+
+def test_a_load_without_a_time_is_taken_as_it_is_and_keeps_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A static worker's load (asked over gRPC) says nothing of when it was taken: this router's prompts are
+    added to it, as before, and a reported prompt is forgotten at once; a clock ahead of the router's
+    counts as now."""
+    clock = [10.0]
+    monkeypatch.setattr("pdrouter.router.placement.worker_pool.time.time", lambda: clock[0])
+    handle = timed_handle()
+    handle.set_load(WorkerLoad(queued_prefill_tokens=400))
+    charge = handle.charge_prefill(300, 0)
+    handle.set_load(WorkerLoad(queued_prefill_tokens=400))
+    assert backlog_tokens(handle) == 700
+    handle.settle_prefill(charge)
+    assert len(handle.own) == 0 and backlog_tokens(handle) == 400
+    ahead = handle.charge_prefill(300, 0)
+    handle.set_load(WorkerLoad(queued_prefill_tokens=400, taken_at=99.0))  # the worker's clock runs ahead
+    assert backlog_tokens(handle) == 100 + 300
+    handle.settle_prefill(ahead)
+    clock[0] = 11.0
+    handle.set_load(WorkerLoad(queued_prefill_tokens=0, taken_at=10.9))
+    assert len(handle.own) == 0
+
+
+def test_the_own_prompts_come_out_of_each_priority_they_were_queued_at(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [10.0]
+    monkeypatch.setattr("pdrouter.router.placement.worker_pool.time.time", lambda: clock[0])
+    handle = timed_handle()
+    handle.charge_prefill(300, 0, priority=1)
+    handle.charge_prefill(200, 0, priority=0)
+    clock[0] = 10.5
+    handle.set_load(WorkerLoad(queued_prefill_tokens=900, queued_prefill_by_priority=((0, 250), (1, 650)),
+                               taken_at=10.5))
+    assert handle.load.queued_prefill_by_priority == ((0, 50), (1, 350))
+    assert [backlog_tokens(handle, p) for p in (-1, 0, 1, None)] == [0, 250, 900, 900]
