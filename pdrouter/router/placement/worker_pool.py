@@ -59,8 +59,14 @@ class OwnPrefills:
     and not reported by then. Other routers' prompts stay as the worker reported them. A load without
     ``taken_at`` (a static worker's, asked over gRPC) is used as it is. The clocks are the worker's and
     this router's; a load taken "later" than now counts as taken now. A reported prompt is kept until
-    a load taken after its report is read, so none is taken out of a load twice or missed.
+    a load taken after its report is read, so none is taken out of a load twice or missed, and for
+    ``KEEP_S`` at most (the same load read again and again, while the registry is unreachable, keeps
+    nothing longer).
     """
+
+    KEEP_S = 10.0
+    """The longest a reported prompt is kept: well past a heartbeat's life (``DEFAULT_HEARTBEAT_TTL_MS``, 3 s),
+    so that no load taken before the report is still read after it."""
 
     __slots__ = ("_charges", "_timed")
 
@@ -89,8 +95,9 @@ class OwnPrefills:
         self._timed = taken_at > 0
         own = 0
         own_by: dict[int, int] = {}
+        forget = max(taken_at, now - self.KEEP_S)
         for charge in list(self._charges):
-            if charge.settled_at and (not self._timed or charge.settled_at <= taken_at):
+            if charge.settled_at and (not self._timed or charge.settled_at <= forget):
                 del self._charges[charge]  # reported before the load was taken: not in it, nor in a later one
             elif self._timed and charge.placed_at <= taken_at:
                 own += charge.tokens
@@ -130,6 +137,7 @@ class WorkerHandle:
         self.role = self.record.role
         self.reported = self.load
         self.own = OwnPrefills()
+        self.load = self.own.adjust(self.load, time.time())  # nothing to take out yet: notes whether it is timed
 
     def set_load(self, load: WorkerLoad) -> None:
         """The worker's latest report."""

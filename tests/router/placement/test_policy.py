@@ -18,7 +18,7 @@ from pdrouter.router.placement.cache_aware import CacheAware, CacheAwareConfig
 from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.placement.policies import POLICIES, make_policy
 from pdrouter.router.placement.policy import backlog_tokens, displaced
-from pdrouter.router.placement.worker_pool import WorkerHandle
+from pdrouter.router.placement.worker_pool import OwnPrefills, WorkerHandle
 from pdrouter.router.request import RouterRequest
 
 
@@ -264,3 +264,20 @@ def test_the_own_prompts_come_out_of_each_priority_they_were_queued_at(monkeypat
                                taken_at=10.5))
     assert handle.load.queued_prefill_by_priority == ((0, 50), (1, 350))
     assert [backlog_tokens(handle, p) for p in (-1, 0, 1, None)] == [0, 250, 900, 900]
+
+
+def test_a_reported_prompt_is_kept_no_longer_than_a_heartbeat_can_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same load read again and again (the registry unreachable: the last known loads are kept) keeps
+    no reported prompt past ``OwnPrefills.KEEP_S``."""
+    clock = [10.0]
+    monkeypatch.setattr("pdrouter.router.placement.worker_pool.time.time", lambda: clock[0])
+    handle = timed_handle()
+    handle.set_load(WorkerLoad(queued_prefill_tokens=0, taken_at=10.0))
+    for _ in range(300):  # 30 s of them
+        clock[0] += 0.1
+        handle.settle_prefill(handle.charge_prefill(50, 0))
+        handle.set_load(handle.reported)
+    assert 0 < len(handle.own) <= OwnPrefills.KEEP_S / 0.1 + 1
+    clock[0] += OwnPrefills.KEEP_S + 1
+    handle.set_load(handle.reported)
+    assert len(handle.own) == 0
