@@ -36,6 +36,11 @@ from pdrouter.wire.worker_client import WorkerClient
 log = logging.getLogger(__name__)
 
 
+KEEP_REPORTED_S = 10.0
+"""The longest ``OwnPrefills`` keeps a reported prompt: well past a heartbeat's life
+(``DEFAULT_HEARTBEAT_TTL_MS``, 3 s), so that no load taken before the report is still read after it."""
+
+
 class PrefillCharge:
     """A prompt this router placed on a worker, from its placement to its prefill report (``OwnPrefills``)."""
 
@@ -60,13 +65,9 @@ class OwnPrefills:
     ``taken_at`` (a static worker's, asked over gRPC) is used as it is. The clocks are the worker's and
     this router's; a load taken "later" than now counts as taken now. A reported prompt is kept until
     a load taken after its report is read, so none is taken out of a load twice or missed, and for
-    ``KEEP_S`` at most (the same load read again and again, while the registry is unreachable, keeps
-    nothing longer).
+    ``KEEP_REPORTED_S`` at most (the same load read again and again, while the registry is unreachable,
+    keeps nothing longer).
     """
-
-    KEEP_S = 10.0
-    """The longest a reported prompt is kept: well past a heartbeat's life (``DEFAULT_HEARTBEAT_TTL_MS``, 3 s),
-    so that no load taken before the report is still read after it."""
 
     __slots__ = ("_charges", "_timed")
 
@@ -95,7 +96,7 @@ class OwnPrefills:
         self._timed = taken_at > 0
         own = 0
         own_by: dict[int, int] = {}
-        forget = max(taken_at, now - self.KEEP_S)
+        forget = max(taken_at, now - KEEP_REPORTED_S)
         for charge in list(self._charges):
             if charge.settled_at and (not self._timed or charge.settled_at <= forget):
                 del self._charges[charge]  # reported before the load was taken: not in it, nor in a later one

@@ -18,7 +18,7 @@ from pdrouter.router.placement.cache_aware import CacheAware, CacheAwareConfig
 from pdrouter.router.placement.least_loaded import LeastLoaded
 from pdrouter.router.placement.policies import POLICIES, make_policy
 from pdrouter.router.placement.policy import backlog_tokens, displaced
-from pdrouter.router.placement.worker_pool import OwnPrefills, WorkerHandle
+from pdrouter.router.placement.worker_pool import KEEP_REPORTED_S, WorkerHandle
 from pdrouter.router.request import RouterRequest
 
 
@@ -268,7 +268,7 @@ def test_the_own_prompts_come_out_of_each_priority_they_were_queued_at(monkeypat
 
 def test_a_reported_prompt_is_kept_no_longer_than_a_heartbeat_can_live(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same load read again and again (the registry unreachable: the last known loads are kept) keeps
-    no reported prompt past ``OwnPrefills.KEEP_S``."""
+    no reported prompt past ``KEEP_REPORTED_S``."""
     clock = [10.0]
     monkeypatch.setattr("pdrouter.router.placement.worker_pool.time.time", lambda: clock[0])
     handle = timed_handle()
@@ -277,7 +277,7 @@ def test_a_reported_prompt_is_kept_no_longer_than_a_heartbeat_can_live(monkeypat
         clock[0] += 0.1
         handle.settle_prefill(handle.charge_prefill(50, 0))
         handle.set_load(handle.reported)
-    assert 0 < len(handle.own) <= OwnPrefills.KEEP_S / 0.1 + 1
-    clock[0] += OwnPrefills.KEEP_S + 1
+    assert 0 < len(handle.own) <= KEEP_REPORTED_S / 0.1 + 1
+    clock[0] += KEEP_REPORTED_S + 1
     handle.set_load(handle.reported)
     assert len(handle.own) == 0
