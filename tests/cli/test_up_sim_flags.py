@@ -7,6 +7,7 @@ back from the router's ``/metrics``.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -69,13 +70,17 @@ def test_the_routers_limits_reach_it(tmp_path: Path) -> None:
     folder = write_config_folder(get_model_preset("llama-3-8b"), tmp_path / "model")
     with bring_up(Layout("colocated-1", colocated=1), folder, gpu="h100", time_scale=1.0,
                   extra=["--http-max-inflight", "1"]) as cluster, httpx.Client(timeout=60) as client:
-        body = {"model": "model", "prompt": [65] * 64, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        body = {"model": "model", "prompt": [65] * 64, "max_tokens": 400, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
         with client.stream("POST", f"{cluster.url}/completions", json=body) as first:
             assert first.status_code == 200
-            refused = client.post(f"{cluster.url}/completions", json={**body, "stream": False})
+            refused = client.post(f"{cluster.url}/completions", json={**body, "stream": False, "stream_options": None})
             assert refused.status_code == 503, refused.text
             assert "limit of 1 requests at once" in refused.json()["error"]["message"]
-            assert sum(1 for line in first.iter_lines() if line.startswith("data: {")) >= 400
+            # The first stream runs to its end (tokens that came together share an event: count the usage's).
+            events = [json.loads(line[6:]) for line in first.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["usage"]["completion_tokens"] == 400, events[-1]
+        assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
 
 
 @pytest.mark.parametrize(("args", "expected"), [
