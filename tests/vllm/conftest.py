@@ -362,10 +362,9 @@ def idle_and_counted(pool: VllmPool, queries: int) -> int:
     in heartbeats whose prefix-cache queries (tokens looked up, in all) exceed ``queries``: taken after the
     request that raised them was scheduled. Then two refreshes of the router's view. The queries now.
 
-    Placement weighs each worker's prefill backlog as its last heartbeat gave it, as the router last read
-    it: a heartbeat taken while a request was queued counts its prompt for up to a heartbeat and a refresh
-    after it finished, which outweighs a cached prefix of about the same size. Tests that check where a
-    cached prefix is placed send each request once the previous one has left the router's view."""
+    Placement weighs each worker's load as its last heartbeat gave it, as the router last read it, and the
+    bookings (credit included) in Redis: a test that checks where a cached prefix is placed among otherwise
+    equal workers sends each request once the previous one has left every part of the router's view."""
 
     def loads() -> tuple[dict[str, int], dict[str, Any]]:
         return booked_blocks(pool), {w: v["load"] for w, v in live_workers(pool).items()}
